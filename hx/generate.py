@@ -1,0 +1,214 @@
+"""Generation: prefill + decode with a KV cache over a batch of prompts (DESIGN §7).
+
+Prompts of different lengths are left-padded to a common length T (rounded up to a multiple of
+``PREFILL_BUCKET`` so few prefill shapes get compiled); each row's padding is masked out of
+attention through ``Step.kv_start`` and its RoPE positions start at 0 at its first real token.
+Decode then writes every row's new token into the same cache slot, so one compiled decode step
+serves the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hx.devices import Devices
+from hx.errors import HxError
+from hx.executor import Executor
+from hx.models.llama import Step
+from hx.models.loader import Model
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+from hx.sampling import SamplingParams, sample
+
+PREFILL_BUCKET = 16  # tokens
+CACHE_BUCKET = 64  # KV-cache slots
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Completion:
+    """One prompt's result.
+
+    Attributes:
+      prompt_tokens: prompt length in tokens.
+      token_ids: generated ids, without the stop token.
+      text: ``token_ids`` decoded.
+      finish_reason: ``"stop"`` (a stop token) or ``"length"`` (max_new_tokens or context end).
+      ttft_s: seconds from the start of the batch to its first token (prefill + first sample;
+        includes XLA compilation the first time a shape is seen).
+      decode_tok_s: this row's tokens after the first, per second of decode; None when the
+        first token already ended it.
+    """
+
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float
+    decode_tok_s: float | None
+
+
+def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str] | None = None
+                  ) -> None:
+    """Reject empty prompts and prompts that leave no room in the context for a new token.
+
+    Raises:
+      HxError: naming the first offending prompt, its length and the context length.
+    """
+    for i, n in enumerate(lengths):
+        label = labels[i] if labels else str(i)
+        if n == 0:
+            raise HxError(f"prompt {label} is empty after tokenization")
+        if n >= spec.context_length:
+            raise HxError(f"prompt {label} has {n} tokens but the model's context is "
+                          f"{spec.context_length} tokens (one is needed for the answer); "
+                          "shorten the prompt")
+
+
+def padded_length(longest_prompt: int, spec: ModelSpec) -> int:
+    """Prompt length T after left padding: a ``PREFILL_BUCKET`` multiple, at most the context."""
+    return min(_round_up(longest_prompt, PREFILL_BUCKET), spec.context_length)
+
+
+def cache_length(longest_prompt: int, sampling: SamplingParams, spec: ModelSpec) -> int:
+    """KV-cache slots for a batch whose longest prompt has ``longest_prompt`` tokens.
+
+    Left padding rounds the prompt up to ``PREFILL_BUCKET``; decode needs one slot per generated
+    token but the last; the total is rounded up to ``CACHE_BUCKET`` slots.
+    """
+    new = min(sampling.max_new_tokens, spec.context_length - longest_prompt)
+    return _round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
+
+
+class Engine:
+    """Generates text with a model under an execution plan.
+
+    Args:
+      model: a loaded model (``hx.load``).
+      plan: op placement; all-accelerator when omitted.
+      devices: accelerator and host (discovered when omitted).
+    """
+
+    def __init__(self, model: Model, plan: ExecutionPlan | None = None,
+                 devices: Devices | None = None):
+        self.model = model
+        self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
+        self.executor = Executor(model.spec, model.params, self.plan, devices)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, rendered with the model's chat template when ``chat``."""
+        tok = self.model.tokenizer
+        return tok.encode(tok.render_chat(prompt) if chat else prompt)
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams = SamplingParams(),
+                 chat: bool = False, cache_slots: int | None = None) -> list[Completion]:
+        """Generate a completion for every prompt, as one batch.
+
+        Raises:
+          HxError: an empty prompt or one that does not fit the context.
+        """
+        return self.generate_ids([self.encode(p, chat) for p in prompts], sampling, cache_slots)
+
+    def last_logits(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Prefill a batch and return the next-token logits of every prompt.
+
+        Returns:
+          (B, V) float32 numpy, one row per prompt (padding does not change a row).
+        Raises:
+          HxError: an empty prompt or one that does not fit the context.
+        """
+        lengths = self._check(prompts)
+        batch = self._left_pad(prompts, lengths)
+        caches = self.executor.new_cache(len(prompts), batch[0].shape[1])
+        logits, _ = self.executor.run("prefill", batch[0], batch[1], caches)
+        return np.asarray(logits)
+
+    def _check(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        lengths = np.array([len(p) for p in prompts], dtype=np.int32)
+        check_prompts(lengths, self.model.spec)
+        return lengths
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]], lengths: np.ndarray
+                  ) -> tuple[np.ndarray, Step]:
+        """(tokens (B,T) int32 left-padded to ``padded_length``, prefill ``Step``)."""
+        T = padded_length(int(lengths.max()), self.model.spec)
+        tokens = np.full((len(prompts), T), self.model.tokenizer.eos_id or 0, dtype=np.int32)
+        for r, ids in enumerate(prompts):
+            tokens[r, T - len(ids):] = ids
+        kv_start = (T - lengths).astype(np.int32)
+        positions = np.maximum(np.arange(T, dtype=np.int32)[None, :] - kv_start[:, None], 0)
+        return tokens, Step(positions, np.int32(0), kv_start)
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams = SamplingParams(),
+                     cache_slots: int | None = None) -> list[Completion]:
+        """Generate from token ids, as one batch.
+
+        Args:
+          prompts: B prompts of token ids (lengths may differ).
+          sampling: sampling and stopping rules.
+          cache_slots: KV-cache length; by default ``cache_length`` of this batch. A batch run
+            passes one value for all its batches so decode compiles once.
+        Raises:
+          HxError: an empty prompt, one that does not fit the context, or a too-small cache.
+        """
+        spec, tok = self.model.spec, self.model.tokenizer
+        lengths = self._check(prompts)
+        tokens, prefill_step = self._left_pad(prompts, lengths)
+        B, T = tokens.shape
+        kv_start = prefill_step.kv_start
+        longest = int(lengths.max())
+        max_new = min(sampling.max_new_tokens, spec.context_length - longest)
+        slots = cache_slots or cache_length(longest, sampling, spec)
+        if slots < T + max_new - 1:
+            raise HxError(f"KV cache of {slots} slots is too small for a {T}-token prompt "
+                          f"and {max_new} new tokens")
+        stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+
+        start = time.perf_counter()
+        caches = self.executor.new_cache(B, slots)
+        logits, caches = self.executor.run("prefill", tokens, prefill_step, caches)
+        last = np.asarray(sample(logits, sampling, 0))
+        first_token_time = time.perf_counter()
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        finished = [False] * B
+        end_time = [first_token_time] * B
+
+        def record(new: np.ndarray, now: float) -> None:
+            for r in range(B):
+                if finished[r]:
+                    continue
+                if int(new[r]) in stop:
+                    finished[r] = True
+                else:
+                    outputs[r].append(int(new[r]))
+                end_time[r] = now
+
+        record(last, first_token_time)
+        for i in range(1, max_new):
+            if all(finished):
+                break
+            step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
+                        write_index=np.int32(T + i - 1), kv_start=kv_start)
+            logits, caches = self.executor.run("decode", last[:, None], step, caches)
+            last = np.asarray(sample(logits, sampling, i))
+            record(last, time.perf_counter())
+
+        ttft = first_token_time - start
+        results = []
+        for r in range(B):
+            after_first = len(outputs[r]) - 1 + (1 if finished[r] else 0)
+            elapsed = end_time[r] - first_token_time
+            results.append(Completion(
+                prompt_tokens=int(lengths[r]), token_ids=outputs[r],
+                text=tok.decode(outputs[r]),
+                finish_reason="stop" if finished[r] else "length", ttft_s=ttft,
+                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None))
+        return results

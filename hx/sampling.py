@@ -1,0 +1,88 @@
+"""Token sampling, kept out of the model: greedy, temperature, top-k, top-p (nucleus)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from hx.errors import HxError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+      max_new_tokens: upper bound on generated tokens per prompt.
+      temperature: 0 selects greedy argmax; otherwise logits are divided by it.
+      top_k: keep the k most likely tokens (0 = no limit).
+      top_p: keep the smallest set of tokens whose probability reaches p (Holtzman et al.
+        2020); 1.0 = no limit.
+      seed: PRNG seed. Each row draws with a key derived from (seed, step) only, so a prompt's
+        sample does not depend on which other prompts share its batch.
+      stop_ids: extra token ids that end a sequence (the model's EOS always does).
+    Raises:
+      HxError: out-of-range values.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise HxError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise HxError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise HxError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise HxError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "use_top_p"))
+def _sample(logits, seed, step, temperature, top_p, *, top_k: int, use_top_p: bool):
+    B, V = logits.shape
+    scaled = logits.astype(jnp.float32) / temperature
+    if top_k or use_top_p:
+        values, index = jax.lax.top_k(scaled, min(top_k, V) if top_k else V)  # (B,k) sorted
+    else:
+        values, index = scaled, jnp.broadcast_to(jnp.arange(V), (B, V))
+    if use_top_p:
+        probs = jax.nn.softmax(values, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        values = jnp.where(before < top_p, values, -jnp.inf)  # the top token always stays
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    choice = jax.vmap(lambda row: jax.random.categorical(key, row))(values)  # same key per row
+    return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@jax.jit
+def _greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, params: SamplingParams, step: int) -> jax.Array:
+    """Next token of every row.
+
+    Args:
+      logits: (B, V) float32.
+      params: sampling configuration.
+      step: index of the token being generated (0 for the first), mixed into the PRNG key.
+    Returns:
+      (B,) int32 token ids, on the logits' device.
+    """
+    if params.greedy:
+        return _greedy(logits)
+    return _sample(logits, params.seed, step, params.temperature, params.top_p,
+                   top_k=params.top_k, use_top_p=params.top_p < 1.0)

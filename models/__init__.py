@@ -1,0 +1,1 @@
+"""Model definitions (Flax), loaders (GGUF, safetensors), tokenizer and shape-only specs."""

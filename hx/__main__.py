@@ -1,0 +1,5 @@
+"""``python -m hx`` runs the CLI."""
+
+from hx.cli import main
+
+main()

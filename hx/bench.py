@@ -1,0 +1,104 @@
+"""Decode benchmark: executor step time per plan and batch vs one jitted whole-model step.
+
+For each (plan, batch) the executor and a single ``jax.jit`` of ``models.llama.forward`` on the
+same device run alternately, step by step, over the same KV-cache state, so their ratio is
+measured under the same machine load. Reported numbers are medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from hx.devices import Devices
+from hx.executor import Executor
+from hx.generate import CACHE_BUCKET, round_up
+from hx.models.llama import Step, forward
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+
+
+@dataclass
+class DecodeBenchRow:
+    """One (plan, batch) measurement. Times in seconds, rates in tokens/s."""
+
+    plan: str
+    batch: int
+    context: int
+    steps: int
+    executor_step_s: float
+    whole_model_step_s: float
+    ratio: float
+    decode_tok_s: float
+    segments_per_step: int
+    reference_device: str
+
+
+def _majority_device(plan: ExecutionPlan) -> str:
+    devices = [dev for _, _, dev in plan.decode.sequence()]
+    return max(set(devices), key=devices.count)
+
+
+def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
+                 devices: Devices, context: int = 128, steps: int = 32, warmup: int = 3
+                 ) -> DecodeBenchRow:
+    """Median decode-step time of the executor under ``plan`` and of the whole-model jit.
+
+    Args:
+      context: prompt tokens already in the KV cache when timing starts.
+      steps: timed decode steps (after ``warmup`` untimed ones).
+    Returns:
+      the measurement; ``ratio`` = executor / whole-model median step time, where the
+      whole-model step runs on the device that hosts most of the plan's decode ops.
+    """
+    rng = np.random.default_rng(0)
+    slots = round_up(context + warmup + steps, CACHE_BUCKET)
+    prompt = rng.integers(0, spec.vocab_size, (batch, context), dtype=np.int32)
+    kv_start = np.zeros((batch,), np.int32)
+    prefill = Step(np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
+                   np.int32(0), kv_start)
+
+    executor = Executor(spec, params, plan, devices)
+    exec_caches = executor.new_cache(batch, slots)
+    _, exec_caches = executor.run("prefill", prompt, prefill, exec_caches)
+
+    ref_name = _majority_device(plan)
+    ref_device = devices[ref_name]
+    ref_params = jax.device_put(params, ref_device)
+    ref_step = jax.jit(forward, static_argnums=0, donate_argnums=(4,))
+    ref_caches = jax.device_put(executor.new_cache(batch, slots), ref_device)
+    _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),
+                             jax.device_put(prefill, ref_device), ref_caches)
+
+    exec_times, ref_times = [], []
+    for i in range(warmup + steps):
+        tokens = rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
+        step = Step(np.full((batch, 1), context + i, np.int32), np.int32(context + i), kv_start)
+        t0 = time.perf_counter()
+        logits, exec_caches = executor.run("decode", tokens, step, exec_caches)
+        logits.block_until_ready()
+        t1 = time.perf_counter()
+        logits, ref_caches = ref_step(spec, ref_params, jax.device_put(tokens, ref_device),
+                                      jax.device_put(step, ref_device), ref_caches)
+        logits.block_until_ready()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            exec_times.append(t1 - t0)
+            ref_times.append(t2 - t1)
+    exec_s, ref_s = statistics.median(exec_times), statistics.median(ref_times)
+    return DecodeBenchRow(plan=plan.name, batch=batch, context=context, steps=steps,
+                          executor_step_s=exec_s, whole_model_step_s=ref_s, ratio=exec_s / ref_s,
+                          decode_tok_s=batch / exec_s,
+                          segments_per_step=len(executor.segments["decode"]),
+                          reference_device=ref_name)
+
+
+def rows_to_json(rows: list[DecodeBenchRow], devices: Devices, spec: ModelSpec) -> dict:
+    """The JSON document ``hx bench`` writes."""
+    return {"model": spec.name, "devices": devices.describe(), "emulated": devices.emulated,
+            "rows": [asdict(r) for r in rows]}

@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny random Llama (fast), the real SmolLM2 and its HF reference (slow)."""
+
+from __future__ import annotations
+
+import hx  # noqa: F401  first: gives JAX two CPU devices (accelerator is emulated)
+
+import pytest
+
+from hx.devices import discover
+from hx.models.gguf_loader import open_gguf, read_metadata
+from hx.models.llama import init_params
+from hx.models.loader import Model, default_model_path
+from hx.models.spec import ModelSpec
+from hx.models.tokenizer import Tokenizer
+
+# GQA (4 query heads over 2 KV heads), tied embeddings, SmolLM2's vocabulary so the real
+# tokenizer serves it.
+TINY = ModelSpec(name="tiny", n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                 d_ff=96, vocab_size=49152, context_length=256, rope_theta=10000.0,
+                 norm_eps=1e-5, tie_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def devices():
+    return discover()
+
+
+@pytest.fixture(scope="session")
+def smollm_metadata():
+    return read_metadata(open_gguf(default_model_path()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_metadata):
+    return Tokenizer.from_gguf_metadata(smollm_metadata, "SmolLM2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """A 3-layer random model with SmolLM2's tokenizer (numpy float32 weights)."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(np.asarray, init_params(TINY, seed=1))
+
+    def jitter(path, leaf):  # norm scales away from 1, so a misplaced norm weight shows
+        if path[-1].key == "scale":
+            return (leaf + 0.2 * rng.standard_normal(leaf.shape)).astype(np.float32)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(jitter, params)
+    params["HEAD"]["embedding"] = params["EMBED"]["embedding"]  # stay tied
+    return Model(TINY, params, tokenizer, "tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    return hx.load()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """Hugging Face transformers loading the same GGUF, float32 on CPU torch: the reference."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    import os
+
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -1,0 +1,51 @@
+"""A float64 numpy Llama forward pass, written independently of hx's JAX code, for tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hx.models.llama import layer_key
+
+
+def _rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x, positions, theta):
+    # x: (T, N, E); rotate-half RoPE
+    E = x.shape[-1]
+    inv = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)
+    ang = positions[:, None] * inv  # (T, E/2)
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., :E // 2], x[..., E // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def logits_np(spec, params, tokens) -> np.ndarray:
+    """Logits (T, V) float64 of every position of one unpadded sequence ``tokens``."""
+    p = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    T = len(tokens)
+    pos = np.arange(T, dtype=np.float64)
+    x = p(params["EMBED"]["embedding"])[np.asarray(tokens)]  # (T, D)
+    G = spec.n_heads // spec.n_kv_heads
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    for i in range(spec.n_layers):
+        L = params[layer_key(i)]
+        h = _rms(x, p(L["Q"]["attn_norm"]["scale"]), spec.norm_eps)
+        q = _rope(np.einsum("td,dhe->the", h, p(L["Q"]["wq"]["kernel"])), pos, spec.rope_theta)
+        k = _rope(np.einsum("td,dke->tke", h, p(L["K"]["wk"]["kernel"])), pos, spec.rope_theta)
+        v = np.einsum("td,dke->tke", h, p(L["V"]["wv"]["kernel"]))
+        o = np.zeros_like(q)
+        for head in range(spec.n_heads):
+            kv = head // G
+            s = q[:, head] @ k[:, kv].T / np.sqrt(spec.head_dim)
+            s = np.where(causal, s, -np.inf)
+            w = np.exp(s - s.max(axis=-1, keepdims=True))
+            o[:, head] = (w / w.sum(axis=-1, keepdims=True)) @ v[:, kv]
+        x = x + np.einsum("the,hed->td", o, p(L["OUT"]["wo"]["kernel"]))
+        n = _rms(x, p(L["MLP1"]["ffn_norm"]["scale"]), spec.norm_eps)
+        g = n @ p(L["MLP1"]["w_gate"]["kernel"])
+        a = g / (1 + np.exp(-g)) * (n @ p(L["MLP1"]["w_up"]["kernel"]))
+        x = x + a @ p(L["MLP2"]["w_down"]["kernel"])
+    n = _rms(x, p(params["HEAD"]["final_norm"]["scale"]), spec.norm_eps)
+    return n @ p(params["HEAD"]["embedding"]).T

@@ -1,0 +1,70 @@
+"""The ``hx`` command: bad input gives one line on stderr and exit status 2, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hx.models.loader import default_model_path
+
+from gguf_files import write_gguf
+
+
+def hx(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hx", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def assert_clean_error(result, *phrases):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hx: error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for phrase in phrases:
+        assert phrase in lines[0]
+
+
+def test_missing_model_file(tmp_path):
+    assert_clean_error(hx("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"),
+                       "model file not found", "nope.gguf")
+
+
+def test_truncated_gguf(tmp_path):
+    with open(default_model_path(), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(5_000_000))
+    assert_clean_error(hx("generate", "-m", str(tmp_path / "cut.gguf"), "-p", "hi"),
+                       "cut.gguf", "truncated")
+
+
+def test_unsupported_architecture(tmp_path, tiny_model, smollm_metadata):
+    write_gguf(tmp_path / "gpt2.gguf", tiny_model.spec.replace(n_layers=1), tiny_model.params,
+               smollm_metadata, arch="gpt2")
+    assert_clean_error(hx("generate", "-m", str(tmp_path / "gpt2.gguf"), "-p", "hi"),
+                       "unsupported architecture 'gpt2'")
+
+
+def test_prompt_longer_than_context():
+    result = hx("generate", "-p", "hello " * 9000)  # default model, 8192-token context
+    assert_clean_error(result, "has 9001 tokens", "context is 8192 tokens")
+
+
+def test_usage_errors(tmp_path):
+    assert_clean_error(hx("generate"), "exactly one of --prompt")
+    assert_clean_error(hx("generate", "--prompts", str(tmp_path / "p.jsonl")), "needs --output")
+
+
+def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata):
+    write_gguf(tmp_path / "tiny.gguf", tiny_model.spec, tiny_model.params, smollm_metadata)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["a b c", "hello"])))
+    args = ("generate", "-m", str(tmp_path / "tiny.gguf"), "--prompts", str(tmp_path / "p.jsonl"),
+            "-o", str(tmp_path / "o.jsonl"), "--max-new-tokens", "3", "--host-ops", "score,mlp2")
+    result = hx(*args)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == [0, 1]
+    assert all(r["completion_tokens"] <= 3 for r in rows)
+    assert "host:SCORE,MLP2" in result.stderr and "EMULATED" in result.stderr
+    again = hx(*args)
+    assert again.returncode == 0 and "0 generated, 2 already" in again.stderr

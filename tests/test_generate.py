@@ -1,0 +1,61 @@
+"""Generation loop: stopping, lengths, batching, context limits (tiny model)."""
+
+import numpy as np
+import pytest
+
+from hx.errors import HxError
+from hx.generate import Engine
+from hx.plan import ExecutionPlan
+from hx.sampling import SamplingParams
+
+from numpy_reference import logits_np
+
+
+def test_greedy_continuation_matches_float64(tiny_model):
+    """Each generated token is the float64 argmax given the prompt and earlier tokens."""
+    prompt = [100, 200, 300, 400, 500]
+    c = Engine(tiny_model).generate_ids([prompt], SamplingParams(max_new_tokens=6))[0]
+    assert len(c.token_ids) == 6 and c.finish_reason == "length"
+    seq = list(prompt)
+    for tok in c.token_ids:
+        assert tok == int(np.argmax(logits_np(tiny_model.spec, tiny_model.params, seq)[-1]))
+        seq.append(tok)
+
+
+def test_batch_equals_one_by_one(tiny_model):
+    engine = Engine(tiny_model, ExecutionPlan.uniform(tiny_model.spec.n_layers, ("SCORE",)))
+    prompts = ["Hi", "A much longer prompt with quite a few more tokens than the first one",
+               "Numbers: 1 2 3"]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=5)
+    together = engine.generate(prompts, sampling)
+    for p, c in zip(prompts, together):
+        alone = engine.generate([p], sampling)[0]
+        assert alone.token_ids == c.token_ids
+        assert c.prompt_tokens == len(tiny_model.tokenizer.encode(p))
+
+
+def test_stop_token_ends_a_row(tiny_model):
+    engine = Engine(tiny_model)
+    prompt = [[10, 20, 30]]
+    free = engine.generate_ids(prompt, SamplingParams(max_new_tokens=5))[0].token_ids
+    stopped = engine.generate_ids(prompt, SamplingParams(max_new_tokens=5,
+                                                         stop_ids=(free[2],)))[0]
+    assert stopped.token_ids == free[:free.index(free[2])]
+    assert stopped.finish_reason == "stop"
+
+
+def test_context_end_limits_new_tokens(tiny_model):
+    n_ctx = tiny_model.spec.context_length
+    c = Engine(tiny_model).generate_ids([[5] * (n_ctx - 3)],
+                                        SamplingParams(max_new_tokens=50))[0]
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+
+
+def test_prompt_errors(tiny_model):
+    engine = Engine(tiny_model)
+    with pytest.raises(HxError, match="context is 256 tokens"):
+        engine.generate_ids([[1] * 256])
+    with pytest.raises(HxError, match="empty"):
+        engine.generate([""])
+    with pytest.raises(HxError, match="too small"):
+        engine.generate_ids([[1] * 20], SamplingParams(max_new_tokens=40), cache_slots=32)

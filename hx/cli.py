@@ -94,7 +94,7 @@ def generate(
 
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err) as progress:
-        task = progress.add_task("generate", total=None)
+        task = progress.add_task("generate", total=len(job.todo))
 
         def show(row: dict) -> None:
             progress.advance(task)

@@ -103,7 +103,7 @@ class Engine:
         self.model = model
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
         self.executor = Executor(model.spec, model.params, self.plan, devices)
-        self._compiled: set[tuple[int, int, int, SamplingParams]] = set()
+        self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt, rendered with the model's chat template when ``chat``."""
@@ -137,7 +137,7 @@ class Engine:
         """Compile prefill (batch, length) and decode (batch, 1) over ``slots`` cache slots, and
         the sampler, by running each once on scratch state; returns the seconds it took (0 when
         already done). Keeps compilation out of TTFT and decode rates."""
-        key = (batch, length, slots, sampling)
+        key = (batch, length, slots, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
         start = time.perf_counter()

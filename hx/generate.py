@@ -29,6 +29,7 @@ CACHE_BUCKET = 64  # KV-cache slots
 
 
 def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple
 
 

@@ -56,11 +56,18 @@ class PhasePlan:
         yield None, HEAD, self.head
 
     def to_json(self) -> dict[str, Any]:
+        """``{"EMBED": device, "HEAD": device, "layers": [{op: device}, ...]}``."""
         return {EMBED: self.embed, HEAD: self.head,
                 "layers": [dict(zip(LAYER_OPS, devs)) for devs in self.layers]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], n_layers: int) -> "PhasePlan":
+        """Parse ``to_json``'s form; ``layers`` may be one object for all layers and missing
+        ops default to the accelerator.
+
+        Raises:
+          HxError: unknown op or device, or a layer count other than ``n_layers``.
+        """
         layers = data.get("layers", {})
         if isinstance(layers, dict):
             layers = [layers] * n_layers
@@ -100,9 +107,11 @@ class ExecutionPlan:
 
     @property
     def n_layers(self) -> int:
+        """Number of decoder layers the plan covers."""
         return len(self.kv)
 
     def phase(self, phase: str) -> PhasePlan:
+        """The ``PhasePlan`` of ``"prefill"`` or ``"decode"``."""
         if phase not in PHASES:
             raise KeyError(f"unknown phase {phase!r}; phases are {PHASES}")
         return self.prefill if phase == "prefill" else self.decode
@@ -156,6 +165,7 @@ class ExecutionPlan:
                           f"{spec.n_layers} layers")
 
     def to_json(self) -> dict[str, Any]:
+        """The JSON form shown in the module docstring."""
         return {"name": self.name, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "kv": list(self.kv)}
 
@@ -181,6 +191,7 @@ class ExecutionPlan:
                    name=str(data.get("name", "custom")))
 
     def save(self, path: str) -> None:
+        """Write ``to_json`` to ``path``."""
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
 

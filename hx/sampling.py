@@ -47,6 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: take the argmax."""
         return self.temperature == 0
 
 

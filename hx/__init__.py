@@ -8,9 +8,9 @@ Python API (DESIGN §8)::
     out = engine.generate(["The capital of France is"], hx.SamplingParams(max_new_tokens=16))
 """
 
-from hx.devices import request_two_cpu_devices
+from hx.devices import configure_runtime
 
-request_two_cpu_devices()  # must precede any JAX computation (DESIGN §3)
+configure_runtime()  # must precede any JAX computation (DESIGN §3)
 
 from hx.devices import Devices, discover  # noqa: E402
 from hx.errors import HxError  # noqa: E402

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from hx.errors import HxError
-from hx.generate import Completion, Engine, cache_length, check_prompts
+from hx.generate import Completion, Engine, check_prompts, encode_prompt
+from hx.models.loader import Model
+from hx.models.spec import ModelSpec
 from hx.sampling import SamplingParams
+from hx.workload import Workload
 
 
 @dataclass
@@ -103,22 +106,34 @@ def _chunks(items: list, size: int) -> Iterable[list]:
 
 @dataclass
 class BatchJob:
-    """Prompts of a JSONL file that still need an answer, tokenized and checked."""
+    """Prompts of a JSONL file that still need an answer, tokenized and checked.
 
-    engine: Engine
+    Attributes:
+      output_path: the results file being appended to.
+      todo: input rows not yet answered.
+      token_ids: their token ids.
+      total: rows in the input file.
+    """
+
     output_path: str
     todo: list[dict[str, Any]]
     token_ids: list[list[int]]
     total: int
 
-    def run(self, sampling: SamplingParams, batch_size: int = 8,
+    def workload(self, batch_size: int, max_new_tokens: int, spec: ModelSpec) -> Workload:
+        """Largest shapes a batch of this job runs at (what a plan must fit)."""
+        longest = max((len(t) for t in self.token_ids), default=1)
+        return Workload.for_prompts(max(1, min(batch_size, len(self.todo))), longest,
+                                    max_new_tokens, spec)
+
+    def run(self, engine: Engine, sampling: SamplingParams, batch_size: int = 8,
             on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
         """Generate the remaining prompts, appending each batch's results as it ends.
 
         Prompts are sorted by length so each batch pads little, and one KV-cache length serves
         the whole run (decode compiles once).
         Raises:
-          HxError: a batch size below 1.
+          HxError: a batch size below 1, or a plan that does not fit the memory budget.
         """
         if batch_size < 1:
             raise HxError(f"batch size must be >= 1, got {batch_size}")
@@ -127,10 +142,10 @@ class BatchJob:
             return summary
         ids = self.token_ids
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        slots = cache_length(max(len(t) for t in ids), sampling, self.engine.model.spec)
+        slots = self.workload(batch_size, sampling.max_new_tokens, engine.model.spec).cache_slots
         with open(self.output_path, "a", encoding="utf-8") as out:
             for chunk in _chunks(order, batch_size):
-                completions = self.engine.generate_ids([ids[i] for i in chunk], sampling, slots)
+                completions = engine.generate_ids([ids[i] for i in chunk], sampling, slots)
                 for i, completion in zip(chunk, completions):
                     result = result_row(self.todo[i], completion)
                     out.write(json.dumps(result, ensure_ascii=False) + "\n")
@@ -141,7 +156,7 @@ class BatchJob:
         return summary
 
 
-def prepare_batch(engine: Engine, prompts_path: str, output_path: str, chat: bool = False
+def prepare_batch(model: Model, prompts_path: str, output_path: str, chat: bool = False
                   ) -> BatchJob:
     """Read the prompts, drop those already answered in ``output_path``, tokenize and check
     the rest, so that a bad prompt fails before any work.
@@ -152,9 +167,9 @@ def prepare_batch(engine: Engine, prompts_path: str, output_path: str, chat: boo
     rows = read_prompts(prompts_path)
     done = completed_ids(output_path)
     todo = [r for r in rows if r["id"] not in done]
-    ids = [engine.encode(r["prompt"], chat) for r in todo]
-    check_prompts([len(t) for t in ids], engine.model.spec, [repr(r["id"]) for r in todo])
-    return BatchJob(engine, output_path, todo, ids, total=len(rows))
+    ids = [encode_prompt(model.tokenizer, r["prompt"], chat) for r in todo]
+    check_prompts([len(t) for t in ids], model.spec, [repr(r["id"]) for r in todo])
+    return BatchJob(output_path, todo, ids, total=len(rows))
 
 
 def run_batch(engine: Engine, prompts_path: str, output_path: str, sampling: SamplingParams,
@@ -162,5 +177,5 @@ def run_batch(engine: Engine, prompts_path: str, output_path: str, sampling: Sam
               on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
     """Answer every prompt of ``prompts_path`` not yet in ``output_path`` (``prepare_batch``
     then ``BatchJob.run``)."""
-    return prepare_batch(engine, prompts_path, output_path, chat).run(sampling, batch_size,
-                                                                      on_result)
+    job = prepare_batch(engine.model, prompts_path, output_path, chat)
+    return job.run(engine, sampling, batch_size, on_result)

@@ -17,10 +17,11 @@ import numpy as np
 
 from hx.devices import Devices
 from hx.executor import Executor
-from hx.generate import CACHE_BUCKET, round_up
+from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
+from hx.timeline import Timeline, median_overlap
 
 
 @dataclass
@@ -37,6 +38,18 @@ class DecodeBenchRow:
     decode_tok_s: float
     segments_per_step: int
     reference_device: str
+    overlap: float | None
+    accelerator_peak_bytes: int
+
+
+WARMUP_STEPS, TRACED_STEPS = 3, 8
+
+
+def bench_workload(batch: int, context: int, steps: int) -> Workload:
+    """The shapes ``bench_decode`` runs at (prefill of ``context`` tokens, cache for every
+    warm-up, timed and traced decode step)."""
+    return Workload(batch, context,
+                    round_up(context + WARMUP_STEPS + steps + TRACED_STEPS, CACHE_BUCKET))
 
 
 def _majority_device(plan: ExecutionPlan) -> str:
@@ -45,19 +58,23 @@ def _majority_device(plan: ExecutionPlan) -> str:
 
 
 def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
-                 devices: Devices, context: int = 128, steps: int = 32, warmup: int = 3
-                 ) -> DecodeBenchRow:
+                 devices: Devices, context: int = 128, steps: int = 32) -> DecodeBenchRow:
     """Median decode-step time of the executor under ``plan`` and of the whole-model jit.
 
     Args:
       context: prompt tokens already in the KV cache when timing starts.
-      steps: timed decode steps (after ``warmup`` untimed ones).
+      steps: timed decode steps, after ``WARMUP_STEPS`` untimed ones; then ``TRACED_STEPS``
+        more run with a ``Timeline`` to measure the overlap fraction (not timed: tracing adds
+        its own cost).
     Returns:
       the measurement; ``ratio`` = executor / whole-model median step time, where the
-      whole-model step runs on the device that hosts most of the plan's decode ops.
+      whole-model step runs, with every weight resident, on the device that hosts most of the
+      plan's decode ops; ``overlap`` = median ``overlap_fraction`` of the traced steps (None
+      when a step copies nothing).
     """
     rng = np.random.default_rng(0)
-    slots = round_up(context + warmup + steps, CACHE_BUCKET)
+    warmup, traced_steps = WARMUP_STEPS, TRACED_STEPS
+    slots = bench_workload(batch, context, steps).cache_slots
     prompt = rng.integers(0, spec.vocab_size, (batch, context), dtype=np.int32)
     kv_start = np.zeros((batch,), np.int32)
     prefill = Step(np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
@@ -75,10 +92,14 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),
                              jax.device_put(prefill, ref_device), ref_caches)
 
+    def decode_step(i: int):
+        tokens = rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
+        return tokens, Step(np.full((batch, 1), context + i, np.int32), np.int32(context + i),
+                            kv_start)
+
     exec_times, ref_times = [], []
     for i in range(warmup + steps):
-        tokens = rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
-        step = Step(np.full((batch, 1), context + i, np.int32), np.int32(context + i), kv_start)
+        tokens, step = decode_step(i)
         t0 = time.perf_counter()
         logits, exec_caches = executor.run("decode", tokens, step, exec_caches)
         logits.block_until_ready()
@@ -91,11 +112,20 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
             exec_times.append(t1 - t0)
             ref_times.append(t2 - t1)
     exec_s, ref_s = statistics.median(exec_times), statistics.median(ref_times)
+
+    executor.timeline = Timeline()
+    for i in range(warmup + steps, warmup + steps + traced_steps):
+        tokens, step = decode_step(i)
+        logits, exec_caches = executor.run("decode", tokens, step, exec_caches)
+        logits.block_until_ready()
+    overlap = median_overlap(executor.timeline)
+    executor.release_cache()
     return DecodeBenchRow(plan=plan.name, batch=batch, context=context, steps=steps,
                           executor_step_s=exec_s, whole_model_step_s=ref_s, ratio=exec_s / ref_s,
                           decode_tok_s=batch / exec_s,
                           segments_per_step=len(executor.segments["decode"]),
-                          reference_device=ref_name)
+                          reference_device=ref_name, overlap=overlap,
+                          accelerator_peak_bytes=executor.accountant.peak)
 
 
 def rows_to_json(rows: list[DecodeBenchRow], devices: Devices, spec: ModelSpec) -> dict:

@@ -18,20 +18,15 @@ import numpy as np
 from hx.devices import Devices
 from hx.errors import HxError
 from hx.executor import Executor
+from hx.memory import check_fits
 from hx.models.llama import Step
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
+from hx.models.tokenizer import Tokenizer
 from hx.plan import ExecutionPlan
 from hx.sampling import SamplingParams, sample
-
-PREFILL_BUCKET = 16  # tokens
-CACHE_BUCKET = 64  # KV-cache slots
-
-
-def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``n``."""
-    return -(-n // multiple) * multiple
-
+from hx.timeline import Timeline
+from hx.workload import Workload, new_tokens, padded_length
 
 @dataclass
 class Completion:
@@ -75,19 +70,9 @@ def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str]
                           "shorten the prompt")
 
 
-def padded_length(longest_prompt: int, spec: ModelSpec) -> int:
-    """Prompt length T after left padding: a ``PREFILL_BUCKET`` multiple, at most the context."""
-    return min(round_up(longest_prompt, PREFILL_BUCKET), spec.context_length)
-
-
-def cache_length(longest_prompt: int, sampling: SamplingParams, spec: ModelSpec) -> int:
-    """KV-cache slots for a batch whose longest prompt has ``longest_prompt`` tokens.
-
-    Left padding rounds the prompt up to ``PREFILL_BUCKET``; decode needs one slot per generated
-    token but the last; the total is rounded up to ``CACHE_BUCKET`` slots.
-    """
-    new = min(sampling.max_new_tokens, spec.context_length - longest_prompt)
-    return round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt, rendered with the model's chat template when ``chat``."""
+    return tokenizer.encode(tokenizer.render_chat(prompt) if chat else prompt)
 
 
 class Engine:
@@ -95,28 +80,44 @@ class Engine:
 
     Args:
       model: a loaded model (``hx.load``).
-      plan: op placement; all-accelerator when omitted.
-      devices: accelerator and host (discovered when omitted).
+      plan: op placement and memory homes; all-accelerator when omitted.
+      devices: accelerator (with its memory budget) and host; discovered when omitted.
+      timeline: records every segment and transfer when given (``--trace``).
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
-                 devices: Devices | None = None):
+                 devices: Devices | None = None, timeline: Timeline | None = None):
         self.model = model
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
-        self.executor = Executor(model.spec, model.params, self.plan, devices)
+        self.executor = Executor(model.spec, model.params, self.plan, devices, timeline)
         self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
+
+    @property
+    def accountant(self):
+        """The executor's accelerator memory accountant."""
+        return self.executor.accountant
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt, rendered with the model's chat template when ``chat``."""
-        tok = self.model.tokenizer
-        return tok.encode(tok.render_chat(prompt) if chat else prompt)
+        return encode_prompt(self.model.tokenizer, prompt, chat)
+
+    def check(self, workload: Workload):
+        """Reject the job before it runs if the plan does not fit the memory budgets.
+
+        Returns:
+          the ``hx.memory.MemoryEstimate``.
+        Raises:
+          HxError: naming the limit and the bytes over.
+        """
+        return check_fits(self.plan, self.model.spec, self.executor.devices, workload)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams = SamplingParams(),
                  chat: bool = False, cache_slots: int | None = None) -> list[Completion]:
         """Generate a completion for every prompt, as one batch.
 
         Raises:
-          HxError: an empty prompt or one that does not fit the context.
+          HxError: an empty prompt, one that does not fit the context, or a plan that does
+            not fit the memory budget.
         """
         return self.generate_ids([self.encode(p, chat) for p in prompts], sampling, cache_slots)
 
@@ -126,30 +127,42 @@ class Engine:
         Returns:
           (B, V) float32 numpy, one row per prompt (padding does not change a row).
         Raises:
-          HxError: an empty prompt or one that does not fit the context.
+          HxError: an empty prompt, one that does not fit the context, or a plan that does
+            not fit the memory budget.
         """
         lengths = self._check(prompts)
-        batch = self._left_pad(prompts, lengths)
-        caches = self.executor.new_cache(len(prompts), batch[0].shape[1])
-        logits, _ = self.executor.run("prefill", batch[0], batch[1], caches)
-        return np.asarray(logits)
+        tokens, step = self._left_pad(prompts, lengths)
+        B, T = tokens.shape
+        self.check(Workload(B, T, T))
+        try:
+            caches = self.executor.new_cache(B, T)
+            logits, _ = self.executor.run("prefill", tokens, step, caches)
+            return np.asarray(logits)
+        finally:
+            self.executor.release_cache()
 
-    def _compile(self, batch: int, length: int, slots: int, sampling: SamplingParams) -> float:
-        """Compile prefill (batch, length) and decode (batch, 1) over ``slots`` cache slots, and
-        the sampler, by running each once on scratch state; returns the seconds it took (0 when
-        already done). Keeps compilation out of TTFT and decode rates."""
-        key = (batch, length, slots, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
+    def _compile(self, workload: Workload, sampling: SamplingParams) -> float:
+        """Compile prefill and decode at ``workload``'s shapes, and the sampler, by running
+        each once on scratch state; returns the seconds it took (0 when already done). Keeps
+        compilation out of TTFT and decode rates."""
+        key = (workload, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
         start = time.perf_counter()
-        zeros = np.zeros((batch, length), np.int32)
-        caches = self.executor.new_cache(batch, slots)
-        logits, caches = self.executor.run(
-            "prefill", zeros, Step(zeros, np.int32(0), zeros[:, 0]), caches)
-        sample(logits, sampling, 0)
-        logits, caches = self.executor.run(
-            "decode", zeros[:, :1], Step(zeros[:, :1], np.int32(length), zeros[:, 0]), caches)
-        sample(logits, sampling, 1).block_until_ready()
+        zeros = np.zeros((workload.batch, workload.prompt_tokens), np.int32)
+        timeline, self.executor.timeline = self.executor.timeline, None  # not a real step
+        try:
+            caches = self.executor.new_cache(workload.batch, workload.cache_slots)
+            logits, caches = self.executor.run(
+                "prefill", zeros, Step(zeros, np.int32(0), zeros[:, 0]), caches)
+            sample(logits, sampling, 0)
+            logits, caches = self.executor.run(
+                "decode", zeros[:, :1],
+                Step(zeros[:, :1], np.int32(workload.prompt_tokens), zeros[:, 0]), caches)
+            sample(logits, sampling, 1).block_until_ready()
+        finally:
+            self.executor.release_cache()
+            self.executor.timeline = timeline
         self._compiled.add(key)
         return time.perf_counter() - start
 
@@ -177,33 +190,30 @@ class Engine:
         Args:
           prompts: B prompts of token ids (lengths may differ).
           sampling: sampling and stopping rules.
-          cache_slots: KV-cache length; by default ``cache_length`` of this batch. A batch run
-            passes one value for all its batches so decode compiles once.
+          cache_slots: KV-cache length; by default ``hx.workload.cache_length`` of this batch.
+            A batch run passes one value for all its batches so decode compiles once.
         Raises:
-          HxError: an empty prompt, one that does not fit the context, or a too-small cache.
+          HxError: an empty prompt, one that does not fit the context, a too-small cache, or a
+            plan that does not fit the memory budget.
         """
         spec, tok = self.model.spec, self.model.tokenizer
         lengths = self._check(prompts)
         tokens, prefill_step = self._left_pad(prompts, lengths)
         B, T = tokens.shape
-        kv_start = prefill_step.kv_start
         longest = int(lengths.max())
-        max_new = min(sampling.max_new_tokens, spec.context_length - longest)
-        slots = cache_slots or cache_length(longest, sampling, spec)
-        if slots < T + max_new - 1:
-            raise HxError(f"KV cache of {slots} slots is too small for a {T}-token prompt "
-                          f"and {max_new} new tokens")
+        max_new = new_tokens(longest, sampling.max_new_tokens, spec)
+        workload = Workload.for_prompts(B, longest, sampling.max_new_tokens, spec)
+        if cache_slots is not None:
+            if cache_slots < T + max_new - 1:
+                raise HxError(f"KV cache of {cache_slots} slots is too small for a {T}-token "
+                              f"prompt and {max_new} new tokens")
+            workload = Workload(B, T, cache_slots)
+        self.check(workload)
         stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
-        compile_s = self._compile(B, T, slots, sampling)
-
-        start = time.perf_counter()
-        caches = self.executor.new_cache(B, slots)
-        logits, caches = self.executor.run("prefill", tokens, prefill_step, caches)
-        last = np.asarray(sample(logits, sampling, 0))
-        first_token_time = time.perf_counter()
+        compile_s = self._compile(workload, sampling)
         outputs: list[list[int]] = [[] for _ in range(B)]
         finished = [False] * B
-        end_time = [first_token_time] * B
+        end = [0.0] * B
 
         def record(new: np.ndarray, now: float) -> None:
             for r in range(B):
@@ -213,27 +223,34 @@ class Engine:
                     finished[r] = True
                 else:
                     outputs[r].append(int(new[r]))
-                end_time[r] = now
+                end[r] = now
 
-        record(last, first_token_time)
-        for i in range(1, max_new):
-            if all(finished):
-                break
-            step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
-                        write_index=np.int32(T + i - 1), kv_start=kv_start)
-            logits, caches = self.executor.run("decode", last[:, None], step, caches)
-            last = np.asarray(sample(logits, sampling, i))
-            record(last, time.perf_counter())
+        start = time.perf_counter()
+        try:
+            caches = self.executor.new_cache(B, workload.cache_slots)
+            logits, caches = self.executor.run("prefill", tokens, prefill_step, caches)
+            last = np.asarray(sample(logits, sampling, 0))
+            first = time.perf_counter()
+            record(last, first)
+            kv_start = prefill_step.kv_start
+            for i in range(1, max_new):
+                if all(finished):
+                    break
+                step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
+                            write_index=np.int32(T + i - 1), kv_start=kv_start)
+                logits, caches = self.executor.run("decode", last[:, None], step, caches)
+                last = np.asarray(sample(logits, sampling, i))
+                record(last, time.perf_counter())
+        finally:
+            self.executor.release_cache()
 
-        ttft = first_token_time - start
         results = []
         for r in range(B):
             after_first = len(outputs[r]) - 1 + (1 if finished[r] else 0)
-            elapsed = end_time[r] - first_token_time
+            elapsed = end[r] - first
             results.append(Completion(
-                prompt_tokens=int(lengths[r]), token_ids=outputs[r],
-                text=tok.decode(outputs[r]),
-                finish_reason="stop" if finished[r] else "length", ttft_s=ttft,
+                prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
+                finish_reason="stop" if finished[r] else "length", ttft_s=first - start,
                 decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
                 compile_s=compile_s))
         return results

@@ -1,73 +1,98 @@
-"""``ExecutionPlan``: where each op runs and where each layer's KV cache lives (DESIGN §4).
+"""``ExecutionPlan``: where each op runs, where its weights live, where each KV cache lives.
 
-A plan is plain data: it prints, compares, round-trips through JSON and is checked against a
-``ModelSpec`` without running anything. The executor interprets it.
+A plan is plain data (DESIGN §4): it prints, compares, round-trips through JSON and is checked
+against a ``ModelSpec`` without running anything; the executor interprets it. Three tables:
 
-JSON form (``layers`` may also be a single object applied to every layer)::
+* placement per phase (``prefill``, ``decode``): the device of EMBED, of each layer's seven ops,
+  of HEAD -- ``"accelerator"`` or ``"host"``;
+* weight homes (one for both phases), per op that owns weights:
+  ``"resident"`` -- kept in accelerator memory;
+  ``"streamed"`` -- kept in host memory (the accelerator's ``pinned_host`` memory kind) and copied
+  into accelerator memory ahead of the segment that uses it, then freed;
+  ``"host"`` -- kept on the host CPU device, float32, for host-placed ops (an accelerator op
+  whose weights live here has them copied in like streamed ones);
+* KV-cache home per layer. SCORE runs where its layer's KV cache lives, in both phases.
+
+JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 
     {"name": "mixed",
-     "prefill": {"EMBED": "accelerator", "HEAD": "accelerator",
-                 "layers": [{"Q": "accelerator", "K": "accelerator", ..., "MLP2": "host"}, ...]},
-     "decode": {...same shape...},
-     "kv": ["host", "accelerator", ...]}          # one entry per layer (or one string)
+     "prefill": {"EMBED": "host", "HEAD": "accelerator", "layers": [{"Q": "accelerator", ...}]},
+     "decode":  {...same shape...},
+     "weights": {"EMBED": "host", "HEAD": "streamed", "layers": [{"Q": "resident", ...}]},
+     "kv": ["host", "accelerator", ...]}
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 from hx.devices import ACCELERATOR, DEVICE_NAMES, HOST
 from hx.errors import HxError
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 
 PHASES = ("prefill", "decode")
+RESIDENT, STREAMED = "resident", "streamed"
+WEIGHT_HOMES = (RESIDENT, STREAMED, HOST)
+WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != "SCORE")  # SCORE owns no weights
 
 
 @dataclass(frozen=True)
-class PhasePlan:
-    """Device of every op in one phase.
+class OpTable:
+    """A value for EMBED, for each listed op of every layer, and for HEAD.
 
     Attributes:
-      embed: device of EMBED.
-      layers: per layer, the device of each op in ``LAYER_OPS`` order.
-      head: device of HEAD.
+      embed: value of EMBED.
+      layers: per layer, one value per op of ``OPS`` (in that order).
+      head: value of HEAD.
     """
+
+    OPS: ClassVar[tuple[str, ...]] = LAYER_OPS
+    VALUES: ClassVar[tuple[str, ...]] = DEVICE_NAMES
+    KIND: ClassVar[str] = "device"
 
     embed: str
     layers: tuple[tuple[str, ...], ...]
     head: str
 
-    def device(self, layer: int | None, op: str) -> str:
-        """Device of ``op`` in ``layer`` (``layer`` is None for EMBED and HEAD)."""
+    def get(self, layer: int | None, op: str) -> str:
+        """Value of ``op`` in ``layer`` (``layer`` is None for EMBED and HEAD)."""
         if op == EMBED:
             return self.embed
         if op == HEAD:
             return self.head
-        return self.layers[layer][LAYER_OPS.index(op)]
+        return self.layers[layer][self.OPS.index(op)]
 
     def sequence(self) -> Iterator[tuple[int | None, str, str]]:
-        """(layer, op, device) in execution order: EMBED, each layer's seven ops, HEAD."""
+        """(layer, op, value) in execution order: EMBED, each layer's ops, HEAD."""
         yield None, EMBED, self.embed
-        for i, devices in enumerate(self.layers):
-            for op, dev in zip(LAYER_OPS, devices):
-                yield i, op, dev
+        for i, values in enumerate(self.layers):
+            for op, value in zip(self.OPS, values):
+                yield i, op, value
         yield None, HEAD, self.head
 
+    @classmethod
+    def uniform(cls, n_layers: int, value_of) -> "OpTable":
+        """Every layer alike: ``value_of(op)`` for each op, EMBED and HEAD."""
+        row = tuple(value_of(op) for op in cls.OPS)
+        return cls(value_of(EMBED), (row,) * n_layers, value_of(HEAD))
+
     def to_json(self) -> dict[str, Any]:
-        """``{"EMBED": device, "HEAD": device, "layers": [{op: device}, ...]}``."""
+        """``{"EMBED": value, "HEAD": value, "layers": [{op: value}, ...]}``."""
         return {EMBED: self.embed, HEAD: self.head,
-                "layers": [dict(zip(LAYER_OPS, devs)) for devs in self.layers]}
+                "layers": [dict(zip(self.OPS, row)) for row in self.layers]}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], n_layers: int) -> "PhasePlan":
-        """Parse ``to_json``'s form; ``layers`` may be one object for all layers and missing
-        ops default to the accelerator.
+    def from_json(cls, data: dict[str, Any], n_layers: int, default: str) -> "OpTable":
+        """Parse ``to_json``'s form; ``layers`` may be one object for all layers; missing
+        entries take ``default``.
 
         Raises:
-          HxError: unknown op or device, or a layer count other than ``n_layers``.
+          HxError: unknown op or value, or a layer count other than ``n_layers``.
         """
+        if not isinstance(data, dict):
+            raise HxError(f"a plan's {cls.KIND} table must be a JSON object")
         layers = data.get("layers", {})
         if isinstance(layers, dict):
             layers = [layers] * n_layers
@@ -75,33 +100,51 @@ class PhasePlan:
             raise HxError(f"plan has {len(layers)} layers, the model has {n_layers}")
         rows = []
         for i, layer in enumerate(layers):
-            unknown = set(layer) - set(LAYER_OPS)
+            unknown = set(layer) - set(cls.OPS)
             if unknown:
-                raise HxError(f"plan layer {i}: unknown ops {sorted(unknown)}; ops are "
-                              f"{', '.join(LAYER_OPS)}")
-            rows.append(tuple(_device(layer.get(op, ACCELERATOR)) for op in LAYER_OPS))
-        return cls(embed=_device(data.get(EMBED, ACCELERATOR)), layers=tuple(rows),
-                   head=_device(data.get(HEAD, ACCELERATOR)))
+                raise HxError(f"plan layer {i}: unknown ops {sorted(unknown)} in the {cls.KIND} "
+                              f"table; ops are {', '.join(cls.OPS)}")
+            rows.append(tuple(cls._value(layer.get(op, default)) for op in cls.OPS))
+        return cls(cls._value(data.get(EMBED, default)), tuple(rows),
+                   cls._value(data.get(HEAD, default)))
+
+    @classmethod
+    def _value(cls, v: Any) -> str:
+        if v not in cls.VALUES:
+            raise HxError(f"plan names {cls.KIND} {v!r}; expected one of {', '.join(cls.VALUES)}")
+        return v
 
 
-def _device(name: Any) -> str:
-    if name not in DEVICE_NAMES:
-        raise HxError(f"plan names device {name!r}; devices are {', '.join(DEVICE_NAMES)}")
-    return name
+class Placement(OpTable):
+    """Device (``accelerator``/``host``) of every op in one phase."""
+
+
+class WeightHomes(OpTable):
+    """Home (``resident``/``streamed``/``host``) of the weights of every op that owns some."""
+
+    OPS = WEIGHTED_OPS
+    VALUES = WEIGHT_HOMES
+    KIND = "weight home"
+
+    def get(self, layer: int | None, op: str) -> str | None:
+        """Home of ``op``'s weights, or None for SCORE (it owns none)."""
+        return None if op == "SCORE" else super().get(layer, op)
 
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    """Op placement per phase and KV-cache home per layer.
+    """Op placement per phase, weight homes, and KV-cache home per layer.
 
     Attributes:
-      prefill / decode: ``PhasePlan`` of each phase.
+      prefill / decode: ``Placement`` of each phase.
+      weights: ``WeightHomes`` (shared by both phases).
       kv: per layer, the device holding its KV cache.
       name: label for reports.
     """
 
-    prefill: PhasePlan
-    decode: PhasePlan
+    prefill: Placement
+    decode: Placement
+    weights: WeightHomes
     kv: tuple[str, ...]
     name: str = "custom"
 
@@ -110,19 +153,33 @@ class ExecutionPlan:
         """Number of decoder layers the plan covers."""
         return len(self.kv)
 
-    def phase(self, phase: str) -> PhasePlan:
-        """The ``PhasePlan`` of ``"prefill"`` or ``"decode"``."""
+    def phase(self, phase: str) -> Placement:
+        """The ``Placement`` of ``"prefill"`` or ``"decode"``."""
         if phase not in PHASES:
             raise KeyError(f"unknown phase {phase!r}; phases are {PHASES}")
         return self.prefill if phase == "prefill" else self.decode
 
     @classmethod
+    def from_placement(cls, prefill: Placement, decode: Placement | None = None,
+                       name: str = "custom", streamed: bool = False) -> "ExecutionPlan":
+        """A plan whose weight homes follow the decode placement (accelerator ops' weights
+        ``resident``, or ``streamed`` when ``streamed``; host ops' weights ``host``) and whose
+        KV caches live where SCORE runs in decode."""
+        decode = decode or prefill
+        acc_home = STREAMED if streamed else RESIDENT
+        layers = tuple(tuple(acc_home if decode.get(i, op) == ACCELERATOR else HOST
+                             for op in WEIGHTED_OPS) for i in range(len(decode.layers)))
+        weights = WeightHomes(acc_home if decode.embed == ACCELERATOR else HOST, layers,
+                              acc_home if decode.head == ACCELERATOR else HOST)
+        kv = tuple(decode.get(i, "SCORE") for i in range(len(decode.layers)))
+        return cls(prefill, decode, weights, kv, name)
+
+    @classmethod
     def uniform(cls, n_layers: int, host_ops: Iterable[str] = (), name: str | None = None
                 ) -> "ExecutionPlan":
-        """Every layer alike in both phases: ``host_ops`` on the host, the rest on the
-        accelerator; KV cache on the device of SCORE.
+        """Every layer alike in both phases: ``host_ops`` on the host (may include EMBED and
+        HEAD), the rest on the accelerator with resident weights; KV where SCORE runs.
 
-        ``host_ops`` may include ``EMBED`` and ``HEAD``.
         Raises:
           HxError: an unknown op name.
         """
@@ -131,18 +188,14 @@ class ExecutionPlan:
         if unknown:
             raise HxError(f"unknown ops {sorted(unknown)}; ops are "
                           f"{', '.join((EMBED,) + LAYER_OPS + (HEAD,))}")
-
-        def dev(op: str) -> str:
-            return HOST if op in host_ops else ACCELERATOR
-
-        layer = tuple(dev(op) for op in LAYER_OPS)
-        phase = PhasePlan(embed=dev(EMBED), layers=(layer,) * n_layers, head=dev(HEAD))
+        placement = Placement.uniform(n_layers,
+                                      lambda op: HOST if op in host_ops else ACCELERATOR)
         label = name or ("all-accelerator" if not host_ops else "host:" + ",".join(host_ops))
-        return cls(prefill=phase, decode=phase, kv=(dev("SCORE"),) * n_layers, name=label)
+        return cls.from_placement(placement, name=label)
 
     @classmethod
     def all_accelerator(cls, n_layers: int) -> "ExecutionPlan":
-        """Everything on the accelerator."""
+        """Everything on the accelerator, every weight resident."""
         return cls.uniform(n_layers, name="all-accelerator")
 
     @classmethod
@@ -151,44 +204,76 @@ class ExecutionPlan:
         return cls.uniform(n_layers, (EMBED, *LAYER_OPS, HEAD), name="all-host")
 
     def validate(self, spec: ModelSpec) -> None:
-        """Check the plan fits the model's structure.
+        """Check the plan's structure against the model (memory is checked by
+        ``hx.memory.check_fits``).
 
         Raises:
-          HxError: a layer count that differs from the model's.
+          HxError: a layer count that differs from the model's; SCORE not where its layer's
+            KV cache lives; a host op whose weights are not at home on the host.
         """
         for phase in PHASES:
-            if len(self.phase(phase).layers) != spec.n_layers:
-                raise HxError(f"plan {self.name!r} has {len(self.phase(phase).layers)} "
-                              f"{phase} layers; the model has {spec.n_layers}")
-        if len(self.kv) != spec.n_layers:
-            raise HxError(f"plan {self.name!r} gives {len(self.kv)} KV homes; the model has "
+            n = len(self.phase(phase).layers)
+            if n != spec.n_layers:
+                raise HxError(f"plan {self.name!r} has {n} {phase} layers; the model has "
+                              f"{spec.n_layers}")
+        if len(self.kv) != spec.n_layers or len(self.weights.layers) != spec.n_layers:
+            raise HxError(f"plan {self.name!r} gives {len(self.kv)} KV homes and "
+                          f"{len(self.weights.layers)} weight rows; the model has "
                           f"{spec.n_layers} layers")
+        for phase in PHASES:
+            for layer, op, device in self.phase(phase).sequence():
+                if op == "SCORE" and device != self.kv[layer]:
+                    raise HxError(f"plan {self.name!r}: {phase} SCORE of layer {layer} runs on "
+                                  f"the {device} but its KV cache lives on the "
+                                  f"{self.kv[layer]}; SCORE must run where its KV cache is")
+                home = self.weights.get(layer, op)
+                if device == HOST and home not in (None, HOST):
+                    where = f"layer {layer} {op}" if layer is not None else op
+                    raise HxError(f"plan {self.name!r}: {phase} {where} runs on the host but "
+                                  f"its weights are {home}; host ops need weights at home "
+                                  "on the host")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form shown in the module docstring."""
         return {"name": self.name, "prefill": self.prefill.to_json(),
-                "decode": self.decode.to_json(), "kv": list(self.kv)}
+                "decode": self.decode.to_json(), "weights": self.weights.to_json(),
+                "kv": list(self.kv)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], n_layers: int) -> "ExecutionPlan":
-        """Parse the JSON form; ``decode`` defaults to ``prefill`` and vice versa.
+        """Parse the JSON form. ``decode`` defaults to ``prefill`` and vice versa; missing
+        placements default to the accelerator; weight homes and KV homes not given follow
+        the decode placement (``from_placement``).
 
         Raises:
-          HxError: malformed plan (unknown op or device, wrong layer count).
+          HxError: malformed plan (unknown op, device or home; wrong layer count).
         """
         if not isinstance(data, dict) or not ({"prefill", "decode"} & set(data)):
             raise HxError("a plan is a JSON object with 'prefill' and/or 'decode' entries")
-        prefill = PhasePlan.from_json(data.get("prefill", data.get("decode")), n_layers)
-        decode = PhasePlan.from_json(data.get("decode", data.get("prefill")), n_layers)
-        kv = data.get("kv")
-        if kv is None:
-            kv = [decode.device(i, "SCORE") for i in range(n_layers)]
-        elif isinstance(kv, str):
+        prefill = Placement.from_json(data.get("prefill", data.get("decode")), n_layers,
+                                      ACCELERATOR)
+        decode = Placement.from_json(data.get("decode", data.get("prefill")), n_layers,
+                                     ACCELERATOR)
+        plan = cls.from_placement(prefill, decode, name=str(data.get("name", "custom")))
+        weights = plan.weights
+        if "weights" in data:  # given entries override the homes derived from placement
+            given, derived = data["weights"], plan.weights.to_json()
+            if not isinstance(given, dict):
+                raise HxError("a plan's weight home table must be a JSON object")
+            rows = given.get("layers", {})
+            rows = [rows] * n_layers if isinstance(rows, dict) else rows
+            if len(rows) != n_layers:
+                raise HxError(f"plan has {len(rows)} weight rows, the model has {n_layers}")
+            merged = {EMBED: given.get(EMBED, derived[EMBED]),
+                      HEAD: given.get(HEAD, derived[HEAD]),
+                      "layers": [{**d, **g} for d, g in zip(derived["layers"], rows)]}
+            weights = WeightHomes.from_json(merged, n_layers, RESIDENT)
+        kv = data.get("kv", list(plan.kv))
+        if isinstance(kv, str):
             kv = [kv] * n_layers
         if len(kv) != n_layers:
             raise HxError(f"plan gives {len(kv)} KV homes; the model has {n_layers} layers")
-        return cls(prefill=prefill, decode=decode, kv=tuple(_device(d) for d in kv),
-                   name=str(data.get("name", "custom")))
+        return cls(prefill, decode, weights, tuple(Placement._value(d) for d in kv), plan.name)
 
     def save(self, path: str) -> None:
         """Write ``to_json`` to ``path``."""

@@ -1,38 +1,52 @@
-"""Split a phase plan into segments: maximal runs of consecutive ops on one device (DESIGN §5).
+"""Split a phase of a plan into segments: runs of consecutive ops on one device (DESIGN §5).
 
-A segment is the unit the executor jits and launches. Its signature (op names, the activations it
-reads from earlier segments and writes for later ones) does not mention layer indices, so the
-segments of identical layers share one compiled function.
+A segment is the unit the executor compiles, launches, streams weights for and records in the
+timeline. Segments end where the device changes. An accelerator segment whose weights are copied
+in before use (``streamed`` or ``host`` homes) also ends at a layer boundary, so the double
+buffer of staged weights holds at most two segments of at most one layer each.
+
+A segment's signature (device, op names, which weights are staged, the activations it reads and
+writes) has no layer index, so identical layers share one compiled function.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hx.devices import ACCELERATOR
 from hx.models.llama import OPS
-from hx.plan import PhasePlan
+from hx.plan import RESIDENT, ExecutionPlan
 
 
 @dataclass(frozen=True)
 class Segment:
-    """Consecutive ops that run on one device as one jitted function.
+    """Consecutive ops that run on one device as one compiled function.
 
     Attributes:
-      device: device name (``accelerator`` or ``host``).
+      device: ``accelerator`` or ``host``.
       ops: ((layer or None, op id), ...) in execution order.
+      staged: per op, whether its weights are copied into accelerator memory before the
+        segment runs (accelerator op whose weights are not resident).
       reads: activations produced before the segment that it reads.
       writes: activations it produces that a later segment reads.
     """
 
     device: str
     ops: tuple[tuple[int | None, str], ...]
+    staged: tuple[bool, ...]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
 
     @property
     def signature(self) -> tuple:
         """What the compiled function depends on (layer indices excluded)."""
-        return tuple(op for _, op in self.ops), self.reads, self.writes
+        return (self.device, tuple(op for _, op in self.ops), self.staged, self.reads,
+                self.writes)
+
+    @property
+    def streams(self) -> bool:
+        """True when some of the segment's weights are staged before it runs."""
+        return any(self.staged)
 
     @property
     def cache_layers(self) -> tuple[int, ...]:
@@ -40,41 +54,45 @@ class Segment:
         return tuple(layer for layer, op in self.ops if OPS[op].uses_cache)
 
 
-def split_segments(phase: PhasePlan) -> list[Segment]:
+def split_segments(plan: ExecutionPlan, phase: str) -> list[Segment]:
     """Group the phase's (layer, op, device) sequence into segments and compute liveness.
 
     ``reads`` of a segment: names read by one of its ops before any op of the segment writes
-    them. ``writes``: names the segment writes (last write wins) that some later op reads before
-    a later op overwrites them. The final ``logits`` are always written.
+    them. ``writes``: names the segment writes that some later op reads before a later op
+    overwrites them, plus the final ``logits``.
     """
-    runs: list[tuple[str, list[tuple[int | None, str]]]] = []
-    for layer, op, device in phase.sequence():
-        if runs and runs[-1][0] == device:
-            runs[-1][1].append((layer, op))
+    runs: list[dict] = []
+    for layer, op, device in plan.phase(phase).sequence():
+        staged = device == ACCELERATOR and plan.weights.get(layer, op) not in (None, RESIDENT)
+        run = runs[-1] if runs else None
+        same = run is not None and run["device"] == device and not (
+            layer != run["ops"][-1][0] and (staged or any(run["staged"])))
+        if same:
+            run["ops"].append((layer, op))
+            run["staged"].append(staged)
         else:
-            runs.append((device, [(layer, op)]))
+            runs.append({"device": device, "ops": [(layer, op)], "staged": [staged]})
 
     def reads_of(ops) -> tuple[str, ...]:
         written: set[str] = set()
         needed: list[str] = []
         for _, op in ops:
-            for name in OPS[op].reads:
-                if name not in written and name not in needed:
-                    needed.append(name)
+            needed += [n for n in OPS[op].reads if n not in written and n not in needed]
             written.update(OPS[op].writes)
         return tuple(needed)
 
     segments = []
-    for i, (device, ops) in enumerate(runs):
-        produced = []
-        for _, op in ops:
+    for i, run in enumerate(runs):
+        produced: list[str] = []
+        for _, op in run["ops"]:
             produced += [n for n in OPS[op].writes if n not in produced]
         later_reads: set[str] = set()
         overwritten: set[str] = set()
-        for _, later_ops in runs[i + 1:]:
-            for _, op in later_ops:
+        for later in runs[i + 1:]:
+            for _, op in later["ops"]:
                 later_reads.update(n for n in OPS[op].reads if n not in overwritten)
                 overwritten.update(OPS[op].writes)
         writes = tuple(n for n in produced if n in later_reads or n == "logits")
-        segments.append(Segment(device, tuple(ops), reads_of(ops), writes))
+        segments.append(Segment(run["device"], tuple(run["ops"]), tuple(run["staged"]),
+                                reads_of(run["ops"]), writes))
     return segments

@@ -31,7 +31,7 @@ Model code never mentions a device: placement is the executor's job (``hx/execut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -180,13 +180,18 @@ def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array) 
 
 
 class ScoreOp(nn.Module):
-    """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E)."""
+    """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E).
+
+    ``attend`` is the attention kernel: ``attention`` by default; the executor passes a host
+    kernel (``host_compute``) when SCORE runs on the host.
+    """
 
     spec: ModelSpec
+    attend: Callable[[jax.Array, Cache, Step], jax.Array] = attention
 
     def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
         cache = append_kv(cache, k, v, step.write_index)
-        return (attention(q, cache, step),), cache
+        return (self.attend(q, cache, step),), cache
 
 
 class OutOp(nn.Module):
@@ -262,7 +267,7 @@ OPS: dict[str, OpDef] = {
 
 
 def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
-             step: Step, cache: Cache | None = None
+             step: Step, cache: Cache | None = None, attend=None
              ) -> tuple[dict[str, jax.Array], Cache | None]:
     """Run one op as a pure function.
 
@@ -273,11 +278,12 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       acts: activations by name; the op reads ``OPS[op].reads``.
       step: per-step positions and cache indices.
       cache: the layer's KV cache (SCORE only).
+      attend: attention kernel for SCORE (default ``attention``).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     """
     d = OPS[op]
-    module = d.module(spec)
+    module = d.module(spec, attend) if d.uses_cache and attend else d.module(spec)
     inputs = [acts[name] for name in d.reads]
     with jax.named_scope(op):
         if d.uses_cache:

@@ -68,3 +68,24 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata):
     assert "host:SCORE,MLP2" in result.stderr and "EMULATED" in result.stderr
     again = hx(*args)
     assert again.returncode == 0 and "0 generated, 2 already" in again.stderr
+
+
+QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes
+
+
+def test_quarter_budget_stream_all_with_trace(tmp_path):
+    result = hx("generate", "-p", "The capital of France is", "--max-new-tokens", "4",
+                "--accelerator-memory", QUARTER, "--policy", "stream-all",
+                "--trace", str(tmp_path / "run.json"))
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "plan stream-all" in result.stderr and "overlap fraction" in result.stderr
+    trace = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in trace if e["name"] == "thread_name"} == {
+        "accelerator compute", "host compute", "H2D", "D2H"}
+
+
+def test_plan_over_budget_is_rejected():
+    result = hx("generate", "-p", "hi", "--accelerator-memory", QUARTER,
+                "--policy", "all-accelerator")
+    assert_clean_error(result, "does not fit the accelerator memory budget", "over by")

@@ -1,122 +1,181 @@
-"""The executor under different plans gives the single-jit model's logits; segments are right."""
+"""The executor under many plans gives the single-jit model's logits; placement, memory
+accounting, streaming, compilation and the timeline behave as documented."""
 
-import itertools
+import json
 
 import jax
 import numpy as np
 import pytest
 
-from hx.devices import ACCELERATOR, HOST
+from hx.devices import ACCELERATOR, HOST, discover
+from hx.errors import HxError
 from hx.executor import Executor
+from hx.memory import check_fits, estimate
 from hx.models.llama import Step, forward
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
-from hx.plan import ExecutionPlan, PhasePlan
+from hx.plan import ExecutionPlan, Placement
+from hx.planner import policies
 from hx.segments import split_segments
+from hx.timeline import ACC_COMPUTE, H2D, RESOURCES, Timeline
+from hx.workload import Workload
+
+from plans import acceptance_plans
+
+B, T, S, DECODE_STEPS = 2, 8, 32, 4
+PLANS = acceptance_plans(3, splits=(1, 2, 4))
 
 
-def alternating(n_layers: int) -> ExecutionPlan:
-    """Op devices alternate within each layer (and the pattern flips every layer); prefill uses
-    the opposite pattern from decode; KV on the host for odd layers."""
-    cycle = itertools.cycle([ACCELERATOR, HOST])
-    decode_layers = tuple(tuple(next(cycle) for _ in LAYER_OPS) for _ in range(n_layers))
-    flip = {ACCELERATOR: HOST, HOST: ACCELERATOR}
-    prefill_layers = tuple(tuple(flip[d] for d in row) for row in decode_layers)
-    return ExecutionPlan(prefill=PhasePlan(HOST, prefill_layers, ACCELERATOR),
-                         decode=PhasePlan(ACCELERATOR, decode_layers, HOST),
-                         kv=tuple(HOST if i % 2 else ACCELERATOR for i in range(n_layers)),
-                         name="alternating")
+def steps():
+    kv_start = np.array([0, 2], np.int32)  # row 1 is left-padded by 2
+    yield Step(np.maximum(np.arange(T, dtype=np.int32)[None] - kv_start[:, None], 0),
+               np.int32(0), kv_start)
+    for i in range(1, DECODE_STEPS + 1):
+        yield Step((T - kv_start + i - 1)[:, None].astype(np.int32), np.int32(T + i - 1),
+                   kv_start)
 
 
-def plans(n):
-    return [ExecutionPlan.all_accelerator(n), ExecutionPlan.all_host(n),
-            ExecutionPlan.uniform(n, ("SCORE", "MLP1")), alternating(n)]
+def token_batches(spec):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, spec.vocab_size, (B, T), dtype=np.int32)] + [
+        rng.integers(0, spec.vocab_size, (B, 1), dtype=np.int32) for _ in range(DECODE_STEPS)]
 
 
-def reference_run(spec, params, tokens_seq, devices):
-    """Prefill tokens_seq[0] then decode the rest with one jitted ``forward`` per step."""
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Logits of prefill + decode steps from one jitted ``forward`` per step."""
+    spec, params = tiny_model.spec, tiny_model.params
     f = jax.jit(forward, static_argnums=0)
-    B, T = tokens_seq[0].shape
-    caches = [{"k": np.zeros((B, 32, spec.n_kv_heads, spec.head_dim), np.float32),
-               "v": np.zeros((B, 32, spec.n_kv_heads, spec.head_dim), np.float32)}
+    caches = [{"k": np.zeros((B, S, spec.n_kv_heads, spec.head_dim), np.float32),
+               "v": np.zeros((B, S, spec.n_kv_heads, spec.head_dim), np.float32)}
               for _ in range(spec.n_layers)]
     out = []
-    for step, tokens in zip(steps_for(B, T, len(tokens_seq)), tokens_seq):
+    for step, tokens in zip(steps(), token_batches(spec)):
         logits, caches = f(spec, params, tokens, step, caches)
         out.append(np.asarray(logits))
     return out
 
 
-def steps_for(B, T, n):
-    kv_start = np.array([0, 2][:B], np.int32)  # row 1 is left-padded by 2
-    yield Step(np.maximum(np.arange(T, dtype=np.int32)[None] - kv_start[:, None], 0),
-               np.int32(0), kv_start)
-    for i in range(1, n):
-        yield Step((T - kv_start + i - 1)[:, None].astype(np.int32), np.int32(T + i - 1),
-                   kv_start)
-
-
-@pytest.mark.parametrize("plan_index", range(4))
-def test_plans_match_whole_model(tiny_model, devices, plan_index):
-    spec, params = tiny_model.spec, tiny_model.params
-    plan = plans(spec.n_layers)[plan_index]
-    rng = np.random.default_rng(0)
-    tokens_seq = [rng.integers(0, spec.vocab_size, (2, 8), dtype=np.int32)] + [
-        rng.integers(0, spec.vocab_size, (2, 1), dtype=np.int32) for _ in range(4)]
-    ref = reference_run(spec, params, tokens_seq, devices)
-    ex = Executor(spec, params, plan, devices)
-    caches = ex.new_cache(2, 32)
-    for i, (step, tokens) in enumerate(zip(steps_for(2, 8, 5), tokens_seq)):
+def run_plan(model, plan, devices, timeline=None):
+    ex = Executor(model.spec, model.params, plan, devices, timeline)
+    caches = ex.new_cache(B, S)
+    out = []
+    for i, (step, tokens) in enumerate(zip(steps(), token_batches(model.spec))):
         logits, caches = ex.run("prefill" if i == 0 else "decode", tokens, step, caches)
-        assert logits.devices() == {devices[plan.phase("prefill" if i == 0 else "decode").head]}
-        np.testing.assert_allclose(np.asarray(logits), ref[i], rtol=0, atol=1e-5 * np.abs(
-            ref[i]).max())
+        out.append(logits)
+    ex.release_cache()
+    return ex, out
 
 
-def test_weights_and_caches_live_where_the_plan_says(tiny_model, devices):
-    spec, params = tiny_model.spec, tiny_model.params
-    plan = ExecutionPlan.uniform(spec.n_layers, ("SCORE", "MLP1"))
-    ex = Executor(spec, params, plan, devices)
-    for seg, seg_params in zip(ex.segments["decode"], ex._segment_params["decode"]):
-        for leaf in jax.tree.leaves(seg_params):
-            assert leaf.devices() == {devices[seg.device]}
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plans_match_whole_model(tiny_model, reference, name):
+    plan = PLANS[name]
+    budget = estimate(plan, tiny_model.spec, Workload(B, T, S)).accelerator
+    devices = discover(accelerator_memory=budget)  # the tightest budget the plan claims
+    ex, out = run_plan(tiny_model, plan, devices)
+    for i, (logits, ref) in enumerate(zip(out, reference)):
+        phase = "prefill" if i == 0 else "decode"
+        assert logits.devices() == {devices[plan.phase(phase).head]}
+        np.testing.assert_allclose(np.asarray(logits), ref, rtol=0,
+                                   atol=1e-5 * np.abs(ref).max())
+    assert 0 < ex.accountant.peak <= budget or budget == 0
+    assert ex.accountant.in_use == sum(
+        n for owner, n in ex.accountant.by_owner().items() if owner == "weights")
+
+
+def test_weights_live_at_their_homes(tiny_model, devices):
+    plan = PLANS["alternating"]
+    ex = Executor(tiny_model.spec, tiny_model.params, plan, devices)
+    acc, host = devices[ACCELERATOR], devices[HOST]
+    for phase in ("prefill", "decode"):
+        for seg, params in zip(ex.segments[phase], ex._params[phase]):
+            for (layer, op), staged, tree in zip(seg.ops, seg.staged, params):
+                home = plan.weights.get(layer, op)
+                for leaf in jax.tree.leaves(tree):
+                    want = acc if home == "resident" else host
+                    if home == "streamed":
+                        assert leaf.sharding.memory_kind == "pinned_host"
+                        want = acc
+                    assert leaf.devices() == {want}, (phase, layer, op, home)
+                assert staged == (seg.device == ACCELERATOR and home not in (None, "resident"))
     caches = ex.new_cache(1, 8)
-    assert all(c["k"].devices() == {devices[HOST]} for c in caches)
+    assert [next(iter(c["k"].devices())) for c in caches] == [devices[d] for d in plan.kv]
 
 
-def test_segments_fuse_and_share_functions(tiny_model, devices):
+def test_stream_all_stages_at_most_two_segments(tiny_model, devices):
+    plan = PLANS["stream-all"]
+    ex, _ = run_plan(tiny_model, plan, devices)
+    est = estimate(plan, tiny_model.spec, Workload(B, T, S))
+    assert ex.accountant.peak_by_owner["weights"] == 0
+    assert 0 < ex.accountant.peak_by_owner["staging"] <= est.staging
+    decode = split_segments(plan, "decode")
+    assert all(len({layer for layer, _ in s.ops}) == 1 for s in decode if s.streams)
+
+
+def test_plan_over_budget_is_rejected_before_running(tiny_model):
+    plan = policies.all_accelerator(3)
+    need = estimate(plan, tiny_model.spec, Workload(B, T, S)).accelerator
+    devices = discover(accelerator_memory=need - 1000)
+    with pytest.raises(HxError, match="over by 1000 bytes"):
+        check_fits(plan, tiny_model.spec, devices, Workload(B, T, S))
+
+
+def test_decode_does_not_recompile(tiny_model, devices):
+    ex = Executor(tiny_model.spec, tiny_model.params, PLANS["alternating"], devices)
+    caches = ex.new_cache(B, S)
+    compilations = []
+    for i, (step, tokens) in enumerate(zip(steps(), token_batches(tiny_model.spec))):
+        _, caches = ex.run("prefill" if i == 0 else "decode", tokens, step, caches)
+        compilations.append(ex.compilations)
+    assert compilations[1] > compilations[0]  # decode compiled once ...
+    assert compilations[1:] == [compilations[1]] * DECODE_STEPS  # ... and never again
+
+
+def test_timeline_and_trace(tiny_model, devices, tmp_path):
+    timeline = Timeline()
+    run_plan(tiny_model, PLANS["stream-all"], devices, timeline)
+    timeline.wait()
+    assert all(e.dispatch <= e.start <= e.end for e in timeline.events)
+    for step_events in timeline.steps("decode"):
+        weights = [e for e in step_events if e.resource == H2D and e.name.startswith("weights")]
+        compute = [e for e in step_events if e.resource == ACC_COMPUTE]
+        assert len(weights) == len(compute)  # every accelerator segment streams its weights
+        for w, c in zip(weights[1:], compute):  # next segment's copy issued before launch
+            assert w.dispatch < c.dispatch
+    timeline.to_chrome(str(tmp_path / "t.json"))
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == set(RESOURCES)
+    assert sum(e["ph"] == "X" for e in trace) == len(timeline.events)
+
+
+def test_segments_fuse_and_share_functions(tiny_model):
     n = tiny_model.spec.n_layers
-    acc = split_segments(ExecutionPlan.all_accelerator(n).decode)
+    acc = split_segments(policies.all_accelerator(n), "decode")
     assert len(acc) == 1 and len(acc[0].ops) == 2 + 7 * n
     assert acc[0].reads == ("tokens",) and acc[0].writes == ("logits",)
-
-    mixed = split_segments(ExecutionPlan.uniform(n, ("SCORE", "MLP1")).decode)
+    mixed = split_segments(ExecutionPlan.uniform(n, ("SCORE", "MLP1")), "decode")
     # [EMBED Q K V] [SCORE] [OUT] [MLP1] ([MLP2 Q K V] [SCORE] [OUT] [MLP1])* [MLP2 HEAD]
     assert len(mixed) == 4 * n + 1
     score = mixed[1]
     assert [op for _, op in score.ops] == ["SCORE"] and score.device == HOST
     assert score.reads == ("q", "k", "v") and score.writes == ("o",)  # x stays behind
-    mlp1 = mixed[3]
-    assert mlp1.reads == ("x",) and mlp1.writes == ("a",)
-    ex = Executor(tiny_model.spec, tiny_model.params, ExecutionPlan.uniform(n, ("SCORE", "MLP1")),
-                  devices)
-    signatures = {s.signature for s in ex.segments["decode"]}
-    assert len(signatures) == 6  # layers share compiled segment functions
+    assert len({s.signature for s in mixed}) == 6  # layers share compiled functions
 
 
-def test_every_read_is_produced_before(tiny_model):
-    """Liveness invariant over many random plans: each segment's reads were written by an
-    earlier segment (or are the input tokens), and 'logits' is written last."""
+def test_every_read_is_produced_before():
+    """Liveness over many random plans: each segment's reads were written by an earlier
+    segment (or are the input tokens), and 'logits' is written last."""
     rng = np.random.default_rng(0)
-    n = tiny_model.spec.n_layers
+    n = 3
     for _ in range(200):
         rows = tuple(tuple(rng.choice([ACCELERATOR, HOST]) for _ in LAYER_OPS) for _ in range(n))
-        phase = PhasePlan(rng.choice([ACCELERATOR, HOST]), rows, rng.choice([ACCELERATOR, HOST]))
+        placement = Placement(rng.choice([ACCELERATOR, HOST]), rows,
+                              rng.choice([ACCELERATOR, HOST]))
+        plan = ExecutionPlan.from_placement(placement, streamed=bool(rng.integers(2)))
         available = {"tokens"}
-        segments = split_segments(phase)
+        segments = split_segments(plan, "decode")
         for seg in segments:
             assert set(seg.reads) <= available
             available |= set(seg.writes)
-            assert seg.device in (ACCELERATOR, HOST)
         assert segments[-1].writes[-1] == "logits"
-        flat = [op for seg in segments for _, op in seg.ops]
-        assert flat == [EMBED] + list(LAYER_OPS) * n + [HEAD]
+        assert [op for s in segments for _, op in s.ops] == [EMBED] + list(LAYER_OPS) * n + [HEAD]

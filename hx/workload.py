@@ -1,0 +1,62 @@
+"""The shape of a generation job: batch, padded prompt length, KV-cache slots.
+
+Prompts are left-padded to a multiple of ``PREFILL_BUCKET`` tokens and caches are rounded to a
+multiple of ``CACHE_BUCKET`` slots, so a handful of compiled shapes serve many jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hx.models.spec import ModelSpec
+
+PREFILL_BUCKET = 16  # tokens
+CACHE_BUCKET = 64  # KV-cache slots
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
+def padded_length(longest_prompt: int, spec: ModelSpec) -> int:
+    """Prompt length T after left padding: a ``PREFILL_BUCKET`` multiple, at most the context."""
+    return min(round_up(longest_prompt, PREFILL_BUCKET), spec.context_length)
+
+
+def new_tokens(longest_prompt: int, max_new_tokens: int, spec: ModelSpec) -> int:
+    """Tokens a batch can generate: ``max_new_tokens`` capped by the context end."""
+    return min(max_new_tokens, spec.context_length - longest_prompt)
+
+
+def cache_length(longest_prompt: int, max_new_tokens: int, spec: ModelSpec) -> int:
+    """KV-cache slots for a batch whose longest prompt has ``longest_prompt`` tokens.
+
+    Decode needs one slot per generated token but the last, after the padded prompt; the total
+    is rounded up to ``CACHE_BUCKET`` slots.
+    """
+    new = new_tokens(longest_prompt, max_new_tokens, spec)
+    return round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shapes one generation job runs at.
+
+    Attributes:
+      batch: B, rows per step.
+      prompt_tokens: T, padded prompt length of prefill.
+      cache_slots: S, KV-cache length per row.
+    """
+
+    batch: int
+    prompt_tokens: int
+    cache_slots: int
+
+    @classmethod
+    def for_prompts(cls, batch: int, longest_prompt: int, max_new_tokens: int,
+                    spec: ModelSpec) -> "Workload":
+        """The workload of a batch of ``batch`` prompts, the longest ``longest_prompt``
+        tokens, each generating up to ``max_new_tokens``."""
+        return cls(batch, padded_length(longest_prompt, spec),
+                   cache_length(longest_prompt, max_new_tokens, spec))

@@ -202,7 +202,7 @@ def bench(
                       f"{r.ratio:.3f}", str(r.segments_per_step),
                       "-" if r.overlap is None else f"{r.overlap:.2f}",
                       f"{r.accelerator_peak_bytes / 2**20:.1f}")
-    out.print(table, width=max(out.width, 140))
+    Console(width=max(out.width, 140)).print(table)  # never truncate columns of numbers
     out.print(devices.describe(), soft_wrap=True)
     if json_out:
         json_out.write_text(json.dumps(rows_to_json(rows, devices, spec), indent=1))

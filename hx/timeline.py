@@ -137,11 +137,12 @@ def overlap_fraction(events: list[Event]) -> float | None:
     Σ are sums of event durations on the compute and copy resources; wall runs from the step's
     first dispatch to its last end. 1 means the shorter of the two is entirely hidden under the
     other; 0 means they never overlap (gaps in the step make it lower still). None when the
-    step has no copies or no compute.
+    step has no compute or its copies take under 1 % of its compute time (e.g. only the input
+    tokens cross): the ratio of two near-zero quantities says nothing.
     """
     compute = sum(e.end - e.start for e in events if e.resource in COMPUTE)
     copy = sum(e.end - e.start for e in events if e.resource in COPY)
-    if compute <= 0 or copy <= 0:
+    if compute <= 0 or copy < 0.01 * compute:
         return None
     wall = max(e.end for e in events) - min(e.dispatch for e in events)
     return (compute + copy - wall) / min(compute, copy)

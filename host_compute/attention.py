@@ -41,7 +41,7 @@ def prefix_attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
     floor = jnp.finfo(jnp.float32).min
 
     def body(i, carry):
-        m, l, acc = carry  # (B,K,G,T), (B,K,G,T), (B,K,G,T,E)
+        m, denom, acc = carry  # (B,K,G,T), (B,K,G,T), (B,K,G,T,E)
         start = i * block
         kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=1).astype(jnp.float32)
         vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1).astype(jnp.float32)
@@ -53,11 +53,11 @@ def prefix_attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None]) * valid
         correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
+        denom = denom * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("bkgts,bske->bkgte", p, vb)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (jnp.full((B, K, G, T), floor), jnp.zeros((B, K, G, T)), jnp.zeros((B, K, G, T, E)))
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    o = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     return jnp.einsum("bkgte->btkge", o).reshape(B, T, H, E).astype(q.dtype)

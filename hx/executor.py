@@ -187,6 +187,7 @@ class Executor:
         if streaming:
             staged[streaming[0]] = self._stage(phase, streaming[0])
         previous_stream: tuple[int, Any] | None = None
+        held_inputs: list[tuple[str, str]] = []  # accountant keys of inputs copied in
 
         for i, seg in enumerate(segments):
             device = self.devices[seg.device]
@@ -208,12 +209,17 @@ class Executor:
                 steps[seg.device] = jax.device_put(step, device)
                 if on_acc:
                     acct.allocate("activations", ("step",), tree_bytes(steps[seg.device]))
+            if on_acc:  # stream order: the previous accelerator segment's inputs are free now
+                for key in held_inputs:
+                    acct.free(key)
+                held_inputs = []
             acts, deps = {}, [weight_event]
             for name in seg.reads:
                 acts[name], event = self._move(env[name], device, name, producer.get(name))
                 deps.append(event)
                 if on_acc and acts[name] is not env[name]:
                     acct.allocate("activations", ("input", name), acts[name].nbytes)
+                    held_inputs.append(("input", name))
             seg_caches = tuple(caches[layer] for layer in seg.cache_layers)
             deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
             args = (seg_params, acts, seg_caches, steps[seg.device])
@@ -224,9 +230,6 @@ class Executor:
             out, seg_caches = compiled(*args)
             for layer, cache in zip(seg.cache_layers, seg_caches):
                 caches[layer] = cache
-            if on_acc:
-                for name in seg.reads:
-                    acct.free(("input", name))
             for name, value in out.items():
                 env[name] = value
                 if on_acc:
@@ -245,9 +248,11 @@ class Executor:
                 previous_stream = (i, out)
 
         if previous_stream is not None:
-            staged.pop(previous_stream[0])
-            acct.free(("staging", previous_stream[0]))
-        for key in [("temp",), ("step",)] + [("act", name) for name in env]:
+            done, outputs = previous_stream
+            jax.block_until_ready(outputs)
+            staged.pop(done)
+            acct.free(("staging", done))
+        for key in [("temp",), ("step",), *held_inputs] + [("act", name) for name in env]:
             acct.free(key)
         return env["logits"], caches
 

@@ -14,8 +14,8 @@ from typing import Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
-from hx.models.spec import EMBED, HEAD, ModelSpec
-from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
+from hx.models.spec import ModelSpec
+from hx.plan import PHASES, RESIDENT, ExecutionPlan
 from hx.segments import Segment, split_segments
 from hx.workload import Workload
 

@@ -46,7 +46,11 @@ class Event:
 
 @dataclass
 class Timeline:
-    """Records events; ``wait()`` before reading starts and ends."""
+    """Records events; ``wait()`` before reading starts and ends.
+
+    Creating one lowers the interpreter's thread switch interval to ``SWITCH_INTERVAL_S`` for
+    the rest of the process (see ``__post_init__``).
+    """
 
     events: list[Event] = field(default_factory=list)
     step: int = -1

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from hx.models.loader import default_model_path
 

@@ -1,9 +1,7 @@
 """GGUF and safetensors loaders: layout, llama.cpp's q/k permutation, errors."""
 
 import json
-import os
 
-import jax
 import numpy as np
 import pytest
 

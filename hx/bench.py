@@ -57,6 +57,61 @@ def _majority_device(plan: ExecutionPlan) -> str:
     return max(set(devices), key=devices.count)
 
 
+class DecodeProbe:
+    """Decode-step inputs at a fixed batch after a prefill of ``context`` random tokens.
+
+    ``prefill()`` returns the prefill (tokens, Step); ``step(i)`` the i-th decode (tokens, Step),
+    with random token ids from a seeded generator.
+    """
+
+    def __init__(self, spec: ModelSpec, batch: int, context: int, seed: int = 0):
+        self.spec, self.batch, self.context = spec, batch, context
+        self.rng = np.random.default_rng(seed)
+        self.kv_start = np.zeros((batch,), np.int32)
+
+    def prefill(self) -> tuple[np.ndarray, Step]:
+        B, T = self.batch, self.context
+        tokens = self.rng.integers(0, self.spec.vocab_size, (B, T), dtype=np.int32)
+        positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+        return tokens, Step(positions, np.int32(0), self.kv_start)
+
+    def step(self, i: int) -> tuple[np.ndarray, Step]:
+        B, at = self.batch, self.context + i
+        tokens = self.rng.integers(0, self.spec.vocab_size, (B, 1), dtype=np.int32)
+        return tokens, Step(np.full((B, 1), at, np.int32), np.int32(at), self.kv_start)
+
+
+@dataclass
+class DecodeTimes:
+    """Per-step seconds: until ``Executor.run`` returned (``dispatch``: the Python side) and
+    until the logits were ready (``total``)."""
+
+    dispatch: list[float]
+    total: list[float]
+
+
+def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
+                warmup: int = WARMUP_STEPS) -> DecodeTimes:
+    """Times of ``steps`` executor decode steps (after a prefill and ``warmup`` untimed
+    steps), each waited for; the KV caches are released at the end."""
+    caches = executor.new_cache(probe.batch, slots)
+    times = DecodeTimes([], [])
+    try:
+        _, caches = executor.run("prefill", *probe.prefill(), caches)
+        for i in range(warmup + steps):
+            tokens, step = probe.step(i)
+            t0 = time.perf_counter()
+            logits, caches = executor.run("decode", tokens, step, caches)
+            t1 = time.perf_counter()
+            logits.block_until_ready()
+            if i >= warmup:
+                times.dispatch.append(t1 - t0)
+                times.total.append(time.perf_counter() - t0)
+        return times
+    finally:
+        executor.release_cache()
+
+
 def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
                  devices: Devices, context: int = 128, steps: int = 32) -> DecodeBenchRow:
     """Median decode-step time of the executor under ``plan`` and of the whole-model jit.
@@ -72,13 +127,10 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
       plan's decode ops; ``overlap`` = median ``overlap_fraction`` of the traced steps (None
       when a step copies nothing).
     """
-    rng = np.random.default_rng(0)
     warmup, traced_steps = WARMUP_STEPS, TRACED_STEPS
     slots = bench_workload(batch, context, steps).cache_slots
-    prompt = rng.integers(0, spec.vocab_size, (batch, context), dtype=np.int32)
-    kv_start = np.zeros((batch,), np.int32)
-    prefill = Step(np.broadcast_to(np.arange(context, dtype=np.int32), (batch, context)),
-                   np.int32(0), kv_start)
+    probe = DecodeProbe(spec, batch, context)
+    prompt, prefill = probe.prefill()
 
     executor = Executor(spec, params, plan, devices)
     exec_caches = executor.new_cache(batch, slots)
@@ -92,14 +144,9 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),
                              jax.device_put(prefill, ref_device), ref_caches)
 
-    def decode_step(i: int):
-        tokens = rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
-        return tokens, Step(np.full((batch, 1), context + i, np.int32), np.int32(context + i),
-                            kv_start)
-
     exec_times, ref_times = [], []
-    for i in range(warmup + steps):
-        tokens, step = decode_step(i)
+    for i in range(warmup + steps):  # alternate, so both see the same machine load
+        tokens, step = probe.step(i)
         t0 = time.perf_counter()
         logits, exec_caches = executor.run("decode", tokens, step, exec_caches)
         logits.block_until_ready()
@@ -115,7 +162,7 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
     executor.timeline = Timeline()
     for i in range(warmup + steps, warmup + steps + traced_steps):
-        tokens, step = decode_step(i)
+        tokens, step = probe.step(i)
         logits, exec_caches = executor.run("decode", tokens, step, exec_caches)
         logits.block_until_ready()
     overlap = median_overlap(executor.timeline)

@@ -31,7 +31,7 @@ from hx.memory import Accountant, check_fits
 from hx.models.llama import OPS, Cache, Step, apply_op, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.segments import Segment, split_segments
+from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
 
@@ -122,6 +122,21 @@ class Executor:
             for phase, segs in self.segments.items()}
         self._functions: dict[tuple, Any] = {}
         self._compiled: dict[tuple, tuple[Any, int]] = {}
+        self._by_segment: dict[tuple, tuple[Any, int]] = {}
+        # Static per segment: which reads cross from the other device (or from host memory,
+        # for the input tokens), and the next streaming segment.
+        self._moves, self._next_stream, self._first_stream = {}, {}, {}
+        for phase, segs in self.segments.items():
+            where: dict[str, str | None] = {"tokens": None}
+            moves = []
+            for seg in segs:
+                moves.append(tuple(n for n in seg.reads if where[n] != seg.device))
+                where.update({n: seg.device for n in seg.writes})
+            streaming = [i for i, seg in enumerate(segs) if seg.streams]
+            self._moves[phase] = moves
+            self._next_stream[phase] = [next((j for j in streaming if j > i), None)
+                                        for i in range(len(segs))]
+            self._first_stream[phase] = streaming[0] if streaming else None
 
     # -- KV caches ---------------------------------------------------------------------------
 
@@ -144,10 +159,16 @@ class Executor:
         for layer in range(self.spec.n_layers):
             self.accountant.free(("kv", layer))
 
-    # -- compilation -------------------------------------------------------------------------
+    # -- compilation ---------------------------------------------------------------------------
 
-    def _compile(self, segment: Segment, shapes: tuple, args: tuple) -> tuple[Any, int]:
-        """The compiled function of ``segment`` at ``shapes`` and its XLA temporary bytes."""
+    def _compiled_for(self, phase: str, index: int, shapes: tuple, args: tuple
+                      ) -> tuple[Any, int]:
+        """The compiled function of segment ``index`` at ``shapes`` and its XLA temporary bytes;
+        segments with one signature share one compilation."""
+        hit = self._by_segment.get((phase, index, shapes))
+        if hit is not None:
+            return hit
+        segment = self.segments[phase][index]
         key = (segment.signature, shapes)
         if key not in self._compiled:
             device, ops, _, _, writes = segment.signature
@@ -158,6 +179,7 @@ class Executor:
             temp = compiled.memory_analysis().temp_size_in_bytes
             self._compiled[key] = (compiled, temp)
             self.compilations += 1
+        self._by_segment[(phase, index, shapes)] = self._compiled[key]
         return self._compiled[key]
 
     # -- one step ----------------------------------------------------------------------------
@@ -177,17 +199,17 @@ class Executor:
         if tl is not None:
             tl.begin_step(phase)
         segments, params = self.segments[phase], self._params[phase]
+        moves, next_stream = self._moves[phase], self._next_stream[phase]
         shapes = (tuple(np.shape(tokens)), caches[0]["k"].shape[1])
         env: dict[str, Any] = {"tokens": tokens}
         producer: dict[Any, int | None] = {}  # env name / ("kv", layer) -> timeline event
         steps: dict[str, Step] = {}
         caches = list(caches)
-        streaming = [i for i, s in enumerate(segments) if s.streams]
         staged: dict[int, tuple[tuple, int | None]] = {}
-        if streaming:
-            staged[streaming[0]] = self._stage(phase, streaming[0])
+        first = self._first_stream[phase]
+        if first is not None:
+            staged[first] = self._stage(phase, first)
         previous_stream: tuple[int, Any] | None = None
-        held_inputs: list[tuple[str, str]] = []  # accountant keys of inputs copied in
 
         for i, seg in enumerate(segments):
             device = self.devices[seg.device]
@@ -199,9 +221,8 @@ class Executor:
                     jax.block_until_ready(outputs)
                     staged.pop(done)
                     acct.free(("staging", done))
-                later = [j for j in streaming if j > i]
-                if later:
-                    staged[later[0]] = self._stage(phase, later[0])
+                if next_stream[i] is not None:
+                    staged[next_stream[i]] = self._stage(phase, next_stream[i])
                 trees, weight_event = staged[i]
                 seg_params = tuple(s if s is not None else p for p, s in zip(params[i], trees))
 
@@ -209,21 +230,26 @@ class Executor:
                 steps[seg.device] = jax.device_put(step, device)
                 if on_acc:
                     acct.allocate("activations", ("step",), tree_bytes(steps[seg.device]))
-            if on_acc:  # stream order: the previous accelerator segment's inputs are free now
-                for key in held_inputs:
-                    acct.free(key)
-                held_inputs = []
-            acts, deps = {}, [weight_event]
-            for name in seg.reads:
-                acts[name], event = self._move(env[name], device, name, producer.get(name))
-                deps.append(event)
-                if on_acc and acts[name] is not env[name]:
-                    acct.allocate("activations", ("input", name), acts[name].nbytes)
-                    held_inputs.append(("input", name))
+            acts = {name: env[name] for name in seg.reads}
+            deps = [weight_event]
+            if moves[i]:  # everything a segment reads from elsewhere crosses in one call
+                dispatch = time.perf_counter()
+                moved = jax.device_put([env[name] for name in moves[i]], device)
+                acts.update(zip(moves[i], moved))
+                nbytes = sum(x.nbytes for x in moved)
+                if on_acc:  # held until the next accelerator segment starts (stream order)
+                    acct.allocate("activations", ("input",), nbytes)
+                from_host_memory = moves[i] == ("tokens",) and not isinstance(tokens, jax.Array)
+                if tl is not None and (on_acc or not from_host_memory):
+                    deps.append(tl.record(H2D if on_acc else D2H, " ".join(moves[i]), moved,
+                                          [producer.get(n) for n in moves[i]],
+                                          dispatch=dispatch, bytes=nbytes))
+            if tl is not None:
+                deps += [producer.get(n) for n in seg.reads if n not in moves[i]]
+                deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
             seg_caches = tuple(caches[layer] for layer in seg.cache_layers)
-            deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
             args = (seg_params, acts, seg_caches, steps[seg.device])
-            compiled, temp = self._compile(seg, shapes, args)
+            compiled, temp = self._compiled_for(phase, i, shapes, args)
             if on_acc:
                 acct.allocate("activations", ("temp",), temp)
             dispatch = time.perf_counter()
@@ -252,7 +278,7 @@ class Executor:
             jax.block_until_ready(outputs)
             staged.pop(done)
             acct.free(("staging", done))
-        for key in [("temp",), ("step",), *held_inputs] + [("act", name) for name in env]:
+        for key in [("temp",), ("step",), ("input",)] + [("act", name) for name in env]:
             acct.free(key)
         return env["logits"], caches
 
@@ -275,18 +301,3 @@ class Executor:
             event = self.timeline.record(H2D, f"weights {ops}", trees, dispatch=dispatch,
                                          bytes=tree_bytes(trees), layers=layers)
         return trees, event
-
-    def _move(self, value: Any, device: jax.Device, name: str, producer: int | None
-              ) -> tuple[Any, int | None]:
-        """``value`` on ``device`` (a transfer when it is elsewhere) and the event producing
-        it there."""
-        on_array = isinstance(value, jax.Array)
-        if on_array and value.devices() == {device}:
-            return value, producer
-        dispatch = time.perf_counter()
-        moved = jax.device_put(value, device)
-        to_acc = device == self.devices.accelerator.device
-        if self.timeline is None or not (on_array or to_acc):  # numpy onto the host: no copy
-            return moved, None
-        return moved, self.timeline.record(H2D if to_acc else D2H, name, moved, [producer],
-                                           dispatch=dispatch, bytes=moved.nbytes)

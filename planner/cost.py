@@ -1,0 +1,81 @@
+"""FLOPs and bytes of every op and transfer, from a ``ModelSpec`` and the step's shapes.
+
+Notation as in ``models/llama.py``: B batch, T new tokens per row (prompt length in prefill, 1 in
+decode), S cache slots attended, D hidden, H/K query/KV heads, E head dim, F FFN size, V vocab.
+A dense (M x N) @ (N x P) product costs 2·M·N·P FLOPs (one multiply and one add per term; Kaplan
+et al. 2020, §2.1). Elementwise work (norms, RoPE, SiLU, softmax) is a few FLOPs per element and
+is left out of matmul-bound ops. Bytes are at ``spec.dtype_bytes`` per element; token ids are
+int32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hx.models.spec import EMBED, HEAD, ModelSpec
+
+MATMUL_OPS = ("Q", "K", "V", "OUT", "MLP1", "MLP2", HEAD)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Work of one op in one step.
+
+    Attributes:
+      flops: floating-point operations.
+      rows: M of its matmuls (B·T, or B for HEAD, which scores only the last position).
+      weight_bytes: weight bytes read.
+      kv_read_bytes / kv_write_bytes: KV-cache bytes read (SCORE over S slots) and appended.
+      other_bytes: other memory traffic (EMBED's gathered rows).
+    """
+
+    flops: float
+    rows: int
+    weight_bytes: int
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+    other_bytes: int = 0
+
+
+def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> OpCost:
+    """FLOPs and bytes of ``op`` for ``batch`` rows of ``tokens`` new tokens over ``slots``
+    attended cache slots.
+
+    Formulas (M = B·T):
+      Q: 2·M·D·H·E;  K, V: 2·M·D·K·E;  OUT: 2·M·H·E·D;  MLP1: 2·(2·M·D·F) (gate and up);
+      MLP2: 2·M·F·D;  HEAD: 2·B·D·V;  SCORE: q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading
+      2·B·S·K·E cache elements and appending 2·B·T·K·E;  EMBED: B·T·D elements gathered.
+    """
+    s, w = spec, spec.dtype_bytes
+    D, H, K, E, F, V = s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.d_ff, s.vocab_size
+    M = batch * tokens
+    weights = s.op_weight_bytes(op)
+    if op == EMBED:
+        return OpCost(0.0, M, 0, other_bytes=M * D * w)
+    if op == "SCORE":
+        return OpCost(4.0 * batch * H * tokens * slots * E, M, 0,
+                      kv_read_bytes=2 * batch * slots * K * E * w,
+                      kv_write_bytes=2 * M * K * E * w)
+    flops = {"Q": 2.0 * M * D * H * E, "K": 2.0 * M * D * K * E, "V": 2.0 * M * D * K * E,
+             "OUT": 2.0 * M * H * E * D, "MLP1": 4.0 * M * D * F, "MLP2": 2.0 * M * F * D,
+             HEAD: 2.0 * batch * D * V}[op]
+    return OpCost(flops, batch if op == HEAD else M, weights)
+
+
+def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int:
+    """Bytes of one named activation crossing between devices (``models.llama.OPS`` names)."""
+    s, w = spec, spec.dtype_bytes
+    per_row = {"x": s.d_model, "h": s.d_model,
+               "q": s.n_heads * s.head_dim, "o": s.n_heads * s.head_dim,
+               "k": s.n_kv_heads * s.head_dim, "v": s.n_kv_heads * s.head_dim, "a": s.d_ff}
+    if name == "logits":
+        return batch * s.vocab_size * 4
+    if name == "tokens":
+        return batch * tokens * 4
+    return batch * tokens * per_row[name] * w
+
+
+def crossing_bytes(spec: ModelSpec, reads: tuple[str, ...], batch: int, tokens: int) -> int:
+    """Bytes of the activations a segment reads from another device."""
+    return sum(activation_bytes(spec, name, batch, tokens) for name in reads)
+

@@ -1,0 +1,146 @@
+"""``HardwareProfile``: the measured rates the cost model turns FLOPs and bytes into seconds.
+
+A profile is plain data with a JSON round trip. ``hx profile`` measures one on the devices present
+(``planner/profiler.py``); named presets for real GPUs and hosts belong to the simulator.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from hx.errors import HxError
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """Piecewise-linear in log(x) through sorted (x, y) points, constant beyond the ends."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + t * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Rates of one device as the executor drives it.
+
+    Attributes:
+      matmul: ((M rows, FLOP/s), ...) sorted by M: rate of (M x N) @ (N x P) products whose
+        weights come from memory (working set larger than the caches).
+      memory_bandwidth: bytes/s of a streaming copy (gathers, elementwise work).
+      attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
+        SCORE kernel reads the KV cache.
+      launch_overhead: seconds the executor spends launching one segment on this device.
+      compute_scale: ((batch, factor), ...): a model's observed compute time / what these
+        rates predict for it, per batch (``calibrate.refine``); 1 when empty.
+    """
+
+    matmul: tuple[tuple[int, float], ...]
+    memory_bandwidth: float
+    attention: tuple[tuple[int, float], ...]
+    launch_overhead: float
+    compute_scale: tuple[tuple[int, float], ...] = ()
+
+    def scale(self, batch: int) -> float:
+        """``compute_scale`` at ``batch`` (interpolated in log batch)."""
+        return _interpolate(self.compute_scale, batch) if self.compute_scale else 1.0
+
+    def matmul_seconds(self, flops: float, rows: int) -> float:
+        """Seconds of ``flops`` of matmul at M = ``rows``."""
+        return flops / _interpolate(self.matmul, rows) if flops else 0.0
+
+    def attention_seconds(self, kv_bytes: float, slots: int) -> float:
+        """Seconds for SCORE to read ``kv_bytes`` of cache at ``slots`` slots."""
+        return kv_bytes / _interpolate(self.attention, slots) if kv_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Accelerator, host and the link between them.
+
+    Attributes:
+      name: label (e.g. the machine it was measured on).
+      accelerator / host: ``DeviceProfile`` of each side.
+      h2d_bandwidth / d2h_bandwidth: bytes/s of large copies host -> accelerator memory and
+        back (weights: from the pinned_host memory kind).
+      transfer_latency: seconds an activation transfer adds on its link beyond
+        bytes / bandwidth.
+      contention: 0..1, share of the shorter of an overlapped copy and computation that is
+        lost when they run together (0: independent engines, as a GPU's DMA engine and SMs
+        nearly are; 1: fully serialised). Measured by the profiler.
+      sync_overhead: seconds between a streaming segment finishing and the executor, which
+        waited for it, issuing the next weight copy and launch (fitted by ``calibrate``).
+      accelerator_memory / host_memory: capacities in bytes (None = unknown).
+      emulated: the accelerator was an XLA CPU device standing in for a GPU.
+    """
+
+    name: str
+    accelerator: DeviceProfile
+    host: DeviceProfile
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    transfer_latency: float
+    contention: float
+    sync_overhead: float = 0.0
+    accelerator_memory: int | None = None
+    host_memory: int | None = None
+    emulated: bool = False
+
+    def device(self, name: str) -> DeviceProfile:
+        """The ``DeviceProfile`` of ``"accelerator"`` or ``"host"``."""
+        return self.accelerator if name == "accelerator" else self.host
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-dict form (tuples become lists)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HardwareProfile":
+        """Parse ``to_json``'s form.
+
+        Raises:
+          HxError: a missing or malformed field.
+        """
+        try:
+            devices = {}
+            for side in ("accelerator", "host"):
+                d = dict(data[side])
+                d["matmul"] = tuple((int(m), float(r)) for m, r in d["matmul"])
+                d["attention"] = tuple((int(s), float(r)) for s, r in d["attention"])
+                d["compute_scale"] = tuple((int(b), float(f))
+                                           for b, f in d.get("compute_scale", ()))
+                devices[side] = DeviceProfile(**d)
+            rest = {f.name: data[f.name] for f in fields(cls)
+                    if f.name not in devices and f.name in data}
+            return cls(**devices, **rest)
+        except (KeyError, TypeError, ValueError) as e:
+            raise HxError(f"malformed hardware profile: {e!r}") from None
+
+    def save(self, path: str) -> None:
+        """Write the JSON form to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        """Read a profile JSON file.
+
+        Raises:
+          HxError: missing file, invalid JSON or malformed profile.
+        """
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except FileNotFoundError:
+            raise HxError(f"hardware profile not found: {path}; measure one with "
+                          "`hx profile --output PATH`") from None
+        except json.JSONDecodeError as e:
+            raise HxError(f"hardware profile {path} is not valid JSON: {e}") from None

@@ -1,0 +1,187 @@
+"""Discrete-event replay of one executor step of a plan on a ``HardwareProfile`` (DESIGN §6).
+
+The replay issues the same work in the same order as ``hx.executor.Executor.run``: the first
+streaming segment's weights are staged at once, the next one's when the previous streaming
+segment has finished; the activations a segment reads from the other side cross in one
+transfer (link latency + bytes / bandwidth); each segment costs its device's launch overhead
+(the executor's Python dispatch, taken as serial: on a 2-core host it competes with compute)
+plus its ops; after waiting for a streaming segment the executor needs ``sync_overhead`` before
+the next copy and launch go out (the ``sync`` resource). Every piece of work is a task on one
+resource -- ``accelerator`` and ``host`` compute, ``H2D`` and ``D2H`` copies, ``sync`` -- and
+each resource runs its tasks one at a time in issue order, once their inputs are ready. When
+copies and computation run at the same moment they share the machine: both progress at
+1 / (1 + ``contention``) of their speed (contention 0: independent engines, as a GPU's DMA and
+SMs nearly are; 1: serialised).
+
+Durations come from ``planner.cost`` (FLOPs and bytes) and the profile's rates: a matmul op at
+M rows takes flops / matmul_rate(M); SCORE reads its KV cache at the device's attention rate
+(all S slots on the accelerator, the used prefix on the host, as ``host_compute`` does) or is
+compute-bound, whichever is slower; EMBED moves its rows at memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hx.devices import ACCELERATOR, HOST
+from hx.models.spec import EMBED, ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner.cost import activation_bytes, op_cost
+from hx.planner.profile import HardwareProfile
+from hx.segments import Segment, split_segments
+from hx.workload import round_up
+
+H2D, D2H, SYNC = "H2D", "D2H", "sync"
+COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
+HOST_ATTENTION_BLOCK = 64  # slots per block of host_compute.attention
+
+
+@dataclass
+class Task:
+    """One piece of work on one resource. Times in seconds from the start of the step."""
+
+    resource: str
+    name: str
+    duration: float
+    deps: tuple[int, ...] = ()
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """Predicted step time and how busy each resource was (seconds)."""
+
+    seconds: float
+    busy: dict[str, float] = field(default_factory=dict)
+    tasks: list[Task] = field(default_factory=list)
+
+
+def op_seconds(spec: ModelSpec, profile: HardwareProfile, device: str, op: str, batch: int,
+               tokens: int, slots: int, context: int) -> float:
+    """Seconds of one op on ``device``: ``tokens`` new tokens per row, ``slots`` cache slots,
+    ``context`` of them in use (the host SCORE kernel reads only those)."""
+    rates = profile.device(device)
+    return rates.scale(batch) * _op_seconds(spec, rates, device, op, batch, tokens, slots,
+                                            context)
+
+
+def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
+    if op == "SCORE":
+        read = slots if device == ACCELERATOR else min(
+            slots, round_up(context, HOST_ATTENTION_BLOCK))
+        c = op_cost(spec, op, batch, tokens, read)
+        return max(rates.attention_seconds(c.kv_read_bytes, read),
+                   rates.matmul_seconds(c.flops, c.rows))
+    c = op_cost(spec, op, batch, tokens, slots)
+    if op == EMBED:
+        return c.other_bytes / rates.memory_bandwidth
+    return rates.matmul_seconds(c.flops, c.rows)
+
+
+def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
+                    tokens: int, slots: int, context: int) -> float:
+    """Compute seconds of a segment: the sum of its ops."""
+    return sum(op_seconds(spec, profile, segment.device, op, batch, tokens, slots, context)
+               for _, op in segment.ops)
+
+
+def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
+                batch: int, tokens: int, slots: int, context: int) -> list[Task]:
+    """The tasks of one ``Executor.run`` of ``phase``, in the order the executor issues them."""
+    segments = split_segments(plan, phase)
+    tasks: list[Task] = []
+
+    def add(resource, name, duration, deps=()) -> int:
+        tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None)))
+        return len(tasks) - 1
+
+    def stage(index: int, after: int | None) -> int:
+        seg = segments[index]
+        nbytes = sum(spec.op_weight_bytes(op) for (_, op), st in zip(seg.ops, seg.staged) if st)
+        return add(H2D, f"weights {index}", nbytes / profile.h2d_bandwidth, [after])
+
+    streaming = [i for i, s in enumerate(segments) if s.streams]
+    staged = {streaming[0]: stage(streaming[0], None)} if streaming else {}
+    # activation -> (device holding it, task producing it); tokens start in host memory
+    producer: dict[str, tuple[str | None, int | None]] = {"tokens": (None, None)}
+    previous_stream: int | None = None  # compute task of the last streaming segment
+    for i, seg in enumerate(segments):
+        synced = None
+        if seg.streams and previous_stream is not None:  # the executor waits for it, then
+            synced = add(SYNC, f"wait {i}", profile.sync_overhead, [previous_stream])
+        if seg.streams:  # ... issues the next copy and this launch
+            later = [j for j in streaming if j > i]
+            if later:
+                staged[later[0]] = stage(later[0], synced)
+        deps = [staged.get(i), synced] + [producer[n][1] for n in seg.reads]
+        moves = [n for n in seg.reads if producer[n][0] != seg.device]
+        if moves and not (moves == ["tokens"] and seg.device == HOST):  # one device_put
+            link = H2D if seg.device == ACCELERATOR else D2H
+            nbytes = sum(activation_bytes(spec, n, batch, tokens) for n in moves)
+            bandwidth = profile.h2d_bandwidth if link == H2D else profile.d2h_bandwidth
+            deps.append(add(link, " ".join(moves), profile.transfer_latency + nbytes / bandwidth,
+                            [producer[n][1] for n in moves]))
+        name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
+        duration = profile.device(seg.device).launch_overhead + segment_seconds(
+            spec, profile, seg, batch, tokens, slots, context)
+        task = add(seg.device, name, duration, deps)
+        for written in seg.writes:
+            producer[written] = (seg.device, task)
+        if seg.streams:
+            previous_stream = task
+    return tasks
+
+
+def run_tasks(tasks: list[Task], contention: float) -> float:
+    """Replay ``tasks`` (fills their start and end); returns the makespan in seconds."""
+    queues: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        queues.setdefault(t.resource, []).append(i)
+    heads = {r: 0 for r in queues}
+    remaining = [t.duration for t in tasks]
+    done = [False] * len(tasks)
+    running: dict[str, int] = {}
+    now = 0.0
+    while True:
+        for r, queue in queues.items():
+            if r not in running and heads[r] < len(queue):
+                i = queue[heads[r]]
+                if all(done[d] for d in tasks[i].deps):
+                    running[r] = i
+                    tasks[i].start = now
+        if not running:
+            break
+        copying = any(r in COPY_RESOURCES for r in running)
+        computing = any(r in COMPUTE_RESOURCES for r in running)
+        slow = 1.0 / (1.0 + contention) if copying and computing else 1.0
+
+        dt = min(remaining[i] / slow for i in running.values())
+        now += dt
+        for r, i in list(running.items()):
+            remaining[i] -= dt * slow
+            if remaining[i] <= 1e-12:
+                done[i], tasks[i].end = True, now
+                del running[r]
+                heads[r] += 1
+    if not all(done):
+        raise RuntimeError("simulated schedule deadlocked")  # a bug in build_tasks
+    return now
+
+
+def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
+            batch: int, tokens: int, slots: int, context: int | None = None) -> Prediction:
+    """Predicted wall time of one executor step of ``phase``.
+
+    Args:
+      batch, tokens: rows and new tokens per row (the prompt length in prefill, 1 in decode).
+      slots: KV-cache slots S.
+      context: slots in use (default: all of them).
+    """
+    tasks = build_tasks(plan, spec, profile, phase, batch, tokens, slots,
+                        slots if context is None else context)
+    seconds = run_tasks(tasks, profile.contention)
+    busy: dict[str, float] = {}
+    for t in tasks:
+        busy[t.resource] = busy.get(t.resource, 0.0) + t.end - t.start
+    return Prediction(seconds, busy, tasks)

@@ -1,18 +1,24 @@
 """Placement policies as plan builders (DESIGN §6): each returns an ``ExecutionPlan``.
 
-These are the fixed baselines of the ablations; the CP-SAT planner arrives with the planner
-issue. EMBED (a row lookup in a table as large as the LM head) always stays on the host, as in
-llama.cpp; copying the whole table to the accelerator to gather B rows would never pay.
+Fixed policies live here; ``baselines`` adds the cost-model-driven ones (min-max,
+flexgen-lp) and ``cpsat`` the planner; ``build`` names them all. EMBED (a row lookup in a
+table as large as the LM head) always stays on the host, as in llama.cpp; copying the whole
+table to the accelerator to gather B rows would never pay.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import check_fits
+from hx.memory import check_fits, estimate
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan, Placement
 from hx.workload import Workload
+
+if TYPE_CHECKING:
+    from hx.planner.profile import HardwareProfile
 
 
 def all_accelerator(n_layers: int) -> ExecutionPlan:
@@ -64,33 +70,59 @@ def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
     return layer_split(spec.n_layers, 0)
 
 
-POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "auto")
+POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
+            "cpsat", "auto")
+NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat", "auto")
 
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
-          gpu_layers: int | None = None) -> ExecutionPlan:
-    """The plan of a named policy.
+          gpu_layers: int | None = None, profile: "HardwareProfile | None" = None
+          ) -> ExecutionPlan:
+    """The plan of a named policy, checked against the budgets.
 
-    ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None. ``auto``
-    is all-accelerator when that fits, else the largest fitting layer split.
+    ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None. ``min-max``,
+    ``flexgen-lp`` and ``cpsat`` price ops with ``profile``. ``auto`` is all-accelerator when
+    that fits, else the CP-SAT plan.
     Raises:
-      HxError: an unknown policy.
+      HxError: an unknown policy, a policy needing a profile without one, or a plan that does
+        not fit (naming the bytes over, or for ``cpsat`` the minimum feasible budget).
     """
+    from hx.planner import baselines, cpsat  # OR-Tools loads only when a solver is asked for
+
     n = spec.n_layers
+    if policy in NEEDS_PROFILE and profile is None and policy != "auto":
+        raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
     if policy == "all-accelerator":
-        return all_accelerator(n)
-    if policy == "all-host":
-        return all_host(n)
-    if policy == "stream-all":
-        return stream_all(n)
-    if policy == "layer-split":
-        if gpu_layers is None:
-            return largest_layer_split(spec, devices, workload)
-        return layer_split(n, gpu_layers)
-    if policy == "auto":
+        plan = all_accelerator(n)
+    elif policy == "all-host":
+        plan = all_host(n)
+    elif policy == "stream-all":
+        plan = stream_all(n)
+    elif policy == "layer-split":
+        plan = (largest_layer_split(spec, devices, workload) if gpu_layers is None
+                else layer_split(n, gpu_layers))
+    elif policy == "min-max":
+        plan = baselines.min_max(spec, profile, devices, workload)
+    elif policy == "flexgen-lp":
+        plan = baselines.flexgen_lp(spec, profile, devices, workload)
+    elif policy == "cpsat":
+        plan = cpsat.plan_cpsat(spec, profile, devices, workload).plan
+    elif policy == "auto":
         try:
             check_fits(all_accelerator(n), spec, devices, workload)
             return all_accelerator(n)
         except HxError:
-            return largest_layer_split(spec, devices, workload)
-    raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+            if profile is None:
+                return largest_layer_split(spec, devices, workload)
+            return cpsat.plan_cpsat(spec, profile, devices, workload).plan
+    else:
+        raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+    need = estimate(plan, spec, workload)
+    capacity = devices.accelerator.capacity
+    if capacity is not None and need.accelerator > capacity:
+        raise HxError(f"policy {policy!r} does not fit the accelerator memory budget of "
+                      f"{capacity} bytes at batch {workload.batch}, {workload.cache_slots} KV "
+                      f"slots: the minimum feasible budget for it is {need.accelerator} bytes "
+                      f"({need.breakdown()}), over by {need.accelerator - capacity}")
+    check_fits(plan, spec, devices, workload)  # the host budget
+    return plan

@@ -1,0 +1,177 @@
+"""Cost-model-driven baselines: TwinPilots-style min-max and FlexGen's LP policy.
+
+Both price ops with the simulator's ``op_seconds`` on a ``HardwareProfile`` at the decode shapes
+of a workload, and both return plans that ``hx.memory.check_fits`` accepts.
+"""
+
+from __future__ import annotations
+
+from ortools.linear_solver import pywraplp
+
+from hx.devices import ACCELERATOR, HOST, Devices
+from hx.errors import HxError
+from hx.memory import activation_bytes, check_fits
+from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
+from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import op_seconds
+from hx.workload import Workload
+
+
+def _op_times(spec: ModelSpec, profile: HardwareProfile, workload: Workload
+              ) -> dict[str, dict[str, float]]:
+    """{device: {op: seconds per decode step}} at the middle of the cache."""
+    context = (workload.prompt_tokens + workload.cache_slots) // 2
+    return {d: {op: op_seconds(spec, profile, d, op, workload.batch, 1, workload.cache_slots,
+                               context) for op in LAYER_OPS + (HEAD,)}
+            for d in (ACCELERATOR, HOST)}
+
+
+def _plan(spec: ModelSpec, devices_of, homes_of, head: str, name: str) -> ExecutionPlan:
+    """A plan from per-(layer, op) device and weight-home functions; EMBED on the host."""
+    L = spec.n_layers
+    placement = Placement(HOST, tuple(tuple(devices_of(i, op) for op in LAYER_OPS)
+                                      for i in range(L)),
+                          HOST if head == HOST else ACCELERATOR)
+    weights = WeightHomes(HOST, tuple(tuple(homes_of(i, op) for op in WEIGHTED_OPS)
+                                      for i in range(L)), head)
+    kv = tuple(devices_of(i, "SCORE") for i in range(L))
+    return ExecutionPlan(placement, placement, weights, kv, name)
+
+
+def _fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
+    try:
+        check_fits(plan, spec, devices, workload)
+        return True
+    except HxError:
+        return False
+
+
+def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload
+            ) -> ExecutionPlan:
+    """TwinPilots-style load balancing (Yu et al. 2024): start with every op on the host and
+    greedily move the op whose move most lowers max(host load, accelerator load), where the
+    accelerator's load counts its compute, the weight copies of streamed ops and one
+    activation transfer per op that leaves the host. An op's weights are resident when they
+    fit, else streamed; SCORE moves with its KV cache. Memory is tracked as resident weights +
+    accelerator KV + twice the largest streamed layer (double buffer) + activations; it stops
+    when no move lowers the maximum and fits, and backs out moves if ``check_fits`` disagrees.
+    """
+    times = _op_times(spec, profile, workload)
+    capacity = devices.accelerator.capacity
+    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+    kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    state: dict[tuple[int | None, str], str] = {(i, op): HOST for i in range(spec.n_layers)
+                                                for op in LAYER_OPS}
+    state[(None, HEAD)] = HOST
+    resident = 0
+    streamed = {i: 0 for i in range(spec.n_layers)} | {None: 0}
+
+    def needed(extra_resident: int = 0, stream_at=None, stream_bytes: int = 0) -> int:
+        layers = dict(streamed)
+        if stream_at is not None or stream_bytes:
+            layers[stream_at] += stream_bytes
+        return resident + extra_resident + 2 * max(layers.values()) + act
+
+    def acc_cost(op: str, home: str) -> float:
+        copy = spec.op_weight_bytes(op) / profile.h2d_bandwidth if home == STREAMED else 0.0
+        return times[ACCELERATOR][op] + copy + profile.transfer_latency
+
+    host_load = sum(times[HOST][op] for (_, op) in state)
+    acc_load, moves = 0.0, []
+    while True:
+        best = None
+        for (layer, op), current in state.items():
+            if current != HOST:
+                continue
+            size = kv_layer if op == "SCORE" else spec.op_weight_bytes(op)
+            for home in ((RESIDENT,) if op == "SCORE" else (RESIDENT, STREAMED)):
+                fits = capacity is None or (
+                    needed(extra_resident=size) if home == RESIDENT
+                    else needed(stream_at=layer, stream_bytes=size)) <= capacity
+                if not fits:
+                    continue
+                load = max(host_load - times[HOST][op], acc_load + acc_cost(op, home))
+                if load < max(host_load, acc_load) and (best is None or load < best[0]):
+                    best = (load, (layer, op), home, size)
+                break  # resident is preferred whenever it fits
+        if best is None:
+            break
+        _, key, home, size = best
+        state[key] = home
+        moves.append(key)
+        if home == RESIDENT:
+            resident += size
+        else:
+            streamed[key[0]] += size
+        host_load -= times[HOST][key[1]]
+        acc_load += acc_cost(key[1], home)
+
+    def plan_of() -> ExecutionPlan:
+        return _plan(spec, lambda i, op: HOST if state[(i, op)] == HOST else ACCELERATOR,
+                     lambda i, op: state[(i, op)], state[(None, HEAD)], "min-max")
+
+    while not _fits(plan_of(), spec, devices, workload):  # the tally is an estimate
+        state[moves.pop()] = HOST
+    return plan_of()
+
+
+def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload
+               ) -> ExecutionPlan:
+    """FlexGen's policy search as a linear program (Sheng et al. 2023, §4): the fraction w of
+    weights kept resident (the rest streamed in) and the fraction c of KV cache on the
+    accelerator (the rest on the host, attended there: FlexGen's CPU-cache compute), minimising
+    the per-layer decode time T >= copy time, >= accelerator compute, >= host compute (FlexGen
+    overlaps the three), under the accelerator budget. The LP is solved with OR-Tools (GLOP);
+    w becomes, in every layer, the largest ops resident while their share stays within w, and
+    c the number of layers whose KV sits on the accelerator (rounded down until the plan fits).
+    Every op but host-cache SCORE runs on the accelerator; HEAD is resident when w = 1, else
+    streamed, else on the host if streaming it does not fit; EMBED stays on the host.
+
+    Raises:
+      HxError: no plan fits, with the minimum feasible budget (two streamed layers and the
+        activations).
+    """
+    L = spec.n_layers
+    times = _op_times(spec, profile, workload)
+    layer_w = spec.layer_weight_bytes
+    kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    acc_compute = sum(times[ACCELERATOR][op] for op in WEIGHTED_OPS)
+    capacity = devices.accelerator.capacity
+    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    w = solver.NumVar(0, 1, "w")
+    c = solver.NumVar(0, 1, "c")
+    t = solver.NumVar(0, solver.infinity(), "T")
+    solver.Add(t >= (1 - w) * layer_w / profile.h2d_bandwidth)
+    solver.Add(t >= acc_compute + c * times[ACCELERATOR]["SCORE"])
+    solver.Add(t >= (1 - c) * times[HOST]["SCORE"])
+    if capacity is not None:
+        solver.Add(w * L * layer_w + c * L * kv_layer + 2 * layer_w + act <= capacity)
+    solver.Minimize(t)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        raise HxError(f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at "
+                      f"batch {workload.batch}; the minimum feasible budget is "
+                      f"{2 * layer_w + act} bytes (two streamed layers and activations)")
+    w_value, c_value = w.solution_value(), c.solution_value()
+    by_size = sorted(WEIGHTED_OPS, key=spec.op_weight_bytes, reverse=True)
+    resident, share = set(), 0.0
+    for op in by_size:
+        if share + spec.op_weight_bytes(op) / layer_w <= w_value + 1e-9:
+            resident.add(op)
+            share += spec.op_weight_bytes(op) / layer_w
+    heads = ((RESIDENT,) if w_value >= 1 - 1e-9 else ()) + (STREAMED, HOST)
+    for kv_layers in range(round(c_value * L), -1, -1):
+        first_acc_kv = L - kv_layers
+        for head in heads:
+            plan = _plan(spec,
+                         lambda i, op: HOST if op == "SCORE" and i < first_acc_kv
+                         else ACCELERATOR,
+                         lambda i, op: RESIDENT if op in resident else STREAMED, head,
+                         "flexgen-lp")
+            if _fits(plan, spec, devices, workload):
+                return plan
+    raise HxError(f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at "
+                  f"batch {workload.batch}; the minimum feasible budget is "
+                  f"{2 * layer_w + act} bytes (two streamed layers and activations)")

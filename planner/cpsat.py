@@ -1,0 +1,291 @@
+"""CP-SAT placement: how many layers take each placement pattern (DESIGN §6).
+
+A layer's pattern fixes where its KV cache (and so SCORE) lives and, for each of its six
+weighted ops, whether the op runs on the host (weights at home there), on the accelerator with
+resident weights, or on the accelerator with weights streamed in: 2 x 3^6 = 1458 patterns. All
+layers of a model have the same shapes, so a plan is a count per pattern, plus a choice for
+HEAD. Each pattern is priced once by the simulator (the marginal decode time of one more layer
+of it) and by its memory; patterns that another beats on every count are dropped; CP-SAT then
+picks the counts (a full per-op interval model does not scale: no solution in 60 s for
+30 x 7 ops, DESIGN §6). Predicted decode time is minimised subject to:
+
+  Σ n_p = L;  accelerator: Σ n_p (resident_p + kv_p) + HEAD + staging + activations ≤ capacity;
+  host: Σ n_p host_p + EMBED + HEAD ≤ host capacity;  staging ≥ 2 m and ≥ m + HEAD if HEAD is
+  streamed, m ≥ largest staged segment of every used pattern (two consecutive segments are
+  staged at once; a conservative bound across pattern boundaries).
+
+Layers are laid out host-heaviest first (the llama.cpp order); prefill keeps the decode
+placement unless running every weighted op on the accelerator (host weights staged in) is
+predicted faster and fits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from hx.devices import ACCELERATOR, HOST, Devices
+from hx.errors import HxError
+from hx.memory import activation_bytes, check_fits
+from hx.models.spec import LAYER_OPS, ModelSpec
+from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import predict
+from hx.segments import split_segments
+from hx.workload import Workload
+
+OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
+TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Placement of one layer: KV home and the state of each weighted op."""
+
+    kv: str
+    ops: tuple[str, ...]  # per WEIGHTED_OPS: host, resident or streamed
+
+    def devices(self) -> tuple[str, ...]:
+        """Device of each op of ``LAYER_OPS``."""
+        state = dict(zip(WEIGHTED_OPS, self.ops))
+        return tuple(self.kv if op == "SCORE" else (HOST if state[op] == HOST else ACCELERATOR)
+                     for op in LAYER_OPS)
+
+    def homes(self) -> tuple[str, ...]:
+        """Weight home of each op of ``WEIGHTED_OPS``."""
+        return self.ops
+
+
+@dataclass
+class PatternCost:
+    """What one layer of a pattern costs: seconds per decode step and bytes."""
+
+    pattern: Pattern
+    seconds: float
+    resident: int  # accelerator bytes: resident weights + KV
+    segment: int  # largest staged segment, bytes
+    host: int  # host bytes: host and streamed weights + KV
+    uses_accelerator: bool
+
+
+@dataclass
+class PlannerResult:
+    """The plan and how the solver got there.
+
+    Attributes:
+      plan: the chosen plan (validated; fits the budgets).
+      status: ``OPTIMAL`` or ``FEASIBLE`` (time limit hit: best plan found, not proven).
+      objective_s / bound_s: predicted decode step (model objective) and the solver's best
+        bound, in seconds; ``gap`` = (objective - bound) / objective.
+      solve_s: CP-SAT wall time; ``patterns``: patterns left after dominance pruning.
+      counts: layers per pattern in the solution.
+    """
+
+    plan: ExecutionPlan
+    status: str
+    objective_s: float
+    bound_s: float
+    gap: float
+    solve_s: float
+    patterns: int
+    counts: dict[Pattern, int]
+
+
+def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
+               ) -> ExecutionPlan:
+    """The plan of layers laid out with ``patterns`` (one per layer) and HEAD's state."""
+    placement = Placement(HOST, tuple(p.devices() for p in patterns),
+                          HOST if head == HOST else ACCELERATOR)
+    weights = WeightHomes(HOST, tuple(p.homes() for p in patterns), head)
+    return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
+
+
+def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                   context: int) -> list[PatternCost]:
+    """Simulated marginal decode time and bytes of one layer of every pattern."""
+    two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
+    kv_bytes = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    costs = []
+    for kv in (ACCELERATOR, HOST):
+        for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS)):
+            p = Pattern(kv, ops)
+            seconds = (predict(layer_plan(two, [p, p], HOST, "p"), two, profile, "decode",
+                               workload.batch, 1, workload.cache_slots, context).seconds
+                       - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
+                                 workload.batch, 1, workload.cache_slots, context).seconds)
+            weights = dict(zip(WEIGHTED_OPS, (spec.op_weight_bytes(op) for op in WEIGHTED_OPS)))
+            resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s == RESIDENT)
+            host = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
+            segments = split_segments(layer_plan(two, [p, p], HOST, "p"), "decode")
+            staged = [sum(spec.op_weight_bytes(op) for (_, op), st in zip(s.ops, s.staged) if st)
+                      for s in segments]
+            costs.append(PatternCost(
+                p, max(seconds, 0.0), resident + (kv_bytes if kv == ACCELERATOR else 0),
+                max(staged), host + (kv_bytes if kv == HOST else 0),
+                ACCELERATOR in p.devices()))
+    return costs
+
+
+def prune(costs: list[PatternCost]) -> list[PatternCost]:
+    """Drop patterns that another is at least as good as on every count (and better on one)."""
+    m = np.array([[c.seconds, c.resident, c.segment, c.host, c.uses_accelerator]
+                  for c in costs], dtype=float)
+    keep = []
+    for i in range(len(costs)):
+        no_worse = (m <= m[i]).all(axis=1)
+        better = (m < m[i]).any(axis=1)
+        if not (no_worse & better).any():
+            keep.append(costs[i])
+    return keep
+
+
+def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                 context: int) -> dict[str, float]:
+    """Decode-step time of HEAD in each state, after a host layer (simulated difference)."""
+    one = spec.replace(n_layers=1)
+    host_layer = Pattern(HOST, (HOST,) * len(WEIGHTED_OPS))
+
+    def run(head: str) -> float:
+        return predict(layer_plan(one, [host_layer], head, "h"), one, profile, "decode",
+                       workload.batch, 1, workload.cache_slots, context).seconds
+
+    return {state: run(state) for state in OP_STATES}
+
+
+@dataclass
+class _Model:
+    """The CP-SAT model over pattern counts and its key expressions."""
+
+    model: cp_model.CpModel
+    n: list
+    head: dict
+    accelerator_bytes: object
+    seconds: object
+
+
+def _build(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, float], act: int,
+           capacity: int | None, host_capacity: int | None) -> _Model:
+    L = spec.n_layers
+    head_bytes = spec.op_weight_bytes("HEAD")
+    model = cp_model.CpModel()
+    n = [model.NewIntVar(0, L, f"n{i}") for i in range(len(costs))]
+    used = [model.NewBoolVar(f"used{i}") for i in range(len(costs))]
+    head = {s: model.NewBoolVar(f"head_{s}") for s in OP_STATES}
+    model.AddExactlyOne(head.values())
+    model.Add(sum(n) == L)
+    for ni, ui in zip(n, used):
+        model.Add(ni <= L * ui)
+        model.Add(ni >= 1).OnlyEnforceIf(ui)
+    biggest = max([c.segment for c in costs] + [head_bytes])
+    seg = model.NewIntVar(0, biggest, "largest_staged_segment")
+    staging = model.NewIntVar(0, 2 * biggest, "staging")
+    any_acc = model.NewBoolVar("uses_accelerator")
+    for c, u in zip(costs, used):
+        if c.segment:
+            model.Add(seg >= c.segment).OnlyEnforceIf(u)
+        if c.uses_accelerator:
+            model.AddImplication(u, any_acc)
+    model.AddImplication(head[RESIDENT], any_acc)
+    model.AddImplication(head[STREAMED], any_acc)
+    model.Add(staging >= 2 * seg)
+    model.Add(staging >= seg + head_bytes).OnlyEnforceIf(head[STREAMED])
+    acc_bytes = (sum(c.resident * ni for c, ni in zip(costs, n)) + head_bytes * head[RESIDENT]
+                 + staging + act * any_acc)
+    if capacity is not None:
+        model.Add(acc_bytes <= capacity)
+    if host_capacity is not None:
+        model.Add(sum(c.host * ni for c, ni in zip(costs, n)) + spec.op_weight_bytes("EMBED")
+                  + head_bytes * (1 - head[RESIDENT]) <= host_capacity)
+    seconds = (sum(round(c.seconds / TIME_UNIT) * ni for c, ni in zip(costs, n))
+               + sum(round(heads[s] / TIME_UNIT) * head[s] for s in OP_STATES))
+    return _Model(model, n, head, acc_bytes, seconds)
+
+
+def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1  # deterministic for a given seed
+    solver.parameters.random_seed = seed
+    return solver
+
+
+def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
+               time_limit_s: float = 5.0, seed: int = 0) -> PlannerResult:
+    """The plan minimising predicted decode time per step under the memory budgets.
+
+    Args:
+      spec: model shapes.
+      profile: rates the simulator prices patterns with.
+      devices: budgets (accelerator capacity; host capacity when known).
+      workload: batch and cache shapes the plan must fit and is priced at (decode context:
+        the middle of the cache).
+      time_limit_s: CP-SAT time limit; when hit, the best plan found is returned with status
+        FEASIBLE and its gap.
+      seed: CP-SAT random seed (one worker: the result is deterministic).
+    Raises:
+      HxError: no plan fits the budgets; the message gives the smallest accelerator budget
+        that admits one.
+    """
+    context = (workload.prompt_tokens + workload.cache_slots) // 2
+    costs = prune(price_patterns(spec, profile, workload, context))
+    heads = head_seconds(spec, profile, workload, context)
+    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+    built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
+    built.model.Minimize(built.seconds)
+    solver = _solver(time_limit_s, seed)
+    start = time.perf_counter()
+    status = solver.Solve(built.model)
+    solve_s = time.perf_counter() - start
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise HxError(_infeasible(spec, costs, heads, act, devices, workload, time_limit_s,
+                                  seed, solver.StatusName(status)))
+    counts = {c.pattern: solver.Value(ni) for c, ni in zip(costs, built.n) if solver.Value(ni)}
+    head_state = next(s for s in OP_STATES if solver.Value(built.head[s]))
+    # host-heaviest patterns first: accelerator layers last, as llama.cpp offloads them
+    order = sorted(counts, key=lambda p: (p.devices().count(ACCELERATOR), p.kv == ACCELERATOR))
+    layers = [p for p in order for _ in range(counts[p])]
+    plan = choose_prefill(layer_plan(spec, layers, head_state, "cpsat"), spec, profile, devices,
+                          workload)
+    check_fits(plan, spec, devices, workload)  # the model's bounds are conservative
+    objective = solver.ObjectiveValue() * TIME_UNIT
+    bound = solver.BestObjectiveBound() * TIME_UNIT
+    return PlannerResult(plan, solver.StatusName(status), objective, bound,
+                         (objective - bound) / objective if objective else 0.0, solve_s,
+                         len(costs), counts)
+
+
+def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, status) -> str:
+    """Why no plan fits: the smallest accelerator budget that admits one (solved for)."""
+    built = _build(spec, costs, heads, act, None, devices.host.capacity)
+    built.model.Minimize(built.accelerator_bytes)
+    solver = _solver(time_limit_s, seed)
+    if solver.Solve(built.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return (f"no plan fits the host memory budget of {devices.host.capacity} bytes, "
+                f"whatever the accelerator budget (CP-SAT: {status})")
+    return (f"no plan fits the accelerator memory budget of {devices.accelerator.capacity} "
+            f"bytes at batch {workload.batch}, {workload.cache_slots} KV slots; the minimum "
+            f"feasible budget is {round(solver.ObjectiveValue())} bytes")
+
+
+def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                   devices: Devices, workload: Workload) -> ExecutionPlan:
+    """Keep the decode placement for prefill, or run every weighted op of prefill on the
+    accelerator (host weights staged in) when that is predicted faster and still fits."""
+    rows = tuple(tuple(kv if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
+                 for kv in plan.kv)
+    offloaded = ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
+                              plan.kv, plan.name)
+
+    def prefill_s(p: ExecutionPlan) -> float:
+        return predict(p, spec, profile, "prefill", workload.batch, workload.prompt_tokens,
+                       workload.cache_slots, workload.prompt_tokens).seconds
+
+    try:
+        check_fits(offloaded, spec, devices, workload)
+    except HxError:
+        return plan
+    return offloaded if prefill_s(offloaded) < prefill_s(plan) else plan

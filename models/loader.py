@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from hx.errors import HxError
-from hx.models.gguf_loader import load_gguf
-from hx.models.safetensors_loader import load_safetensors_dir
-from hx.models.spec import ModelSpec
+from hx.models.gguf_loader import load_gguf, open_gguf, read_metadata, spec_from_metadata
+from hx.models.safetensors_loader import load_safetensors_dir, spec_from_config
+from hx.models.spec import PRESETS, ModelSpec
 from hx.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -67,3 +68,24 @@ def load(path_or_name: str | None = None) -> Model:
     contents = load_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
     return Model(contents.spec, contents.params, tokenizer, path)
+
+
+def load_spec(path_or_name: str | None = None) -> ModelSpec:
+    """A model's shapes without its weights: a ``PRESETS`` name (e.g. ``llama2-70b``), a GGUF
+    file (metadata only), a Hugging Face folder (config.json), or the default model.
+
+    Raises:
+      HxError: as ``load``.
+    """
+    if path_or_name in PRESETS:
+        return PRESETS[path_or_name]
+    path = resolve(path_or_name)
+    if os.path.isdir(path):
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise HxError(f"{path}: expected config.json")
+        with open(config_path) as f:
+            return spec_from_config(json.load(f), path)
+    reader = open_gguf(path)
+    return spec_from_metadata(read_metadata(reader), path,
+                              has_output=any(t.name == "output.weight" for t in reader.tensors))

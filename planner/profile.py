@@ -9,10 +9,13 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hx.errors import HxError
+
+DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "profile.json")
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
@@ -125,7 +128,8 @@ class HardwareProfile:
             raise HxError(f"malformed hardware profile: {e!r}") from None
 
     def save(self, path: str) -> None:
-        """Write the JSON form to ``path``."""
+        """Write the JSON form to ``path`` (creating its folder)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
 
@@ -144,3 +148,14 @@ class HardwareProfile:
                           "`hx profile --output PATH`") from None
         except json.JSONDecodeError as e:
             raise HxError(f"hardware profile {path} is not valid JSON: {e}") from None
+
+
+def load_default(path: str | None = None) -> HardwareProfile | None:
+    """The profile at ``path``; without one, the one ``hx profile`` saved by default, if any.
+
+    Raises:
+      HxError: ``path`` given but missing or malformed.
+    """
+    if path:
+        return HardwareProfile.load(path)
+    return HardwareProfile.load(DEFAULT_PATH) if os.path.isfile(DEFAULT_PATH) else None

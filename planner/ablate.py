@@ -1,0 +1,94 @@
+"""Ablation: every policy's plan at several budgets and batches, predicted and measured.
+
+For each (budget, batch) every policy builds its plan (or reports that none fits); each
+feasible plan gets a simulator prediction of its decode step and is measured on the executor:
+``runs`` rounds, each round measuring every plan once (so slow spells of a shared machine hit
+all policies alike), and the median over rounds of each round's median step time is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from hx.bench import DecodeProbe, time_decode
+from hx.devices import discover
+from hx.errors import HxError
+from hx.executor import Executor
+from hx.memory import estimate
+from hx.models.spec import ModelSpec
+from hx.planner import policies
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import predict
+from hx.workload import CACHE_BUCKET, Workload, round_up
+
+BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp")
+
+
+@dataclass
+class AblationRow:
+    """One policy at one budget and batch. Times in seconds; None where it does not fit."""
+
+    policy: str
+    budget_fraction: float
+    budget_bytes: int
+    batch: int
+    plan: str | None
+    accelerator_bytes: int | None
+    predicted_s: float | None
+    measured_s: float | None
+    runs_s: list[float]
+    error: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.batch / self.measured_s if self.measured_s else None
+
+
+def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
+           fractions: tuple[float, ...], batches: tuple[int, ...],
+           policy_names: tuple[str, ...] = ("cpsat",) + BASELINES, runs: int = 3,
+           steps: int = 12, context: int = 128,
+           log: Callable[[str], None] = lambda m: None) -> list[AblationRow]:
+    """Rows for every (fraction of weight bytes as accelerator budget, batch, policy)."""
+    rows = []
+    slots = round_up(context + steps + 8, CACHE_BUCKET)
+    for fraction in fractions:
+        budget = int(spec.weight_bytes * fraction)
+        devices = discover(accelerator_memory=budget)
+        for batch in batches:
+            workload = Workload(batch, context, slots)
+            group = []
+            for name in policy_names:
+                try:
+                    plan = policies.build(name, spec, devices, workload, profile=profile)
+                except HxError as e:
+                    rows.append(AblationRow(name, fraction, budget, batch, None, None, None,
+                                            None, [], str(e)))
+                    continue
+                predicted = predict(plan, spec, profile, "decode", batch, 1, slots,
+                                    context + steps // 2).seconds
+                row = AblationRow(name, fraction, budget, batch, plan.name,
+                                  estimate(plan, spec, workload).accelerator, predicted, None,
+                                  [])
+                group.append((row, Executor(spec, params, plan, devices)))
+                rows.append(row)
+            for r in range(runs):
+                for row, executor in group:
+                    times = time_decode(executor, DecodeProbe(spec, batch, context, seed=r),
+                                        slots, steps)
+                    row.runs_s.append(statistics.median(times.total))
+            for row, executor in group:
+                row.measured_s = statistics.median(row.runs_s)
+                if executor.accountant.peak > budget:
+                    raise RuntimeError(f"{row.policy} passed its budget")  # a bug
+                log(f"{fraction:.0%} batch {batch} {row.policy}: predicted "
+                    f"{row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms")
+    return rows
+
+
+def rows_to_json(rows: list[AblationRow], spec: ModelSpec, profile: HardwareProfile) -> dict:
+    """The JSON document ``hx ablate`` writes."""
+    return {"model": spec.name, "profile": profile.name, "emulated": profile.emulated,
+            "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]}

@@ -4,10 +4,13 @@ For each (budget, batch) every policy builds its plan (or reports that none fits
 feasible plan gets a simulator prediction of its decode step and is measured on the executor:
 ``runs`` rounds, each round measuring every plan once (so slow spells of a shared machine hit
 all policies alike), and the median over rounds of each round's median step time is reported.
+Policies that produce the same plan share one measurement (their plans are equal, so is their
+speed; measuring them apart would only rank the noise).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -18,6 +21,7 @@ from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import estimate
 from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict
@@ -46,6 +50,11 @@ class AblationRow:
         return self.batch / self.measured_s if self.measured_s else None
 
 
+def same_placement(a: ExecutionPlan, b: ExecutionPlan) -> bool:
+    """Equal plans but for their names."""
+    return dataclasses.replace(a, name="") == dataclasses.replace(b, name="")
+
+
 def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
            fractions: tuple[float, ...], batches: tuple[int, ...],
            policy_names: tuple[str, ...] = ("cpsat",) + BASELINES, runs: int = 3,
@@ -59,7 +68,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
         devices = discover(accelerator_memory=budget)
         for batch in batches:
             workload = Workload(batch, context, slots)
-            group = []
+            group: list = []  # (row, executor or None when it shares a twin's runs, plan)
             for name in policy_names:
                 try:
                     plan = policies.build(name, spec, devices, workload, profile=profile)
@@ -69,18 +78,24 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
                     continue
                 predicted = predict(plan, spec, profile, "decode", batch, 1, slots,
                                     context + steps // 2).seconds
+                twin = next((r for r, _, p in group if same_placement(p, plan)), None)
                 row = AblationRow(name, fraction, budget, batch, plan.name,
                                   estimate(plan, spec, workload).accelerator, predicted, None,
-                                  [])
-                group.append((row, Executor(spec, params, plan, devices)))
+                                  twin.runs_s if twin else [])
+                executor = None if twin else Executor(spec, params, plan, devices)
+                group.append((row, executor, plan))
                 rows.append(row)
             for r in range(runs):
-                for row, executor in group:
+                for row, executor, _ in group:
+                    if executor is None:
+                        continue  # same plan as an earlier policy: shares its runs
                     times = time_decode(executor, DecodeProbe(spec, batch, context, seed=r),
                                         slots, steps)
                     row.runs_s.append(statistics.median(times.total))
-            for row, executor in group:
+            for row, executor, _ in group:
                 row.measured_s = statistics.median(row.runs_s)
+                if executor is None:
+                    continue
                 if executor.accountant.peak > budget:
                     raise RuntimeError(f"{row.policy} passed its budget")  # a bug
                 log(f"{fraction:.0%} batch {batch} {row.policy}: predicted "

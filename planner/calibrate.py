@@ -34,6 +34,7 @@ from hx.planner.simulator import predict
 from hx.workload import CACHE_BUCKET, round_up
 
 CONTEXT, STEPS = 128, 12
+ROUNDS = 3  # observations of each one-segment plan, interleaved (median used)
 DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"))  # host ops of each plan
 
 
@@ -56,17 +57,25 @@ def fit_compute(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any
                 devices: Devices, batches: tuple[int, ...], log: Callable[[str], None]
                 ) -> HardwareProfile:
     """Set each device's ``compute_scale`` so the one-segment plans (all-accelerator,
-    all-host) have their observed decode step at each batch."""
+    all-host) have their observed decode step at each batch (median of ``ROUNDS``
+    interleaved observations)."""
+    plans = {ACCELERATOR: policies.all_accelerator(spec.n_layers),
+             HOST: policies.all_host(spec.n_layers)}
+    seen: dict[tuple[str, int], list[float]] = {}
+    for _ in range(ROUNDS):  # alternate sides so a slow spell of the machine hits both
+        for b in batches:
+            for side, plan in plans.items():
+                times = observe(spec, params, plan, b, devices).total
+                seen.setdefault((side, b), []).append(statistics.median(times))
     sides = {}
-    for side, plan in ((ACCELERATOR, policies.all_accelerator(spec.n_layers)),
-                       (HOST, policies.all_host(spec.n_layers))):
+    for side, plan in plans.items():
         plain = dataclasses.replace(profile, **{side: dataclasses.replace(
             profile.device(side), compute_scale=())})
         points = []
         for b in batches:
-            seen = statistics.median(observe(spec, params, plan, b, devices).total)
-            points.append((b, seen / predicted_decode(plan, spec, plain, b)))
-            log(f"{side} batch {b}: {seen * 1e3:.1f} ms per step, compute x{points[-1][1]:.2f}")
+            step = statistics.median(seen[(side, b)])
+            points.append((b, step / predicted_decode(plan, spec, plain, b)))
+            log(f"{side} batch {b}: {step * 1e3:.1f} ms per step, compute x{points[-1][1]:.2f}")
         sides[side] = dataclasses.replace(plain.device(side), compute_scale=tuple(points))
     return dataclasses.replace(profile, **sides)
 

@@ -21,6 +21,7 @@ predicted faster and fits.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class Pattern:
         return self.ops
 
 
-@dataclass
+@dataclass(frozen=True)
 class PatternCost:
     """What one layer of a pattern costs: seconds per decode step and bytes."""
 
@@ -104,9 +105,11 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
     return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
 
 
+@functools.lru_cache(maxsize=16)
 def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                   context: int) -> list[PatternCost]:
-    """Simulated marginal decode time and bytes of one layer of every pattern."""
+                   context: int) -> tuple[PatternCost, ...]:
+    """Simulated marginal decode time and bytes of one layer of every pattern (cached: the
+    budget does not enter, so planning at many budgets prices once)."""
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
     kv_bytes = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     costs = []
@@ -127,10 +130,10 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
                 p, max(seconds, 0.0), resident + (kv_bytes if kv == ACCELERATOR else 0),
                 max(staged), host + (kv_bytes if kv == HOST else 0),
                 ACCELERATOR in p.devices()))
-    return costs
+    return tuple(costs)
 
 
-def prune(costs: list[PatternCost]) -> list[PatternCost]:
+def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
     """Drop patterns that another is at least as good as on every count (and better on one)."""
     m = np.array([[c.seconds, c.resident, c.segment, c.host, c.uses_accelerator]
                   for c in costs], dtype=float)

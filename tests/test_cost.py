@@ -1,0 +1,42 @@
+"""Op FLOPs of the cost model against XLA's own cost analysis of the jitted ops."""
+
+import jax
+import numpy as np
+import pytest
+
+from hx.executor import op_params
+from hx.models.llama import OPS, Step, apply_op, init_params
+from hx.models.spec import PRESETS
+from hx.planner.cost import activation_bytes, op_cost
+
+SPEC = PRESETS["smollm2-135m"].replace(n_layers=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(np.asarray, init_params(SPEC))
+
+
+@pytest.mark.parametrize("B, T, S", [(1, 1, 64), (4, 16, 128)])
+@pytest.mark.parametrize("op", [op for op in OPS if op != "EMBED"])
+def test_flops_match_xla(params, op, B, T, S):
+    s = SPEC
+    shapes = {"x": (B, T, s.d_model), "h": (B, T, s.d_model),
+              "q": (B, T, s.n_heads, s.head_dim), "o": (B, T, s.n_heads, s.head_dim),
+              "k": (B, T, s.n_kv_heads, s.head_dim), "v": (B, T, s.n_kv_heads, s.head_dim),
+              "a": (B, T, s.d_ff)}
+    acts = {n: np.zeros(shapes[n], np.float32) for n in OPS[op].reads}
+    cache = {n: np.zeros((B, S, s.n_kv_heads, s.head_dim), np.float32) for n in ("k", "v")}
+    step = Step(np.zeros((B, T), np.int32), np.int32(0), np.zeros((B,), np.int32))
+    f = jax.jit(lambda p, a, c, st: apply_op(s, op, p, a, st, c if OPS[op].uses_cache else None))
+    xla = f.lower(op_params(params, 0, op), acts, cache, step).compile().cost_analysis()
+    ours = op_cost(s, op, B, T, S)
+    assert ours.flops == pytest.approx(xla["flops"], rel=0.05)
+    assert ours.weight_bytes <= xla["bytes accessed"]
+
+
+def test_weight_and_activation_bytes():
+    assert op_cost(SPEC, "MLP1", 1, 1, 1).weight_bytes == 4 * (2 * 576 * 1536 + 576)
+    assert op_cost(SPEC, "HEAD", 3, 1, 1).rows == 3
+    assert activation_bytes(SPEC, "q", 2, 5) == 2 * 5 * 9 * 64 * 4
+    assert activation_bytes(SPEC, "logits", 2, 5) == 2 * 49152 * 4

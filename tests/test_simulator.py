@@ -1,0 +1,75 @@
+"""The simulator and hardware profiles: invariants of the replayed schedule."""
+
+import dataclasses
+
+import pytest
+
+from hx.errors import HxError
+from hx.models.spec import PRESETS
+from hx.plan import ExecutionPlan
+from hx.planner import policies
+from hx.planner.cost import op_cost
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import op_seconds, predict
+
+from profiles import gpu_like
+
+SPEC = PRESETS["smollm2-135m"]
+B, SLOTS, CONTEXT = 4, 256, 200
+
+
+def test_profile_json_round_trip(tmp_path):
+    profile = dataclasses.replace(gpu_like(), accelerator=dataclasses.replace(
+        gpu_like().accelerator, compute_scale=((1, 0.9), (16, 1.2))))
+    profile.save(str(tmp_path / "p.json"))
+    assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(HxError, match="malformed"):
+        HardwareProfile.load(str(tmp_path / "bad.json"))
+    with pytest.raises(HxError, match="hx profile"):
+        HardwareProfile.load(str(tmp_path / "missing.json"))
+
+
+def test_one_segment_step_is_launch_plus_ops():
+    profile = gpu_like()
+    plan = policies.all_accelerator(SPEC.n_layers)
+    ops = sum(op_seconds(SPEC, profile, "accelerator", op, B, 1, SLOTS, CONTEXT)
+              for _, op, _ in plan.decode.sequence())
+    got = predict(plan, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT).seconds
+    assert got == pytest.approx(profile.accelerator.launch_overhead + ops + 1e-5, rel=1e-3)
+    # a matmul op at a constant-rate point takes flops / rate
+    mlp1 = op_cost(SPEC, "MLP1", 1024, 1, SLOTS)
+    assert op_seconds(SPEC, profile, "accelerator", "MLP1", 1024, 1, SLOTS, CONTEXT) == \
+        pytest.approx(mlp1.flops / 6e13)
+
+
+def test_streaming_is_copy_bound_and_free_with_an_infinite_link():
+    profile = gpu_like()
+    stream = policies.stream_all(SPEC.n_layers)
+    streamed = sum(SPEC.op_weight_bytes(op) for layer, op, home in stream.weights.sequence()
+                   if home == "streamed")
+    t = predict(stream, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT)
+    assert t.seconds >= streamed / profile.h2d_bandwidth
+    assert t.seconds >= max(t.busy.values())
+    # free link, no dispatch costs: streaming costs nothing over residency
+    free = dataclasses.replace(profile.accelerator, launch_overhead=0.0)
+    fast = dataclasses.replace(profile, h2d_bandwidth=1e30, sync_overhead=0.0, accelerator=free,
+                               host=dataclasses.replace(profile.host, launch_overhead=0.0))
+    resident_twin = ExecutionPlan(stream.prefill, stream.decode,
+                                  ExecutionPlan.from_placement(stream.decode).weights, stream.kv)
+    assert predict(stream, SPEC, fast, "decode", B, 1, SLOTS, CONTEXT).seconds == pytest.approx(
+        predict(resident_twin, SPEC, fast, "decode", B, 1, SLOTS, CONTEXT).seconds, rel=0.05)
+
+
+def test_contention_and_transfers_only_slow_things_down():
+    profile = gpu_like()
+    stream = policies.stream_all(SPEC.n_layers)
+    times = [predict(stream, SPEC, dataclasses.replace(profile, contention=c), "decode", B, 1,
+                     SLOTS, CONTEXT).seconds for c in (0.0, 0.5, 1.0)]
+    assert times == sorted(times) and times[0] < times[-1]
+    mixed = ExecutionPlan.uniform(SPEC.n_layers, ("SCORE",))
+    slow_link = dataclasses.replace(profile, transfer_latency=1e-3)
+    extra = (predict(mixed, SPEC, slow_link, "decode", B, 1, SLOTS, CONTEXT).seconds
+             - predict(mixed, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT).seconds)
+    # per layer q, k, v go to the host and o comes back: two transfers on the critical path
+    assert extra == pytest.approx(2 * SPEC.n_layers * (1e-3 - 1e-5), rel=0.05)

@@ -88,3 +88,22 @@ def test_plan_over_budget_is_rejected():
     result = hx("generate", "-p", "hi", "--accelerator-memory", QUARTER,
                 "--policy", "all-accelerator")
     assert_clean_error(result, "does not fit the accelerator memory budget", "over by")
+
+
+def test_plan_command_and_cpsat_by_default(tmp_path):
+    from profiles import gpu_like
+
+    gpu_like().save(str(tmp_path / "gpu.json"))
+    result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "24GB", "--batch", "16",
+                "--profile", str(tmp_path / "gpu.json"), "-o", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr
+    assert "CP-SAT OPTIMAL" in result.stdout and "predicted decode step" in result.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["name"] == "cpsat"
+    result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "1GB",
+                "--policy", "all-accelerator", "--profile", str(tmp_path / "gpu.json"))
+    assert_clean_error(result, "minimum feasible budget for it is")
+    # generate picks the CP-SAT plan when the model does not fit and a profile is given
+    result = hx("generate", "-p", "Hi", "--max-new-tokens", "2", "--accelerator-memory", QUARTER,
+                "--profile", str(tmp_path / "gpu.json"))
+    assert result.returncode == 0, result.stderr
+    assert "plan cpsat" in result.stderr

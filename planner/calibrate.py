@@ -8,8 +8,10 @@ simulator agrees with them:
 1. ``compute_scale`` per device and batch: observed / predicted decode step of the one-segment
    plans all-accelerator and all-host (the model's shapes run at other rates than the
    profiler's 1024 x 1024 products);
-2. launch overhead per segment: least squares over plans with 1 to 121 segments, from their
-   observed decode steps and the simulator's sensitivity to it;
+2. launch overhead per segment at each batch: least squares over plans with 1 to 121 segments
+   (SCORE alone on either side among them), from their observed decode steps and the
+   simulator's sensitivity to it (on this 2-core host a device switch costs more at larger
+   batches);
 3. copy/compute contention and the sync overhead after each wait on a streaming segment: grid
    search so stream-all's predicted steps meet the observed ones.
 """
@@ -35,15 +37,23 @@ from hx.workload import CACHE_BUCKET, round_up
 
 CONTEXT, STEPS = 128, 12
 ROUNDS = 3  # observations of each one-segment plan, interleaved (median used)
-DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"))  # host ops of each plan
+DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops of each plan
+                  ("EMBED", "Q", "K", "V", "OUT", "MLP1", "MLP2", "HEAD"))
 
 
 def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
-            devices: Devices, steps: int = STEPS, context: int = CONTEXT) -> DecodeTimes:
-    """The executor's decode steps under ``plan`` after a ``context``-token prefill."""
+            devices: Devices, executors: dict | None = None, steps: int = STEPS,
+            context: int = CONTEXT) -> DecodeTimes:
+    """The executor's decode steps under ``plan`` after a ``context``-token prefill.
+
+    ``executors`` (plan -> Executor) keeps executors, and their compiled segments, for reuse
+    across observations.
+    """
     slots = round_up(context + steps + 8, CACHE_BUCKET)
-    return time_decode(Executor(spec, params, plan, devices), DecodeProbe(spec, batch, context),
-                       slots, steps)
+    executors = {} if executors is None else executors
+    if plan not in executors:
+        executors[plan] = Executor(spec, params, plan, devices)
+    return time_decode(executors[plan], DecodeProbe(spec, batch, context), slots, steps)
 
 
 def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
@@ -54,8 +64,8 @@ def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProf
 
 
 def fit_compute(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-                devices: Devices, batches: tuple[int, ...], log: Callable[[str], None]
-                ) -> HardwareProfile:
+                devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
+                executors: dict | None = None) -> HardwareProfile:
     """Set each device's ``compute_scale`` so the one-segment plans (all-accelerator,
     all-host) have their observed decode step at each batch (median of ``ROUNDS``
     interleaved observations)."""
@@ -65,7 +75,7 @@ def fit_compute(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any
     for _ in range(ROUNDS):  # alternate sides so a slow spell of the machine hits both
         for b in batches:
             for side, plan in plans.items():
-                times = observe(spec, params, plan, b, devices).total
+                times = observe(spec, params, plan, b, devices, executors).total
                 seen.setdefault((side, b), []).append(statistics.median(times))
     sides = {}
     for side, plan in plans.items():
@@ -81,34 +91,40 @@ def fit_compute(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any
 
 
 def fit_launch(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-               devices: Devices, batch: int, log: Callable[[str], None]) -> HardwareProfile:
-    """Least-squares launch overhead per segment over plans with 1 to 121 segments, from their
-    observed decode steps and the simulator's sensitivity to it."""
+               devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
+               executors: dict | None = None) -> HardwareProfile:
+    """Launch overhead per segment at each batch: least squares over plans with 1 to 121
+    segments, from their observed decode steps and the simulator's sensitivity to it."""
 
-    def with_launch(seconds: float) -> HardwareProfile:
+    def with_launch(points) -> HardwareProfile:
         return dataclasses.replace(
-            profile, accelerator=dataclasses.replace(profile.accelerator, launch_overhead=seconds),
-            host=dataclasses.replace(profile.host, launch_overhead=seconds))
+            profile, accelerator=dataclasses.replace(profile.accelerator, launch_overhead=points),
+            host=dataclasses.replace(profile.host, launch_overhead=points))
 
-    probe, slopes, residuals = 1e-4, [], []
-    for ops in DISPATCH_PLANS:
-        plan = ExecutionPlan.uniform(spec.n_layers, ops)
-        seen = statistics.median(observe(spec, params, plan, batch, devices).total)
-        base = predicted_decode(plan, spec, with_launch(0.0), batch)
-        slopes.append((predicted_decode(plan, spec, with_launch(probe), batch) - base) / probe)
-        residuals.append(seen - base)
-    launch = max(0.0, float(np.dot(slopes, residuals) / np.dot(slopes, slopes)))
-    log(f"launch overhead {launch * 1e6:.0f} us per segment")
-    return with_launch(launch)
+    probe, points = 1e-4, []
+    for batch in batches:
+        slopes, residuals = [], []
+        for ops in DISPATCH_PLANS:
+            plan = ExecutionPlan.uniform(spec.n_layers, ops)
+            seen = statistics.median(observe(spec, params, plan, batch, devices,
+                                             executors).total)
+            base = predicted_decode(plan, spec, with_launch(()), batch)
+            probed = predicted_decode(plan, spec, with_launch(((batch, probe),)), batch)
+            slopes.append((probed - base) / probe)
+            residuals.append(seen - base)
+        points.append((batch, max(0.0, float(np.dot(slopes, residuals) / np.dot(slopes, slopes)))))
+        log(f"batch {batch}: launch overhead {points[-1][1] * 1e6:.0f} us per segment")
+    return with_launch(tuple(points))
 
 
 def fit_streaming(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-                  devices: Devices, batches: tuple[int, ...], log: Callable[[str], None]
-                  ) -> HardwareProfile:
+                  devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
+                  executors: dict | None = None) -> HardwareProfile:
     """Contention and sync overhead that best predict stream-all's observed decode steps
     (grid search, least squares on log time ratios)."""
     plan = policies.stream_all(spec.n_layers)
-    seen = {b: statistics.median(observe(spec, params, plan, b, devices).total) for b in batches}
+    seen = {b: statistics.median(observe(spec, params, plan, b, devices, executors).total)
+            for b in batches}
 
     def error(contention: float, sync: float) -> float:
         trial = dataclasses.replace(profile, contention=contention, sync_overhead=sync)
@@ -126,6 +142,7 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
            batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None
            ) -> HardwareProfile:
     """A copy of ``profile`` fitted to this model's ops and decode steps (module doc)."""
-    profile = fit_compute(profile, spec, params, devices, batches, log)
-    profile = fit_launch(profile, spec, params, devices, batches[0], log)
-    return fit_streaming(profile, spec, params, devices, batches, log)
+    executors: dict = {}  # shared: each plan compiles once
+    profile = fit_compute(profile, spec, params, devices, batches, log, executors)
+    profile = fit_launch(profile, spec, params, devices, batches, log, executors)
+    return fit_streaming(profile, spec, params, devices, batches, log, executors)

@@ -41,7 +41,9 @@ class DeviceProfile:
       memory_bandwidth: bytes/s of a streaming copy (gathers, elementwise work).
       attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
         SCORE kernel reads the KV cache.
-      launch_overhead: seconds the executor spends launching one segment on this device.
+      launch_overhead: ((batch, seconds), ...): what the executor adds per segment it launches
+        on this device -- dispatch, and the cost of switching devices, which grows with the
+        batch on a 2-core host (interpolated in log batch).
       compute_scale: ((batch, factor), ...): a model's observed compute time / what these
         rates predict for it, per batch (``calibrate.refine``); 1 when empty.
     """
@@ -49,8 +51,12 @@ class DeviceProfile:
     matmul: tuple[tuple[int, float], ...]
     memory_bandwidth: float
     attention: tuple[tuple[int, float], ...]
-    launch_overhead: float
+    launch_overhead: tuple[tuple[int, float], ...]
     compute_scale: tuple[tuple[int, float], ...] = ()
+
+    def launch_seconds(self, batch: int) -> float:
+        """``launch_overhead`` at ``batch``."""
+        return _interpolate(self.launch_overhead, batch) if self.launch_overhead else 0.0
 
     def scale(self, batch: int) -> float:
         """``compute_scale`` at ``batch`` (interpolated in log batch)."""
@@ -120,6 +126,7 @@ class HardwareProfile:
                 d["attention"] = tuple((int(s), float(r)) for s, r in d["attention"])
                 d["compute_scale"] = tuple((int(b), float(f))
                                            for b, f in d.get("compute_scale", ()))
+                d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
                 devices[side] = DeviceProfile(**d)
             rest = {f.name: data[f.name] for f in fields(cls)
                     if f.name not in devices and f.name in data}

@@ -136,7 +136,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None
         sides[side] = DeviceProfile(matmul=matmul,
                                     memory_bandwidth=measure_memory_bandwidth(device),
                                     attention=measure_attention(device, kernel),
-                                    launch_overhead=0.0)
+                                    launch_overhead=())
     contention = measure_contention(devices)
     log(f"copy/compute contention {contention:.2f}")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -150,4 +150,4 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None
     tiny = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
                      head_dim=16, d_ff=32, vocab_size=64, context_length=64)
     params = jax.tree.map(np.asarray, init_params(tiny))
-    return fit_launch(profile, tiny, params, devices, 1, log)
+    return fit_launch(profile, tiny, params, devices, (1,), log)

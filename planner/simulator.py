@@ -123,7 +123,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             deps.append(add(link, " ".join(moves), profile.transfer_latency + nbytes / bandwidth,
                             [producer[n][1] for n in moves]))
         name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
-        duration = profile.device(seg.device).launch_overhead + segment_seconds(
+        duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
             spec, profile, seg, batch, tokens, slots, context)
         task = add(seg.device, name, duration, deps)
         for written in seg.writes:

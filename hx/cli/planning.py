@@ -11,8 +11,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import AcceleratorMemoryOption, ModelOption, ProfileOption, app, err, out
-from hx.cli.common import plan_by_name, print_table
+from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOption,
+                           ProfileOption, app, err, out, plan_by_name, print_table)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.memory import estimate
@@ -73,8 +73,9 @@ def profile_command(
     table.add_row("compute scale (batch: factor)",
                   *(" ".join(f"{b}:{f:.2f}" for b, f in d.compute_scale) or "-"
                     for d in (acc, host)))
-    table.add_row("launch overhead us", f"{acc.launch_overhead * 1e6:.0f}",
-                  f"{host.launch_overhead * 1e6:.0f}")
+    table.add_row("launch overhead us (batch: us)",
+                  *(" ".join(f"{b}:{t * 1e6:.0f}" for b, t in d.launch_overhead) or "-"
+                    for d in (acc, host)))
     print_table(table)
     out.print(f"H2D {profile.h2d_bandwidth / 2**30:.1f} GiB/s, D2H "
               f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s, transfer latency "
@@ -135,6 +136,7 @@ def plan_command(
                                         help="A GGUF file, HF folder or preset name "
                                              "(smollm2-135m, llama2-70b); only shapes are read."),
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
+    host_memory: Optional[str] = HostMemoryOption,
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
                                              "layer-split:N."),
     profile: Optional[Path] = ProfileOption,
@@ -149,7 +151,7 @@ def plan_command(
     from hx.planner.cpsat import plan_cpsat
 
     spec = load_spec(model)
-    devices = discover(accelerator_memory)
+    devices = discover(accelerator_memory, host_memory)
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
     hardware = load_default(str(profile) if profile else None)
     if policy == "cpsat":

@@ -91,13 +91,19 @@ class DecodeTimes:
 
 
 def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
-                warmup: int = WARMUP_STEPS) -> DecodeTimes:
+                warmup: int = WARMUP_STEPS, prefill: bool = True) -> DecodeTimes:
     """Times of ``steps`` executor decode steps (after a prefill and ``warmup`` untimed
-    steps), each waited for; the KV caches are released at the end."""
+    steps), each waited for; the KV caches are released at the end.
+
+    ``prefill=False`` decodes at the same positions over the zero-filled cache instead: a
+    decode step does the same work whatever the cache holds, and no prefill is run or compiled
+    (the profiler's calibration uses this to stay within its time).
+    """
     caches = executor.new_cache(probe.batch, slots)
     times = DecodeTimes([], [])
     try:
-        _, caches = executor.run("prefill", *probe.prefill(), caches)
+        if prefill:
+            _, caches = executor.run("prefill", *probe.prefill(), caches)
         for i in range(warmup + steps):
             tokens, step = probe.step(i)
             t0 = time.perf_counter()

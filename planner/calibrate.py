@@ -14,6 +14,10 @@ simulator agrees with them:
    batches);
 3. copy/compute contention and the sync overhead after each wait on a streaming segment: grid
    search so stream-all's predicted steps meet the observed ones.
+
+Every plan is observed in the same ``ROUNDS`` interleaved rounds (medians used), so the fits
+compare plans timed side by side: this shared machine's speed drifts by tens of percent over
+minutes.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from hx.planner.simulator import predict
 from hx.workload import CACHE_BUCKET, round_up
 
 CONTEXT, STEPS = 128, 12
-ROUNDS = 3  # observations of each one-segment plan, interleaved (median used)
+FIT_PASSES = 3  # alternations of fit_compute and fit_launch (they converge in a few)
+ROUNDS = 3  # interleaved observations of each plan (median used)
 DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops of each plan
                   ("EMBED", "Q", "K", "V", "OUT", "MLP1", "MLP2", "HEAD"))
 
@@ -44,7 +49,8 @@ DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops o
 def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
             devices: Devices, executors: dict | None = None, steps: int = STEPS,
             context: int = CONTEXT) -> DecodeTimes:
-    """The executor's decode steps under ``plan`` after a ``context``-token prefill.
+    """The executor's decode steps under ``plan`` at positions ``context`` onwards (over a
+    zero-filled KV cache: same work as after a prefill, without running one).
 
     ``executors`` (plan -> Executor) keeps executors, and their compiled segments, for reuse
     across observations.
@@ -53,7 +59,8 @@ def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch:
     executors = {} if executors is None else executors
     if plan not in executors:
         executors[plan] = Executor(spec, params, plan, devices)
-    return time_decode(executors[plan], DecodeProbe(spec, batch, context), slots, steps)
+    return time_decode(executors[plan], DecodeProbe(spec, batch, context), slots, steps,
+                       prefill=False)
 
 
 def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
@@ -63,38 +70,57 @@ def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProf
     return predict(plan, spec, profile, "decode", batch, 1, slots, context + steps // 2).seconds
 
 
-def fit_compute(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-                devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
-                executors: dict | None = None) -> HardwareProfile:
+def dispatch_plans(n_layers: int) -> list[ExecutionPlan]:
+    """The plans ``fit_launch`` observes: 1 to 121 segments (``DISPATCH_PLANS``)."""
+    return [ExecutionPlan.uniform(n_layers, ops) for ops in DISPATCH_PLANS]
+
+
+def observe_interleaved(spec: ModelSpec, params: dict[str, Any], plans: list[ExecutionPlan],
+                        batches: tuple[int, ...], devices: Devices, rounds: int = ROUNDS
+                        ) -> dict[tuple[ExecutionPlan, int], float]:
+    """Median decode step (seconds) of every (plan, batch) over ``rounds`` rounds that each
+    visit all of them in turn: a slow spell of the machine then hits every plan alike, and
+    the fits below compare plans observed side by side."""
+    executors: dict = {}  # each plan compiles once
+    seen: dict[tuple[ExecutionPlan, int], list[float]] = {}
+    for _ in range(rounds):
+        for b in batches:
+            for plan in dict.fromkeys(plans):
+                times = observe(spec, params, plan, b, devices, executors).total
+                seen.setdefault((plan, b), []).append(statistics.median(times))
+    return {key: statistics.median(steps) for key, steps in seen.items()}
+
+
+def fit_compute(profile: HardwareProfile, spec: ModelSpec,
+                seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
+                log: Callable[[str], None]) -> HardwareProfile:
     """Set each device's ``compute_scale`` so the one-segment plans (all-accelerator,
-    all-host) have their observed decode step at each batch (median of ``ROUNDS``
-    interleaved observations)."""
+    all-host) have their observed decode step (``seen``) at each batch, given the launch
+    overhead already in ``profile`` (a step is launch + scale x compute: solved exactly)."""
     plans = {ACCELERATOR: policies.all_accelerator(spec.n_layers),
              HOST: policies.all_host(spec.n_layers)}
-    seen: dict[tuple[str, int], list[float]] = {}
-    for _ in range(ROUNDS):  # alternate sides so a slow spell of the machine hits both
-        for b in batches:
-            for side, plan in plans.items():
-                times = observe(spec, params, plan, b, devices, executors).total
-                seen.setdefault((side, b), []).append(statistics.median(times))
     sides = {}
     for side, plan in plans.items():
-        plain = dataclasses.replace(profile, **{side: dataclasses.replace(
-            profile.device(side), compute_scale=())})
+        def scaled(factor: float, b: int) -> HardwareProfile:
+            return dataclasses.replace(profile, **{side: dataclasses.replace(
+                profile.device(side), compute_scale=((b, factor),))})
+
         points = []
         for b in batches:
-            step = statistics.median(seen[(side, b)])
-            points.append((b, step / predicted_decode(plan, spec, plain, b)))
-            log(f"{side} batch {b}: {step * 1e3:.1f} ms per step, compute x{points[-1][1]:.2f}")
-        sides[side] = dataclasses.replace(plain.device(side), compute_scale=tuple(points))
+            fixed = predicted_decode(plan, spec, scaled(0.0, b), b)
+            compute = predicted_decode(plan, spec, scaled(1.0, b), b) - fixed
+            points.append((b, max(seen[(plan, b)] - fixed, 0.0) / compute))
+            log(f"{side} batch {b}: {seen[(plan, b)] * 1e3:.1f} ms per step, compute "
+                f"x{points[-1][1]:.2f}")
+        sides[side] = dataclasses.replace(profile.device(side), compute_scale=tuple(points))
     return dataclasses.replace(profile, **sides)
 
 
-def fit_launch(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-               devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
-               executors: dict | None = None) -> HardwareProfile:
-    """Launch overhead per segment at each batch: least squares over plans with 1 to 121
-    segments, from their observed decode steps and the simulator's sensitivity to it."""
+def fit_launch(profile: HardwareProfile, spec: ModelSpec,
+               seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
+               log: Callable[[str], None]) -> HardwareProfile:
+    """Launch overhead per segment at each batch: least squares over ``dispatch_plans``, from
+    their observed decode steps (``seen``) and the simulator's sensitivity to it."""
 
     def with_launch(points) -> HardwareProfile:
         return dataclasses.replace(
@@ -104,36 +130,31 @@ def fit_launch(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any]
     probe, points = 1e-4, []
     for batch in batches:
         slopes, residuals = [], []
-        for ops in DISPATCH_PLANS:
-            plan = ExecutionPlan.uniform(spec.n_layers, ops)
-            seen = statistics.median(observe(spec, params, plan, batch, devices,
-                                             executors).total)
+        for plan in dispatch_plans(spec.n_layers):
             base = predicted_decode(plan, spec, with_launch(()), batch)
             probed = predicted_decode(plan, spec, with_launch(((batch, probe),)), batch)
             slopes.append((probed - base) / probe)
-            residuals.append(seen - base)
+            residuals.append(seen[(plan, batch)] - base)
         points.append((batch, max(0.0, float(np.dot(slopes, residuals) / np.dot(slopes, slopes)))))
         log(f"batch {batch}: launch overhead {points[-1][1] * 1e6:.0f} us per segment")
     return with_launch(tuple(points))
 
 
-def fit_streaming(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any],
-                  devices: Devices, batches: tuple[int, ...], log: Callable[[str], None],
-                  executors: dict | None = None) -> HardwareProfile:
+def fit_streaming(profile: HardwareProfile, spec: ModelSpec,
+                  seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
+                  log: Callable[[str], None]) -> HardwareProfile:
     """Contention and sync overhead that best predict stream-all's observed decode steps
-    (grid search, least squares on log time ratios)."""
+    (``seen``; grid search, least squares on log time ratios)."""
     plan = policies.stream_all(spec.n_layers)
-    seen = {b: statistics.median(observe(spec, params, plan, b, devices, executors).total)
-            for b in batches}
 
     def error(contention: float, sync: float) -> float:
         trial = dataclasses.replace(profile, contention=contention, sync_overhead=sync)
-        return sum(math.log(predicted_decode(plan, spec, trial, b) / seen[b]) ** 2
+        return sum(math.log(predicted_decode(plan, spec, trial, b) / seen[(plan, b)]) ** 2
                    for b in batches)
 
     grid = [(c / 10, s * 1e-4) for c in range(11) for s in range(21)]
     contention, sync = min(grid, key=lambda cs: error(*cs))
-    log("stream-all: " + ", ".join(f"batch {b} {t * 1e3:.1f} ms" for b, t in seen.items())
+    log("stream-all: " + ", ".join(f"batch {b} {seen[(plan, b)] * 1e3:.1f} ms" for b in batches)
         + f" per step; contention {contention:.1f}, sync overhead {sync * 1e6:.0f} us")
     return dataclasses.replace(profile, contention=contention, sync_overhead=sync)
 
@@ -141,8 +162,14 @@ def fit_streaming(profile: HardwareProfile, spec: ModelSpec, params: dict[str, A
 def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], devices: Devices,
            batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None
            ) -> HardwareProfile:
-    """A copy of ``profile`` fitted to this model's ops and decode steps (module doc)."""
-    executors: dict = {}  # shared: each plan compiles once
-    profile = fit_compute(profile, spec, params, devices, batches, log, executors)
-    profile = fit_launch(profile, spec, params, devices, batches, log, executors)
-    return fit_streaming(profile, spec, params, devices, batches, log, executors)
+    """A copy of ``profile`` fitted to this model's ops and decode steps (module doc); every
+    plan the fits use is observed in the same interleaved rounds."""
+    n = spec.n_layers
+    plans = ([policies.all_accelerator(n), policies.all_host(n), policies.stream_all(n)]
+             + dispatch_plans(n))
+    seen = observe_interleaved(spec, params, plans, batches, devices)
+    for i in range(FIT_PASSES):  # each fit holds the other's result fixed
+        said = log if i == FIT_PASSES - 1 else (lambda message: None)
+        profile = fit_compute(profile, spec, seen, batches, said)
+        profile = fit_launch(profile, spec, seen, batches, said)
+    return fit_streaming(profile, spec, seen, batches, log)

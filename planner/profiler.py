@@ -23,7 +23,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import prefix_attention
 from hx.models.llama import Step, attention, init_params
 from hx.models.spec import ModelSpec
-from hx.planner.calibrate import fit_launch
+from hx.planner.calibrate import dispatch_plans, fit_launch, observe_interleaved
 from hx.planner.timing import median_seconds
 from hx.planner.profile import DeviceProfile, HardwareProfile
 
@@ -117,12 +117,14 @@ def measure_contention(devices: Devices) -> float:
     return min(1.0, max(0.0, (both - max(compute, copy)) / min(compute, copy)))
 
 
-def measure(devices: Devices, log: Callable[[str], None] = lambda message: None
-            ) -> HardwareProfile:
+def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
+            launch: bool = True) -> HardwareProfile:
     """Measure every rate of a ``HardwareProfile`` on ``devices``.
 
     Args:
       log: called with a short line as each measurement finishes.
+      launch: fit the launch overhead to a tiny model's decode steps (~15 s); leave it out
+        when ``calibrate.refine`` follows, as it fits that to the real model.
     """
     sides = {}
     h2d, d2h, latency = measure_links(devices)
@@ -147,7 +149,11 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None
         accelerator=sides[ACCELERATOR], host=sides[HOST], h2d_bandwidth=h2d,
         d2h_bandwidth=d2h, transfer_latency=latency, contention=contention,
         accelerator_memory=acc.capacity, host_memory=pages, emulated=acc.emulated)
+    if not launch:
+        return profile
     tiny = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
                      head_dim=16, d_ff=32, vocab_size=64, context_length=64)
     params = jax.tree.map(np.asarray, init_params(tiny))
-    return fit_launch(profile, tiny, params, devices, (1,), log)
+    seen = observe_interleaved(tiny, params, dispatch_plans(tiny.n_layers), (1,), devices,
+                               rounds=1)
+    return fit_launch(profile, tiny, seen, (1,), log)

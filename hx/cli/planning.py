@@ -4,6 +4,7 @@ policies."""
 from __future__ import annotations
 
 import json
+import time
 from itertools import groupby
 from pathlib import Path
 from typing import Optional
@@ -49,11 +50,13 @@ def profile_command(
     from hx.planner.calibrate import refine as refine_profile
     from hx.planner.profiler import measure
 
+    start = time.perf_counter()
+
     def log(message: str) -> None:
-        err.print(f"[dim]{message}[/dim]", soft_wrap=True)
+        err.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]", soft_wrap=True)
 
     devices = discover()
-    profile = measure(devices, log)
+    profile = measure(devices, log, launch=not refine)
     if refine:
         loaded = load(model)
         profile = refine_profile(profile, loaded.spec, loaded.params, devices,

@@ -13,7 +13,8 @@ simulator agrees with them:
    simulator's sensitivity to it (on this 2-core host a device switch costs more at larger
    batches);
 3. copy/compute contention and the sync overhead after each wait on a streaming segment: grid
-   search so stream-all's predicted steps meet the observed ones.
+   search so stream-all's predicted steps meet the observed ones;
+4. ``model_error``: the median relative error left over the observed steps.
 
 Every plan is observed in the same ``ROUNDS`` interleaved rounds (medians used), so the fits
 compare plans timed side by side: this shared machine's speed drifts by tens of percent over
@@ -172,4 +173,9 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
         said = log if i == FIT_PASSES - 1 else (lambda message: None)
         profile = fit_compute(profile, spec, seen, batches, said)
         profile = fit_launch(profile, spec, seen, batches, said)
-    return fit_streaming(profile, spec, seen, batches, log)
+    profile = fit_streaming(profile, spec, seen, batches, log)
+    errors = [abs(predicted_decode(plan, spec, profile, b) / step - 1)
+              for (plan, b), step in seen.items()]
+    log(f"fitted profile predicts the {len(errors)} observed steps within "
+        f"{statistics.median(errors):.1%} (median), {max(errors):.1%} (worst)")
+    return dataclasses.replace(profile, model_error=statistics.median(errors))

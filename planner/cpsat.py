@@ -14,11 +14,12 @@ picks the counts (a full per-op interval model does not scale: no solution in 60
   streamed, m ≥ largest staged segment of every used pattern (two consecutive segments are
   staged at once; a conservative bound across pattern boundaries).
 
-A second solve then takes, among plans predicted within ``TOLERANCE`` of that optimum, the one
-with the fewest device switches: the measured run-to-run spread on this machine exceeds such
-differences, and switches are where the cost model errs most. Layers are laid out
-host-heaviest first (the llama.cpp order); prefill keeps the decode placement unless running
-every weighted op on the accelerator (host weights staged in) is predicted faster and fits.
+A second solve then takes, among plans predicted within the profile's ``model_error`` (the
+fitted simulator's measured error) of that optimum, the one with the fewest device switches:
+the cost model cannot tell such plans apart, and switches are where it errs most. Layers are
+laid out host-heaviest first (the llama.cpp order); prefill keeps the decode placement unless
+running every weighted op on the accelerator (host weights staged in) is predicted faster and
+fits.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from hx.workload import Workload
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
-TOLERANCE = 0.05  # plans within 5 % of the optimum count as equal: take the simplest
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class PlannerResult:
       solve_s: CP-SAT wall time (both solves); ``patterns``: patterns left after pruning.
       counts: layers per pattern in the solution.
       chosen_s: predicted decode step of the plan taken (within ``tolerance`` of objective_s,
-        with the fewest device switches).
+        with the fewest device switches); ``tolerance``: the fraction used.
     """
 
     plan: ExecutionPlan
@@ -101,6 +101,7 @@ class PlannerResult:
     patterns: int
     counts: dict[Pattern, int]
     chosen_s: float
+    tolerance: float
 
 
 def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
@@ -236,7 +237,7 @@ def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
 
 
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
-               time_limit_s: float = 5.0, seed: int = 0, tolerance: float = TOLERANCE
+               time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
                ) -> PlannerResult:
     """The plan minimising predicted decode time per step under the memory budgets.
 
@@ -252,9 +253,10 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
       tolerance: among plans predicted within this fraction of the optimum, the one with the
         fewest device switches is taken (a second solve): differences smaller than the cost
         model's error are noise, and every switch is a launch and a transfer whose cost varies
-        most from run to run. This solve starts from the optimum as a hint and gets what is
-        left of the time limit; if it finds nothing better, the optimum is taken. ``status``
-        is the first solve's (optimality of ``objective_s``); 0 turns it off.
+        most from run to run. None: the profile's ``model_error``; 0 turns it off. This solve
+        starts from the optimum as a hint and gets what is left of the time limit; if it finds
+        nothing, the optimum is taken. ``status`` is the first solve's (optimality of
+        ``objective_s``).
     Raises:
       HxError: no plan fits the budgets; the message gives the smallest accelerator budget
         that admits one.
@@ -277,6 +279,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     status_name = solver.StatusName(status)
     variables = built.n + list(built.head.values())
     values = [solver.Value(v) for v in variables]
+    tolerance = profile.model_error if tolerance is None else tolerance
     if tolerance > 0:  # best effort: the optimum found above stands if this finds nothing
         built.model.Add(built.seconds <= round(solver.ObjectiveValue() * (1 + tolerance)))
         built.model.Minimize(built.switches)
@@ -299,7 +302,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     check_fits(plan, spec, devices, workload)  # the model's bounds are conservative
     return PlannerResult(plan, status_name, objective, bound,
                          (objective - bound) / objective if objective else 0.0, solve_s,
-                         len(costs), counts, chosen)
+                         len(costs), counts, chosen, tolerance)
 
 
 def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, status) -> str:

@@ -89,6 +89,9 @@ class HardwareProfile:
         waited for it, issuing the next weight copy and launch (fitted by ``calibrate``).
       accelerator_memory / host_memory: capacities in bytes (None = unknown).
       emulated: the accelerator was an XLA CPU device standing in for a GPU.
+      model_error: median |predicted / observed - 1| of the decode steps calibration observed
+        with the fitted profile (0 when not calibrated). The planner counts plans predicted
+        this close to each other as ties (``cpsat.plan_cpsat``).
     """
 
     name: str
@@ -102,6 +105,7 @@ class HardwareProfile:
     accelerator_memory: int | None = None
     host_memory: int | None = None
     emulated: bool = False
+    model_error: float = 0.0
 
     def device(self, name: str) -> DeviceProfile:
         """The ``DeviceProfile`` of ``"accelerator"`` or ``"host"``."""
@@ -132,7 +136,8 @@ class HardwareProfile:
                     if f.name not in devices and f.name in data}
             return cls(**devices, **rest)
         except (KeyError, TypeError, ValueError) as e:
-            raise HxError(f"malformed hardware profile: {e!r}") from None
+            raise HxError(f"malformed hardware profile ({e!r}): an older hx or a hand edit "
+                          "wrote it; run `hx profile` to measure a new one") from None
 
     def save(self, path: str) -> None:
         """Write the JSON form to ``path`` (creating its folder)."""

@@ -151,7 +151,7 @@ def plan_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan JSON."),
 ) -> None:
     """Choose a plan under the memory budget and show it with its predicted time."""
-    from hx.planner.cpsat import TOLERANCE, plan_cpsat
+    from hx.planner.cpsat import plan_cpsat
 
     spec = load_spec(model)
     devices = discover(accelerator_memory, host_memory)
@@ -164,8 +164,8 @@ def plan_command(
         out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms, "
                   f"best bound {result.bound_s * 1e3:.3f} ms, gap {result.gap:.2%}; chosen plan "
                   f"{result.chosen_s * 1e3:.3f} ms (fewest device switches within "
-                  f"{TOLERANCE:.0%}); solved in {result.solve_s:.3f} s over {result.patterns} "
-                  f"layer patterns", soft_wrap=True)
+                  f"{result.tolerance:.1%}, the profile's model error); solved in "
+                  f"{result.solve_s:.3f} s over {result.patterns} layer patterns", soft_wrap=True)
     else:
         plan = plan_by_name(policy, spec, devices, workload, hardware)
     describe_plan(plan, spec, hardware, workload)

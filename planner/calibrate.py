@@ -8,10 +8,10 @@ simulator agrees with them:
 1. ``compute_scale`` per device and batch: observed / predicted decode step of the one-segment
    plans all-accelerator and all-host (the model's shapes run at other rates than the
    profiler's 1024 x 1024 products);
-2. launch overhead per segment at each batch: least squares over plans with 1 to 121 segments
-   (SCORE alone on either side among them), from their observed decode steps and the
-   simulator's sensitivity to it (on this 2-core host a device switch costs more at larger
-   batches);
+2. launch overhead per segment at each batch, and the activation-transfer latency:
+   non-negative least squares over plans with 1 to 121 segments (SCORE alone on either side
+   among them), from their observed decode steps and the simulator's sensitivity to each (on
+   this 2-core host a device switch costs more at larger batches);
 3. copy/compute contention and the sync overhead after each wait on a streaming segment: grid
    search so stream-all's predicted steps meet the observed ones;
 4. ``model_error``: the median relative error left over the observed steps.
@@ -29,6 +29,7 @@ import statistics
 from typing import Any, Callable
 
 import numpy as np
+from scipy.optimize import nnls
 
 from hx.bench import DecodeProbe, DecodeTimes, time_decode
 from hx.devices import ACCELERATOR, HOST, Devices
@@ -120,25 +121,36 @@ def fit_compute(profile: HardwareProfile, spec: ModelSpec,
 def fit_launch(profile: HardwareProfile, spec: ModelSpec,
                seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
                log: Callable[[str], None]) -> HardwareProfile:
-    """Launch overhead per segment at each batch: least squares over ``dispatch_plans``, from
-    their observed decode steps (``seen``) and the simulator's sensitivity to it."""
+    """Launch overhead per segment at each batch and the activation-transfer latency: least
+    squares with both >= 0 (``scipy.optimize.nnls``) over ``dispatch_plans``, from their
+    observed decode steps (``seen``) and the simulator's sensitivity to each. Every device
+    switch costs a launch and a transfer: the profiler's small-transfer timing alone varies
+    several-fold between runs on this VM, so the two are fitted together on the model's steps.
+    """
 
-    def with_launch(points) -> HardwareProfile:
+    def with_costs(points, latency: float) -> HardwareProfile:
         return dataclasses.replace(
-            profile, accelerator=dataclasses.replace(profile.accelerator, launch_overhead=points),
+            profile, transfer_latency=latency,
+            accelerator=dataclasses.replace(profile.accelerator, launch_overhead=points),
             host=dataclasses.replace(profile.host, launch_overhead=points))
 
-    probe, points = 1e-4, []
-    for batch in batches:
-        slopes, residuals = [], []
-        for plan in dispatch_plans(spec.n_layers):
-            base = predicted_decode(plan, spec, with_launch(()), batch)
-            probed = predicted_decode(plan, spec, with_launch(((batch, probe),)), batch)
-            slopes.append((probed - base) / probe)
+    probe = 1e-4
+    rows, residuals = [], []
+    for plan in dispatch_plans(spec.n_layers):
+        for i, batch in enumerate(batches):
+            base = predicted_decode(plan, spec, with_costs((), 0.0), batch)
+            row = [0.0] * (len(batches) + 1)
+            row[i] = (predicted_decode(plan, spec, with_costs(((batch, probe),), 0.0), batch)
+                      - base) / probe
+            row[-1] = (predicted_decode(plan, spec, with_costs((), probe), batch) - base) / probe
+            rows.append(row)
             residuals.append(seen[(plan, batch)] - base)
-        points.append((batch, max(0.0, float(np.dot(slopes, residuals) / np.dot(slopes, slopes)))))
-        log(f"batch {batch}: launch overhead {points[-1][1] * 1e6:.0f} us per segment")
-    return with_launch(tuple(points))
+    solution, _ = nnls(np.array(rows), np.array(residuals))
+    points = tuple((b, float(t)) for b, t in zip(batches, solution))
+    log("launch overhead per segment " + ", ".join(f"batch {b}: {t * 1e6:.0f} us"
+                                                   for b, t in points)
+        + f"; transfer latency {solution[-1] * 1e6:.0f} us")
+    return with_costs(points, float(solution[-1]))
 
 
 def fit_streaming(profile: HardwareProfile, spec: ModelSpec,
@@ -160,15 +172,11 @@ def fit_streaming(profile: HardwareProfile, spec: ModelSpec,
     return dataclasses.replace(profile, contention=contention, sync_overhead=sync)
 
 
-def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], devices: Devices,
-           batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None
-           ) -> HardwareProfile:
-    """A copy of ``profile`` fitted to this model's ops and decode steps (module doc); every
-    plan the fits use is observed in the same interleaved rounds."""
-    n = spec.n_layers
-    plans = ([policies.all_accelerator(n), policies.all_host(n), policies.stream_all(n)]
-             + dispatch_plans(n))
-    seen = observe_interleaved(spec, params, plans, batches, devices)
+def fit(profile: HardwareProfile, spec: ModelSpec,
+        seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
+        log: Callable[[str], None] = lambda message: None) -> HardwareProfile:
+    """``profile`` fitted to the observed decode steps ``seen`` (seconds per (plan, batch); the
+    plans of ``calibration_plans``): fits 1-4 of the module doc."""
     for i in range(FIT_PASSES):  # each fit holds the other's result fixed
         said = log if i == FIT_PASSES - 1 else (lambda message: None)
         profile = fit_compute(profile, spec, seen, batches, said)
@@ -179,3 +187,18 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
     log(f"fitted profile predicts the {len(errors)} observed steps within "
         f"{statistics.median(errors):.1%} (median), {max(errors):.1%} (worst)")
     return dataclasses.replace(profile, model_error=statistics.median(errors))
+
+
+def calibration_plans(n_layers: int) -> list[ExecutionPlan]:
+    """The plans ``refine`` observes: the one-segment plans, stream-all, ``dispatch_plans``."""
+    return ([policies.all_accelerator(n_layers), policies.all_host(n_layers),
+             policies.stream_all(n_layers)] + dispatch_plans(n_layers))
+
+
+def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], devices: Devices,
+           batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None
+           ) -> HardwareProfile:
+    """A copy of ``profile`` fitted to this model's decode steps (module doc); every plan the
+    fits use is observed in the same interleaved rounds."""
+    seen = observe_interleaved(spec, params, calibration_plans(spec.n_layers), batches, devices)
+    return fit(profile, spec, seen, batches, log)

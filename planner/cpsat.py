@@ -289,11 +289,10 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         if simpler.Solve(built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             values = [simpler.Value(v) for v in variables]
         solve_s = time.perf_counter() - start
-    value = dict(zip(variables, values))
-    chosen = _step_units(costs, heads, [value[ni] for ni in built.n],
-                         {s: value[v] for s, v in built.head.items()}) * TIME_UNIT
-    counts = {c.pattern: value[ni] for c, ni in zip(costs, built.n) if value[ni]}
-    head_state = next(s for s in OP_STATES if value[built.head[s]])
+    n, head = values[:len(built.n)], dict(zip(built.head, values[len(built.n):]))
+    chosen = _step_units(costs, heads, n, head) * TIME_UNIT
+    counts = {c.pattern: ni for c, ni in zip(costs, n) if ni}
+    head_state = next(s for s in OP_STATES if head[s])
     # host-heaviest patterns first: accelerator layers last, as llama.cpp offloads them
     order = sorted(counts, key=lambda p: (p.devices().count(ACCELERATOR), p.kv == ACCELERATOR))
     layers = [p for p in order for _ in range(counts[p])]

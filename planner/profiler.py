@@ -3,9 +3,9 @@
 Every rate is the median of repeated, warmed-up runs of jitted JAX code on the device itself, so
 it includes what XLA and the runtime really cost there: matmul chains whose weights exceed the
 caches, the SCORE kernel each side uses, large copies between the two memories, and a copy
-overlapped with a matmul chain (contention). The executor's launch overhead is fitted to a
-tiny model's decode steps (``calibrate.fit_launch``); ``calibrate.refine`` fits the profile to
-a real model.
+overlapped with a matmul chain (contention). The cost of a device switch (launch overhead,
+transfer latency) is fitted to a tiny model's decode steps (``calibrate.fit_launch``);
+``calibrate.refine`` fits the profile to a real model instead.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
 
     Args:
       log: called with a short line as each measurement finishes.
-      launch: fit the launch overhead to a tiny model's decode steps (~15 s); leave it out
-        when ``calibrate.refine`` follows, as it fits that to the real model.
+      launch: fit the launch overhead and transfer latency to a tiny model's decode steps
+        (~15 s); leave it out when ``calibrate.refine`` follows, as it fits both to the model.
     """
     sides = {}
     h2d, d2h, latency = measure_links(devices)

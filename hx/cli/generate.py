@@ -108,9 +108,9 @@ def generate(
                   f"{summary.total} prompts[/dim]", soft_wrap=True)
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
+    owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
     err.print(f"[dim]accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
-              + ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
-              + "[/dim]", soft_wrap=True)
+              f"{owners or 'the plan puts nothing there'}[/dim]", soft_wrap=True)
     if timeline is not None:
         timeline.to_chrome(str(trace))
         overlap = median_overlap(timeline)

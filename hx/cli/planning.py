@@ -46,7 +46,7 @@ def profile_command(
     refine: bool = typer.Option(True, help="Fit the profile to the model's own decode steps."),
     batches: str = typer.Option("1,16", help="Batches the refinement observes."),
 ) -> None:
-    """Measure the accelerator, host and link rates (and fit them to a model), ~2 minutes."""
+    """Measure the accelerator, host and link rates (and fit them to a model), ~1.5 minutes."""
     from hx.planner.calibrate import refine as refine_profile
     from hx.planner.profiler import measure
 

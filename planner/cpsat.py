@@ -34,7 +34,7 @@ from ortools.sat.python import cp_model
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_bytes, check_fits
+from hx.memory import activation_bytes, check_fits, staged_bytes
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
 from hx.planner.profile import HardwareProfile
@@ -120,20 +120,19 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     budget does not enter, so planning at many budgets prices once)."""
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
     kv_bytes = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
     costs = []
     for kv in (ACCELERATOR, HOST):
         for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS)):
             p = Pattern(kv, ops)
-            seconds = (predict(layer_plan(two, [p, p], HOST, "p"), two, profile, "decode",
-                               workload.batch, 1, workload.cache_slots, context).seconds
+            pair = layer_plan(two, [p, p], HOST, "p")
+            seconds = (predict(pair, two, profile, "decode", workload.batch, 1,
+                               workload.cache_slots, context).seconds
                        - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
                                  workload.batch, 1, workload.cache_slots, context).seconds)
-            weights = dict(zip(WEIGHTED_OPS, (spec.op_weight_bytes(op) for op in WEIGHTED_OPS)))
             resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s == RESIDENT)
             host = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
-            segments = split_segments(layer_plan(two, [p, p], HOST, "p"), "decode")
-            staged = [sum(spec.op_weight_bytes(op) for (_, op), st in zip(s.ops, s.staged) if st)
-                      for s in segments]
+            staged = [staged_bytes(spec, s) for s in split_segments(pair, "decode")]
             costs.append(PatternCost(
                 p, max(seconds, 0.0), resident + (kv_bytes if kv == ACCELERATOR else 0),
                 max(staged), host + (kv_bytes if kv == HOST else 0),

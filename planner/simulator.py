@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
+from hx.memory import staged_bytes
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner.cost import activation_bytes, op_cost
@@ -97,8 +98,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         return len(tasks) - 1
 
     def stage(index: int, after: int | None) -> int:
-        seg = segments[index]
-        nbytes = sum(spec.op_weight_bytes(op) for (_, op), st in zip(seg.ops, seg.staged) if st)
+        nbytes = staged_bytes(spec, segments[index])
         return add(H2D, f"weights {index}", nbytes / profile.h2d_bandwidth, [after])
 
     streaming = [i for i, s in enumerate(segments) if s.streams]

@@ -34,24 +34,36 @@ ATTENTION_SLOTS = (256, 1024, 4096)
 COPY_BYTES = 16 * 2**20
 
 
-def _chain(device: jax.Device, weights: jax.Array, rows: int) -> float:
-    """Seconds of x @ W_0 @ W_1 ... over the stacked ``weights`` with M = ``rows``."""
-    x = jax.device_put(jnp.ones((rows, MATMUL_N), jnp.float32), device)
-    f = jax.jit(lambda x, w: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0])
-    return median_seconds(lambda: f(x, weights), repeats=7)
+@jax.jit
+def _matmul_chain(x: jax.Array, weights: jax.Array) -> jax.Array:
+    """x @ W_0 @ W_1 ... over the stacked ``weights`` (tanh between, so nothing folds)."""
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, weights)[0]
+
+
+def _weight_stack(device: jax.Device, seed: int) -> jax.Array:
+    """(MATMUL_WEIGHTS, N, N) float32 random weights on ``device`` (192 MiB)."""
+    rng = np.random.default_rng(seed)
+    return jax.device_put(rng.standard_normal((MATMUL_WEIGHTS, MATMUL_N, MATMUL_N), np.float32)
+                          / math.sqrt(MATMUL_N), device)
+
+
+def _memories(devices: Devices) -> tuple[SingleDeviceSharding, SingleDeviceSharding]:
+    """(pinned host memory, device memory) of the accelerator."""
+    acc = devices[ACCELERATOR]
+    return (SingleDeviceSharding(acc, memory_kind="pinned_host"),
+            SingleDeviceSharding(acc, memory_kind="device"))
 
 
 def measure_matmul(device: jax.Device) -> tuple[tuple[int, float], ...]:
     """((M, FLOP/s), ...): chains of (M x 1024) @ (1024 x 1024) products, at most ~4 GFLOP
     and at least 4 weight matrices per chain."""
-    rng = np.random.default_rng(0)
-    stack = jax.device_put(
-        (rng.standard_normal((MATMUL_WEIGHTS, MATMUL_N, MATMUL_N), np.float32)
-         / math.sqrt(MATMUL_N)), device)
+    stack = _weight_stack(device, seed=0)
     rates = []
     for rows in MATMUL_ROWS:
         n = int(min(MATMUL_WEIGHTS, max(4, 4e9 // (2 * rows * MATMUL_N * MATMUL_N))))
-        seconds = _chain(device, stack[:n], rows)
+        x = jax.device_put(jnp.ones((rows, MATMUL_N), jnp.float32), device)
+        weights = stack[:n]
+        seconds = median_seconds(lambda: _matmul_chain(x, weights), repeats=7)
         rates.append((rows, 2.0 * rows * MATMUL_N * MATMUL_N * n / seconds))
     return tuple(rates)
 
@@ -85,8 +97,7 @@ def measure_links(devices: Devices) -> tuple[float, float, float]:
     """(H2D bytes/s pinned_host -> accelerator memory, D2H bytes/s accelerator -> host,
     seconds from issuing a small activation transfer to its arrival)."""
     acc = devices[ACCELERATOR]
-    acc_memory = SingleDeviceSharding(acc, memory_kind="device")
-    pinned = SingleDeviceSharding(acc, memory_kind="pinned_host")
+    pinned, acc_memory = _memories(devices)
     data = np.ones((COPY_BYTES // 4,), np.float32)
     src = jax.device_put(data, pinned)
     h2d = COPY_BYTES / median_seconds(lambda: jax.device_put(src, acc_memory), repeats=21)
@@ -101,19 +112,15 @@ def measure_contention(devices: Devices) -> float:
     """Share of the shorter of a 192 MiB weight copy and a 192 MiB matmul chain lost when
     both run at once: (t_both - max) / min, clipped to [0, 1]."""
     acc = devices[ACCELERATOR]
-    pinned = SingleDeviceSharding(acc, memory_kind="pinned_host")
-    acc_memory = SingleDeviceSharding(acc, memory_kind="device")
-    rng = np.random.default_rng(1)
-    weights = jax.device_put(rng.standard_normal((MATMUL_WEIGHTS, MATMUL_N, MATMUL_N),
-                                                 np.float32) / math.sqrt(MATMUL_N), acc)
+    pinned, acc_memory = _memories(devices)
+    weights = _weight_stack(acc, seed=1)
     sources = [jax.device_put(np.ones((MATMUL_N, MATMUL_N), np.float32), pinned)
                for _ in range(MATMUL_WEIGHTS)]
     x = jax.device_put(jnp.ones((1, MATMUL_N), jnp.float32), acc)
-    f = jax.jit(lambda x, w: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0])
-    compute = median_seconds(lambda: f(x, weights), repeats=3)
+    compute = median_seconds(lambda: _matmul_chain(x, weights), repeats=3)
     copy = median_seconds(lambda: [jax.device_put(s, acc_memory) for s in sources], repeats=3)
     both = median_seconds(lambda: ([jax.device_put(s, acc_memory) for s in sources],
-                                    f(x, weights)), repeats=3)
+                                    _matmul_chain(x, weights)), repeats=3)
     return min(1.0, max(0.0, (both - max(compute, copy)) / min(compute, copy)))
 
 

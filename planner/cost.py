@@ -11,10 +11,9 @@ int32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from hx.models.spec import EMBED, HEAD, ModelSpec
-
-MATMUL_OPS = ("Q", "K", "V", "OUT", "MLP1", "MLP2", HEAD)
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int
     return batch * tokens * per_row[name] * w
 
 
-def crossing_bytes(spec: ModelSpec, reads: tuple[str, ...], batch: int, tokens: int) -> int:
+def crossing_bytes(spec: ModelSpec, reads: Iterable[str], batch: int, tokens: int) -> int:
     """Bytes of the activations a segment reads from another device."""
     return sum(activation_bytes(spec, name, batch, tokens) for name in reads)
 

@@ -27,7 +27,7 @@ from hx.devices import ACCELERATOR, HOST
 from hx.memory import staged_bytes
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan
-from hx.planner.cost import activation_bytes, op_cost
+from hx.planner.cost import crossing_bytes, op_cost
 from hx.planner.profile import HardwareProfile
 from hx.segments import Segment, split_segments
 from hx.workload import round_up
@@ -118,7 +118,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         moves = [n for n in seg.reads if producer[n][0] != seg.device]
         if moves and not (moves == ["tokens"] and seg.device == HOST):  # one device_put
             link = H2D if seg.device == ACCELERATOR else D2H
-            nbytes = sum(activation_bytes(spec, n, batch, tokens) for n in moves)
+            nbytes = crossing_bytes(spec, moves, batch, tokens)
             bandwidth = profile.h2d_bandwidth if link == H2D else profile.d2h_bandwidth
             deps.append(add(link, " ".join(moves), profile.transfer_latency + nbytes / bandwidth,
                             [producer[n][1] for n in moves]))

@@ -81,38 +81,27 @@ class DecodeProbe:
         return tokens, Step(np.full((B, 1), at, np.int32), np.int32(at), self.kv_start)
 
 
-@dataclass
-class DecodeTimes:
-    """Per-step seconds: until ``Executor.run`` returned (``dispatch``: the Python side) and
-    until the logits were ready (``total``)."""
-
-    dispatch: list[float]
-    total: list[float]
-
-
 def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
-                warmup: int = WARMUP_STEPS, prefill: bool = True) -> DecodeTimes:
-    """Times of ``steps`` executor decode steps (after a prefill and ``warmup`` untimed
-    steps), each waited for; the KV caches are released at the end.
+                prefill: bool = True) -> list[float]:
+    """Seconds of each of ``steps`` executor decode steps until its logits were ready (after
+    a prefill and ``WARMUP_STEPS`` untimed steps); the KV caches are released at the end.
 
     ``prefill=False`` decodes at the same positions over the zero-filled cache instead: a
     decode step does the same work whatever the cache holds, and no prefill is run or compiled
     (the profiler's calibration uses this to stay within its time).
     """
     caches = executor.new_cache(probe.batch, slots)
-    times = DecodeTimes([], [])
+    times = []
     try:
         if prefill:
             _, caches = executor.run("prefill", *probe.prefill(), caches)
-        for i in range(warmup + steps):
+        for i in range(WARMUP_STEPS + steps):
             tokens, step = probe.step(i)
             t0 = time.perf_counter()
             logits, caches = executor.run("decode", tokens, step, caches)
-            t1 = time.perf_counter()
             logits.block_until_ready()
-            if i >= warmup:
-                times.dispatch.append(t1 - t0)
-                times.total.append(time.perf_counter() - t0)
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - t0)
         return times
     finally:
         executor.release_cache()

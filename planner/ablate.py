@@ -23,9 +23,9 @@ from hx.memory import estimate
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
+from hx.planner.calibrate import predicted_decode, probe_slots
 from hx.planner.profile import HardwareProfile
-from hx.planner.simulator import predict
-from hx.workload import CACHE_BUCKET, Workload, round_up
+from hx.workload import Workload
 
 BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp")
 
@@ -62,7 +62,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
            log: Callable[[str], None] = lambda m: None) -> list[AblationRow]:
     """Rows for every (fraction of weight bytes as accelerator budget, batch, policy)."""
     rows = []
-    slots = round_up(context + steps + 8, CACHE_BUCKET)
+    slots = probe_slots(context, steps)
     for fraction in fractions:
         budget = int(spec.weight_bytes * fraction)
         devices = discover(accelerator_memory=budget)
@@ -76,8 +76,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
                     rows.append(AblationRow(name, fraction, budget, batch, None, None, None,
                                             None, [], str(e)))
                     continue
-                predicted = predict(plan, spec, profile, "decode", batch, 1, slots,
-                                    context + steps // 2).seconds
+                predicted = predicted_decode(plan, spec, profile, batch, steps, context)
                 twin = next((r for r, _, p in group if same_placement(p, plan)), None)
                 row = AblationRow(name, fraction, budget, batch, plan.name,
                                   estimate(plan, spec, workload).accelerator, predicted, None,
@@ -91,7 +90,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
                         continue  # same plan as an earlier policy: shares its runs
                     times = time_decode(executor, DecodeProbe(spec, batch, context, seed=r),
                                         slots, steps)
-                    row.runs_s.append(statistics.median(times.total))
+                    row.runs_s.append(statistics.median(times))
             for row, executor, _ in group:
                 row.measured_s = statistics.median(row.runs_s)
                 if executor is None:

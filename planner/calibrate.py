@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 from scipy.optimize import nnls
 
-from hx.bench import DecodeProbe, DecodeTimes, time_decode
+from hx.bench import DecodeProbe, time_decode
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.executor import Executor
 from hx.models.spec import ModelSpec
@@ -48,28 +48,32 @@ DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops o
                   ("EMBED", "Q", "K", "V", "OUT", "MLP1", "MLP2", "HEAD"))
 
 
+def probe_slots(context: int, steps: int) -> int:
+    """KV slots for decode probes of ``steps`` timed steps (plus warm-up) after ``context``."""
+    return round_up(context + steps + 8, CACHE_BUCKET)
+
+
 def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
             devices: Devices, executors: dict | None = None, steps: int = STEPS,
-            context: int = CONTEXT) -> DecodeTimes:
-    """The executor's decode steps under ``plan`` at positions ``context`` onwards (over a
+            context: int = CONTEXT) -> list[float]:
+    """Seconds of the executor's decode steps under ``plan`` at positions ``context`` on (over a
     zero-filled KV cache: same work as after a prefill, without running one).
 
     ``executors`` (plan -> Executor) keeps executors, and their compiled segments, for reuse
     across observations.
     """
-    slots = round_up(context + steps + 8, CACHE_BUCKET)
     executors = {} if executors is None else executors
     if plan not in executors:
         executors[plan] = Executor(spec, params, plan, devices)
-    return time_decode(executors[plan], DecodeProbe(spec, batch, context), slots, steps,
-                       prefill=False)
+    return time_decode(executors[plan], DecodeProbe(spec, batch, context),
+                       probe_slots(context, steps), steps, prefill=False)
 
 
 def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                      batch: int, steps: int = STEPS, context: int = CONTEXT) -> float:
-    """The simulator's decode step at the shapes ``observe`` runs."""
-    slots = round_up(context + steps + 8, CACHE_BUCKET)
-    return predict(plan, spec, profile, "decode", batch, 1, slots, context + steps // 2).seconds
+    """The simulator's decode step at the shapes ``observe`` runs (mid-way through them)."""
+    return predict(plan, spec, profile, "decode", batch, 1, probe_slots(context, steps),
+                   context + steps // 2).seconds
 
 
 def dispatch_plans(n_layers: int) -> list[ExecutionPlan]:
@@ -88,7 +92,7 @@ def observe_interleaved(spec: ModelSpec, params: dict[str, Any], plans: list[Exe
     for _ in range(rounds):
         for b in batches:
             for plan in dict.fromkeys(plans):
-                times = observe(spec, params, plan, b, devices, executors).total
+                times = observe(spec, params, plan, b, devices, executors)
                 seen.setdefault((plan, b), []).append(statistics.median(times))
     return {key: statistics.median(steps) for key, steps in seen.items()}
 

@@ -1,0 +1,27 @@
+"""The ablation measures every feasible policy on the executor and records why the others do
+not fit (tiny model, a GPU-like profile for the predictions)."""
+
+from conftest import TINY
+from hx.planner.ablate import BASELINES, ablate
+from hx.planner.calibrate import predicted_decode
+from hx.planner import policies
+from profiles import gpu_like
+
+
+def test_ablation_rows(tiny_model):
+    profile = gpu_like()
+    rows = ablate(TINY, tiny_model.params, profile, (0.3, 2.0), (1,), ("cpsat",) + BASELINES,
+                  runs=2, steps=2, context=16)
+    assert len(rows) == 2 * (1 + len(BASELINES))
+    for row in rows:
+        if row.error is not None:  # only a plan that does not fit goes unmeasured
+            assert "minimum feasible budget" in row.error and not row.runs_s
+            continue
+        assert len(row.runs_s) == 2 and row.measured_s > 0 and row.tokens_per_s > 0
+        assert row.accelerator_bytes <= row.budget_bytes
+    fits = {(r.budget_fraction, r.policy): r for r in rows}
+    assert fits[(0.3, "all-accelerator")].error is not None
+    whole = fits[(2.0, "all-accelerator")]
+    assert whole.error is None
+    assert whole.predicted_s == predicted_decode(policies.all_accelerator(TINY.n_layers), TINY,
+                                                 profile, 1, steps=2, context=16)

@@ -12,7 +12,8 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import activation_bytes, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
-from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
+from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
+from hx.planner.cpsat import Pattern, layer_plan
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import op_seconds
 from hx.workload import Workload
@@ -25,18 +26,6 @@ def _op_times(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     return {d: {op: op_seconds(spec, profile, d, op, workload.batch, 1, workload.cache_slots,
                                context) for op in LAYER_OPS + (HEAD,)}
             for d in (ACCELERATOR, HOST)}
-
-
-def _plan(spec: ModelSpec, devices_of, homes_of, head: str, name: str) -> ExecutionPlan:
-    """A plan from per-(layer, op) device and weight-home functions; EMBED on the host."""
-    L = spec.n_layers
-    placement = Placement(HOST, tuple(tuple(devices_of(i, op) for op in LAYER_OPS)
-                                      for i in range(L)),
-                          HOST if head == HOST else ACCELERATOR)
-    weights = WeightHomes(HOST, tuple(tuple(homes_of(i, op) for op in WEIGHTED_OPS)
-                                      for i in range(L)), head)
-    kv = tuple(devices_of(i, "SCORE") for i in range(L))
-    return ExecutionPlan(placement, placement, weights, kv, name)
 
 
 def _fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
@@ -67,12 +56,6 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     resident = 0
     streamed = {i: 0 for i in range(spec.n_layers)} | {None: 0}
 
-    def needed(extra_resident: int = 0, stream_at=None, stream_bytes: int = 0) -> int:
-        layers = dict(streamed)
-        if stream_at is not None or stream_bytes:
-            layers[stream_at] += stream_bytes
-        return resident + extra_resident + 2 * max(layers.values()) + act
-
     def acc_cost(op: str, home: str) -> float:
         copy = spec.op_weight_bytes(op) / profile.h2d_bandwidth if home == STREAMED else 0.0
         return times[ACCELERATOR][op] + copy + profile.transfer_latency
@@ -80,15 +63,15 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     host_load = sum(times[HOST][op] for (_, op) in state)
     acc_load, moves = 0.0, []
     while True:
-        best = None
+        best, peak = None, max(streamed.values())  # the largest streamed layer so far
         for (layer, op), current in state.items():
             if current != HOST:
                 continue
             size = kv_layer if op == "SCORE" else spec.op_weight_bytes(op)
             for home in ((RESIDENT,) if op == "SCORE" else (RESIDENT, STREAMED)):
-                fits = capacity is None or (
-                    needed(extra_resident=size) if home == RESIDENT
-                    else needed(stream_at=layer, stream_bytes=size)) <= capacity
+                needed = (resident + size + 2 * peak if home == RESIDENT
+                          else resident + 2 * max(peak, streamed[layer] + size)) + act
+                fits = capacity is None or needed <= capacity
                 if not fits:
                     continue
                 load = max(host_load - times[HOST][op], acc_load + acc_cost(op, home))
@@ -108,8 +91,9 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
         acc_load += acc_cost(key[1], home)
 
     def plan_of() -> ExecutionPlan:
-        return _plan(spec, lambda i, op: HOST if state[(i, op)] == HOST else ACCELERATOR,
-                     lambda i, op: state[(i, op)], state[(None, HEAD)], "min-max")
+        return layer_plan(spec, [Pattern(ACCELERATOR if state[(i, "SCORE")] != HOST else HOST,
+                                         tuple(state[(i, op)] for op in WEIGHTED_OPS))
+                                 for i in range(spec.n_layers)], state[(None, HEAD)], "min-max")
 
     while not _fits(plan_of(), spec, devices, workload):  # the tally is an estimate
         state[moves.pop()] = HOST
@@ -140,6 +124,9 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     capacity = devices.accelerator.capacity
     act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
 
+    no_fit = (f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at batch "
+              f"{workload.batch}; the minimum feasible budget is {2 * layer_w + act} bytes (two "
+              f"streamed layers and activations)")
     solver = pywraplp.Solver.CreateSolver("GLOP")
     w = solver.NumVar(0, 1, "w")
     c = solver.NumVar(0, 1, "c")
@@ -151,9 +138,7 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         solver.Add(w * L * layer_w + c * L * kv_layer + 2 * layer_w + act <= capacity)
     solver.Minimize(t)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        raise HxError(f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at "
-                      f"batch {workload.batch}; the minimum feasible budget is "
-                      f"{2 * layer_w + act} bytes (two streamed layers and activations)")
+        raise HxError(no_fit)
     w_value, c_value = w.solution_value(), c.solution_value()
     by_size = sorted(WEIGHTED_OPS, key=spec.op_weight_bytes, reverse=True)
     resident, share = set(), 0.0
@@ -161,17 +146,13 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         if share + spec.op_weight_bytes(op) / layer_w <= w_value + 1e-9:
             resident.add(op)
             share += spec.op_weight_bytes(op) / layer_w
+    homes = tuple(RESIDENT if op in resident else STREAMED for op in WEIGHTED_OPS)
     heads = ((RESIDENT,) if w_value >= 1 - 1e-9 else ()) + (STREAMED, HOST)
     for kv_layers in range(round(c_value * L), -1, -1):
         first_acc_kv = L - kv_layers
         for head in heads:
-            plan = _plan(spec,
-                         lambda i, op: HOST if op == "SCORE" and i < first_acc_kv
-                         else ACCELERATOR,
-                         lambda i, op: RESIDENT if op in resident else STREAMED, head,
-                         "flexgen-lp")
+            plan = layer_plan(spec, [Pattern(HOST if i < first_acc_kv else ACCELERATOR, homes)
+                                     for i in range(L)], head, "flexgen-lp")
             if _fits(plan, spec, devices, workload):
                 return plan
-    raise HxError(f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at "
-                  f"batch {workload.batch}; the minimum feasible budget is "
-                  f"{2 * layer_w + act} bytes (two streamed layers and activations)")
+    raise HxError(no_fit)

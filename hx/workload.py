@@ -53,6 +53,12 @@ class Workload:
     prompt_tokens: int
     cache_slots: int
 
+    @property
+    def decode_context(self) -> int:
+        """Cache slots in use at a typical decode step: mid-way from the prompt to a full
+        cache (what the planners price decode at)."""
+        return (self.prompt_tokens + self.cache_slots) // 2
+
     @classmethod
     def for_prompts(cls, batch: int, longest_prompt: int, max_new_tokens: int,
                     spec: ModelSpec) -> "Workload":

@@ -22,7 +22,7 @@ from hx.workload import Workload
 def _op_times(spec: ModelSpec, profile: HardwareProfile, workload: Workload
               ) -> dict[str, dict[str, float]]:
     """{device: {op: seconds per decode step}} at the middle of the cache."""
-    context = (workload.prompt_tokens + workload.cache_slots) // 2
+    context = workload.decode_context
     return {d: {op: op_seconds(spec, profile, d, op, workload.batch, 1, workload.cache_slots,
                                context) for op in LAYER_OPS + (HEAD,)}
             for d in (ACCELERATOR, HOST)}

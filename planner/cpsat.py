@@ -260,7 +260,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
       HxError: no plan fits the budgets; the message gives the smallest accelerator budget
         that admits one.
     """
-    context = (workload.prompt_tokens + workload.cache_slots) // 2
+    context = workload.decode_context
     costs = prune(price_patterns(spec, profile, workload, context))
     heads = head_seconds(spec, profile, workload, context)
     act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)

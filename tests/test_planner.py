@@ -80,7 +80,7 @@ def test_cpsat_beats_every_baseline_in_prediction(fraction, batch):
 
     def step(plan):
         return predict(plan, spec, profile, "decode", batch, 1, w.cache_slots,
-                       (w.prompt_tokens + w.cache_slots) // 2).seconds
+                       w.decode_context).seconds
 
     best = step(policies.build("cpsat", spec, devices, w, profile=profile))
     for name in ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp",

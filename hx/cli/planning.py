@@ -16,13 +16,14 @@ from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOptio
                            ProfileOption, app, err, out, plan_by_name, print_table)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
-from hx.memory import estimate
+from hx.memory import estimate, staged_bytes
 from hx.models.loader import load, load_spec
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
 from hx.planner.simulator import predict
+from hx.segments import split_segments
 from hx.workload import Workload
 
 
@@ -30,8 +31,7 @@ def _batches(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _profile_or_fail(path: Optional[Path]) -> HardwareProfile:
-    profile = load_default(str(path) if path else None)
+def _profile_or_fail(profile: Optional[HardwareProfile]) -> HardwareProfile:
     if profile is None:
         raise HxError(f"no hardware profile at {DEFAULT_PATH}; measure one with `hx profile` "
                       "or pass --profile FILE")
@@ -112,8 +112,7 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         start += count
     print_table(table)
     need = estimate(plan, spec, workload)
-    streamed = sum(spec.op_weight_bytes(op) for layer, op, home in plan.weights.sequence()
-                   if home != "resident" and plan.decode.get(layer, op) == "accelerator")
+    streamed = sum(staged_bytes(spec, s) for s in split_segments(plan, "decode"))
     out.print(f"EMBED on {plan.decode.embed}, HEAD on {plan.decode.head} "
               f"({plan.weights.head}); prefill "
               f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}")
@@ -122,8 +121,8 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
               f"{format_bytes(streamed)}", soft_wrap=True)
     if profile is not None:
         slots = workload.cache_slots
-        context = (workload.prompt_tokens + slots) // 2
-        decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots, context)
+        decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots,
+                         workload.decode_context)
         prefill = predict(plan, spec, profile, "prefill", workload.batch,
                           workload.prompt_tokens, slots, workload.prompt_tokens)
         busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
@@ -158,7 +157,7 @@ def plan_command(
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
     hardware = load_default(str(profile) if profile else None)
     if policy == "cpsat":
-        result = plan_cpsat(spec, _profile_or_fail(profile), devices, workload, time_limit, seed)
+        result = plan_cpsat(spec, _profile_or_fail(hardware), devices, workload, time_limit, seed)
         plan = result.plan
         proven = "" if result.status == "OPTIMAL" else " (time limit: NOT proven optimal)"
         out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms, "
@@ -190,7 +189,7 @@ def ablate_command(
     """Every policy's plan at several budgets and batches: predicted vs measured decode step."""
     from hx.planner.ablate import ablate, rows_to_json
 
-    hardware = _profile_or_fail(profile)
+    hardware = _profile_or_fail(load_default(str(profile) if profile else None))
     loaded = load(model)
     rows = ablate(loaded.spec, loaded.params, hardware,
                   tuple(float(x) for x in budgets.split(",")), _batches(batches),

@@ -72,7 +72,7 @@ def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
 
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
             "cpsat", "auto")
-NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat", "auto")
+NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without one
 
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
@@ -90,7 +90,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     from hx.planner import baselines, cpsat  # OR-Tools loads only when a solver is asked for
 
     n = spec.n_layers
-    if policy in NEEDS_PROFILE and profile is None and policy != "auto":
+    if policy in NEEDS_PROFILE and profile is None:
         raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
     if policy == "all-accelerator":
         plan = all_accelerator(n)

@@ -31,7 +31,7 @@ from hx.memory import Accountant, check_fits
 from hx.models.llama import OPS, Cache, Step, apply_op, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.segments import split_segments
+from hx.segments import crossings, first_streaming, next_streaming, split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
 
@@ -123,20 +123,10 @@ class Executor:
         self._functions: dict[tuple, Any] = {}
         self._compiled: dict[tuple, tuple[Any, int]] = {}
         self._by_segment: dict[tuple, tuple[Any, int]] = {}
-        # Static per segment: which reads cross from the other device (or from host memory,
-        # for the input tokens), and the next streaming segment.
-        self._moves, self._next_stream, self._first_stream = {}, {}, {}
-        for phase, segs in self.segments.items():
-            where: dict[str, str | None] = {"tokens": None}
-            moves = []
-            for seg in segs:
-                moves.append(tuple(n for n in seg.reads if where[n] != seg.device))
-                where.update({n: seg.device for n in seg.writes})
-            streaming = [i for i, seg in enumerate(segs) if seg.streams]
-            self._moves[phase] = moves
-            self._next_stream[phase] = [next((j for j in streaming if j > i), None)
-                                        for i in range(len(segs))]
-            self._first_stream[phase] = streaming[0] if streaming else None
+        # Static per segment: which reads cross devices, and the next streaming segment.
+        self._moves = {phase: crossings(segs) for phase, segs in self.segments.items()}
+        self._next_stream = {phase: next_streaming(segs)
+                             for phase, segs in self.segments.items()}
 
     # -- KV caches ---------------------------------------------------------------------------
 
@@ -206,7 +196,7 @@ class Executor:
         steps: dict[str, Step] = {}
         caches = list(caches)
         staged: dict[int, tuple[tuple, int | None]] = {}
-        first = self._first_stream[phase]
+        first = first_streaming(segments)
         if first is not None:
             staged[first] = self._stage(phase, first)
         previous_stream: tuple[int, Any] | None = None

@@ -96,3 +96,26 @@ def split_segments(plan: ExecutionPlan, phase: str) -> list[Segment]:
         segments.append(Segment(run["device"], tuple(run["ops"]), tuple(run["staged"]),
                                 reads_of(run["ops"]), writes))
     return segments
+
+
+def crossings(segments: list[Segment]) -> list[tuple[str, ...]]:
+    """Per segment, the activations it reads from the other device, in ``reads`` order (the
+    input ``tokens`` start in host memory, on neither device, so they always cross)."""
+    where: dict[str, str | None] = {"tokens": None}
+    moves = []
+    for seg in segments:
+        moves.append(tuple(n for n in seg.reads if where[n] != seg.device))
+        where.update({n: seg.device for n in seg.writes})
+    return moves
+
+
+def first_streaming(segments: list[Segment]) -> int | None:
+    """Index of the first segment that streams weights (staged before the phase starts)."""
+    return next((i for i, seg in enumerate(segments) if seg.streams), None)
+
+
+def next_streaming(segments: list[Segment]) -> list[int | None]:
+    """Per segment, the index of the next streaming segment after it (None: there is none);
+    the executor stages that segment's weights when this one is launched."""
+    streaming = [i for i, seg in enumerate(segments) if seg.streams]
+    return [next((j for j in streaming if j > i), None) for i in range(len(segments))]

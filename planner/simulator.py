@@ -29,7 +29,8 @@ from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner.cost import crossing_bytes, op_cost
 from hx.planner.profile import HardwareProfile
-from hx.segments import Segment, split_segments
+from hx.segments import (Segment, crossings, first_streaming, next_streaming,
+                         split_segments)
 from hx.workload import round_up
 
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
@@ -101,33 +102,31 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         nbytes = staged_bytes(spec, segments[index])
         return add(H2D, f"weights {index}", nbytes / profile.h2d_bandwidth, [after])
 
-    streaming = [i for i, s in enumerate(segments) if s.streams]
-    staged = {streaming[0]: stage(streaming[0], None)} if streaming else {}
-    # activation -> (device holding it, task producing it); tokens start in host memory
-    producer: dict[str, tuple[str | None, int | None]] = {"tokens": (None, None)}
+    first = first_streaming(segments)
+    staged = {first: stage(first, None)} if first is not None else {}
+    moves_of, next_stream = crossings(segments), next_streaming(segments)
+    producer: dict[str, int | None] = {"tokens": None}  # activation -> task producing it
     previous_stream: int | None = None  # compute task of the last streaming segment
     for i, seg in enumerate(segments):
         synced = None
         if seg.streams and previous_stream is not None:  # the executor waits for it, then
             synced = add(SYNC, f"wait {i}", profile.sync_overhead, [previous_stream])
-        if seg.streams:  # ... issues the next copy and this launch
-            later = [j for j in streaming if j > i]
-            if later:
-                staged[later[0]] = stage(later[0], synced)
-        deps = [staged.get(i), synced] + [producer[n][1] for n in seg.reads]
-        moves = [n for n in seg.reads if producer[n][0] != seg.device]
-        if moves and not (moves == ["tokens"] and seg.device == HOST):  # one device_put
+        if seg.streams and next_stream[i] is not None:  # ... issues the next copy and launch
+            staged[next_stream[i]] = stage(next_stream[i], synced)
+        deps = [staged.get(i), synced] + [producer[n] for n in seg.reads]
+        moves = moves_of[i]
+        if moves and not (moves == ("tokens",) and seg.device == HOST):  # one device_put
             link = H2D if seg.device == ACCELERATOR else D2H
             nbytes = crossing_bytes(spec, moves, batch, tokens)
             bandwidth = profile.h2d_bandwidth if link == H2D else profile.d2h_bandwidth
             deps.append(add(link, " ".join(moves), profile.transfer_latency + nbytes / bandwidth,
-                            [producer[n][1] for n in moves]))
+                            [producer[n] for n in moves]))
         name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
         duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
             spec, profile, seg, batch, tokens, slots, context)
         task = add(seg.device, name, duration, deps)
         for written in seg.writes:
-            producer[written] = (seg.device, task)
+            producer[written] = task
         if seg.streams:
             previous_stream = task
     return tasks

@@ -17,6 +17,7 @@ import numpy as np
 
 from hx.devices import Devices
 from hx.executor import Executor
+from hx.generate import run_prefill
 from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
 from hx.models.spec import ModelSpec
@@ -94,7 +95,8 @@ def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
     times = []
     try:
         if prefill:
-            _, caches = executor.run("prefill", *probe.prefill(), caches)
+            _, caches = run_prefill(executor, *probe.prefill(), caches,
+                                    executor.plan.prefill_chunk)
         for i in range(WARMUP_STEPS + steps):
             tokens, step = probe.step(i)
             t0 = time.perf_counter()
@@ -129,7 +131,8 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
     executor = Executor(spec, params, plan, devices)
     exec_caches = executor.new_cache(batch, slots)
-    _, exec_caches = executor.run("prefill", prompt, prefill, exec_caches)
+    _, exec_caches = run_prefill(executor, prompt, prefill, exec_caches,
+                                 executor.plan.prefill_chunk)
 
     ref_name = _majority_device(plan)
     ref_device = devices[ref_name]

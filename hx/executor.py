@@ -2,17 +2,20 @@
 
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
-device. Each step (``run``) walks the phase's segments:
+device. Each step (``run``) carries out the instructions of the step's ``hx.schedule.Schedule``
+-- the same list the simulator prices and the memory estimate sizes:
 
-* weight streaming: the staged weights of the next streaming segment are ``device_put`` into
-  accelerator memory before the current segment is launched (prefetch depth 1); the buffer of
-  the streaming segment before is freed first, after waiting for that segment to finish, so at
-  most two segments' weights are staged at any time (double buffer);
-* activations a segment reads are moved to its device with ``device_put``;
-* the segment's compiled function runs (compiled once per signature and shapes; KV caches are
-  donated, so appends are in place);
-* the accountant is told of every accelerator allocation; the timeline, when given, of every
-  segment and transfer.
+* ``stage``: ``device_put`` a streaming segment's weights into accelerator memory, issued before
+  the segment ahead of it is launched (prefetch depth 1, double buffer);
+* ``wait``: block until a streaming segment has finished, then drop its staged weights;
+* ``step``/``move``: put the step inputs and the activations a segment reads on its device;
+* ``launch``: run the segment's executable (compiled ahead of time from shapes by
+  ``hx.programs``; KV caches are donated, so appends are in place);
+* ``free``: end of step.
+
+The accountant applies every instruction's allocations with the real sizes of the arrays (and
+XLA's temporary bytes of the real executable); the timeline, when given, records every copy and
+launch.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices, discover
-from hx.host_compute.attention import prefix_attention
 from hx.memory import Accountant, check_fits
-from hx.models.llama import OPS, Cache, Step, apply_op, layer_key
+from hx.models.llama import Cache, Step, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.segments import crossings, first_streaming, next_streaming, split_segments
+from hx.programs import programs_for
+from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, STEP_KEY, TEMP_KEY, WAIT,
+                         Schedule, act_key, compile_schedule, staging_key)
+from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
 
@@ -46,28 +51,6 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def _segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
-                      writes: tuple[str, ...]):
-    """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted with
-    the caches donated. SCORE on the host uses the ``host_compute`` kernel."""
-    attend = prefix_attention if device == HOST else None
-
-    def run(params, acts, caches, step):
-        acts = dict(acts)
-        caches = list(caches)
-        slot = 0
-        for op, p in zip(ops, params):
-            if OPS[op].uses_cache:
-                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], attend)
-                slot += 1
-            else:
-                out, _ = apply_op(spec, op, p, acts, step)
-            acts.update(out)
-        return {name: acts[name] for name in writes}, tuple(caches)
-
-    return jax.jit(run, donate_argnums=(2,))
-
-
 class Executor:
     """Runs prefill and decode steps of a model under an ``ExecutionPlan``.
 
@@ -79,7 +62,8 @@ class Executor:
       timeline: records segments and transfers when given.
     Attributes:
       accountant: every accelerator allocation, with the peak.
-      compilations: number of segment compilations so far.
+      programs: the shared ``hx.programs.Programs`` its segments are compiled by.
+      compilations: distinct segment executables (signature and shapes) it has used.
     Raises:
       HxError: the plan does not match the model, or does not fit the budgets even at batch 1
         with one token (each run's own shapes are checked by ``Engine``).
@@ -92,15 +76,17 @@ class Executor:
         plan.validate(spec)
         self.spec, self.plan = spec, plan
         self.devices = devices or discover()
-        check_fits(plan, spec, self.devices, Workload(1, 1, 1))  # before placing any weight
+        self.programs = programs_for(spec, self.devices)
+        # the smallest workload, before placing any weight: does the plan fit at all?
+        check_fits(plan, spec, self.devices, Workload(1, 1, 1), self.programs)
         self.timeline = timeline
         self.accountant = Accountant(self.devices.accelerator.capacity)
         self.compilations = 0
         acc = self.devices.accelerator.device
-        self._acc_memory = SingleDeviceSharding(acc, memory_kind="device")
+        self._acc_memory = self.programs.shardings[ACCELERATOR]
         self._homes = {RESIDENT: self._acc_memory,
                        STREAMED: SingleDeviceSharding(acc, memory_kind="pinned_host"),
-                       HOST: SingleDeviceSharding(self.devices.host.device)}
+                       HOST: self.programs.shardings[HOST]}
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
         placed: dict[tuple[int, str], Any] = {}  # (id(array), home) -> placed array
 
@@ -120,13 +106,9 @@ class Executor:
                                 plan.weights.get(layer, op) or HOST)
                           for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()}
-        self._functions: dict[tuple, Any] = {}
-        self._compiled: dict[tuple, tuple[Any, int]] = {}
-        self._by_segment: dict[tuple, tuple[Any, int]] = {}
-        # Static per segment: which reads cross devices, and the next streaming segment.
-        self._moves = {phase: crossings(segs) for phase, segs in self.segments.items()}
-        self._next_stream = {phase: next_streaming(segs)
-                             for phase, segs in self.segments.items()}
+        self._schedules: dict[tuple, Schedule] = {}
+        self._executables: dict[tuple, tuple[Any, int]] = {}
+        self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
 
     # -- KV caches ---------------------------------------------------------------------------
 
@@ -149,127 +131,115 @@ class Executor:
         for layer in range(self.spec.n_layers):
             self.accountant.free(("kv", layer))
 
-    # -- compilation ---------------------------------------------------------------------------
-
-    def _compiled_for(self, phase: str, index: int, shapes: tuple, args: tuple
-                      ) -> tuple[Any, int]:
-        """The compiled function of segment ``index`` at ``shapes`` and its XLA temporary bytes;
-        segments with one signature share one compilation."""
-        hit = self._by_segment.get((phase, index, shapes))
-        if hit is not None:
-            return hit
-        segment = self.segments[phase][index]
-        key = (segment.signature, shapes)
-        if key not in self._compiled:
-            device, ops, _, _, writes = segment.signature
-            fkey = (device, ops, writes)
-            if fkey not in self._functions:
-                self._functions[fkey] = _segment_function(self.spec, device, ops, writes)
-            compiled = self._functions[fkey].lower(*args).compile()
-            temp = compiled.memory_analysis().temp_size_in_bytes
-            self._compiled[key] = (compiled, temp)
-            self.compilations += 1
-        self._by_segment[(phase, index, shapes)] = self._compiled[key]
-        return self._compiled[key]
-
     # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self, phase: str, batch: int, tokens: int, slots: int) -> Schedule:
+        """The instructions of one step of ``phase`` at (B, T, S) (built once per shape)."""
+        key = (phase, batch, tokens, slots)
+        if key not in self._schedules:
+            self._schedules[key] = compile_schedule(self.plan, self.spec, phase, batch, tokens,
+                                                    slots, segments=self.segments[phase])
+        return self._schedules[key]
+
+    def _executable(self, phase: str, index: int, batch: int, tokens: int, slots: int
+                    ) -> tuple[Any, int]:
+        """Segment ``index``'s executable at these shapes and its XLA temporary bytes."""
+        key = (phase, index, batch, tokens, slots)
+        if key not in self._executables:
+            segment = self.segments[phase][index]
+            compiled = self.programs.compiled(segment, batch, tokens, slots)
+            shapes = (segment.signature, batch, tokens, slots)
+            if shapes not in self._shapes:
+                self._shapes.add(shapes)
+                self.compilations += 1
+            self._executables[key] = (compiled,
+                                      int(compiled.memory_analysis().temp_size_in_bytes))
+        return self._executables[key]
 
     def run(self, phase: str, tokens: np.ndarray | jax.Array, step: Step,
             caches: list[Cache]) -> tuple[jax.Array, list[Cache]]:
         """One forward step of ``phase`` over new tokens.
 
         Args:
-          tokens: (B, T) int32 new tokens (the prompt for prefill, T = 1 for decode).
+          tokens: (B, T) int32 new tokens (a prompt chunk for prefill, T = 1 for decode).
           step: positions (B,T), write_index (), kv_start (B,) as numpy or JAX arrays.
           caches: per-layer KV caches from ``new_cache``; consumed (donated), returned updated.
         Returns:
           (logits (B, V) float32 of the last position, on HEAD's device; updated caches).
+        Raises:
+          BudgetExceeded: an allocation passes the accelerator budget (a bug).
         """
         tl, acct = self.timeline, self.accountant
         if tl is not None:
             tl.begin_step(phase)
+        B, T = np.shape(tokens)
+        S = caches[0]["k"].shape[1]
+        schedule = self.schedule(phase, B, T, S)
         segments, params = self.segments[phase], self._params[phase]
-        moves, next_stream = self._moves[phase], self._next_stream[phase]
-        shapes = (tuple(np.shape(tokens)), caches[0]["k"].shape[1])
         env: dict[str, Any] = {"tokens": tokens}
         producer: dict[Any, int | None] = {}  # env name / ("kv", layer) -> timeline event
         steps: dict[str, Step] = {}
-        caches = list(caches)
+        inputs: dict[int, tuple[dict[str, Any], int | None]] = {}  # moved activations, event
         staged: dict[int, tuple[tuple, int | None]] = {}
-        first = first_streaming(segments)
-        if first is not None:
-            staged[first] = self._stage(phase, first)
-        previous_stream: tuple[int, Any] | None = None
+        outputs: dict[int, Any] = {}
+        caches = list(caches)
 
-        for i, seg in enumerate(segments):
-            device = self.devices[seg.device]
-            on_acc = seg.device == ACCELERATOR
-            seg_params, weight_event = params[i], None
-            if seg.streams:
-                if previous_stream is not None:  # its buffer is reused: wait for it to finish
-                    done, outputs = previous_stream
-                    jax.block_until_ready(outputs)
-                    staged.pop(done)
-                    acct.free(("staging", done))
-                if next_stream[i] is not None:
-                    staged[next_stream[i]] = self._stage(phase, next_stream[i])
-                trees, weight_event = staged[i]
-                seg_params = tuple(s if s is not None else p for p, s in zip(params[i], trees))
-
-            if seg.device not in steps:
-                steps[seg.device] = jax.device_put(step, device)
-                if on_acc:
-                    acct.allocate("activations", ("step",), tree_bytes(steps[seg.device]))
-            acts = {name: env[name] for name in seg.reads}
-            deps = [weight_event]
-            if moves[i]:  # everything a segment reads from elsewhere crosses in one call
+        for ins in schedule.instructions:
+            i = ins.segment
+            seg = segments[i] if i is not None else None
+            if ins.kind == STAGE:
+                staged[i] = self._stage(phase, i)
+                acct.apply(ins, {staging_key(i): tree_bytes(staged[i][0])})
+            elif ins.kind == WAIT:  # the staged buffer is reused: the segment must be done
+                jax.block_until_ready(outputs[i])
+                staged.pop(i)
+                acct.apply(ins)
+            elif ins.kind == STEP:
+                steps[seg.device] = jax.device_put(step, self.devices[seg.device])
+                acct.apply(ins, {STEP_KEY: tree_bytes(steps[seg.device])})
+            elif ins.kind == MOVE:  # everything a segment reads from elsewhere, in one call
                 dispatch = time.perf_counter()
-                moved = jax.device_put([env[name] for name in moves[i]], device)
-                acts.update(zip(moves[i], moved))
+                moved = jax.device_put([env[n] for n in ins.names], self.devices[seg.device])
                 nbytes = sum(x.nbytes for x in moved)
-                if on_acc:  # held until the next accelerator segment starts (stream order)
-                    acct.allocate("activations", ("input",), nbytes)
-                from_host_memory = moves[i] == ("tokens",) and not isinstance(tokens, jax.Array)
-                if tl is not None and (on_acc or not from_host_memory):
-                    deps.append(tl.record(H2D if on_acc else D2H, " ".join(moves[i]), moved,
-                                          [producer.get(n) for n in moves[i]],
-                                          dispatch=dispatch, bytes=nbytes))
-            if tl is not None:
-                deps += [producer.get(n) for n in seg.reads if n not in moves[i]]
-                deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
-            seg_caches = tuple(caches[layer] for layer in seg.cache_layers)
-            args = (seg_params, acts, seg_caches, steps[seg.device])
-            compiled, temp = self._compiled_for(phase, i, shapes, args)
-            if on_acc:
-                acct.allocate("activations", ("temp",), temp)
-            dispatch = time.perf_counter()
-            out, seg_caches = compiled(*args)
-            for layer, cache in zip(seg.cache_layers, seg_caches):
-                caches[layer] = cache
-            for name, value in out.items():
-                env[name] = value
-                if on_acc:
-                    acct.allocate("activations", ("act", name), value.nbytes)
-                else:
-                    acct.free(("act", name))
-            if tl is not None:
-                ops = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
-                layers = sorted({layer for layer, _ in seg.ops if layer is not None})
-                event = tl.record(ACC_COMPUTE if on_acc else HOST_COMPUTE, ops,
-                                  (out, seg_caches), deps, dispatch=dispatch, segment=i,
-                                  layers=layers)
-                producer.update({name: event for name in out})
-                producer.update({("kv", layer): event for layer in seg.cache_layers})
-            if seg.streams:
-                previous_stream = (i, out)
-
-        if previous_stream is not None:
-            done, outputs = previous_stream
-            jax.block_until_ready(outputs)
-            staged.pop(done)
-            acct.free(("staging", done))
-        for key in [("temp",), ("step",), ("input",)] + [("act", name) for name in env]:
-            acct.free(key)
+                acct.apply(ins, {INPUT_KEY: nbytes})
+                event = None
+                if tl is not None and ins.resource is not None:
+                    event = tl.record(H2D if ins.resource == "H2D" else D2H,
+                                      " ".join(ins.names), moved,
+                                      [producer.get(n) for n in ins.names],
+                                      dispatch=dispatch, bytes=nbytes)
+                inputs[i] = (dict(zip(ins.names, moved)), event)
+            elif ins.kind == LAUNCH:
+                moved, move_event = inputs.pop(i, ({}, None))
+                seg_params, deps = params[i], [move_event]
+                if seg.streams:
+                    trees, weight_event = staged[i]
+                    seg_params = tuple(t if t is not None else p
+                                       for p, t in zip(params[i], trees))
+                    deps.append(weight_event)
+                acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
+                seg_caches = tuple(caches[layer] for layer in seg.cache_layers)
+                compiled, temp = self._executable(phase, i, B, T, S)
+                dispatch = time.perf_counter()
+                out, seg_caches = compiled(seg_params, acts, seg_caches, steps[seg.device])
+                outputs[i] = out
+                for layer, cache in zip(seg.cache_layers, seg_caches):
+                    caches[layer] = cache
+                env.update(out)
+                acct.apply(ins, {TEMP_KEY: temp} | {act_key(n): v.nbytes for n, v in out.items()})
+                if tl is not None:
+                    deps += [producer.get(n) for n in seg.reads if n not in moved]
+                    deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
+                    ops = " ".join(op if layer is None else f"{op}{layer}"
+                                   for layer, op in seg.ops)
+                    layers = sorted({layer for layer, _ in seg.ops if layer is not None})
+                    event = tl.record(ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
+                                      ops, (out, seg_caches), deps, dispatch=dispatch,
+                                      segment=i, layers=layers)
+                    producer.update({name: event for name in out})
+                    producer.update({("kv", layer): event for layer in seg.cache_layers})
+            elif ins.kind == FREE:
+                acct.apply(ins)
         return env["logits"], caches
 
     def _stage(self, phase: str, index: int) -> tuple[tuple, int | None]:
@@ -281,7 +251,6 @@ class Executor:
         dispatch = time.perf_counter()
         trees = tuple(jax.device_put(p, self._acc_memory) if staged else None
                       for p, staged in zip(sources, seg.staged))
-        self.accountant.allocate("staging", ("staging", index), tree_bytes(trees))
         event = None
         if self.timeline is not None:
             ops = " ".join(f"{op}{layer if layer is not None else ''}"

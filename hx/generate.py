@@ -26,7 +26,7 @@ from hx.models.tokenizer import Tokenizer
 from hx.plan import ExecutionPlan
 from hx.sampling import SamplingParams, sample
 from hx.timeline import Timeline
-from hx.workload import Workload, new_tokens, padded_length
+from hx.workload import Workload, new_tokens, padded_length, prefill_chunks
 
 @dataclass
 class Completion:
@@ -68,6 +68,30 @@ def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str]
             raise HxError(f"prompt {label} has {n} tokens but the model's context is "
                           f"{spec.context_length} tokens (one is needed for the answer); "
                           "shorten the prompt")
+
+
+def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list,
+            chunk: int | None) -> tuple:
+    """Run a left-padded prompt batch through ``executor`` in chunks of at most ``chunk``
+    tokens (``hx.workload.prefill_chunks``; None: one step). Each chunk writes its keys and
+    values at its own cache slots and attends over every slot written before it, so the
+    logits equal an unchunked prefill's.
+
+    Args:
+      tokens: (B, T) int32 prompt tokens; step: the prefill ``Step`` of all T tokens.
+      caches: per-layer KV caches (consumed).
+    Returns:
+      (logits (B, V) of the last position, updated caches).
+    """
+    start = int(step.write_index)
+    logits = None
+    for c in prefill_chunks(tokens.shape[1], chunk):
+        part = slice(start, start + c)
+        logits, caches = executor.run(
+            "prefill", tokens[:, part],
+            Step(step.positions[:, part], np.int32(start), step.kv_start), caches)
+        start += c
+    return logits, caches
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list[int]:
@@ -136,7 +160,8 @@ class Engine:
         self.check(Workload(B, T, T))
         try:
             caches = self.executor.new_cache(B, T)
-            logits, _ = self.executor.run("prefill", tokens, step, caches)
+            logits, _ = run_prefill(self.executor, tokens, step, caches,
+                                    self.plan.prefill_chunk)
             return np.asarray(logits)
         finally:
             self.executor.release_cache()
@@ -153,8 +178,9 @@ class Engine:
         timeline, self.executor.timeline = self.executor.timeline, None  # not a real step
         try:
             caches = self.executor.new_cache(workload.batch, workload.cache_slots)
-            logits, caches = self.executor.run(
-                "prefill", zeros, Step(zeros, np.int32(0), zeros[:, 0]), caches)
+            logits, caches = run_prefill(self.executor, zeros,
+                                         Step(zeros, np.int32(0), zeros[:, 0]), caches,
+                                         self.plan.prefill_chunk)
             sample(logits, sampling, 0)
             logits, caches = self.executor.run(
                 "decode", zeros[:, :1],
@@ -228,7 +254,8 @@ class Engine:
         start = time.perf_counter()
         try:
             caches = self.executor.new_cache(B, workload.cache_slots)
-            logits, caches = self.executor.run("prefill", tokens, prefill_step, caches)
+            logits, caches = run_prefill(self.executor, tokens, prefill_step, caches,
+                                         self.plan.prefill_chunk)
             last = np.asarray(sample(logits, sampling, 0))
             first = time.perf_counter()
             record(last, first)

@@ -2,22 +2,29 @@
 
 Every buffer the executor places on the accelerator -- resident weights, KV caches, staged
 (streamed-in) weights, activations and the XLA temporaries of a running segment -- is allocated
-through one ``Accountant``, which knows the bytes in use per owner and the peak. Exceeding the
-capacity raises ``BudgetExceeded``: that is a bug, because ``check_fits`` rejects a plan whose
-``estimate`` does not fit before anything runs.
+through one ``Accountant``, which knows the bytes in use per owner and the peak. The executor
+applies the allocations of the step's ``hx.schedule.Schedule``; ``estimate`` replays the same
+schedule without running it, with XLA's temporary sizes of the same compiled segments, so
+plan-time and run-time memory come from one description. Exceeding the capacity raises
+``BudgetExceeded``: that is a bug, because ``check_fits`` rejects a plan whose ``estimate``
+does not fit before anything runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import ModelSpec
 from hx.plan import PHASES, RESIDENT, ExecutionPlan
-from hx.segments import Segment, split_segments
-from hx.workload import Workload
+from hx.schedule import DryRun, Instruction, compile_schedule, dry_run
+from hx.segments import split_segments
+from hx.workload import Workload, prefill_chunks
+
+if TYPE_CHECKING:
+    from hx.programs import Programs
 
 OWNERS = ("weights", "kv", "staging", "activations")
 
@@ -76,6 +83,18 @@ class Accountant:
             owner, nbytes = self._live.pop(key)
             self._by_owner[owner] -= nbytes
 
+    def apply(self, instruction: Instruction, sizes: dict[Hashable, int] | None = None) -> None:
+        """Carry out a schedule instruction's frees, then its allocations; ``sizes`` gives
+        the real bytes of keys whose arrays exist (they replace the schedule's sizes).
+
+        Raises:
+          BudgetExceeded: as ``allocate``.
+        """
+        for key in instruction.frees:
+            self.free(key)
+        for key, owner, nbytes in instruction.allocs:
+            self.allocate(owner, key, (sizes or {}).get(key, nbytes))
+
     def report(self) -> dict:
         """JSON-able summary: capacity, in use, peak and its breakdown (bytes)."""
         return {"capacity": self.capacity, "in_use": self.in_use, "peak": self.peak,
@@ -84,14 +103,15 @@ class Accountant:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a plan needs at a workload (upper bounds; see ``estimate``).
+    """Bytes a plan needs at a workload: the peak of a dry run of its schedules.
 
     Attributes:
       weights: resident weights on the accelerator.
       kv: KV caches on the accelerator.
-      staging: double buffer of staged weights (largest two consecutive staged segments).
-      activations: activations and XLA temporaries of accelerator segments.
+      staging: staged (streamed-in) weights live at the peak moment.
+      activations: activations, step inputs and XLA temporaries live at the peak moment.
       host: host memory: host-home and streamed weights, host KV caches.
+      phase: the phase whose step peaks (``prefill`` or ``decode``).
     """
 
     weights: int
@@ -99,49 +119,40 @@ class MemoryEstimate:
     staging: int
     activations: int
     host: int
+    phase: str = "decode"
 
     @property
     def accelerator(self) -> int:
-        """Total accelerator bytes."""
+        """Total accelerator bytes at the peak."""
         return self.weights + self.kv + self.staging + self.activations
 
     def breakdown(self) -> str:
         """``weights …, KV …, staging …, activations …`` in bytes."""
         return (f"weights {self.weights}, KV {self.kv}, staging {self.staging}, "
-                f"activations {self.activations}")
+                f"activations {self.activations} (peak in {self.phase})")
 
 
-def activation_bytes(spec: ModelSpec, batch: int, tokens: int, slots: int) -> int:
-    """Upper bound on accelerator bytes of activations and XLA temporaries of one step.
-
-    Counts, at 4 bytes each: per token the live values of a layer (x and h: D, q and o: H E,
-    k and v: K E, the FFN gate/up/product: F) with a 3x margin for copies and temporaries,
-    attention scores and probabilities (B x H x T x S, 2x), and last-position logits (B x V,
-    2x). The tests check it against the accountant's measured peak for every plan they run
-    (measured on SmolLM2 at batch 8: 0.3 to 4.2 MB against this bound's 8.2 MB).
-    """
-    s = spec
-    per_token = 3 * (s.d_model + s.n_heads * s.head_dim + s.n_kv_heads * s.head_dim + s.d_ff)
-    return 4 * (batch * tokens * per_token + 2 * batch * s.n_heads * tokens * slots
-                + 2 * batch * s.vocab_size)
+def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
+    """New tokens per row in one step of ``phase``: the largest prefill chunk, or 1."""
+    if phase == "decode":
+        return 1
+    return max(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk))
 
 
-def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
-    """Bytes of the weights a segment copies into accelerator memory before it runs."""
-    return sum(spec.op_weight_bytes(op) for (_, op), staged in zip(segment.ops, segment.staged)
-               if staged)
-
-
-def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> MemoryEstimate:
+def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
+             programs: "Programs | None" = None) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
     Resident weights count each distinct array once (a tied embedding resident for both EMBED
-    and HEAD is one buffer). Staging is the largest sum of two consecutive staged segments of a
-    phase (prefetch depth 1: the running segment's weights plus the next one's). Activations
-    use ``activation_bytes`` with T = prompt tokens (prefill) or 1 (decode), for phases that
-    run anything on the accelerator.
+    and HEAD is one buffer), KV caches on the accelerator 2·B·S·K·E·4 bytes per layer. On top,
+    the peak of a dry run (``hx.schedule.dry_run``) of each phase's schedule: staged weights,
+    step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
+    from its compilation (``programs``, default: the process's compiler for the accelerator
+    ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``).
     """
-    tied = spec.vocab_size * spec.d_model * spec.dtype_bytes if spec.tie_embeddings else 0
+    from hx.programs import programs_for
+
+    programs = programs or programs_for(spec)
     homes = plan.weights
     resident = host = 0
     for layer, op, home in homes.sequence():
@@ -150,7 +161,8 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> Memory
             resident += nbytes
         else:  # streamed weights live in (pinned) host memory
             host += nbytes
-    if homes.embed == homes.head:  # one array serves both
+    if homes.embed == homes.head and spec.tie_embeddings:  # one array serves both
+        tied = spec.vocab_size * spec.d_model * spec.dtype_bytes
         if homes.embed == RESIDENT:
             resident -= tied
         else:
@@ -159,21 +171,21 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> Memory
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)
 
-    staging = activations = 0
+    worst = DryRun()
+    worst_phase = "decode"
     for phase in PHASES:
-        segments = split_segments(plan, phase)
-        staged = [staged_bytes(spec, s) for s in segments if s.streams]
-        pairs = [a + b for a, b in zip(staged, staged[1:])] or staged or [0]
-        staging = max(staging, max(pairs))
-        if any(s.device == ACCELERATOR for s in segments):
-            tokens = workload.prompt_tokens if phase == "prefill" else 1
-            activations = max(activations, activation_bytes(spec, workload.batch, tokens,
-                                                            workload.cache_slots))
-    return MemoryEstimate(resident, kv_acc, staging, activations, host)
+        schedule = compile_schedule(plan, spec, phase, workload.batch,
+                                    phase_tokens(plan, phase, workload), workload.cache_slots,
+                                    programs.temp_bytes)
+        run = dry_run(schedule)
+        if run.peak > worst.peak:
+            worst, worst_phase = run, phase
+    return MemoryEstimate(resident, kv_acc, worst.peak_by_owner.get("staging", 0),
+                          worst.peak_by_owner.get("activations", 0), host, worst_phase)
 
 
 def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
-               workload: Workload) -> MemoryEstimate:
+               workload: Workload, programs: "Programs | None" = None) -> MemoryEstimate:
     """Reject a plan that does not fit the accelerator (or host) budget, before it runs.
 
     Returns:
@@ -181,7 +193,7 @@ def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
     Raises:
       HxError: naming the limit, the bytes needed with their breakdown, and the bytes over.
     """
-    est = estimate(plan, spec, workload)
+    est = estimate(plan, spec, workload, programs)
     limits = [("accelerator", devices.accelerator.capacity, est.accelerator, est.breakdown()),
               ("host", devices.host.capacity, est.host, "weights and KV kept on the host")]
     for name, capacity, need, detail in limits:
@@ -192,3 +204,23 @@ def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
                 f"({detail}) but the budget is {capacity} bytes, over by {need - capacity} "
                 f"bytes ({format_bytes(need - capacity)})")
     return est
+
+
+def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
+                       programs: "Programs | None" = None) -> int:
+    """Accelerator bytes a planner sets aside for a step's activations and XLA temporaries
+    before it knows the plan: every named activation held and copied in at once (2x their
+    bytes at (B, T)), the step inputs, and the XLA temporaries of the whole model as one
+    accelerator segment, at T = ``prefill_tokens`` and at T = 1. Planners size plans with
+    it; ``check_fits`` then sizes the chosen plan exactly (``cpsat.plan_cpsat`` re-plans with
+    a smaller budget, and the baselines back off, in the rare case the exact size is larger).
+    """
+    from hx.planner.cost import crossing_bytes
+    from hx.programs import programs_for
+
+    programs = programs or programs_for(spec)
+    names = ("tokens", "x", "h", "q", "k", "v", "o", "a", "logits")
+    B, S = workload.batch, workload.cache_slots
+    whole = split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0]
+    return max(2 * crossing_bytes(spec, names, B, T) + 4 * (B * T + B + 1)
+               + programs.temp_bytes(whole, B, T, S) for T in {prefill_tokens, 1})

@@ -19,11 +19,12 @@ JSON form (``layers`` may be a single object meaning every layer; a missing entr
      "prefill": {"EMBED": "host", "HEAD": "accelerator", "layers": [{"Q": "accelerator", ...}]},
      "decode":  {...same shape...},
      "weights": {"EMBED": "host", "HEAD": "streamed", "layers": [{"Q": "resident", ...}]},
-     "kv": ["host", "accelerator", ...]}
+     "kv": ["host", "accelerator", ...], "prefill_chunk": 256}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Iterator
@@ -140,6 +141,8 @@ class ExecutionPlan:
       weights: ``WeightHomes`` (shared by both phases).
       kv: per layer, the device holding its KV cache.
       name: label for reports.
+      prefill_chunk: prefill runs the prompt in steps of at most this many tokens, which
+        bounds its activations and XLA temporaries (None: the whole prompt in one step).
     """
 
     prefill: Placement
@@ -147,6 +150,7 @@ class ExecutionPlan:
     weights: WeightHomes
     kv: tuple[str, ...]
     name: str = "custom"
+    prefill_chunk: int | None = None
 
     @property
     def n_layers(self) -> int:
@@ -237,7 +241,11 @@ class ExecutionPlan:
         """The JSON form shown in the module docstring."""
         return {"name": self.name, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "weights": self.weights.to_json(),
-                "kv": list(self.kv)}
+                "kv": list(self.kv), "prefill_chunk": self.prefill_chunk}
+
+    def with_prefill_chunk(self, chunk: int | None) -> "ExecutionPlan":
+        """The same plan with prefill in chunks of at most ``chunk`` tokens."""
+        return dataclasses.replace(self, prefill_chunk=chunk)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], n_layers: int) -> "ExecutionPlan":
@@ -273,7 +281,12 @@ class ExecutionPlan:
             kv = [kv] * n_layers
         if len(kv) != n_layers:
             raise HxError(f"plan gives {len(kv)} KV homes; the model has {n_layers} layers")
-        return cls(prefill, decode, weights, tuple(Placement._value(d) for d in kv), plan.name)
+        chunk = data.get("prefill_chunk")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise HxError(f"plan's prefill_chunk must be a positive integer or null, got "
+                          f"{chunk!r}")
+        return cls(prefill, decode, weights, tuple(Placement._value(d) for d in kv), plan.name,
+                   chunk)
 
     def save(self, path: str) -> None:
         """Write ``to_json`` to ``path``."""

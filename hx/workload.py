@@ -39,6 +39,23 @@ def cache_length(longest_prompt: int, max_new_tokens: int, spec: ModelSpec) -> i
     return round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
 
 
+def prefill_chunks(prompt_tokens: int, chunk: int | None) -> list[int]:
+    """Tokens per prefill step when a prompt of ``prompt_tokens`` (padded) tokens is prefilled
+    in chunks of at most ``chunk`` tokens (None: one step). The first chunk takes the
+    remainder, so the others share one compiled shape; every chunk attends over the cache the
+    chunks before it wrote.
+
+    Raises:
+      ValueError: ``chunk`` < 1.
+    """
+    if chunk is None or chunk >= prompt_tokens:
+        return [prompt_tokens]
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
+    n = -(-prompt_tokens // chunk)
+    return [prompt_tokens - (n - 1) * chunk] + [chunk] * (n - 1)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Shapes one generation job runs at.

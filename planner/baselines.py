@@ -1,7 +1,8 @@
 """Cost-model-driven baselines: TwinPilots-style min-max and FlexGen's LP policy.
 
 Both price ops with the simulator's ``op_seconds`` on a ``HardwareProfile`` at the decode shapes
-of a workload, and both return plans that ``hx.memory.check_fits`` accepts.
+of a workload, and both return plans that ``hx.memory.check_fits`` accepts with prefill in chunks of
+``policies.MIN_CHUNK`` tokens.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from ortools.linear_solver import pywraplp
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_bytes, check_fits
+from hx.memory import activation_reserve
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
-from hx.planner.cpsat import Pattern, layer_plan
+from hx.planner.cpsat import PLANNING_CHUNK, Pattern, layer_plan
+from hx.planner.policies import MIN_CHUNK, fits
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import op_seconds
 from hx.workload import Workload
@@ -29,11 +31,12 @@ def _op_times(spec: ModelSpec, profile: HardwareProfile, workload: Workload
 
 
 def _fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
-    try:
-        check_fits(plan, spec, devices, workload)
-        return True
-    except HxError:
-        return False
+    """Whether the plan fits with prefill in chunks of ``MIN_CHUNK`` tokens."""
+    return fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
+
+
+def _reserve(spec: ModelSpec, workload: Workload) -> int:
+    return activation_reserve(spec, workload, min(workload.prompt_tokens, PLANNING_CHUNK))
 
 
 def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload
@@ -48,7 +51,7 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     """
     times = _op_times(spec, profile, workload)
     capacity = devices.accelerator.capacity
-    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+    act = _reserve(spec, workload)
     kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     state: dict[tuple[int | None, str], str] = {(i, op): HOST for i in range(spec.n_layers)
                                                 for op in LAYER_OPS}
@@ -122,7 +125,7 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     acc_compute = sum(times[ACCELERATOR][op] for op in WEIGHTED_OPS)
     capacity = devices.accelerator.capacity
-    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+    act = _reserve(spec, workload)
 
     no_fit = (f"flexgen-lp: no plan fits the accelerator budget of {capacity} bytes at batch "
               f"{workload.batch}; the minimum feasible budget is {2 * layer_w + act} bytes (two "

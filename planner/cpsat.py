@@ -24,6 +24,7 @@ fits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -34,16 +35,19 @@ from ortools.sat.python import cp_model
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_bytes, check_fits, staged_bytes
+from hx.memory import activation_reserve, estimate
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict
+from hx.schedule import staged_bytes
 from hx.segments import split_segments
-from hx.workload import Workload
+from hx.workload import Workload, prefill_chunks
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
+PLANNING_CHUNK = 128  # prefill tokens per step the activation reserve is sized at
+REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,36 @@ def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
                time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
                ) -> PlannerResult:
+    """The plan minimising predicted decode time per step under the memory budgets, with the
+    largest prefill chunk under which it fits (``policies.fit_prefill_chunk``).
+
+    The CP-SAT model sizes a step's activations with ``memory.activation_reserve``; the plan
+    it returns is then sized exactly (``memory.estimate``). Should that exceed the budget, the
+    model is solved again with the budget lowered by the shortfall (at most ``REPLANS``
+    times), so the returned plan always fits. Arguments and errors as ``solve``.
+    """
+    from hx.planner.policies import MIN_CHUNK, fit_prefill_chunk
+
+    budget = devices
+    for attempt in range(REPLANS + 1):
+        result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance)
+        try:
+            result.plan = fit_prefill_chunk(result.plan, spec, devices, workload)
+            return result
+        except HxError:
+            limit = devices.accelerator.capacity
+            need = estimate(result.plan.with_prefill_chunk(MIN_CHUNK), spec,
+                            workload).accelerator
+            if limit is None or need <= limit or attempt == REPLANS:
+                raise
+            budget = dataclasses.replace(budget, accelerator=dataclasses.replace(
+                budget.accelerator, capacity=budget.accelerator.capacity - (need - limit)))
+    raise AssertionError("unreachable")
+
+
+def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
+          time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
+          ) -> PlannerResult:
     """The plan minimising predicted decode time per step under the memory budgets.
 
     Args:
@@ -263,7 +297,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     context = workload.decode_context
     costs = prune(price_patterns(spec, profile, workload, context))
     heads = head_seconds(spec, profile, workload, context)
-    act = activation_bytes(spec, workload.batch, workload.prompt_tokens, workload.cache_slots)
+    act = activation_reserve(spec, workload, min(workload.prompt_tokens, PLANNING_CHUNK))
     built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
     built.model.Minimize(built.seconds)
     solver = _solver(time_limit_s, seed)
@@ -297,7 +331,6 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     layers = [p for p in order for _ in range(counts[p])]
     plan = choose_prefill(layer_plan(spec, layers, head_state, "cpsat"), spec, profile, devices,
                           workload)
-    check_fits(plan, spec, devices, workload)  # the model's bounds are conservative
     return PlannerResult(plan, status_name, objective, bound,
                          (objective - bound) / objective if objective else 0.0, solve_s,
                          len(costs), counts, chosen, tolerance)
@@ -319,18 +352,23 @@ def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, 
 def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                    devices: Devices, workload: Workload) -> ExecutionPlan:
     """Keep the decode placement for prefill, or run every weighted op of prefill on the
-    accelerator (host weights staged in) when that is predicted faster and still fits."""
+    accelerator (host weights staged in) when that is predicted faster and still fits; each
+    priced over all its prefill chunks at the largest chunk it fits with."""
+    from hx.planner.policies import fit_prefill_chunk
+
     rows = tuple(tuple(kv if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
                  for kv in plan.kv)
     offloaded = ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
                               plan.kv, plan.name)
 
     def prefill_s(p: ExecutionPlan) -> float:
-        return predict(p, spec, profile, "prefill", workload.batch, workload.prompt_tokens,
-                       workload.cache_slots, workload.prompt_tokens).seconds
+        chunks = prefill_chunks(workload.prompt_tokens, p.prefill_chunk)
+        return sum(predict(p, spec, profile, "prefill", workload.batch, c, workload.cache_slots,
+                           workload.prompt_tokens).seconds for c in chunks)
 
     try:
-        check_fits(offloaded, spec, devices, workload)
+        offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)
+        plan = fit_prefill_chunk(plan, spec, devices, workload)
     except HxError:
         return plan
     return offloaded if prefill_s(offloaded) < prefill_s(plan) else plan

@@ -58,16 +58,51 @@ def layer_split(n_layers: int, gpu_layers: int) -> ExecutionPlan:
 
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
                         ) -> ExecutionPlan:
-    """``layer_split`` with the largest N whose plan fits the budgets (N = 0 always fits the
-    accelerator)."""
+    """``layer_split`` with the largest N whose plan fits the budgets with prefill in chunks
+    of ``MIN_CHUNK`` (N = 0 always fits the accelerator)."""
     for n in range(spec.n_layers + 1, -1, -1):
         plan = layer_split(spec.n_layers, n)
-        try:
-            check_fits(plan, spec, devices, workload)
+        if fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
             return plan
-        except HxError:
-            continue
     return layer_split(spec.n_layers, 0)
+
+
+# Prefill chunk sizes a policy tries, largest first (None: the whole prompt in one step).
+CHUNKS = (None, 1024, 512, 256, 128, 64, 32, 16)
+MIN_CHUNK = CHUNKS[-1]
+
+
+def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
+    """Whether ``check_fits`` accepts ``plan``."""
+    try:
+        check_fits(plan, spec, devices, workload)
+        return True
+    except HxError:
+        return False
+
+
+def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
+                      workload: Workload) -> ExecutionPlan:
+    """``plan`` with the largest prefill chunk of ``CHUNKS`` (fewest prefill steps) under
+    which it fits the budgets, found by bisection (a larger chunk never needs less memory);
+    a chunk the plan already names is kept if it fits.
+
+    Raises:
+      HxError: it does not fit even at ``MIN_CHUNK``: the bytes it needs there and by how many
+        the budget falls short (the minimum feasible budget for this plan).
+    """
+    if plan.prefill_chunk is not None and fits(plan, spec, devices, workload):
+        return plan
+    chunks = [c for c in CHUNKS if c is None or c < workload.prompt_tokens]
+    check_fits(plan.with_prefill_chunk(chunks[-1]), spec, devices, workload)  # else raises
+    fitting, failing = len(chunks) - 1, -1  # indices into chunks (largest first)
+    while fitting - failing > 1:
+        middle = (fitting + failing) // 2
+        if fits(plan.with_prefill_chunk(chunks[middle]), spec, devices, workload):
+            fitting = middle
+        else:
+            failing = middle
+    return plan.with_prefill_chunk(chunks[fitting])
 
 
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
@@ -78,20 +113,26 @@ NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without on
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
           gpu_layers: int | None = None, profile: "HardwareProfile | None" = None
           ) -> ExecutionPlan:
-    """The plan of a named policy, checked against the budgets.
+    """The plan of a named policy, checked against the budgets, with the largest prefill
+    chunk under which it fits (``fit_prefill_chunk``).
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None. ``min-max``,
     ``flexgen-lp`` and ``cpsat`` price ops with ``profile``. ``auto`` is all-accelerator when
-    that fits, else the CP-SAT plan.
+    that fits, else the CP-SAT plan (without a profile: the largest layer split).
     Raises:
       HxError: an unknown policy, a policy needing a profile without one, or a plan that does
-        not fit (naming the bytes over, or for ``cpsat`` the minimum feasible budget).
+        not fit (naming the minimum feasible budget for it).
     """
     from hx.planner import baselines, cpsat  # OR-Tools loads only when a solver is asked for
 
     n = spec.n_layers
     if policy in NEEDS_PROFILE and profile is None:
         raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
+    planners = {
+        "min-max": lambda d: baselines.min_max(spec, profile, d, workload),
+        "flexgen-lp": lambda d: baselines.flexgen_lp(spec, profile, d, workload),
+        "cpsat": lambda d: cpsat.plan_cpsat(spec, profile, d, workload).plan,
+    }
     if policy == "all-accelerator":
         plan = all_accelerator(n)
     elif policy == "all-host":
@@ -101,28 +142,26 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     elif policy == "layer-split":
         plan = (largest_layer_split(spec, devices, workload) if gpu_layers is None
                 else layer_split(n, gpu_layers))
-    elif policy == "min-max":
-        plan = baselines.min_max(spec, profile, devices, workload)
-    elif policy == "flexgen-lp":
-        plan = baselines.flexgen_lp(spec, profile, devices, workload)
-    elif policy == "cpsat":
-        plan = cpsat.plan_cpsat(spec, profile, devices, workload).plan
+    elif policy in planners:
+        plan = planners[policy](devices)
     elif policy == "auto":
-        try:
-            check_fits(all_accelerator(n), spec, devices, workload)
-            return all_accelerator(n)
-        except HxError:
-            if profile is None:
-                return largest_layer_split(spec, devices, workload)
-            return cpsat.plan_cpsat(spec, profile, devices, workload).plan
+        if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+            return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
+        if profile is None:
+            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
+                                     devices, workload)
+        return fit_prefill_chunk(planners["cpsat"](devices), spec, devices, workload)
     else:
         raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
-    need = estimate(plan, spec, workload)
-    capacity = devices.accelerator.capacity
-    if capacity is not None and need.accelerator > capacity:
+    try:
+        return fit_prefill_chunk(plan, spec, devices, workload)
+    except HxError as e:
+        need = estimate(plan.with_prefill_chunk(MIN_CHUNK), spec, workload)
+        capacity = devices.accelerator.capacity
+        if capacity is None or need.accelerator <= capacity:
+            raise  # the host budget
         raise HxError(f"policy {policy!r} does not fit the accelerator memory budget of "
                       f"{capacity} bytes at batch {workload.batch}, {workload.cache_slots} KV "
                       f"slots: the minimum feasible budget for it is {need.accelerator} bytes "
-                      f"({need.breakdown()}), over by {need.accelerator - capacity}")
-    check_fits(plan, spec, devices, workload)  # the host budget
-    return plan
+                      f"({need.breakdown()}, prefill in chunks of {MIN_CHUNK} tokens), over by "
+                      f"{need.accelerator - capacity}") from e

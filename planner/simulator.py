@@ -1,9 +1,10 @@
 """Discrete-event replay of one executor step of a plan on a ``HardwareProfile`` (DESIGN §6).
 
-The replay issues the same work in the same order as ``hx.executor.Executor.run``: the first
-streaming segment's weights are staged at once, the next one's when the previous streaming
-segment has finished; the activations a segment reads from the other side cross in one
-transfer (link latency + bytes / bandwidth); each segment costs its device's launch overhead
+The replay prices the instructions of the step's ``hx.schedule.Schedule`` -- the list
+``hx.executor.Executor.run`` carries out: the first streaming segment's weights are staged at
+once, the next one's when the previous streaming segment has finished; the activations a
+segment reads from the other side cross in one transfer (link latency + bytes / bandwidth);
+each segment costs its device's launch overhead
 (the executor's Python dispatch, taken as serial: on a 2-core host it competes with compute)
 plus its ops; after waiting for a streaming segment the executor needs ``sync_overhead`` before
 the next copy and launch go out (the ``sync`` resource). Every piece of work is a task on one
@@ -24,16 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
-from hx.memory import staged_bytes
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan
-from hx.planner.cost import crossing_bytes, op_cost
+from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
-from hx.segments import (Segment, crossings, first_streaming, next_streaming,
-                         split_segments)
+from hx.schedule import D2H, H2D, LAUNCH, MOVE, STAGE, SYNC, WAIT, compile_schedule
+from hx.segments import Segment
 from hx.workload import round_up
 
-H2D, D2H, SYNC = "H2D", "D2H", "sync"
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
 HOST_ATTENTION_BLOCK = 64  # slots per block of host_compute.attention
 
@@ -90,45 +89,45 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
 
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
                 batch: int, tokens: int, slots: int, context: int) -> list[Task]:
-    """The tasks of one ``Executor.run`` of ``phase``, in the order the executor issues them."""
-    segments = split_segments(plan, phase)
+    """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order:
+    ``stage`` an H2D copy of the staged weights, ``wait`` the sync overhead after the waited
+    segment, ``move`` a transfer (latency + bytes / bandwidth) after the producers of what it
+    moves, ``launch`` the device's launch overhead plus its ops after its inputs, its staged
+    weights and the last wait."""
+    schedule = compile_schedule(plan, spec, phase, batch, tokens, slots)
     tasks: list[Task] = []
+    launched: dict[int, int] = {}  # segment -> its compute task
+    staged: dict[int, int] = {}  # segment -> its weight copy
+    moved: dict[int, int] = {}  # segment -> its input transfer
+    producer: dict[str, int | None] = {"tokens": None}  # activation -> task producing it
+    synced: int | None = None  # the last wait: copies and launches issued after it
 
     def add(resource, name, duration, deps=()) -> int:
         tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None)))
         return len(tasks) - 1
 
-    def stage(index: int, after: int | None) -> int:
-        nbytes = staged_bytes(spec, segments[index])
-        return add(H2D, f"weights {index}", nbytes / profile.h2d_bandwidth, [after])
-
-    first = first_streaming(segments)
-    staged = {first: stage(first, None)} if first is not None else {}
-    moves_of, next_stream = crossings(segments), next_streaming(segments)
-    producer: dict[str, int | None] = {"tokens": None}  # activation -> task producing it
-    previous_stream: int | None = None  # compute task of the last streaming segment
-    for i, seg in enumerate(segments):
-        synced = None
-        if seg.streams and previous_stream is not None:  # the executor waits for it, then
-            synced = add(SYNC, f"wait {i}", profile.sync_overhead, [previous_stream])
-        if seg.streams and next_stream[i] is not None:  # ... issues the next copy and launch
-            staged[next_stream[i]] = stage(next_stream[i], synced)
-        deps = [staged.get(i), synced] + [producer[n] for n in seg.reads]
-        moves = moves_of[i]
-        if moves and not (moves == ("tokens",) and seg.device == HOST):  # one device_put
-            link = H2D if seg.device == ACCELERATOR else D2H
-            nbytes = crossing_bytes(spec, moves, batch, tokens)
-            bandwidth = profile.h2d_bandwidth if link == H2D else profile.d2h_bandwidth
-            deps.append(add(link, " ".join(moves), profile.transfer_latency + nbytes / bandwidth,
-                            [producer[n] for n in moves]))
-        name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
-        duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
-            spec, profile, seg, batch, tokens, slots, context)
-        task = add(seg.device, name, duration, deps)
-        for written in seg.writes:
-            producer[written] = task
-        if seg.streams:
-            previous_stream = task
+    for ins in schedule.instructions:
+        i = ins.segment
+        if ins.resource is None:
+            continue
+        seg = schedule.segments[i]
+        if ins.kind == STAGE:
+            staged[i] = add(H2D, f"weights {i}", ins.nbytes / profile.h2d_bandwidth, [synced])
+        elif ins.kind == WAIT:
+            synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
+        elif ins.kind == MOVE:
+            bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
+            moved[i] = add(ins.resource, " ".join(ins.names),
+                           profile.transfer_latency + ins.nbytes / bandwidth,
+                           [producer[n] for n in ins.names])
+        elif ins.kind == LAUNCH:
+            deps = [staged.get(i), moved.get(i), synced if seg.streams else None]
+            deps += [producer[n] for n in seg.reads]
+            name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
+            duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
+                spec, profile, seg, batch, tokens, slots, context)
+            launched[i] = add(seg.device, name, duration, deps)
+            producer.update({n: launched[i] for n in ins.names})
     return tasks
 
 

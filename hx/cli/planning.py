@@ -16,7 +16,8 @@ from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOptio
                            ProfileOption, app, err, out, plan_by_name, print_table)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
-from hx.memory import estimate, staged_bytes
+from hx.memory import estimate
+from hx.schedule import staged_bytes
 from hx.models.loader import load, load_spec
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan

@@ -1,0 +1,169 @@
+"""Segment programs: each segment's jitted function, compiled ahead of time from shapes.
+
+A segment (``hx.segments``) runs as one XLA program on its device. ``Programs`` lowers and
+compiles it from ``jax.ShapeDtypeStruct`` arguments -- nothing is allocated or executed -- and
+caches the executable per (signature, batch, new tokens, cache slots). The executor runs these
+executables; the memory estimate reads their temporary bytes from XLA's own
+``memory_analysis()`` (DESIGN §5), so plan-time and run-time temporaries are the same numbers
+from the same compilation.
+
+A segment holding many whole layers (the all-accelerator plan is one segment of the whole
+model) is sized by a *proxy* with at most ``PROXY_MIDDLE_LAYERS`` of its middle layers: XLA
+frees a layer's buffers before the next layer starts, so temporaries do not grow with depth
+(measured on XLA:CPU at Llama-2-7B shapes: 1, 4 and 32 layers of one segment need 431, 447
+and 447 MiB at a 1000-token prefill; ``tests/test_schedule.py`` checks proxy >= whole). This
+keeps sizing a 70B plan to a few small compilations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from hx.devices import ACCELERATOR, HOST, Devices
+from hx.host_compute.attention import prefix_attention
+from hx.models.llama import OPS, Step, apply_op
+from hx.models.spec import ModelSpec
+from hx.segments import Segment
+
+PROXY_MIDDLE_LAYERS = 2
+
+
+def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
+                     writes: tuple[str, ...]):
+    """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
+    with the caches donated. SCORE on the host uses the ``host_compute`` kernel."""
+    attend = prefix_attention if device == HOST else None
+
+    def run(params, acts, caches, step):
+        acts = dict(acts)
+        caches = list(caches)
+        slot = 0
+        for op, p in zip(ops, params):
+            if OPS[op].uses_cache:
+                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], attend)
+                slot += 1
+            else:
+                out, _ = apply_op(spec, op, p, acts, step)
+            acts.update(out)
+        return {name: acts[name] for name in writes}, tuple(caches)
+
+    return jax.jit(run, donate_argnums=(2,))
+
+
+def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
+                     ) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of a named activation (``models.llama.OPS`` names) at B=``batch``,
+    T=``tokens``."""
+    s, B, T = spec, batch, tokens
+    shapes = {"tokens": ((B, T), jnp.int32), "x": ((B, T, s.d_model), jnp.float32),
+              "h": ((B, T, s.d_model), jnp.float32),
+              "q": ((B, T, s.n_heads, s.head_dim), jnp.float32),
+              "o": ((B, T, s.n_heads, s.head_dim), jnp.float32),
+              "k": ((B, T, s.n_kv_heads, s.head_dim), jnp.float32),
+              "v": ((B, T, s.n_kv_heads, s.head_dim), jnp.float32),
+              "a": ((B, T, s.d_ff), jnp.float32), "logits": ((B, s.vocab_size), jnp.float32)}
+    return shapes[name]
+
+
+def _param_tree(spec: ModelSpec, op: str, sharding) -> dict:
+    """Abstract parameter tree of ``op`` (float32), nested as the Flax modules nest it."""
+    tree: dict = {}
+    for path, shape in spec.op_weight_shapes(op).items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+    return tree
+
+
+def proxy(segment: Segment) -> Segment:
+    """The segment with its middle whole layers cut to ``PROXY_MIDDLE_LAYERS`` (itself when
+    it has no more): same device, reads, writes and kinds of ops, for sizing temporaries."""
+    layers = [layer for layer, _ in segment.ops if layer is not None]
+    if not layers:
+        return segment
+    first, last = layers[0], layers[-1]
+    if last - first - 1 <= PROXY_MIDDLE_LAYERS:
+        return segment
+    keep = [i for i, (layer, _) in enumerate(segment.ops)
+            if layer is None or layer in (first, last) or layer <= first + PROXY_MIDDLE_LAYERS]
+    return Segment(segment.device, tuple(segment.ops[i] for i in keep),
+                   tuple(segment.staged[i] for i in keep), segment.reads, segment.writes)
+
+
+class Programs:
+    """AOT-compiled segment executables of one model on one pair of devices, cached.
+
+    Args:
+      spec: model shapes (its layer count does not matter: segments name their ops).
+      devices: where accelerator and host segments run.
+    Attributes:
+      compilations: number of XLA compilations so far.
+    """
+
+    def __init__(self, spec: ModelSpec, devices: Devices):
+        self.spec, self.devices = spec, devices
+        self.compilations = 0
+        self._functions: dict[tuple, Any] = {}
+        self._compiled: dict[tuple, Any] = {}
+        acc = devices.accelerator.device
+        self.shardings = {ACCELERATOR: SingleDeviceSharding(acc, memory_kind="device"),
+                          HOST: SingleDeviceSharding(devices.host.device)}
+
+    def abstract_args(self, segment: Segment, batch: int, tokens: int, slots: int) -> tuple:
+        """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
+        its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
+        s, where = self.spec, self.shardings[segment.device]
+
+        def struct(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+        params = tuple(_param_tree(s, op, where) for _, op in segment.ops)
+        acts = {n: struct(*activation_shape(s, n, batch, tokens)) for n in segment.reads}
+        cache = (batch, slots, s.n_kv_heads, s.head_dim)
+        caches = tuple({"k": struct(cache, jnp.float32), "v": struct(cache, jnp.float32)}
+                       for _ in segment.cache_layers)
+        step = Step(struct((batch, tokens), jnp.int32), struct((), jnp.int32),
+                    struct((batch,), jnp.int32))
+        return params, acts, caches, step
+
+    def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
+        """The executable of ``segment`` at these shapes (compiled on first use)."""
+        key = (segment.signature, batch, tokens, slots)
+        if key not in self._compiled:
+            device, ops, _, _, writes = segment.signature
+            fkey = (device, ops, writes)
+            if fkey not in self._functions:
+                self._functions[fkey] = segment_function(self.spec, device, ops, writes)
+            args = self.abstract_args(segment, batch, tokens, slots)
+            self._compiled[key] = self._functions[fkey].lower(*args).compile()
+            self.compilations += 1
+        return self._compiled[key]
+
+    def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:
+        """XLA's temporary bytes for one run of ``segment`` (of its ``proxy`` when it holds
+        many whole layers), from ``memory_analysis()``."""
+        analysis = self.compiled(proxy(segment), batch, tokens, slots).memory_analysis()
+        return int(analysis.temp_size_in_bytes)
+
+
+_PROGRAMS: dict[tuple, Programs] = {}
+
+
+def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
+    """The process's ``Programs`` for ``spec``'s shapes on ``devices`` (default: what
+    ``hx.discover`` finds), shared by executors and estimates so each segment compiles once.
+    Specs that differ only in layer count or name share one."""
+    from hx.devices import discover
+
+    devices = devices or discover()
+    shape = spec.replace(n_layers=1, name="")
+    key = (shape, devices.accelerator.device, devices.host.device)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = Programs(shape, devices)
+    return _PROGRAMS[key]

@@ -1,0 +1,201 @@
+"""The step as data: a plan's phase at a workload's shapes compiled into instructions.
+
+One ``Schedule`` describes one executor step (DESIGN §5): which weights are staged when, what
+is waited for, which activations cross devices, which segment is launched, what is freed -- each
+instruction with the accelerator bytes it allocates and frees per owner and the resource it
+occupies. Three readers interpret the same list, so they cannot disagree:
+
+* ``hx.executor.Executor.run`` carries it out (the accountant applies its allocations with the
+  real sizes of the arrays, the timeline records its copies and launches);
+* ``hx.planner.simulator`` prices it on a ``HardwareProfile``;
+* ``hx.memory.estimate`` replays its allocations (``dry_run``) and takes the peak.
+
+Instruction kinds, in the order the executor issues them for each segment i:
+
+  ``wait``    block until streaming segment j has finished; free its staged weights
+  ``stage``   copy the staged weights of segment j into accelerator memory (H2D)
+  ``step``    put the step inputs (positions, write index, row starts) on a device
+  ``move``    copy the activations segment i reads from the other device (H2D or D2H)
+  ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
+  ``free``    end of step: release temporaries, inputs and held activations
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from hx.devices import ACCELERATOR, HOST
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner.cost import crossing_bytes
+from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
+
+WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
+H2D, D2H, SYNC = "H2D", "D2H", "sync"
+STEP_KEY, INPUT_KEY, TEMP_KEY = ("step",), ("input",), ("temp",)
+
+
+def staging_key(segment: int) -> tuple:
+    """Accountant key of the staged weights of segment ``segment``."""
+    return ("staging", segment)
+
+
+def act_key(name: str) -> tuple:
+    """Accountant key of a held activation."""
+    return ("act", name)
+
+
+def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
+    """Bytes of the weights a segment copies into accelerator memory before it runs."""
+    return sum(spec.op_weight_bytes(op) for (_, op), staged in zip(segment.ops, segment.staged)
+               if staged)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One thing the executor does in a step.
+
+    Attributes:
+      kind: ``wait``, ``stage``, ``step``, ``move``, ``launch`` or ``free``.
+      segment: index of the segment it concerns (None for ``free``).
+      resource: what it occupies: ``H2D``/``D2H`` (copies), ``accelerator``/``host``
+        (compute), ``sync`` (the executor blocked on a device), or None when it costs nothing
+        the simulator models (step inputs; tokens already in host memory).
+      names: ``move``: activations copied; ``launch``: activations written.
+      nbytes: bytes copied (``stage``, ``move``).
+      frees: accountant keys released first.
+      allocs: (key, owner, bytes) allocated on the accelerator after the frees.
+    """
+
+    kind: str
+    segment: int | None
+    resource: str | None = None
+    names: tuple[str, ...] = ()
+    nbytes: int = 0
+    frees: tuple[Hashable, ...] = ()
+    allocs: tuple[tuple[Hashable, str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The instructions of one step of ``phase`` at (batch, tokens, slots).
+
+    Attributes:
+      phase: ``prefill`` or ``decode``.
+      segments: the phase's segments (``hx.segments.split_segments``).
+      instructions: in issue order.
+      batch, tokens, slots: B rows, T new tokens per row, S cache slots.
+    """
+
+    phase: str
+    segments: tuple[Segment, ...]
+    instructions: tuple[Instruction, ...]
+    batch: int
+    tokens: int
+    slots: int
+
+
+TempBytes = Callable[[Segment, int, int, int], int]
+
+
+def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
+                     tokens: int, slots: int, temp_bytes: TempBytes | None = None,
+                     segments: list[Segment] | None = None) -> Schedule:
+    """Compile one step of ``plan``'s ``phase`` into instructions.
+
+    Args:
+      batch, tokens, slots: B rows, T new tokens per row (a prefill chunk, or 1 in decode),
+        S KV-cache slots.
+      temp_bytes: XLA temporary bytes of an accelerator segment at (B, T, S)
+        (``hx.programs.Programs.temp_bytes``); None sizes them 0 (the simulator needs no
+        sizes; the executor measures its own).
+      segments: the phase's segments when already split.
+    """
+    segments = segments if segments is not None else split_segments(plan, phase)
+    moves_of, next_stream = crossings(segments), next_streaming(segments)
+    first = first_streaming(segments)
+    out: list[Instruction] = []
+
+    def stage(j: int) -> None:
+        nbytes = staged_bytes(spec, segments[j])
+        out.append(Instruction(STAGE, j, H2D, nbytes=nbytes,
+                               allocs=((staging_key(j), "staging", nbytes),)))
+
+    if first is not None:
+        stage(first)
+    previous_stream: int | None = None
+    stepped: set[str] = set()
+    held: set[str] = set()
+    for i, seg in enumerate(segments):
+        on_acc = seg.device == ACCELERATOR
+        if seg.streams:
+            if previous_stream is not None:  # its buffer is reused: wait for it to finish
+                out.append(Instruction(WAIT, previous_stream, SYNC,
+                                       frees=(staging_key(previous_stream),)))
+            if next_stream[i] is not None:
+                stage(next_stream[i])
+        if seg.device not in stepped:
+            stepped.add(seg.device)
+            nbytes = 4 * (batch * tokens + 1 + batch)  # positions, write_index, kv_start
+            out.append(Instruction(STEP, i, None, nbytes=nbytes, allocs=(
+                ((STEP_KEY, "activations", nbytes),) if on_acc else ())))
+        moves = moves_of[i]
+        if moves:
+            nbytes = crossing_bytes(spec, moves, batch, tokens)
+            from_host_memory = moves == ("tokens",) and not on_acc
+            out.append(Instruction(
+                MOVE, i, None if from_host_memory else (H2D if on_acc else D2H), moves, nbytes,
+                allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()))
+        if on_acc:
+            temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
+            allocs = [(TEMP_KEY, "activations", temp)]
+            allocs += [(act_key(n), "activations", crossing_bytes(spec, (n,), batch, tokens))
+                       for n in seg.writes]
+            held.update(seg.writes)
+            out.append(Instruction(LAUNCH, i, ACCELERATOR, seg.writes, allocs=tuple(allocs)))
+        else:
+            dropped = tuple(act_key(n) for n in seg.writes if n in held)
+            held.difference_update(seg.writes)
+            out.append(Instruction(LAUNCH, i, HOST, seg.writes, frees=dropped))
+        if seg.streams:
+            previous_stream = i
+    frees: list[Hashable] = []
+    if previous_stream is not None:
+        out.append(Instruction(WAIT, previous_stream, SYNC,
+                               frees=(staging_key(previous_stream),)))
+    frees += [TEMP_KEY, STEP_KEY, INPUT_KEY] + [act_key(n) for n in sorted(held)]
+    out.append(Instruction(FREE, None, None, frees=tuple(frees)))
+    return Schedule(phase, tuple(segments), tuple(out), batch, tokens, slots)
+
+
+@dataclass
+class DryRun:
+    """Accelerator bytes over a schedule replayed without running it.
+
+    Attributes:
+      peak: highest bytes live at once (beyond what was live before the step).
+      peak_by_owner: the breakdown at that moment.
+    """
+
+    peak: int = 0
+    peak_by_owner: dict[str, int] = field(default_factory=dict)
+
+
+def dry_run(schedule: Schedule) -> DryRun:
+    """Replay ``schedule``'s allocations and frees in order; the peak is what the step needs
+    on top of resident weights and KV caches."""
+    live: dict[Hashable, tuple[str, int]] = {}
+    result = DryRun()
+    for ins in schedule.instructions:
+        for key in ins.frees:
+            live.pop(key, None)
+        for key, owner, nbytes in ins.allocs:
+            live[key] = (owner, nbytes)
+            total = sum(b for _, b in live.values())
+            if total > result.peak:
+                by_owner: dict[str, int] = {}
+                for o, b in live.values():
+                    by_owner[o] = by_owner.get(o, 0) + b
+                result.peak, result.peak_by_owner = total, by_owner
+    return result

@@ -1,0 +1,113 @@
+"""The step as data: schedules, their dry run against real runs, chunked prefill."""
+
+import numpy as np
+import pytest
+
+from hx.devices import ACCELERATOR, discover
+from hx.generate import Engine
+from hx.memory import estimate
+from hx.models.loader import Model
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner import policies
+from hx.programs import Programs, proxy
+from hx.schedule import LAUNCH, STAGE, WAIT, compile_schedule, dry_run, staged_bytes
+from hx.segments import split_segments
+from hx.workload import Workload, prefill_chunks
+
+from plans import acceptance_plans
+
+PLANS = acceptance_plans(3, splits=(1, 2, 4))
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_schedule_launches_every_segment_once_after_its_weights(tiny_model, name):
+    plan, spec = PLANS[name], tiny_model.spec
+    for phase in ("prefill", "decode"):
+        schedule = compile_schedule(plan, spec, phase, 2, 8, 32)
+        launches = [ins.segment for ins in schedule.instructions if ins.kind == LAUNCH]
+        assert launches == list(range(len(schedule.segments)))
+        staged_live, seen = set(), []
+        for ins in schedule.instructions:
+            if ins.kind == STAGE:
+                staged_live.add(ins.segment)
+                seen.append(ins.segment)
+                assert len(staged_live) <= 2  # double buffer
+            elif ins.kind == WAIT:
+                staged_live.discard(ins.segment)
+            elif ins.kind == LAUNCH and schedule.segments[ins.segment].streams:
+                assert ins.segment in staged_live
+        streaming = [i for i, s in enumerate(schedule.segments) if s.streams]
+        assert seen == streaming  # each staged once, in order
+        assert sum(ins.nbytes for ins in schedule.instructions if ins.kind == STAGE) == sum(
+            staged_bytes(spec, s) for s in schedule.segments)
+        assert dry_run(schedule).peak >= 0
+
+
+def test_dry_run_frees_everything_it_allocates(tiny_model):
+    for plan in PLANS.values():
+        for phase in ("prefill", "decode"):
+            schedule = compile_schedule(plan, tiny_model.spec, phase, 2, 8, 32,
+                                        lambda *a: 1000)
+            live = set()
+            for ins in schedule.instructions:
+                live.difference_update(ins.frees)
+                live.update(key for key, _, _ in ins.allocs)
+            assert live == set(), (plan.name, phase)
+
+
+def _long_model(tiny_model) -> Model:
+    spec = tiny_model.spec.replace(context_length=512)
+    return Model(spec, tiny_model.params, tiny_model.tokenizer, "tiny, 512 context")
+
+
+@pytest.mark.parametrize("name", ["all-accelerator", "stream-all", "host:SCORE,MLP1"])
+def test_chunked_prefill_equals_unchunked(tiny_model, devices, name):
+    model = _long_model(tiny_model)
+    plan = PLANS[name]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 1000, 300).tolist(), rng.integers(0, 1000, 211).tolist()]
+    whole = Engine(model, plan, devices).last_logits(prompts)
+    for chunk in (1, 7, 64):
+        chunked = Engine(model, plan.with_prefill_chunk(chunk), devices).last_logits(prompts)
+        np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
+def test_prefill_chunks_cover_the_prompt():
+    for T in (1, 16, 300, 304):
+        for chunk in (None, 1, 7, 64, 512):
+            chunks = prefill_chunks(T, chunk)
+            assert sum(chunks) == T and all(0 < c <= (chunk or T) for c in chunks)
+            assert len(set(chunks[1:])) <= 1  # one compiled shape after the first
+
+
+def test_chunking_bounds_prefill_memory(tiny_model):
+    spec, work = tiny_model.spec, Workload(4, 256, 320)
+    plan = policies.all_accelerator(spec.n_layers)
+    need = [estimate(plan.with_prefill_chunk(c), spec, work).activations for c in (None, 64, 16)]
+    assert need[0] > need[1] > need[2]
+
+
+def test_proxy_sizes_a_deep_segment_at_least_as_large(devices):
+    spec = ModelSpec(name="deep", n_layers=8, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                     d_ff=704, vocab_size=1024, context_length=512)
+    programs = Programs(spec, devices)
+    whole = split_segments(ExecutionPlan.all_accelerator(8), "prefill")[0]
+    short = proxy(whole)
+    assert len({layer for layer, _ in short.ops if layer is not None}) == 4 < 8
+    for B, T, S in ((1, 1, 256), (2, 128, 256)):
+        full = programs.compiled(whole, B, T, S).memory_analysis().temp_size_in_bytes
+        assert programs.temp_bytes(whole, B, T, S) >= full
+
+
+def test_accelerator_peak_of_a_run_equals_the_estimate(tiny_model):
+    """The accountant applies the schedule with the real arrays' sizes: the peak of a real
+    run equals the dry run's, for every acceptance plan."""
+    from test_executor import B, S, T, run_plan
+
+    for plan in PLANS.values():
+        need = estimate(plan, tiny_model.spec, Workload(B, T, S)).accelerator
+        ex, _ = run_plan(tiny_model, plan, discover(accelerator_memory=need))
+        assert ex.accountant.peak == need, plan.name
+        if any(s.device == ACCELERATOR for s in ex.segments["decode"]):
+            assert need > 0

@@ -93,8 +93,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _dense(features, axis=-1, name=None) -> nn.DenseGeneral:
-    return nn.DenseGeneral(features, axis=axis, use_bias=False, name=name,
+def _dense(features, axis=-1, name=None, use_bias=False) -> nn.DenseGeneral:
+    return nn.DenseGeneral(features, axis=axis, use_bias=use_bias, name=name,
                            param_dtype=jnp.float32)
 
 
@@ -112,7 +112,10 @@ class EmbedOp(nn.Module):
 
 
 class QOp(nn.Module):
-    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq) (B,T,H,E)."""
+    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq [+ bq]) (B,T,H,E).
+
+    The bias bq (H,E) exists when ``spec.qkv_bias`` (Qwen2); likewise bk, bv (K,E) in K and V.
+    """
 
     spec: ModelSpec
 
@@ -120,31 +123,32 @@ class QOp(nn.Module):
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
         s = self.spec
         h = RMSNorm(s.norm_eps, name="attn_norm")(x)
-        q = _dense((s.n_heads, s.head_dim), name="wq")(h)  # 'BTD,DHE->BTHE'
+        q = _dense((s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,DHE->BTHE'
         return h, rope(q, step.positions, s.rope_theta)
 
 
 class KOp(nn.Module):
-    """K: h (B,T,D) -> k = RoPE(h Wk) (B,T,K,E)."""
+    """K: h (B,T,D) -> k = RoPE(h Wk [+ bk]) (B,T,K,E)."""
 
     spec: ModelSpec
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        k = _dense((s.n_kv_heads, s.head_dim), name="wk")(h)  # 'BTD,DKE->BTKE'
+        k = _dense((s.n_kv_heads, s.head_dim), name="wk", use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
         return (rope(k, step.positions, s.rope_theta),)
 
 
 class VOp(nn.Module):
-    """V: h (B,T,D) -> v = h Wv (B,T,K,E)."""
+    """V: h (B,T,D) -> v = h Wv [+ bv] (B,T,K,E)."""
 
     spec: ModelSpec
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        return (_dense((s.n_kv_heads, s.head_dim), name="wv")(h),)  # 'BTD,DKE->BTKE'
+        v = _dense((s.n_kv_heads, s.head_dim), name="wv", use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
+        return (v,)
 
 
 def attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:

@@ -8,7 +8,10 @@ configured by it (it is frozen and hashable, so it can be a static argument unde
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+
+from hx.errors import HxError
 
 # The seven per-layer ops (TwinPilots Table I / FlexGen): the unit of placement everywhere in hx.
 LAYER_OPS: tuple[str, ...] = ("Q", "K", "V", "SCORE", "OUT", "MLP1", "MLP2")
@@ -34,6 +37,8 @@ class ModelSpec:
       norm_eps: RMSNorm epsilon.
       tie_embeddings: the LM head reuses the token-embedding matrix.
       dtype_bytes: bytes per weight/activation element as hx runs the model (4 = float32).
+      qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
+        as Qwen2 does; Llama and Mistral have none.
     """
 
     name: str
@@ -49,6 +54,7 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype_bytes: int = 4
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -67,7 +73,8 @@ class ModelSpec:
 
         The paths match the Flax parameter tree of that op (see ``models/llama.py``). ``HEAD``
         always lists ``embedding``: for a tied model it is the ``EMBED`` matrix itself, which
-        costs memory twice only where the two ops sit on different devices.
+        costs memory twice only where the two ops sit on different devices. With ``qkv_bias``
+        Q, K and V also own ``wq/bias`` (H, E), ``wk/bias`` (K, E) and ``wv/bias`` (K, E).
         """
         D, H, K, E, F, V = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                             self.d_ff, self.vocab_size)
@@ -82,6 +89,9 @@ class ModelSpec:
             "MLP2": {"w_down/kernel": (F, D)},
             HEAD: {"final_norm/scale": (D,), "embedding": (V, D)},
         }
+        if self.qkv_bias:
+            shapes["Q"]["wq/bias"], shapes["K"]["wk/bias"], shapes["V"]["wv/bias"] = (
+                (H, E), (K, E), (K, E))
         return shapes[op]
 
     def op_weight_bytes(self, op: str) -> int:
@@ -111,14 +121,87 @@ class ModelSpec:
         return 2 * self.n_kv_heads * self.head_dim * self.dtype_bytes
 
 
-# Named specs for models hx plans but may never load. Values are from the models' configs.
+# Named shapes of real models, for planning models hx never loads and for random weights of
+# those shapes (``preset``; ``loader.load("llama2-7b:8L")``). Values are from each model's
+# Hugging Face config.json (repo id in the comment). dtype_bytes stays 4: hx runs float32, so a
+# preset sizes what the executor would hold (a bf16 checkpoint is half of it).
 PRESETS: dict[str, ModelSpec] = {
+    # HuggingFaceTB/SmolLM2-135M
     "smollm2-135m": ModelSpec(
         name="SmolLM2-135M", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
         d_ff=1536, vocab_size=49152, context_length=8192, rope_theta=100000.0,
         norm_eps=1e-5, tie_embeddings=True),
+    # meta-llama/Llama-2-7b-hf
+    "llama2-7b": ModelSpec(
+        name="Llama-2-7B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, head_dim=128,
+        d_ff=11008, vocab_size=32000, context_length=4096, rope_theta=10000.0,
+        norm_eps=1e-5),
+    # meta-llama/Llama-2-13b-hf
+    "llama2-13b": ModelSpec(
+        name="Llama-2-13B", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, head_dim=128,
+        d_ff=13824, vocab_size=32000, context_length=4096, rope_theta=10000.0,
+        norm_eps=1e-5),
+    # meta-llama/Llama-2-70b-hf
     "llama2-70b": ModelSpec(
         name="Llama-2-70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128,
         d_ff=28672, vocab_size=32000, context_length=4096, rope_theta=10000.0,
-        norm_eps=1e-5, tie_embeddings=False, dtype_bytes=2),
+        norm_eps=1e-5),
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": ModelSpec(
+        name="Llama-3-8B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=14336, vocab_size=128256, context_length=8192, rope_theta=500000.0,
+        norm_eps=1e-5),
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": ModelSpec(
+        name="Llama-3-70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128,
+        d_ff=28672, vocab_size=128256, context_length=8192, rope_theta=500000.0,
+        norm_eps=1e-5),
+    # mistralai/Mistral-7B-v0.1 (max_position_embeddings 32768; its 4096-token sliding-window
+    # attention is not modelled: hx attends over the whole context)
+    "mistral-7b": ModelSpec(
+        name="Mistral-7B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=14336, vocab_size=32000, context_length=32768, rope_theta=10000.0,
+        norm_eps=1e-5),
+    # Qwen/Qwen2.5-7B (shapes; context 32768 as in Qwen/Qwen2.5-7B-Instruct's config, the base
+    # repo's config lists 131072); biases on the q, k, v projections
+    "qwen2.5-7b": ModelSpec(
+        name="Qwen2.5-7B", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, head_dim=128,
+        d_ff=18944, vocab_size=152064, context_length=32768, rope_theta=1000000.0,
+        norm_eps=1e-6, qkv_bias=True),
 }
+
+_LAYER_COUNT = re.compile(r"(\d+)[lL]?")
+
+
+def is_preset(name: str | None) -> bool:
+    """Whether ``name`` (``NAME[:NL]``) names a preset, whatever its layer count."""
+    return bool(name) and name.partition(":")[0].strip().lower() in PRESETS
+
+
+def preset(name: str) -> ModelSpec:
+    """A preset's spec, optionally cut to fewer layers: ``NAME[:NL]``.
+
+    ``"llama2-7b"`` is ``PRESETS["llama2-7b"]``; ``"llama2-7b:8L"`` is the same spec with
+    ``n_layers=8``, named ``"Llama-2-7B (8 of 32 layers)"``. The name is case-insensitive and the
+    ``L`` may be left out (``llama2-7b:8``). Asking for all the layers gives the preset itself.
+
+    Raises:
+      HxError: an unknown name (the message lists the presets), or a layer count that is not a
+        whole number from 1 to the preset's ``n_layers``.
+    """
+    key, sep, layers = name.partition(":")
+    key = key.strip()
+    spec = PRESETS.get(key.lower())
+    if spec is None:
+        raise HxError(f"unknown model preset {key!r}; presets: {', '.join(PRESETS)} "
+                      "(add :NL for N layers, e.g. llama2-7b:8L)")
+    if not sep:
+        return spec
+    match = _LAYER_COUNT.fullmatch(layers.strip())
+    n = int(match.group(1)) if match else 0
+    if not 1 <= n <= spec.n_layers:
+        raise HxError(f"bad layer count in {name!r}: {spec.name} has {spec.n_layers} layers; "
+                      f"write NAME:NL with N from 1 to {spec.n_layers}, e.g. {key}:2L")
+    if n == spec.n_layers:
+        return spec
+    return spec.replace(n_layers=n, name=f"{spec.name} ({n} of {spec.n_layers} layers)")

@@ -24,6 +24,11 @@ def _rope(x, positions, theta):
 def logits_np(spec, params, tokens) -> np.ndarray:
     """Logits (T, V) float64 of every position of one unpadded sequence ``tokens``."""
     p = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+
+    def proj(h, dense):  # h (T, D) @ kernel (D, N, E) [+ bias (N, E)] -> (T, N, E)
+        y = np.einsum("td,dne->tne", h, p(dense["kernel"]))
+        return y + p(dense["bias"]) if "bias" in dense else y
+
     T = len(tokens)
     pos = np.arange(T, dtype=np.float64)
     x = p(params["EMBED"]["embedding"])[np.asarray(tokens)]  # (T, D)
@@ -32,9 +37,9 @@ def logits_np(spec, params, tokens) -> np.ndarray:
     for i in range(spec.n_layers):
         L = params[layer_key(i)]
         h = _rms(x, p(L["Q"]["attn_norm"]["scale"]), spec.norm_eps)
-        q = _rope(np.einsum("td,dhe->the", h, p(L["Q"]["wq"]["kernel"])), pos, spec.rope_theta)
-        k = _rope(np.einsum("td,dke->tke", h, p(L["K"]["wk"]["kernel"])), pos, spec.rope_theta)
-        v = np.einsum("td,dke->tke", h, p(L["V"]["wv"]["kernel"]))
+        q = _rope(proj(h, L["Q"]["wq"]), pos, spec.rope_theta)
+        k = _rope(proj(h, L["K"]["wk"]), pos, spec.rope_theta)
+        v = proj(h, L["V"]["wv"])
         o = np.zeros_like(q)
         for head in range(spec.n_heads):
             kv = head // G

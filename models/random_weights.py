@@ -1,0 +1,152 @@
+"""Random weights of a model's real shapes, for benchmarks, plans and tests of models hx does
+not have on disk (``loader.load("llama2-7b:8L")``).
+
+The tree is exactly ``models/llama.py`` ``init_params``' (built from ``ModelSpec.
+op_weight_shapes``, which names the same paths), but drawn with numpy rather than through Flax,
+so that gigabytes of weights come fast and without temporary copies:
+
+* matrices and biases: float32 uniform on [-a, a] with a = 0.02·√3, i.e. standard deviation
+  0.02 like ``init_params``' normal initialiser (numpy draws uniform float32 ~5× faster than
+  normal);
+* norm scales: ones;
+* a tied model's ``HEAD/embedding`` is the very array of ``EMBED/embedding``.
+
+Each tensor is drawn, in 1 MiB chunks, straight into its final array, so memory peaks at the
+weights' own size, and has its own generator seeded by (seed, its path), so its values depend
+neither on the other tensors nor on the thread that draws it: ``llama2-7b:2L``'s layers equal
+the first two of ``llama2-7b:8L``. On the shared 2-core development VM 8 layers of Llama-2-7B
+(7 GiB) take 7-16 s, 2 layers 2-4 s.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from hx.errors import HxError
+from hx.models.llama import layer_key
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+
+STD = 0.02
+_HALF_WIDTH = STD * 3**0.5  # uniform on [-a, a] has standard deviation a / sqrt(3)
+_CHUNK = 1 << 18  # elements drawn and scaled per pass: 1 MiB, stays in cache
+
+
+def _uniform(shape: tuple[int, ...], seed: int, path: str) -> np.ndarray:
+    """A fresh float32 array of ``shape``, uniform with standard deviation ``STD``."""
+    out = np.empty(shape, np.float32)
+    flat = out.reshape(-1)  # a view: ``out`` is contiguous
+    rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
+    half, width = np.float32(0.5), np.float32(2 * _HALF_WIDTH)
+    for i in range(0, flat.size, _CHUNK):
+        part = flat[i:i + _CHUNK]
+        rng.random(dtype=np.float32, out=part)  # [0, 1)
+        part -= half
+        part *= width
+    return out
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
+                  ) -> dict[str, Any]:
+    """Random float32 numpy weights with ``init_params(spec)``'s tree layout.
+
+    Tensors are drawn on ``workers`` threads (default: one per CPU; numpy releases the GIL
+    while it draws and scales); the values do not depend on the number of threads.
+
+    Returns:
+      ``{"EMBED": {"embedding": (V,D)}, "layer_i": {"Q": {"attn_norm": {"scale": (D,)},
+      "wq": {"kernel": (D,H,E)[, "bias": (H,E)]}}, ...}, "HEAD": {...}}``, float32 host arrays
+      (4 bytes per element whatever ``spec.dtype_bytes`` says).
+    Raises:
+      HxError: the weights need more bytes than the host has available (the message gives the
+        bytes and suggests fewer layers).
+    """
+    need = spec.replace(dtype_bytes=4).weight_bytes
+    available = _available_memory()
+    if available is not None and need > available:
+        raise HxError(f"random weights of {spec.name} need {need / 2**30:.1f} GiB of host "
+                      f"memory but {available / 2**30:.1f} GiB is available; ask for fewer "
+                      "layers, e.g. NAME:2L")
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        def op_params(op: str, prefix: str = "") -> dict[str, Any]:
+            """One op's tree (``op_weight_shapes`` paths split at "/"), leaves as futures."""
+            tree: dict[str, Any] = {}
+            for path, shape in spec.op_weight_shapes(op).items():
+                if op == HEAD and path == "embedding" and spec.tie_embeddings:
+                    continue  # the EMBED array itself, set below
+                name = "/".join(filter(None, (prefix, op, path)))
+                *modules, last = path.split("/")
+                node = tree
+                for m in modules:
+                    node = node.setdefault(m, {})
+                node[last] = (np.ones(shape, np.float32) if last == "scale"
+                              else pool.submit(_uniform, shape, seed, name))
+            return tree
+
+        params: dict[str, Any] = {EMBED: op_params(EMBED)}
+        for i in range(spec.n_layers):
+            params[layer_key(i)] = {op: op_params(op, layer_key(i)) for op in LAYER_OPS}
+        params[HEAD] = op_params(HEAD)
+        params = _results(params)
+    if spec.tie_embeddings:
+        params[HEAD]["embedding"] = params[EMBED]["embedding"]
+    return params
+
+
+def _results(tree: Any) -> Any:
+    """The tree with every future replaced by its result."""
+    if isinstance(tree, dict):
+        return {k: _results(v) for k, v in tree.items()}
+    return tree.result() if isinstance(tree, Future) else tree
+
+
+class NoTokenizer:
+    """The tokenizer of a random-weight model, which has none.
+
+    Token-level work runs (``eos_id`` and ``bos_id`` are None, ``Engine.generate_ids`` and
+    ``last_logits`` take ids); turning text into ids raises, and ids decode to "" (random weights
+    produce no meaningful text).
+    """
+
+    bos_id = eos_id = chat_template = None
+    add_bos = False
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def _no_text(self):
+        raise HxError(f"{self.model_name} has random weights and no tokenizer, so it takes no "
+                      "text; give a GGUF file or a Hugging Face folder to generate text "
+                      "(presets serve hx plan, bench and ablate)")
+
+    def encode(self, text: str) -> list[int]:
+        """Raises HxError: a random-weight model has no vocabulary."""
+        self._no_text()
+
+    def render_chat(self, prompt) -> str:
+        """Raises HxError: a random-weight model has no chat template."""
+        self._no_text()
+
+    def decode(self, ids: list[int]) -> str:
+        """The empty string: random weights produce ids, not text."""
+        return ""
+
+    def token(self, token_id: int) -> None:
+        """None: no token has a text form."""
+        return None

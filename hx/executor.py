@@ -156,6 +156,11 @@ class Executor:
                                       int(compiled.memory_analysis().temp_size_in_bytes))
         return self._executables[key]
 
+    def compile(self, phase: str, batch: int, tokens: int, slots: int) -> None:
+        """Compile every segment of ``phase`` at (B, T, S) ahead of time (no step runs)."""
+        for index in range(len(self.segments[phase])):
+            self._executable(phase, index, batch, tokens, slots)
+
     def run(self, phase: str, tokens: np.ndarray | jax.Array, step: Step,
             caches: list[Cache]) -> tuple[jax.Array, list[Cache]]:
         """One forward step of ``phase`` over new tokens.

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from hx.devices import Devices
@@ -167,28 +168,22 @@ class Engine:
             self.executor.release_cache()
 
     def _compile(self, workload: Workload, sampling: SamplingParams) -> float:
-        """Compile prefill and decode at ``workload``'s shapes, and the sampler, by running
-        each once on scratch state; returns the seconds it took (0 when already done). Keeps
-        compilation out of TTFT and decode rates."""
+        """Compile every segment of prefill (each chunk shape) and decode at ``workload``'s
+        shapes ahead of time, from shapes alone, and the sampler on zero logits; returns the
+        seconds it took (0 when already done). Keeps compilation out of TTFT and decode
+        rates."""
         key = (workload, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
         start = time.perf_counter()
-        zeros = np.zeros((workload.batch, workload.prompt_tokens), np.int32)
-        timeline, self.executor.timeline = self.executor.timeline, None  # not a real step
-        try:
-            caches = self.executor.new_cache(workload.batch, workload.cache_slots)
-            logits, caches = run_prefill(self.executor, zeros,
-                                         Step(zeros, np.int32(0), zeros[:, 0]), caches,
-                                         self.plan.prefill_chunk)
-            sample(logits, sampling, 0)
-            logits, caches = self.executor.run(
-                "decode", zeros[:, :1],
-                Step(zeros[:, :1], np.int32(workload.prompt_tokens), zeros[:, 0]), caches)
-            sample(logits, sampling, 1).block_until_ready()
-        finally:
-            self.executor.release_cache()
-            self.executor.timeline = timeline
+        B, S = workload.batch, workload.cache_slots
+        for chunk in set(prefill_chunks(workload.prompt_tokens, self.plan.prefill_chunk)):
+            self.executor.compile("prefill", B, chunk, S)
+        self.executor.compile("decode", B, 1, S)
+        for phase in ("prefill", "decode"):
+            device = self.executor.devices[self.plan.phase(phase).head]
+            zeros = jax.device_put(np.zeros((B, self.model.spec.vocab_size), np.float32), device)
+            sample(zeros, sampling, 0).block_until_ready()
         self._compiled.add(key)
         return time.perf_counter() - start
 

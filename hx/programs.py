@@ -29,7 +29,7 @@ from hx.models.llama import OPS, Step, apply_op
 from hx.models.spec import ModelSpec
 from hx.segments import Segment
 
-PROXY_MIDDLE_LAYERS = 2
+PROXY_MIDDLE_LAYERS = 1
 
 
 def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
@@ -133,10 +133,12 @@ class Programs:
         return params, acts, caches, step
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
-        """The executable of ``segment`` at these shapes (compiled on first use)."""
-        key = (segment.signature, batch, tokens, slots)
+        """The executable of ``segment`` at these shapes (compiled on first use). Segments
+        that differ only in which weights were staged share it (staged and resident weights
+        are both device-memory arguments), and a segment without SCORE ignores ``slots``."""
+        device, ops, _, reads, writes = segment.signature
+        key = (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
         if key not in self._compiled:
-            device, ops, _, _, writes = segment.signature
             fkey = (device, ops, writes)
             if fkey not in self._functions:
                 self._functions[fkey] = segment_function(self.spec, device, ops, writes)

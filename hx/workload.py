@@ -12,6 +12,7 @@ from hx.models.spec import ModelSpec
 
 PREFILL_BUCKET = 16  # tokens
 CACHE_BUCKET = 64  # KV-cache slots
+MIN_CHUNK = 32  # smallest prefill chunk a policy chooses; plans are sized at it (tokens)
 
 
 def round_up(n: int, multiple: int) -> int:

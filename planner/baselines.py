@@ -14,11 +14,11 @@ from hx.errors import HxError
 from hx.memory import activation_reserve
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
-from hx.planner.cpsat import PLANNING_CHUNK, Pattern, layer_plan
-from hx.planner.policies import MIN_CHUNK, fits
+from hx.planner.cpsat import Pattern, layer_plan
+from hx.planner.policies import fits
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import op_seconds
-from hx.workload import Workload
+from hx.workload import MIN_CHUNK, Workload
 
 
 def _op_times(spec: ModelSpec, profile: HardwareProfile, workload: Workload
@@ -36,7 +36,7 @@ def _fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Work
 
 
 def _reserve(spec: ModelSpec, workload: Workload) -> int:
-    return activation_reserve(spec, workload, min(workload.prompt_tokens, PLANNING_CHUNK))
+    return activation_reserve(spec, workload, min(workload.prompt_tokens, MIN_CHUNK))
 
 
 def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload

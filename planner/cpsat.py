@@ -42,11 +42,10 @@ from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict
 from hx.schedule import staged_bytes
 from hx.segments import split_segments
-from hx.workload import Workload, prefill_chunks
+from hx.workload import MIN_CHUNK, Workload, prefill_chunks
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
-PLANNING_CHUNK = 128  # prefill tokens per step the activation reserve is sized at
 REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
 
 
@@ -250,7 +249,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     model is solved again with the budget lowered by the shortfall (at most ``REPLANS``
     times), so the returned plan always fits. Arguments and errors as ``solve``.
     """
-    from hx.planner.policies import MIN_CHUNK, fit_prefill_chunk
+    from hx.planner.policies import fit_prefill_chunk
 
     budget = devices
     for attempt in range(REPLANS + 1):
@@ -297,7 +296,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     context = workload.decode_context
     costs = prune(price_patterns(spec, profile, workload, context))
     heads = head_seconds(spec, profile, workload, context)
-    act = activation_reserve(spec, workload, min(workload.prompt_tokens, PLANNING_CHUNK))
+    act = activation_reserve(spec, workload, min(workload.prompt_tokens, MIN_CHUNK))
     built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
     built.model.Minimize(built.seconds)
     solver = _solver(time_limit_s, seed)

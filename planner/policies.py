@@ -15,7 +15,7 @@ from hx.errors import HxError
 from hx.memory import check_fits, estimate
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import ExecutionPlan, Placement
-from hx.workload import Workload
+from hx.workload import MIN_CHUNK, Workload
 
 if TYPE_CHECKING:
     from hx.planner.profile import HardwareProfile
@@ -68,8 +68,7 @@ def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
 
 
 # Prefill chunk sizes a policy tries, largest first (None: the whole prompt in one step).
-CHUNKS = (None, 1024, 512, 256, 128, 64, 32, 16)
-MIN_CHUNK = CHUNKS[-1]
+CHUNKS = (None, 512, 128, MIN_CHUNK)
 
 
 def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:

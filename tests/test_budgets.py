@@ -1,0 +1,65 @@
+"""Plans never break their budget: every policy at real model shapes either fits the dry run
+of its schedule (segments compiled from shapes, nothing executed) or refuses with the minimum
+budget; a real run of a Llama-2-7B-shaped model reaches exactly the dry run's peak."""
+
+import re
+
+import pytest
+
+from hx.devices import discover
+from hx.errors import HxError
+from hx.generate import Engine
+from hx.memory import estimate
+from hx.models.loader import load
+from hx.models.spec import PRESETS
+from hx.planner import policies
+from hx.sampling import SamplingParams
+from hx.workload import Workload
+
+from profiles import gpu_like
+
+FRACTIONS = (0.25, 0.5, 1.2)
+BATCHES = (1, 16)
+PROMPTS = (128, 1000)
+NEW_TOKENS = 32
+
+
+@pytest.mark.parametrize("model", ["llama2-7b", "llama2-70b"])
+def test_every_policy_fits_its_dry_run_or_states_the_minimum(model):
+    spec, profile = PRESETS[model], gpu_like()
+    refused = fitted = 0
+    for fraction in FRACTIONS:
+        budget = int(fraction * spec.weight_bytes)
+        devices = discover(accelerator_memory=budget)
+        for batch in BATCHES:
+            for prompt in PROMPTS:
+                work = Workload.for_prompts(batch, prompt, NEW_TOKENS, spec)
+                for policy in policies.POLICIES:
+                    try:
+                        plan = policies.build(policy, spec, devices, work, profile=profile)
+                    except HxError as e:
+                        minimum = re.search(r"minimum feasible budget (?:for it )?is (\d+)",
+                                            str(e))
+                        assert minimum, (policy, str(e))
+                        assert int(minimum.group(1)) > budget
+                        refused += 1
+                        continue
+                    need = estimate(plan, spec, work).accelerator
+                    assert need <= budget, (policy, fraction, batch, prompt, need - budget)
+                    fitted += 1
+    assert refused and fitted
+
+
+@pytest.mark.parametrize("batch,prompt", [(1, 1000), (16, 128)])
+def test_real_run_reaches_the_dry_run_peak(batch, prompt):
+    model = load("llama2-7b:2L")
+    spec = model.spec
+    work = Workload.for_prompts(batch, prompt, 5, spec)
+    devices = discover(accelerator_memory=int(0.5 * spec.weight_bytes))
+    plan = policies.build("cpsat", spec, devices, work, profile=gpu_like())
+    need = estimate(plan, spec, work).accelerator
+    engine = Engine(model, plan, devices)
+    prompts = [[1 + (7 * r + i) % 31000 for i in range(prompt)] for r in range(batch)]
+    engine.generate_ids(prompts, SamplingParams(max_new_tokens=5, stop_ids=()))
+    assert engine.accountant.peak >= 0.8 * need
+    assert engine.accountant.peak == need  # the run carries out the schedule that was sized

@@ -4,12 +4,17 @@
 emulates it: the process is given two XLA CPU devices and device 1 plays the accelerator, with
 the memory capacity the user gives (``--accelerator-memory``). Only reports look at
 ``Accelerator.emulated``; no execution path branches on it.
+
+On a GPU, XLA's allocator is told not to preallocate (``configure_runtime``) and, when the first
+``discover`` call that starts JAX's backends is given a budget, its pool is capped at that budget
+plus ``pool_headroom`` (see ``discover`` for exactly what is and is not guaranteed).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import re
 from dataclasses import dataclass
 
@@ -44,11 +49,55 @@ def format_bytes(n: int | float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+# Environment variables XLA's GPU client reads once, when JAX's backends start
+# (jaxlib.xla_client.generate_pjrt_gpu_plugin_options). XLA_CLIENT_MEM_FRACTION is the current
+# name of the fraction; jax refuses to start when both it and the deprecated name are set.
+PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+MEM_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
+MEM_FRACTION_ENVS = (MEM_FRACTION_ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+POOL_HEADROOM_MIN = 2**30  # bytes
+POOL_HEADROOM_FRACTION = 0.10
+
+
+def pool_headroom(budget: int) -> int:
+    """Bytes XLA's GPU pool may hold beyond an accelerator budget of ``budget`` bytes:
+    max(1 GiB, 10 % of the budget).
+
+    It is for what XLA allocates from its pool that hx does not account (XLA's temporaries of a
+    running program are in the budget: the accountant books ``Compiled.memory_analysis()``):
+
+    * compile-time autotuning, which allocates its own copy of every operand and output of the
+      fusion it tunes plus redzones — for SmolLM2's float32 LM head, 124 MiB;
+    * cuBLAS/cuDNN workspaces XLA takes from its allocator, and arrays on their way to a
+      device (~50 MiB);
+    * the BFC allocator's fragmentation: without preallocation its pool grows in regions of
+      doubling size.
+
+    Measured on an H100 (jax 0.11.2), SmolLM2-135M float32: XLA's peak bytes in use exceeded
+    the accountant's peak by ~175 MiB (stream-all at a 128 MiB budget: 300 of 123 MiB;
+    all-accelerator: 694 of 520 MiB), and a pool of budget + 256 MiB ran out while autotuning
+    the head. A model whose largest weight matrix is near the headroom or larger (Llama-3-70B's
+    bf16 head is 2.1 GB) can exceed it at small budgets: set ``XLA_CLIENT_MEM_FRACTION`` then.
+    """
+    return max(POOL_HEADROOM_MIN, int(budget * POOL_HEADROOM_FRACTION))
+
+
 def configure_runtime() -> None:
     """Process set-up hx needs before any JAX computation.
 
     * Ask XLA for two CPU devices (the emulated accelerator is the second); a no-op once JAX's
       backends are initialised.
+    * ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the environment already sets it (a user's
+      value wins): XLA's GPU allocator then grows its pool on demand instead of taking 75 % of
+      the GPU's memory when the backend starts, so two hx processes (a CLI test's subprocess
+      beside pytest, say) can share one GPU, and the pool holds what hx's buffers and XLA's
+      own needs use rather than a fixed share. Child processes inherit the setting. Without
+      effect when JAX's backends were started before ``import hx``.
+    * ``jax_default_matmul_precision = "highest"``: float32 dots and convolutions compute in
+      full float32 on every backend. XLA would otherwise run them at TF32 on NVIDIA GPUs
+      (Ampere and later; logits then differ from a float32 reference by ~1e-3). Operands of
+      16-bit types are unaffected (bf16 computes as bf16 with float32 accumulation).
     * Keep freed heap memory for reuse (glibc ``mallopt``): XLA:CPU allocates every buffer with
       malloc, and glibc would otherwise map and unmap each large one, page-faulting it in again
       on every weight copy (measured: a 113 MB host-to-device copy at 1.8 GiB/s instead of
@@ -58,6 +107,8 @@ def configure_runtime() -> None:
         jax.config.update("jax_num_cpu_devices", 2)
     except RuntimeError:
         pass  # backends already up; ``discover`` reports if that leaves too few devices
+    os.environ.setdefault(PREALLOCATE_ENV, "false")
+    jax.config.update("jax_default_matmul_precision", "highest")
     libc_name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(libc_name) if libc_name else None
     if libc is not None and hasattr(libc, "mallopt"):
@@ -74,11 +125,14 @@ class Accelerator:
       device: the JAX device.
       capacity: bytes hx may allocate on it (None = no limit given).
       emulated: True when ``device`` is an XLA CPU device standing in for a GPU.
+      pool_limit: bytes XLA's allocator for the device may hold at most (its ``bytes_limit``),
+        fixed when JAX's backends started; None when the device reports none (XLA:CPU).
     """
 
     device: jax.Device
     capacity: int | None
     emulated: bool
+    pool_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,29 +162,118 @@ class Devices:
         return self.accelerator.device if name == ACCELERATOR else self.host.device
 
     def describe(self) -> str:
-        """One line for reports, saying whether the accelerator is emulated and its budget."""
+        """One line for reports, saying whether the accelerator is emulated, its budget and the
+        cap of XLA's memory pool on it (when the device has one)."""
         d = self.accelerator.device
         acc = f"{d.platform}:{d.id}"
         if self.accelerator.capacity is not None:
             acc += f" budget {format_bytes(self.accelerator.capacity)}"
+        if self.accelerator.pool_limit is not None:
+            acc += f" (XLA pool <= {format_bytes(self.accelerator.pool_limit)})"
         if self.emulated:
             acc += " (EMULATED accelerator: a second XLA CPU device, not a GPU)"
         return f"accelerator={acc} host={self.host.device.platform}:{self.host.device.id}"
+
+
+def _cuda_total_memory() -> int | None:
+    """Bytes of memory of the CUDA device JAX will number 0, read through the CUDA driver
+    (``cuDeviceTotalMem``: no CUDA context is created, so nothing is allocated on the GPU), or
+    None when there is no CUDA driver or device, or JAX is restricted to other platforms.
+
+    Device 0 is the first device the driver lists (``CUDA_VISIBLE_DEVICES`` and
+    ``CUDA_DEVICE_ORDER`` apply, as they do to XLA), or the lowest of
+    ``jax_cuda_visible_devices`` when that is set.
+    """
+    platforms = jax.config.jax_platforms
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count, device, total = ctypes.c_int(), ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or not count.value:
+        return None
+    ordinal = 0
+    try:
+        from jax._src import xla_bridge
+
+        visible = xla_bridge.CUDA_VISIBLE_DEVICES.value
+        if visible != "all":
+            ordinal = min(int(x) for x in visible.split(","))
+    except (ImportError, AttributeError, ValueError):
+        pass
+    if (cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0
+            or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0):
+        return None
+    return total.value
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        return True  # cannot tell: act as if too late to configure the pool
+
+
+def _cap_pool(limit: int) -> bool:
+    """Set XLA's GPU memory fraction so that its pool on the device holds at most ``limit``
+    bytes, when a CUDA device is present and the user set no fraction. Returns whether the
+    variable was set (the caller removes it once the backends have started)."""
+    if any(os.environ.get(name) for name in MEM_FRACTION_ENVS):
+        return False  # the user's setting wins
+    total = _cuda_total_memory()
+    if total is None:
+        return False
+    os.environ[MEM_FRACTION_ENV] = repr(min(1.0, limit / total))
+    return True
 
 
 def discover(accelerator_memory: int | str | None = None,
              host_memory: int | str | None = None) -> Devices:
     """Find the accelerator and the host and set their memory budgets.
 
+    XLA's memory pool on a GPU: XLA reads its allocator settings once, when JAX's backends
+    start (the first JAX computation or device query of the process). If this call starts them,
+    is given ``accelerator_memory``, a CUDA device is present and neither
+    ``XLA_CLIENT_MEM_FRACTION`` nor ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is set, the pool is
+    capped at ``accelerator_memory + pool_headroom(accelerator_memory)`` bytes (at most the
+    GPU's memory) by setting ``XLA_CLIENT_MEM_FRACTION`` for the start and removing it after, so
+    child processes do not inherit it. Otherwise the pool keeps the limit it started with:
+    XLA's default of 75 % of the GPU's memory, or the user's fraction. With preallocation off
+    (``configure_runtime``) the pool grows on demand up to that limit.
+
+    Guaranteed: XLA's allocator (the BFC pool behind every buffer and temporary of JAX arrays
+    and compiled programs on the device, compile-time autotuning included) never holds more
+    than ``Accelerator.pool_limit`` bytes; past it an allocation fails with XLA's
+    RESOURCE_EXHAUSTED. Not covered by the cap: the CUDA context, loaded kernels and the handles
+    cuBLAS/cuDNN create outside XLA's allocator (~560 MiB per process, measured on an H100), and
+    pinned host memory. A budget larger than ``pool_limit`` is returned as given (plans may
+    be made for other hardware, e.g. ``hx plan -m llama2-70b``), but a plan needing more than
+    ``pool_limit`` cannot run in this process. A process that calls ``discover`` with several
+    budgets (``hx ablate``) gets the pool of the call that started the backends: make that the
+    largest budget.
+
     Args:
       accelerator_memory: bytes (or a size string) hx may use on the accelerator. Default: the
-        device's own limit when it reports one (a real GPU), else no limit.
+        device's own limit when it reports one (a real GPU: XLA's pool limit), else no limit.
       host_memory: bytes hx may use on the host (default: no limit).
     Raises:
       HxError: no accelerator exists and JAX was initialised with a single CPU device (import
-        hx before running any JAX computation, or set XLA_FLAGS to provide two CPU devices).
+        hx before running any JAX computation, or set XLA_FLAGS to provide two CPU devices);
+        or a size cannot be read.
     """
-    cpus = jax.devices("cpu")
+    budget = None if accelerator_memory is None else parse_bytes(accelerator_memory)
+    host = None if host_memory is None else parse_bytes(host_memory)
+    capped = budget is not None and not _backends_started() and _cap_pool(
+        budget + pool_headroom(budget))
+    try:
+        cpus = jax.devices("cpu")  # starts every backend
+    finally:
+        if capped:
+            os.environ.pop(MEM_FRACTION_ENV, None)
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
     if accelerators:
         device, emulated = accelerators[0], False
@@ -139,10 +282,6 @@ def discover(accelerator_memory: int | str | None = None,
     else:
         raise HxError("no accelerator and only one XLA CPU device: import hx before running "
                       "any JAX computation so it can create a second CPU device to emulate one")
-    if accelerator_memory is None:
-        stats = device.memory_stats() or {}
-        capacity = stats.get("bytes_limit")
-    else:
-        capacity = parse_bytes(accelerator_memory)
-    return Devices(Accelerator(device, capacity, emulated),
-                   Host(cpus[0], None if host_memory is None else parse_bytes(host_memory)))
+    pool_limit = (device.memory_stats() or {}).get("bytes_limit")
+    capacity = pool_limit if budget is None else budget
+    return Devices(Accelerator(device, capacity, emulated, pool_limit), Host(cpus[0], host))

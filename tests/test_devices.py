@@ -1,0 +1,101 @@
+"""Process set-up for real GPUs (DESIGN §3): XLA's allocator does not preallocate, its pool is
+capped at the first budget plus headroom, and float32 matmuls are float32 on every backend. The
+assertions hold on the emulated accelerator and on a GPU alike."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hx.devices import (ACCELERATOR, MEM_FRACTION_ENV, MEM_FRACTION_ENVS, PREALLOCATE_ENV,
+                        discover, pool_headroom)
+
+GiB = 2**30
+
+
+def python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter whose environment has no XLA_* or JAX_* variables but
+    ``env``; returns its stdout."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**clean, **env}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_allocator_does_not_preallocate_unless_the_user_says_so():
+    show = f"import os, hx; print(os.environ.get({PREALLOCATE_ENV!r}))"
+    assert python(show) == "false"
+    assert python(show, **{PREALLOCATE_ENV: "true"}) == "true"
+
+
+def test_matmul_precision_is_highest_after_import():
+    assert jax.config.jax_default_matmul_precision == "highest"
+
+
+def test_float32_matmul_is_float32_on_the_accelerator(devices):
+    """TF32 (XLA's default for float32 dots on NVIDIA GPUs) misses by ~3e-4 here; float32 by
+    ~6e-7 (norm of the error over norm of the float64 product)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((256, 1024), dtype=np.float32)
+    b = rng.standard_normal((1024, 256), dtype=np.float32)
+    acc = devices[ACCELERATOR]
+    got = np.asarray(jax.jit(jnp.matmul)(jax.device_put(a, acc), jax.device_put(b, acc)))
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-6
+
+
+# Records the fraction XLA's GPU client would read when the backends start (the environment at
+# the first ``xla_bridge.backends()`` call), with a GPU of 80 GiB standing in for the driver's
+# answer, then what is left in the environment after ``discover``.
+PROBE = f"""
+import os, hx, hx.devices as d
+from jax._src import xla_bridge
+seen, start = [], xla_bridge.backends
+def backends():
+    if not seen:
+        seen.append(os.environ.get({MEM_FRACTION_ENV!r}))
+    return start()
+xla_bridge.backends = backends
+d._cuda_total_memory = lambda: 80 * 2**30
+devices = d.discover(accelerator_memory=2**30)
+print(seen[0], os.environ.get({MEM_FRACTION_ENV!r}))
+"""
+
+
+def test_first_budget_caps_the_pool_for_the_backend_start_only():
+    at_start, after = python(PROBE).split()
+    assert float(at_start) == (GiB + pool_headroom(GiB)) / (80 * GiB)
+    assert after == "None"  # child processes do not inherit the cap
+
+
+def test_a_users_fraction_wins():
+    for name in MEM_FRACTION_ENVS:
+        at_start, after = python(PROBE, **{name: "0.5"}).split()
+        assert (at_start, after) == (("0.5", "0.5") if name == MEM_FRACTION_ENV
+                                     else ("None", "None"))
+
+
+def test_headroom():
+    assert pool_headroom(0) == pool_headroom(5 * GiB) == GiB
+    assert pool_headroom(20 * GiB) == 2 * GiB
+
+
+def test_pool_limit_of_a_fresh_process_is_budget_plus_headroom():
+    """Unpatched: on a GPU the pool XLA reports is the budget plus headroom (XLA rounds it to
+    whole 2 MiB); XLA:CPU reports no pool."""
+    limit = python("import hx; print(hx.discover(accelerator_memory=2**30).accelerator.pool_limit)")
+    assert limit == "None" or abs(int(limit) - (GiB + pool_headroom(GiB))) <= 4 * 2**20
+
+
+def test_a_budget_for_other_hardware_is_kept_and_the_pool_is_not_changed(devices):
+    """Plans may be made for a larger device than this one; the pool was fixed at start."""
+    acc = discover(accelerator_memory=10**13).accelerator
+    assert (acc.capacity, acc.pool_limit) == (10**13, devices.accelerator.pool_limit)
+
+
+def test_describe_says_emulated_exactly_when_it_is(devices):
+    assert ("EMULATED" in devices.describe()) == devices.emulated

@@ -63,6 +63,8 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
     """Rows for every (fraction of weight bytes as accelerator budget, batch, policy)."""
     rows = []
     slots = probe_slots(context, steps)
+    # the first budgeted ``discover`` sizes XLA's pool on a GPU: let it be the largest budget
+    discover(accelerator_memory=int(spec.weight_bytes * max(fractions)))
     for fraction in fractions:
         budget = int(spec.weight_bytes * fraction)
         devices = discover(accelerator_memory=budget)

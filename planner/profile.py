@@ -37,8 +37,10 @@ class DeviceProfile:
 
     Attributes:
       matmul: ((M rows, FLOP/s), ...) sorted by M: rate of (M x N) @ (N x P) products whose
-        weights come from memory (working set larger than the caches).
-      memory_bandwidth: bytes/s of a streaming copy (gathers, elementwise work).
+        weights come from memory (working set larger than the caches), at the profile's
+        ``matmul_dtype``.
+      memory_bandwidth: bytes/s (read + written) of an in-place elementwise pass over a buffer
+        larger than the caches (gathers, elementwise work).
       attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
         SCORE kernel reads the KV cache.
       launch_overhead: ((batch, seconds), ...): what the executor adds per segment it launches
@@ -78,10 +80,13 @@ class HardwareProfile:
     Attributes:
       name: label (e.g. the machine it was measured on).
       accelerator / host: ``DeviceProfile`` of each side.
-      h2d_bandwidth / d2h_bandwidth: bytes/s of large copies host -> accelerator memory and
-        back (weights: from the pinned_host memory kind).
+      h2d_bandwidth: bytes/s of large copies from the accelerator's pinned_host memory kind
+        into its device memory (how the executor stages streamed weights).
+      d2h_bandwidth: bytes/s of large copies from accelerator memory to the host CPU device
+        (how the executor moves activations to host segments).
       transfer_latency: seconds an activation transfer adds on its link beyond
-        bytes / bandwidth.
+        bytes / bandwidth (profiler: a (16, 576) float32 transfer as the executor issues it,
+        mean of both directions; ``calibrate`` refits it with the launch overhead).
       contention: 0..1, share of the shorter of an overlapped copy and computation that is
         lost when they run together (0: independent engines, as a GPU's DMA engine and SMs
         nearly are; 1: fully serialised). Measured by the profiler.
@@ -92,6 +97,11 @@ class HardwareProfile:
       model_error: median |predicted / observed - 1| of the decode steps calibration observed
         with the fitted profile (0 when not calibrated). The planner counts plans predicted
         this close to each other as ties (``cpsat.plan_cpsat``).
+      h2d_latency / d2h_latency: seconds of fixed cost per large copy call on each link, from
+        the profiler's two-size fit (t = latency + bytes / bandwidth); 0 when not measured.
+      matmul_dtype: the dtype the ``matmul`` rates of both devices were measured at.
+      quick: measured by ``profiler.quick`` (fewer sizes, shorter runs, no calibration) because
+        a command needed a profile and none was saved; ``hx profile`` measures a full one.
     """
 
     name: str
@@ -106,6 +116,10 @@ class HardwareProfile:
     host_memory: int | None = None
     emulated: bool = False
     model_error: float = 0.0
+    h2d_latency: float = 0.0
+    d2h_latency: float = 0.0
+    matmul_dtype: str = "float32"
+    quick: bool = False
 
     def device(self, name: str) -> DeviceProfile:
         """The ``DeviceProfile`` of ``"accelerator"`` or ``"host"``."""

@@ -1,10 +1,16 @@
-"""Robust wall-clock timing of JAX work on a shared, noisy machine."""
+"""Robust wall-clock timing of JAX work on a shared, noisy machine.
+
+All times are in seconds, measured with ``time.perf_counter`` around the call and
+``jax.block_until_ready`` of its result (device work is asynchronous: a call returns before the
+device has finished).
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import jax
 
@@ -25,3 +31,78 @@ def median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
         jax.block_until_ready(run())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What ``stable_seconds`` saw of one callable.
+
+    Attributes:
+      seconds: median wall time (s) of the last ``window`` timed calls.
+      spread: (max - min) / median of those calls (0.05 = they agree within 5 %).
+      calls: timed calls made (warm-up excluded).
+    """
+
+    seconds: float
+    spread: float
+    calls: int
+
+
+def _window_spread(times: list[float]) -> float:
+    mid = statistics.median(times)
+    return (max(times) - min(times)) / mid if mid > 0 else float("inf")
+
+
+def stable_seconds(*runs: Callable[[], object], window: int = 5, tolerance: float = 0.05,
+                   max_rounds: int = 25, max_seconds: float = 3.0, warmup_s: float = WARMUP_S,
+                   setups: Sequence[Callable[[], object] | None] | None = None
+                   ) -> tuple[Timing, ...]:
+    """Time each of ``runs`` until its median is stable, the runs interleaved.
+
+    Each round calls every run once, in turn, so a slow spell of a shared machine hits them all
+    alike (their ratio is what a two-point fit or a comparison needs). Warm-up: every run is
+    called at least twice, and the rounds repeat untimed for ``warmup_s`` seconds. Then rounds
+    are timed until, for every run, the last ``window`` times lie within ``tolerance`` of their
+    median ((max - min) / median), or ``max_rounds`` rounds or ``max_seconds`` seconds of timed
+    rounds have passed (at least ``window`` rounds always run).
+
+    Args:
+      runs: callables whose results are blocked on; each call is one sample.
+      setups: one entry per run, or None: a callable entry is called (and its result blocked
+        on) before each call of its run, outside the timed region, and its result is passed to
+        the run (``run(setup())``): for sources that must be fresh on every call, as the
+        executor's activations are.
+    Returns:
+      one ``Timing`` per run, in order: the median of its last ``window`` times when they
+      settled within ``tolerance``, else the median of all its timed calls.
+    """
+    setups = tuple(setups) if setups is not None else (None,) * len(runs)
+
+    def call(run: Callable, setup: Callable | None) -> float:
+        args = () if setup is None else (jax.block_until_ready(setup()),)
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        return time.perf_counter() - t0
+
+    start, rounds = time.perf_counter(), 0
+    while rounds < 2 or time.perf_counter() - start < warmup_s:
+        for run, setup in zip(runs, setups):
+            call(run, setup)
+        rounds += 1
+    times: list[list[float]] = [[] for _ in runs]
+    start = time.perf_counter()
+    while True:
+        for run, setup, seen in zip(runs, setups, times):
+            seen.append(call(run, setup))
+        n = len(times[0])
+        if n < window:
+            continue
+        stable = all(_window_spread(seen[-window:]) <= tolerance for seen in times)
+        if stable or n >= max_rounds or time.perf_counter() - start >= max_seconds:
+            break
+    result = []
+    for seen in times:
+        spread = _window_spread(seen[-window:])
+        middle = statistics.median(seen[-window:] if spread <= tolerance else seen)
+        result.append(Timing(middle, spread, len(seen)))
+    return tuple(result)

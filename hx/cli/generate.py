@@ -15,7 +15,6 @@ from hx.errors import HxError
 from hx.models.loader import load
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
 from hx.planner import policies
-from hx.planner.profile import load_default
 from hx.sampling import SamplingParams
 from hx.workload import Workload
 
@@ -73,7 +72,9 @@ def generate(
         job = prepare_batch(loaded, str(prompts), str(output), chat)
         workload = job.workload(batch_size, max_new_tokens, spec)
     devices = discover(accelerator_memory, host_memory)
-    hardware = load_default(str(profile) if profile else None)
+    from hx.planner.profiler import for_policy  # measures a quick one if the policy needs it
+    hardware = for_policy(policy or "auto", str(profile) if profile else None, devices,
+                          lambda m: err.print(m, soft_wrap=True, markup=False, highlight=False))
     chosen = resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers, hardware)
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None

@@ -14,8 +14,7 @@ from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOption,
                            ProfileOption, app, err, out, plan_by_name, print_table)
-from hx.devices import discover, format_bytes
-from hx.errors import HxError
+from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
 from hx.schedule import staged_bytes
 from hx.models.loader import load, load_spec
@@ -32,11 +31,22 @@ def _batches(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _profile_or_fail(profile: Optional[HardwareProfile]) -> HardwareProfile:
-    if profile is None:
-        raise HxError(f"no hardware profile at {DEFAULT_PATH}; measure one with `hx profile` "
-                      "or pass --profile FILE")
-    return profile
+def say(message: str) -> None:
+    """One plain line on stderr (no markup: messages name paths and commands)."""
+    err.print(message, soft_wrap=True, markup=False, highlight=False)
+
+
+def profile_for(path: Optional[Path], devices: Devices, policy: Optional[str] = None
+                ) -> Optional[HardwareProfile]:
+    """``--profile FILE``, else the saved default; where neither exists and a profile is
+    needed (``policy`` prices ops with one, or no policy is named), a quick one measured now
+    (<= 20 s, saved as the default; one line on stderr says so)."""
+    from hx.planner.profiler import for_policy, load_or_measure
+
+    where = str(path) if path else None
+    if policy is None:
+        return load_or_measure(where, devices, say)
+    return for_policy(policy, where, devices, say)
 
 
 @app.command("profile")
@@ -47,7 +57,7 @@ def profile_command(
     refine: bool = typer.Option(True, help="Fit the profile to the model's own decode steps."),
     batches: str = typer.Option("1,16", help="Batches the refinement observes."),
 ) -> None:
-    """Measure the accelerator, host and link rates (and fit them to a model), ~1.5 minutes."""
+    """Measure the accelerator, host and link rates (and fit them to a model), ~2 minutes."""
     from hx.planner.calibrate import refine as refine_profile
     from hx.planner.profiler import measure
 
@@ -69,7 +79,7 @@ def profile_command(
     table.add_column("accelerator", justify="right")
     table.add_column("host", justify="right")
     acc, host = profile.accelerator, profile.host
-    table.add_row("matmul GFLOP/s at M=1 / 16 / 256",
+    table.add_row(f"matmul GFLOP/s ({profile.matmul_dtype}) at M=1 / 16 / 256",
                   *(" / ".join(f"{r / 1e9:.0f}" for m, r in d.matmul if m in (1, 16, 256))
                     for d in (acc, host)))
     table.add_row("memory GB/s", f"{acc.memory_bandwidth / 1e9:.1f}",
@@ -81,9 +91,11 @@ def profile_command(
                   *(" ".join(f"{b}:{t * 1e6:.0f}" for b, t in d.launch_overhead) or "-"
                     for d in (acc, host)))
     print_table(table)
-    out.print(f"H2D {profile.h2d_bandwidth / 2**30:.1f} GiB/s, D2H "
-              f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s, transfer latency "
-              f"{profile.transfer_latency * 1e6:.0f} us, contention {profile.contention:.2f}, "
+    out.print(f"H2D (pinned_host -> device) {profile.h2d_bandwidth / 2**30:.1f} GiB/s + "
+              f"{profile.h2d_latency * 1e6:.0f} us per copy, D2H (device -> host) "
+              f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s + {profile.d2h_latency * 1e6:.0f} us, "
+              f"transfer latency {profile.transfer_latency * 1e6:.0f} us"
+              f"{' (fitted)' if refine else ''}, contention {profile.contention:.2f}, "
               f"sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
 
 
@@ -156,9 +168,9 @@ def plan_command(
     spec = load_spec(model)
     devices = discover(accelerator_memory, host_memory)
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
-    hardware = load_default(str(profile) if profile else None)
+    hardware = profile_for(profile, devices, policy)
     if policy == "cpsat":
-        result = plan_cpsat(spec, _profile_or_fail(hardware), devices, workload, time_limit, seed)
+        result = plan_cpsat(spec, hardware, devices, workload, time_limit, seed)
         plan = result.plan
         proven = "" if result.status == "OPTIMAL" else " (time limit: NOT proven optimal)"
         out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms, "
@@ -190,10 +202,12 @@ def ablate_command(
     """Every policy's plan at several budgets and batches: predicted vs measured decode step."""
     from hx.planner.ablate import ablate, rows_to_json
 
-    hardware = _profile_or_fail(load_default(str(profile) if profile else None))
     loaded = load(model)
-    rows = ablate(loaded.spec, loaded.params, hardware,
-                  tuple(float(x) for x in budgets.split(",")), _batches(batches),
+    fractions = tuple(float(x) for x in budgets.split(","))
+    hardware = load_default(str(profile) if profile else None)
+    if hardware is None:  # started at the largest budget, as ``ablate`` would (XLA's GPU pool)
+        hardware = profile_for(profile, discover(int(loaded.spec.weight_bytes * max(fractions))))
+    rows = ablate(loaded.spec, loaded.params, hardware, fractions, _batches(batches),
                   tuple(p.strip() for p in policy_names.split(",")), runs, steps,
                   log=lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True))
     table = Table(title=f"{loaded.spec.name}: decode step per policy (median of {runs} runs) "

@@ -138,7 +138,7 @@ class Executor:
         key = (phase, batch, tokens, slots)
         if key not in self._schedules:
             self._schedules[key] = compile_schedule(self.plan, self.spec, phase, batch, tokens,
-                                                    slots, segments=self.segments[phase])
+                                                    slots)
         return self._schedules[key]
 
     def _executable(self, phase: str, index: int, batch: int, tokens: int, slots: int

@@ -150,7 +150,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     from its compilation (``programs``, default: the process's compiler for the accelerator
     ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``).
     """
-    from hx.programs import programs_for
+    from hx.programs import programs_for, proxy
 
     programs = programs or programs_for(spec)
     homes = plan.weights
@@ -171,6 +171,10 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)
 
+    shapes = {phase: (workload.batch, phase_tokens(plan, phase, workload), workload.cache_slots)
+              for phase in PHASES}
+    programs.prepare([(proxy(seg), *shapes[phase]) for phase in PHASES
+                      for seg in split_segments(plan, phase) if seg.device == ACCELERATOR])
     worst = DryRun()
     worst_phase = "decode"
     for phase in PHASES:

@@ -17,6 +17,8 @@ keeps sizing a 70B plan to a few small compilations.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -111,6 +113,7 @@ class Programs:
         self.compilations = 0
         self._functions: dict[tuple, Any] = {}
         self._compiled: dict[tuple, Any] = {}
+        self._temps: dict[tuple, int] = {}
         acc = devices.accelerator.device
         self.shardings = {ACCELERATOR: SingleDeviceSharding(acc, memory_kind="device"),
                           HOST: SingleDeviceSharding(devices.host.device)}
@@ -132,26 +135,51 @@ class Programs:
                     struct((batch,), jnp.int32))
         return params, acts, caches, step
 
+    def _key(self, segment: Segment, batch: int, tokens: int, slots: int) -> tuple:
+        device, ops, _, reads, writes = segment.signature
+        return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
+
+    def _lower(self, segment: Segment, batch: int, tokens: int, slots: int):
+        device, ops, _, _, writes = segment.signature
+        fkey = (device, ops, writes)
+        if fkey not in self._functions:
+            self._functions[fkey] = segment_function(self.spec, device, ops, writes)
+        return self._functions[fkey].lower(*self.abstract_args(segment, batch, tokens, slots))
+
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
         """The executable of ``segment`` at these shapes (compiled on first use). Segments
         that differ only in which weights were staged share it (staged and resident weights
         are both device-memory arguments), and a segment without SCORE ignores ``slots``."""
-        device, ops, _, reads, writes = segment.signature
-        key = (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
+        key = self._key(segment, batch, tokens, slots)
         if key not in self._compiled:
-            fkey = (device, ops, writes)
-            if fkey not in self._functions:
-                self._functions[fkey] = segment_function(self.spec, device, ops, writes)
-            args = self.abstract_args(segment, batch, tokens, slots)
-            self._compiled[key] = self._functions[fkey].lower(*args).compile()
+            self._compiled[key] = self._lower(segment, batch, tokens, slots).compile()
             self.compilations += 1
         return self._compiled[key]
+
+    def prepare(self, wanted: list[tuple[Segment, int, int, int]]) -> None:
+        """Compile the (segment, batch, tokens, slots) not compiled yet, on every CPU core at
+        once (XLA compiles without holding Python's lock; tracing and lowering stay serial)."""
+        todo: dict[tuple, Any] = {}
+        for segment, batch, tokens, slots in wanted:
+            key = self._key(segment, batch, tokens, slots)
+            if key not in self._compiled and key not in todo:
+                todo[key] = self._lower(segment, batch, tokens, slots)
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for key, compiled in zip(todo, pool.map(lambda low: low.compile(), todo.values())):
+                self._compiled[key] = compiled
+                self.compilations += 1
 
     def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:
         """XLA's temporary bytes for one run of ``segment`` (of its ``proxy`` when it holds
         many whole layers), from ``memory_analysis()``."""
-        analysis = self.compiled(proxy(segment), batch, tokens, slots).memory_analysis()
-        return int(analysis.temp_size_in_bytes)
+        short = proxy(segment)
+        key = self._key(short, batch, tokens, slots)
+        if key not in self._temps:
+            analysis = self.compiled(short, batch, tokens, slots).memory_analysis()
+            self._temps[key] = int(analysis.temp_size_in_bytes)
+        return self._temps[key]
 
 
 _PROGRAMS: dict[tuple, Programs] = {}

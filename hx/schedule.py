@@ -100,8 +100,8 @@ TempBytes = Callable[[Segment, int, int, int], int]
 
 
 def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
-                     tokens: int, slots: int, temp_bytes: TempBytes | None = None,
-                     segments: list[Segment] | None = None) -> Schedule:
+                     tokens: int, slots: int, temp_bytes: TempBytes | None = None
+                     ) -> Schedule:
     """Compile one step of ``plan``'s ``phase`` into instructions.
 
     Args:
@@ -110,9 +110,8 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
       temp_bytes: XLA temporary bytes of an accelerator segment at (B, T, S)
         (``hx.programs.Programs.temp_bytes``); None sizes them 0 (the simulator needs no
         sizes; the executor measures its own).
-      segments: the phase's segments when already split.
     """
-    segments = segments if segments is not None else split_segments(plan, phase)
+    segments = split_segments(plan, phase)
     moves_of, next_stream = crossings(segments), next_streaming(segments)
     first = first_streaming(segments)
     out: list[Instruction] = []
@@ -166,7 +165,7 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                                frees=(staging_key(previous_stream),)))
     frees += [TEMP_KEY, STEP_KEY, INPUT_KEY] + [act_key(n) for n in sorted(held)]
     out.append(Instruction(FREE, None, None, frees=tuple(frees)))
-    return Schedule(phase, tuple(segments), tuple(out), batch, tokens, slots)
+    return Schedule(phase, segments, tuple(out), batch, tokens, slots)
 
 
 @dataclass

@@ -11,6 +11,7 @@ writes) has no layer index, so identical layers share one compiled function.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hx.devices import ACCELERATOR
@@ -54,8 +55,10 @@ class Segment:
         return tuple(layer for layer, op in self.ops if OPS[op].uses_cache)
 
 
-def split_segments(plan: ExecutionPlan, phase: str) -> list[Segment]:
-    """Group the phase's (layer, op, device) sequence into segments and compute liveness.
+@functools.lru_cache(maxsize=4096)
+def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
+    """Group the phase's (layer, op, device) sequence into segments and compute liveness
+    (cached per plan and phase: plans are frozen).
 
     ``reads`` of a segment: names read by one of its ops before any op of the segment writes
     them. ``writes``: names the segment writes that some later op reads before a later op
@@ -81,24 +84,26 @@ def split_segments(plan: ExecutionPlan, phase: str) -> list[Segment]:
             written.update(OPS[op].writes)
         return tuple(needed)
 
+    live_after: list[set[str]] = [set()] * len(runs)  # read later before being overwritten
+    live: set[str] = set()
+    for i in range(len(runs) - 1, -1, -1):  # backward liveness
+        live_after[i] = set(live)
+        for _, op in reversed(runs[i]["ops"]):
+            live.difference_update(OPS[op].writes)
+            live.update(OPS[op].reads)
+
     segments = []
-    for i, run in enumerate(runs):
+    for run, later_reads in zip(runs, live_after):
         produced: list[str] = []
         for _, op in run["ops"]:
             produced += [n for n in OPS[op].writes if n not in produced]
-        later_reads: set[str] = set()
-        overwritten: set[str] = set()
-        for later in runs[i + 1:]:
-            for _, op in later["ops"]:
-                later_reads.update(n for n in OPS[op].reads if n not in overwritten)
-                overwritten.update(OPS[op].writes)
         writes = tuple(n for n in produced if n in later_reads or n == "logits")
         segments.append(Segment(run["device"], tuple(run["ops"]), tuple(run["staged"]),
                                 reads_of(run["ops"]), writes))
-    return segments
+    return tuple(segments)
 
 
-def crossings(segments: list[Segment]) -> list[tuple[str, ...]]:
+def crossings(segments: tuple[Segment, ...]) -> list[tuple[str, ...]]:
     """Per segment, the activations it reads from the other device, in ``reads`` order (the
     input ``tokens`` start in host memory, on neither device, so they always cross)."""
     where: dict[str, str | None] = {"tokens": None}
@@ -109,12 +114,12 @@ def crossings(segments: list[Segment]) -> list[tuple[str, ...]]:
     return moves
 
 
-def first_streaming(segments: list[Segment]) -> int | None:
+def first_streaming(segments: tuple[Segment, ...]) -> int | None:
     """Index of the first segment that streams weights (staged before the phase starts)."""
     return next((i for i, seg in enumerate(segments) if seg.streams), None)
 
 
-def next_streaming(segments: list[Segment]) -> list[int | None]:
+def next_streaming(segments: tuple[Segment, ...]) -> list[int | None]:
     """Per segment, the index of the next streaming segment after it (None: there is none);
     the executor stages that segment's weights when this one is launched."""
     streaming = [i for i, seg in enumerate(segments) if seg.streams]

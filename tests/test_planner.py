@@ -93,9 +93,9 @@ def test_cpsat_beats_every_baseline_in_prediction(fraction, batch):
         assert best <= step(plan) * 1.05, name
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "llama2-70b"])
-def test_no_policy_returns_a_plan_that_does_not_fit(model):
-    spec, profile = PRESETS[model], gpu_like()
+def test_no_policy_returns_a_plan_that_does_not_fit():
+    """At SmolLM2's shapes, down to a zero budget (tests/test_budgets.py does 7B and 70B)."""
+    spec, profile = PRESETS["smollm2-135m"], gpu_like()
     for batch in (1, 16):
         w = workload(spec, batch)
         for fraction in (0.0, 0.02, 0.25, 0.8, 1.3):

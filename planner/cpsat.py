@@ -39,10 +39,10 @@ from hx.memory import activation_reserve, estimate
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
 from hx.planner.profile import HardwareProfile
-from hx.planner.simulator import predict
+from hx.planner.simulator import predict, predict_prefill
 from hx.schedule import staged_bytes
 from hx.segments import split_segments
-from hx.workload import MIN_CHUNK, Workload, prefill_chunks
+from hx.workload import MIN_CHUNK, Workload
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
@@ -361,9 +361,8 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
                               plan.kv, plan.name)
 
     def prefill_s(p: ExecutionPlan) -> float:
-        chunks = prefill_chunks(workload.prompt_tokens, p.prefill_chunk)
-        return sum(predict(p, spec, profile, "prefill", workload.batch, c, workload.cache_slots,
-                           workload.prompt_tokens).seconds for c in chunks)
+        return predict_prefill(p, spec, profile, workload.batch, workload.prompt_tokens,
+                               workload.cache_slots)
 
     try:
         offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)

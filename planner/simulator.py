@@ -31,7 +31,7 @@ from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
 from hx.schedule import D2H, H2D, LAUNCH, MOVE, STAGE, SYNC, WAIT, compile_schedule
 from hx.segments import Segment
-from hx.workload import round_up
+from hx.workload import prefill_chunks, round_up
 
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
 HOST_ATTENTION_BLOCK = 64  # slots per block of host_compute.attention
@@ -183,3 +183,14 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
     for t in tasks:
         busy[t.resource] = busy.get(t.resource, 0.0) + t.end - t.start
     return Prediction(seconds, busy, tasks)
+
+
+def predict_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                    batch: int, prompt_tokens: int, slots: int) -> float:
+    """Predicted seconds of a whole prefill: one step per chunk of ``plan.prefill_chunk``
+    (``hx.workload.prefill_chunks``), each attending over the prompt so far."""
+    done, seconds = 0, 0.0
+    for chunk in prefill_chunks(prompt_tokens, plan.prefill_chunk):
+        done += chunk
+        seconds += predict(plan, spec, profile, "prefill", batch, chunk, slots, done).seconds
+    return seconds

@@ -22,7 +22,7 @@ from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
-from hx.planner.simulator import predict
+from hx.planner.simulator import predict, predict_prefill
 from hx.segments import split_segments
 from hx.workload import Workload
 
@@ -125,10 +125,13 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         start += count
     print_table(table)
     need = estimate(plan, spec, workload)
+    chunking = ("whole prompt per step" if plan.prefill_chunk is None
+                else f"in chunks of {plan.prefill_chunk} tokens")
     streamed = sum(staged_bytes(spec, s) for s in split_segments(plan, "decode"))
     out.print(f"EMBED on {plan.decode.embed}, HEAD on {plan.decode.head} "
               f"({plan.weights.head}); prefill "
-              f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}")
+              f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}, "
+              f"{chunking}")
     out.print(f"accelerator: {format_bytes(need.accelerator)} ({need.breakdown()} bytes); "
               f"host: {format_bytes(need.host)}; streamed per decode step: "
               f"{format_bytes(streamed)}", soft_wrap=True)
@@ -136,12 +139,12 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         slots = workload.cache_slots
         decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots,
                          workload.decode_context)
-        prefill = predict(plan, spec, profile, "prefill", workload.batch,
-                          workload.prompt_tokens, slots, workload.prompt_tokens)
+        prefill = predict_prefill(plan, spec, profile, workload.batch, workload.prompt_tokens,
+                                  slots)
         busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
         out.print(f"predicted decode step {decode.seconds * 1e3:.2f} ms "
                   f"({workload.batch / decode.seconds:.1f} tokens/s; busy: {busy}); "
-                  f"prefill {prefill.seconds * 1e3:.1f} ms "
+                  f"prefill {prefill * 1e3:.1f} ms "
                   f"[{profile.name}{', EMULATED' if profile.emulated else ''}]", soft_wrap=True)
 
 

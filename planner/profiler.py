@@ -62,7 +62,11 @@ from hx.planner.profile import DEFAULT_PATH, DeviceProfile, HardwareProfile, loa
 from hx.planner.timing import Timing, stable_seconds
 
 MiB = 2**20
-CHUNK_BYTES = 64 * MiB  # largest array of a timed copy
+# Largest array of a timed copy: a weight matrix of a small or mid-size model. On XLA:CPU larger
+# buffers come from fresh mmaps now and then (glibc caps its mmap threshold at 32 MiB): a 64 MiB
+# copy here took 44 ms or 9 ms by turns, 16 MiB pieces a steady 2 ms each.
+CHUNK_BYTES = 16 * MiB
+LINK_START = 64 * MiB  # first size tried for a large copy
 LINK_CAP = 2**30  # largest timed copy, bytes
 SMALL_SHAPE = (16, 576)  # an activation (batch 16, SmolLM2's width), float32: 36 KiB
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
@@ -212,23 +216,34 @@ def _fastest(copy: Callable, setup: Callable | None, warmup_s: float, calls: int
     return min(times)
 
 
+def _grown(size: int, seconds: float, target_s: float, cap: int) -> int:
+    """``size`` doubled as often as a copy of ``seconds`` needs to last ``target_s`` (at least
+    once), at most ``cap``."""
+    factor = 2 ** max(1, math.ceil(math.log2(target_s / max(seconds, 1e-6))))
+    return min(cap, size * factor)
+
+
 def _link(case: Callable[[int], tuple[Callable, Callable | None]], cap: int,
           effort: Effort) -> Link:
     """Measure one direction. ``case(nbytes)`` -> (copy, setup): ``copy(*setup result)``
     issues one copy of ``nbytes``; ``setup`` (or None) makes its source."""
     unit = 4 * MiB
     cap = max(unit, cap // unit * unit)
-    size = min(16 * MiB, cap)
+    size = min(LINK_START, cap)
     while size < cap:  # grow until a copy is bandwidth-bound
         copy, setup = case(size)
         seconds = _fastest(copy, setup, min(effort.warmup_s, 0.1))
         if seconds >= effort.link_target_s:
             break
-        factor = 2 ** max(1, math.ceil(math.log2(effort.link_target_s / max(seconds, 1e-6))))
-        size = min(cap, size * factor)
-    small = max(unit, size // 4 // unit * unit)
-    (big_copy, big_setup), (small_copy, small_setup) = case(size), case(small)
-    big, little = effort.time(big_copy, small_copy, setups=[big_setup, small_setup])
+        size = _grown(size, seconds, effort.link_target_s, cap)
+    for _ in range(3):
+        small = max(unit, size // 4 // unit * unit)
+        (big_copy, big_setup), (small_copy, small_setup) = case(size), case(small)
+        big, little = effort.time(big_copy, small_copy, setups=[big_setup, small_setup])
+        # a probe slowed by a burst of other work stops the growth too soon: grow on
+        if big.seconds >= effort.link_target_s / 2 or size >= cap:
+            break
+        size = _grown(size, big.seconds, effort.link_target_s, cap)
     bandwidth, latency = fit_line(small, little.seconds, size, big.seconds)
     return Link(bandwidth, latency, size, big.seconds, max(big.spread, little.spread))
 

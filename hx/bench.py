@@ -20,8 +20,9 @@ from hx.executor import Executor
 from hx.generate import run_prefill
 from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
-from hx.models.spec import ModelSpec
+from hx.models.spec import ModelSpec, numpy_dtype
 from hx.plan import ExecutionPlan
+from hx.programs import weight_dtype
 from hx.timeline import Timeline, median_overlap
 
 
@@ -121,8 +122,9 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     Returns:
       the measurement; ``ratio`` = executor / whole-model median step time, where the
       whole-model step runs, with every weight resident, on the device that hosts most of the
-      plan's decode ops; ``overlap`` = median ``overlap_fraction`` of the traced steps (None
-      when a step copies nothing).
+      plan's decode ops (its weights in the dtype the executor holds there:
+      ``hx.programs.weight_dtype``); ``overlap`` = median ``overlap_fraction`` of the traced
+      steps (None when a step copies nothing).
     """
     warmup, traced_steps = WARMUP_STEPS, TRACED_STEPS
     slots = bench_workload(batch, context, steps).cache_slots
@@ -136,7 +138,9 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
     ref_name = _majority_device(plan)
     ref_device = devices[ref_name]
-    ref_params = jax.device_put(params, ref_device)
+    held = numpy_dtype(weight_dtype(spec, ref_name))
+    ref_params = jax.device_put(jax.tree.map(lambda a: a.astype(held, copy=False), params),
+                                ref_device)
     ref_step = jax.jit(forward, static_argnums=0, donate_argnums=(4,))
     ref_caches = jax.device_put(executor.new_cache(batch, slots), ref_device)
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),
@@ -175,5 +179,6 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
 def rows_to_json(rows: list[DecodeBenchRow], devices: Devices, spec: ModelSpec) -> dict:
     """The JSON document ``hx bench`` writes."""
-    return {"model": spec.name, "devices": devices.describe(), "emulated": devices.emulated,
+    return {"model": spec.name, "dtype": spec.dtype, "devices": devices.describe(),
+            "emulated": devices.emulated,
             "rows": [asdict(r) for r in rows]}

@@ -2,8 +2,11 @@
 
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
-device. Each step (``run``) carries out the instructions of the step's ``hx.schedule.Schedule``
--- the same list the simulator prices and the memory estimate sizes:
+device -- in the model's dtype, except that the weights of host segments are converted once,
+here, to float32 (``hx.programs.weight_dtype``: XLA:CPU multiplies float32 fastest). A
+host-homed weight that an accelerator segment stages in is kept in the model's dtype too. Each
+step (``run``) carries out the instructions of the step's ``hx.schedule.Schedule`` -- the same
+list the simulator prices and the memory estimate sizes:
 
 * ``stage``: ``device_put`` a streaming segment's weights into accelerator memory, issued before
   the segment ahead of it is launched (prefetch depth 1, double buffer);
@@ -31,9 +34,9 @@ from jax.sharding import SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.memory import Accountant, check_fits
 from hx.models.llama import Cache, Step, layer_key
-from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.programs import programs_for
+from hx.programs import programs_for, weight_dtype
 from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, STEP_KEY, TEMP_KEY, WAIT,
                          Schedule, act_key, compile_schedule, staging_key)
 from hx.segments import split_segments
@@ -88,22 +91,26 @@ class Executor:
                        STREAMED: SingleDeviceSharding(acc, memory_kind="pinned_host"),
                        HOST: self.programs.shardings[HOST]}
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
-        placed: dict[tuple[int, str], Any] = {}  # (id(array), home) -> placed array
+        placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
 
-        def place(tree, home):
+        def place(tree, home, dtype):
             def put(leaf):
-                key = (id(leaf), home)
-                if key not in placed:  # a tied embedding is one buffer per home
-                    placed[key] = jax.device_put(leaf, self._homes[home])
+                key = (id(leaf), home, dtype)
+                if key not in placed:  # a tied embedding is one buffer per home and dtype
+                    want = numpy_dtype(dtype)
+                    held = leaf if leaf.dtype == want else leaf.astype(want)
+                    placed[key] = jax.device_put(held, self._homes[home])
                     if home == RESIDENT:
-                        self.accountant.allocate("weights", ("weights", key), leaf.nbytes)
+                        self.accountant.allocate("weights", ("weights", key),
+                                                 placed[key].nbytes)
                 return placed[key]
 
             return jax.tree.map(put, tree)
 
         self._params = {
             phase: [tuple(place(op_params(params, layer, op),
-                                plan.weights.get(layer, op) or HOST)
+                                plan.weights.get(layer, op) or HOST,
+                                weight_dtype(spec, seg.device))
                           for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()}
         self._schedules: dict[tuple, Schedule] = {}
@@ -112,14 +119,15 @@ class Executor:
 
     # -- KV caches ---------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, length: int, dtype=jnp.float32) -> list[Cache]:
-        """Zeroed KV caches, (batch, length, K, E) each, on every layer's plan home."""
+    def new_cache(self, batch: int, length: int, dtype=None) -> list[Cache]:
+        """Zeroed KV caches, (batch, length, K, E) each of ``dtype`` (default: the model's),
+        on every layer's plan home."""
         s = self.spec
-        shape = (batch, length, s.n_kv_heads, s.head_dim)
+        shape, dtype = (batch, length, s.n_kv_heads, s.head_dim), dtype or jnp.dtype(s.dtype)
         caches = []
         for layer in range(s.n_layers):
             home = self.plan.kv[layer]
-            cache = {name: jax.device_put(jnp.zeros(shape, dtype), self.devices[home])
+            cache = {name: jnp.zeros(shape, dtype, device=self.devices[home])
                      for name in ("k", "v")}
             if home == ACCELERATOR:
                 self.accountant.allocate("kv", ("kv", layer), tree_bytes(cache))

@@ -28,7 +28,7 @@ from jax.sharding import SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import prefix_attention
 from hx.models.llama import OPS, Step, apply_op
-from hx.models.spec import ModelSpec
+from hx.models.spec import HOST_DTYPE, ModelSpec
 from hx.segments import Segment
 
 PROXY_MIDDLE_LAYERS = 1
@@ -56,30 +56,36 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     return jax.jit(run, donate_argnums=(2,))
 
 
+def weight_dtype(spec: ModelSpec, device: str) -> str:
+    """The dtype a segment on ``device`` holds its weights in: ``HOST_DTYPE`` (float32) on the
+    host, the model's dtype on the accelerator (``models.spec.HOST_DTYPE`` says why)."""
+    return HOST_DTYPE if device == HOST else spec.dtype
+
+
 def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
                      ) -> tuple[tuple[int, ...], Any]:
     """(shape, dtype) of a named activation (``models.llama.OPS`` names) at B=``batch``,
-    T=``tokens``."""
-    s, B, T = spec, batch, tokens
-    shapes = {"tokens": ((B, T), jnp.int32), "x": ((B, T, s.d_model), jnp.float32),
-              "h": ((B, T, s.d_model), jnp.float32),
-              "q": ((B, T, s.n_heads, s.head_dim), jnp.float32),
-              "o": ((B, T, s.n_heads, s.head_dim), jnp.float32),
-              "k": ((B, T, s.n_kv_heads, s.head_dim), jnp.float32),
-              "v": ((B, T, s.n_kv_heads, s.head_dim), jnp.float32),
-              "a": ((B, T, s.d_ff), jnp.float32), "logits": ((B, s.vocab_size), jnp.float32)}
+    T=``tokens``: the model's dtype on either device; token ids int32, logits float32."""
+    s, B, T, dt = spec, batch, tokens, jnp.dtype(spec.dtype)
+    shapes = {"tokens": ((B, T), jnp.int32), "x": ((B, T, s.d_model), dt),
+              "h": ((B, T, s.d_model), dt),
+              "q": ((B, T, s.n_heads, s.head_dim), dt),
+              "o": ((B, T, s.n_heads, s.head_dim), dt),
+              "k": ((B, T, s.n_kv_heads, s.head_dim), dt),
+              "v": ((B, T, s.n_kv_heads, s.head_dim), dt),
+              "a": ((B, T, s.d_ff), dt), "logits": ((B, s.vocab_size), jnp.float32)}
     return shapes[name]
 
 
-def _param_tree(spec: ModelSpec, op: str, sharding) -> dict:
-    """Abstract parameter tree of ``op`` (float32), nested as the Flax modules nest it."""
+def _param_tree(spec: ModelSpec, op: str, sharding, dtype: str) -> dict:
+    """Abstract parameter tree of ``op`` in ``dtype``, nested as the Flax modules nest it."""
     tree: dict = {}
     for path, shape in spec.op_weight_shapes(op).items():
         node = tree
         *parents, leaf = path.split("/")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+        node[leaf] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
     return tree
 
 
@@ -126,10 +132,11 @@ class Programs:
         def struct(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-        params = tuple(_param_tree(s, op, where) for _, op in segment.ops)
+        held = weight_dtype(s, segment.device)
+        params = tuple(_param_tree(s, op, where, held) for _, op in segment.ops)
         acts = {n: struct(*activation_shape(s, n, batch, tokens)) for n in segment.reads}
-        cache = (batch, slots, s.n_kv_heads, s.head_dim)
-        caches = tuple({"k": struct(cache, jnp.float32), "v": struct(cache, jnp.float32)}
+        cache, kv = (batch, slots, s.n_kv_heads, s.head_dim), jnp.dtype(s.dtype)
+        caches = tuple({"k": struct(cache, kv), "v": struct(cache, kv)}
                        for _ in segment.cache_layers)
         step = Step(struct((batch, tokens), jnp.int32), struct((), jnp.int32),
                     struct((batch,), jnp.int32))

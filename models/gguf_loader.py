@@ -1,10 +1,11 @@
 """Load a Llama-family GGUF file (llama.cpp format) into hx's parameter tree.
 
-Tensors are dequantized to float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-K-quants: whatever ``gguf.quants.dequantize`` supports) and re-laid out for the Flax ops of
-``models/llama.py``. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that
-RoPE rotates adjacent pairs (GPT-J layout); hx uses the rotate-half layout, so the permutation is
-undone here (``unpermute_rope_rows``).
+Tensors are dequantized with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants:
+whatever ``gguf.quants.dequantize`` supports, which yields float32), rounded once to the dtype
+asked for (``float32``, ``bfloat16``, ``float16``: round to nearest even) and re-laid out for
+the Flax ops of ``models/llama.py``. llama.cpp's converter permutes the rows of
+``attn_q``/``attn_k`` so that RoPE rotates adjacent pairs (GPT-J layout); hx uses the
+rotate-half layout, so the permutation is undone here (``unpermute_rope_rows``).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.llama import layer_key
-from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 @dataclass(frozen=True)
 class GGUFContents:
-    """What hx takes from a GGUF file: spec, float32 parameter tree, and tokenizer metadata."""
+    """What hx takes from a GGUF file: spec, parameter tree (in ``spec.dtype``), and tokenizer
+    metadata."""
 
     spec: ModelSpec
     params: dict[str, Any]
@@ -113,7 +115,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(t, path: str) -> np.ndarray:
+def _dequantize(t, path: str, dtype: str) -> np.ndarray:
     import gguf
 
     try:
@@ -122,15 +124,17 @@ def _dequantize(t, path: str) -> np.ndarray:
         raise HxError(f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which "
                       "the installed gguf package cannot dequantize; convert the model to "
                       "F16, Q8_0, Q4_0 or Q4_1") from None
-    return np.asarray(a, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+    a = np.asarray(a, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+    return a.astype(numpy_dtype(dtype), copy=False)
 
 
-def load_gguf(path: str) -> GGUFContents:
-    """Read spec, weights (float32, hx layout) and metadata from a GGUF file.
+def load_gguf(path: str, dtype: str = "float32") -> GGUFContents:
+    """Read spec, weights (in ``dtype``, hx layout) and metadata from a GGUF file.
 
     Returns:
       ``GGUFContents`` whose ``params`` is ``{"EMBED": {"embedding": (V,D)}, "layer_i": {op:
-      ...}, "HEAD": {"final_norm": {"scale": (D,)}, "embedding": (V,D)}}`` of numpy float32.
+      ...}, "HEAD": {"final_norm": {"scale": (D,)}, "embedding": (V,D)}}`` of numpy arrays of
+      ``dtype`` (norm scales too), and whose ``spec.dtype`` is ``dtype``.
     Raises:
       HxError: missing/corrupt/truncated file, unsupported architecture or quantisation, or a
         tensor missing or of the wrong shape.
@@ -138,13 +142,14 @@ def load_gguf(path: str) -> GGUFContents:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    spec = spec_from_metadata(meta, path, has_output="output.weight" in tensors)
+    spec = spec_from_metadata(meta, path, has_output="output.weight" in tensors).replace(
+        dtype=dtype)
     D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
 
     def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
             raise HxError(f"{path}: tensor {name} is missing; the file is incomplete")
-        a = _dequantize(tensors[name], path)
+        a = _dequantize(tensors[name], path, dtype)
         if a.shape != shape:
             raise HxError(f"{path}: tensor {name} has shape {a.shape}, expected {shape}")
         return a

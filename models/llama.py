@@ -26,10 +26,20 @@ its own. What rides with which op:
   =======  ============================================  ===========================
 
 Model code never mentions a device: placement is the executor's job (``hx/executor.py``).
+
+Dtypes. Activations between ops and KV caches are in ``spec.dtype`` (``float32``, ``bfloat16``
+or ``float16``); logits are float32. A matmul runs in its weights' dtype with float32
+accumulation (``preferred_element_type``), and an op rounds its result to ``spec.dtype`` once,
+after its residual add or SiLU product; RMSNorm, RoPE and softmax compute in float32. The
+weights decide the math, not the device: the executor holds the weights of host-computed ops in
+float32 (``spec.HOST_DTYPE``, what XLA:CPU multiplies fastest), so a bfloat16 model's host ops
+compute in float32 on bfloat16 activations. A float32 model computes in float32 throughout
+(float32 dots at "highest" precision: ``hx.devices.configure_runtime``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -59,19 +69,21 @@ class Step(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32.
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32 and
+    returned in ``x``'s dtype.
 
-    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) float32.
+    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) of ``param_dtype``.
     """
 
     eps: float
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(x.dtype)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -82,7 +94,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       positions: (B, T) int32 absolute positions.
       theta: RoPE base; frequency i is theta^(-2i/E).
     Returns:
-      (B, T, N, E) rotated, same dtype as ``x``.
+      (B, T, N, E) rotated, same dtype as ``x`` (computed in float32).
     """
     E = x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # (E/2,)
@@ -93,9 +105,45 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _dense(features, axis=-1, name=None, use_bias=False) -> nn.DenseGeneral:
-    return nn.DenseGeneral(features, axis=axis, use_bias=use_bias, name=name,
-                           param_dtype=jnp.float32)
+class Dense(nn.Module):
+    """y = x W [+ b], contracting ``axis`` of x with the leading axes of W, in float32.
+
+    ``kernel``: ``x.shape[axis] + features``; ``bias``: ``features``. The product runs in the
+    kernel's dtype (x is cast to it) with float32 accumulation, the bias is added in float32,
+    and y is float32: the op rounds it to the activation dtype once, after what it adds to it.
+    Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened matrix, zero bias).
+    """
+
+    features: tuple[int, ...]
+    axis: tuple[int, ...] = (-1,)
+    use_bias: bool = False
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        axis = tuple(a % x.ndim for a in self.axis)
+        n_in = len(axis)
+
+        def kernel_init(rng, shape, dtype):
+            flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+            return nn.initializers.lecun_normal()(rng, flat, dtype).reshape(shape)
+
+        kernel = self.param("kernel", kernel_init, tuple(x.shape[a] for a in axis)
+                            + self.features, self.param_dtype)
+        y = jax.lax.dot_general(x.astype(kernel.dtype), kernel,
+                                ((axis, tuple(range(n_in))), ((), ())),
+                                preferred_element_type=jnp.float32)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), self.features,
+                              self.param_dtype)
+            y = y + bias.astype(jnp.float32)
+        return y
+
+
+def _dense(spec: ModelSpec, features, axis=-1, name=None, use_bias=False) -> Dense:
+    features = tuple(features) if isinstance(features, tuple) else (features,)
+    axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
+    return Dense(features, axis, use_bias, jnp.dtype(spec.dtype), name=name)
 
 
 class EmbedOp(nn.Module):
@@ -107,8 +155,8 @@ class EmbedOp(nn.Module):
     def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
         table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
-                           jnp.float32)  # (V,D)
-        return (jnp.take(table, tokens, axis=0),)
+                           jnp.dtype(s.dtype))  # (V,D)
+        return (jnp.take(table, tokens, axis=0).astype(s.dtype),)
 
 
 class QOp(nn.Module):
@@ -122,9 +170,9 @@ class QOp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
         s = self.spec
-        h = RMSNorm(s.norm_eps, name="attn_norm")(x)
-        q = _dense((s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,DHE->BTHE'
-        return h, rope(q, step.positions, s.rope_theta)
+        h = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="attn_norm")(x)
+        q = _dense(s, (s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,DHE->BTHE'
+        return h, rope(q, step.positions, s.rope_theta).astype(s.dtype)
 
 
 class KOp(nn.Module):
@@ -135,8 +183,9 @@ class KOp(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        k = _dense((s.n_kv_heads, s.head_dim), name="wk", use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
-        return (rope(k, step.positions, s.rope_theta),)
+        k = _dense(s, (s.n_kv_heads, s.head_dim), name="wk",
+                   use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
+        return (rope(k, step.positions, s.rope_theta).astype(s.dtype),)
 
 
 class VOp(nn.Module):
@@ -147,8 +196,9 @@ class VOp(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        v = _dense((s.n_kv_heads, s.head_dim), name="wv", use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
-        return (v,)
+        v = _dense(s, (s.n_kv_heads, s.head_dim), name="wv",
+                   use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
+        return (v.astype(s.dtype),)
 
 
 def attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
@@ -205,8 +255,8 @@ class OutOp(nn.Module):
 
     @nn.compact
     def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = _dense(self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,HED->BTD'
-        return (x + y,)
+        y = _dense(self.spec, self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,HED->BTD'
+        return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
 class Mlp1Op(nn.Module):
@@ -217,10 +267,10 @@ class Mlp1Op(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        n = RMSNorm(s.norm_eps, name="ffn_norm")(x)
-        gate = _dense(s.d_ff, name="w_gate")(n)  # 'BTD,DF->BTF'
-        up = _dense(s.d_ff, name="w_up")(n)
-        return (jax.nn.silu(gate) * up,)
+        n = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="ffn_norm")(x)
+        gate = _dense(s, s.d_ff, name="w_gate")(n)  # 'BTD,DF->BTF'
+        up = _dense(s, s.d_ff, name="w_up")(n)
+        return ((jax.nn.silu(gate) * up).astype(s.dtype),)
 
 
 class Mlp2Op(nn.Module):
@@ -230,7 +280,8 @@ class Mlp2Op(nn.Module):
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        return (x + _dense(self.spec.d_model, name="w_down")(a),)  # 'BTF,FD->BTD'
+        y = _dense(self.spec, self.spec.d_model, name="w_down")(a)  # 'BTF,FD->BTD'
+        return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
 class HeadOp(nn.Module):
@@ -241,10 +292,11 @@ class HeadOp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        n = RMSNorm(s.norm_eps, name="final_norm")(x[:, -1])  # (B,D)
+        n = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="final_norm")(x[:, -1])  # (B,D)
         table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
-                           jnp.float32)  # (V,D); the EMBED table itself when tied
-        return (jnp.einsum("bd,vd->bv", n, table).astype(jnp.float32),)
+                           jnp.dtype(s.dtype))  # (V,D); the EMBED table itself when tied
+        return (jnp.einsum("bd,vd->bv", n.astype(table.dtype), table,
+                           preferred_element_type=jnp.float32),)
 
 
 @dataclass(frozen=True)
@@ -344,8 +396,8 @@ def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
 def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     """Random parameters with the model's tree layout (tests and benchmarks).
 
-    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}``, float32. For a
-    tied model ``HEAD/embedding`` is the same array as ``EMBED/embedding``.
+    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``.
+    For a tied model ``HEAD/embedding`` is the same array as ``EMBED/embedding``.
     """
     key = jax.random.PRNGKey(seed)
     B, T = 1, 1

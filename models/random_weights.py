@@ -9,7 +9,9 @@ so that gigabytes of weights come fast and without temporary copies:
   0.02 like ``init_params``' normal initialiser (numpy draws uniform float32 ~5× faster than
   normal);
 * norm scales: ones;
-* a tied model's ``HEAD/embedding`` is the very array of ``EMBED/embedding``.
+* a tied model's ``HEAD/embedding`` is the very array of ``EMBED/embedding``;
+* in ``spec.dtype``: a bfloat16 or float16 tensor is the float32 one rounded (to nearest even),
+  so the three dtypes hold the same model.
 
 Each tensor is drawn, in 1 MiB chunks, straight into its final array, so memory peaks at the
 weights' own size, and has its own generator seeded by (seed, its path), so its values depend
@@ -29,24 +31,28 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.llama import layer_key
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
 STD = 0.02
 _HALF_WIDTH = STD * 3**0.5  # uniform on [-a, a] has standard deviation a / sqrt(3)
 _CHUNK = 1 << 18  # elements drawn and scaled per pass: 1 MiB, stays in cache
 
 
-def _uniform(shape: tuple[int, ...], seed: int, path: str) -> np.ndarray:
-    """A fresh float32 array of ``shape``, uniform with standard deviation ``STD``."""
-    out = np.empty(shape, np.float32)
+def _uniform(shape: tuple[int, ...], seed: int, path: str, dtype=np.float32) -> np.ndarray:
+    """A fresh array of ``shape`` and ``dtype``, uniform with standard deviation ``STD``: drawn
+    in float32 (into the array itself, or a chunk at a time and rounded into it)."""
+    out = np.empty(shape, dtype)
     flat = out.reshape(-1)  # a view: ``out`` is contiguous
+    scratch = None if out.dtype == np.float32 else np.empty(min(_CHUNK, flat.size), np.float32)
     rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
     half, width = np.float32(0.5), np.float32(2 * _HALF_WIDTH)
     for i in range(0, flat.size, _CHUNK):
-        part = flat[i:i + _CHUNK]
+        part = flat[i:i + _CHUNK] if scratch is None else scratch[:min(_CHUNK, flat.size - i)]
         rng.random(dtype=np.float32, out=part)  # [0, 1)
         part -= half
         part *= width
+        if scratch is not None:
+            flat[i:i + part.size] = part
     return out
 
 
@@ -64,20 +70,22 @@ def _available_memory() -> int | None:
 
 def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
                   ) -> dict[str, Any]:
-    """Random float32 numpy weights with ``init_params(spec)``'s tree layout.
+    """Random numpy weights in ``spec.dtype`` with ``init_params(spec)``'s tree layout.
 
     Tensors are drawn on ``workers`` threads (default: one per CPU; numpy releases the GIL
     while it draws and scales); the values do not depend on the number of threads.
 
     Returns:
       ``{"EMBED": {"embedding": (V,D)}, "layer_i": {"Q": {"attn_norm": {"scale": (D,)},
-      "wq": {"kernel": (D,H,E)[, "bias": (H,E)]}}, ...}, "HEAD": {...}}``, float32 host arrays
-      (4 bytes per element whatever ``spec.dtype_bytes`` says).
+      "wq": {"kernel": (D,H,E)[, "bias": (H,E)]}}, ...}, "HEAD": {...}}``, host arrays of
+      ``spec.dtype`` (``spec.weight_bytes`` in all).
     Raises:
       HxError: the weights need more bytes than the host has available (the message gives the
         bytes and suggests fewer layers).
     """
-    need = spec.replace(dtype_bytes=4).weight_bytes
+    need = spec.weight_bytes
+    dtype = numpy_dtype(spec.dtype)
+    narrow = () if dtype == np.float32 else (dtype,)  # ``_uniform``'s dtype when not float32
     available = _available_memory()
     if available is not None and need > available:
         raise HxError(f"random weights of {spec.name} need {need / 2**30:.1f} GiB of host "
@@ -95,8 +103,8 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
                 node = tree
                 for m in modules:
                     node = node.setdefault(m, {})
-                node[last] = (np.ones(shape, np.float32) if last == "scale"
-                              else pool.submit(_uniform, shape, seed, name))
+                node[last] = (np.ones(shape, dtype) if last == "scale"
+                              else pool.submit(_uniform, shape, seed, name, *narrow))
             return tree
 
         params: dict[str, Any] = {EMBED: op_params(EMBED)}

@@ -1,4 +1,9 @@
-"""Load a Hugging Face Llama checkpoint folder (config.json + *.safetensors) into hx's tree."""
+"""Load a Hugging Face Llama checkpoint folder (config.json + *.safetensors) into hx's tree.
+
+Tensors are read as numpy arrays (bfloat16 ones as ``ml_dtypes.bfloat16``) and converted to the
+dtype asked for only when they differ: a bfloat16 checkpoint loaded as bfloat16 stays bit for bit
+what the file holds.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.llama import layer_key
-from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -43,8 +48,10 @@ def spec_from_config(config: dict[str, Any], directory: str) -> ModelSpec:
         raise HxError(f"{directory}/config.json lacks {e.args[0]!r}") from None
 
 
-def load_safetensors_dir(directory: str) -> tuple[ModelSpec, dict[str, Any]]:
-    """Read spec and float32 parameters from a Hugging Face Llama folder.
+def load_safetensors_dir(directory: str, dtype: str = "float32"
+                        ) -> tuple[ModelSpec, dict[str, Any]]:
+    """Read spec and parameters in ``dtype`` (``spec.dtype``) from a Hugging Face Llama
+    folder.
 
     Hugging Face stores each projection as (out, in); hx's Flax kernels are (in, out...).
     Raises:
@@ -57,13 +64,14 @@ def load_safetensors_dir(directory: str) -> tuple[ModelSpec, dict[str, Any]]:
     if not os.path.isfile(config_path) or not files:
         raise HxError(f"{directory}: expected config.json and *.safetensors files")
     with open(config_path) as f:
-        spec = spec_from_config(json.load(f), directory)
+        spec = spec_from_config(json.load(f), directory).replace(dtype=dtype)
+    want = numpy_dtype(dtype)
 
     tensors: dict[str, np.ndarray] = {}
     for path in files:
-        with safe_open(path, framework="flax") as sf:  # flax: handles bfloat16 files
+        with safe_open(path, framework="np") as sf:  # numpy, bfloat16 included
             for name in sf.keys():
-                tensors[name] = np.asarray(sf.get_tensor(name), dtype=np.float32)
+                tensors[name] = np.asarray(sf.get_tensor(name)).astype(want, copy=False)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

@@ -18,6 +18,27 @@ LAYER_OPS: tuple[str, ...] = ("Q", "K", "V", "SCORE", "OUT", "MLP1", "MLP2")
 # Per-model ops outside the layer stack: token embedding lookup and final norm + LM head.
 EMBED, HEAD = "EMBED", "HEAD"
 
+# The dtypes hx runs a model in, with their bytes per element.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Weights of ops computed on the host are held in float32 whatever the model's dtype: XLA:CPU
+# multiplies float32 fastest. Measured on this 2-core VM (jax 0.10.2), a (1 x 4096) @
+# (4096 x 11008) product took 12.6 ms in float32 and 200 ms in bfloat16 or 175 ms in float16
+# (float32 accumulation); at 16 rows 68 vs 79 (bf16) and 249 ms (f16), at 128 rows 262 vs 389
+# and 482 ms. Activations between ops and KV caches stay in the model's dtype on both sides.
+HOST_DTYPE = "float32"
+
+
+def numpy_dtype(dtype: str):
+    """The numpy dtype of a ``DTYPE_BYTES`` name (bfloat16 is ``ml_dtypes.bfloat16``, the type
+    JAX itself uses; numpy has none of its own)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    import numpy as np
+
+    return np.dtype(dtype)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -36,7 +57,11 @@ class ModelSpec:
       rope_theta: RoPE base frequency.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: the LM head reuses the token-embedding matrix.
-      dtype_bytes: bytes per weight/activation element as hx runs the model (4 = float32).
+      dtype: the dtype hx runs the model in (``DTYPE_BYTES``: ``float32``, ``bfloat16``,
+        ``float16``): of the weights on the accelerator (resident and streamed), of the
+        activations between ops and of the KV caches. Matmuls accumulate in float32; norms,
+        RoPE and softmax compute in float32; logits are float32. Weights of host-computed ops
+        are held in ``HOST_DTYPE``.
       qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
         as Qwen2 does; Llama and Mistral have none.
     """
@@ -53,7 +78,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    dtype_bytes: int = 4
+    dtype: str = "float32"
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -63,6 +88,14 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r}; hx runs models in "
+                             f"{', '.join(DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of weights, activations and KV caches (``dtype``'s size)."""
+        return DTYPE_BYTES[self.dtype]
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (``dataclasses.replace``)."""
@@ -94,15 +127,17 @@ class ModelSpec:
                 (H, E), (K, E), (K, E))
         return shapes[op]
 
-    def op_weight_bytes(self, op: str) -> int:
-        """Bytes of the weights owned by ``op`` at ``dtype_bytes`` per element."""
+    def op_weight_bytes(self, op: str, dtype: str | None = None) -> int:
+        """Bytes of the weights owned by ``op`` in ``dtype`` (default: the model's dtype;
+        ``HOST_DTYPE`` gives what a host-computed op holds). Every weight, norm scales and
+        biases included, is held in one dtype."""
         total = 0
         for shape in self.op_weight_shapes(op).values():
             n = 1
             for s in shape:
                 n *= s
             total += n
-        return total * self.dtype_bytes
+        return total * DTYPE_BYTES[dtype or self.dtype]
 
     @property
     def layer_weight_bytes(self) -> int:
@@ -123,8 +158,8 @@ class ModelSpec:
 
 # Named shapes of real models, for planning models hx never loads and for random weights of
 # those shapes (``preset``; ``loader.load("llama2-7b:8L")``). Values are from each model's
-# Hugging Face config.json (repo id in the comment). dtype_bytes stays 4: hx runs float32, so a
-# preset sizes what the executor would hold (a bf16 checkpoint is half of it).
+# Hugging Face config.json (repo id in the comment). Presets are float32; ``loader.load_spec``
+# and ``loader.load`` give them in the dtype asked for.
 PRESETS: dict[str, ModelSpec] = {
     # HuggingFaceTB/SmolLM2-135M
     "smollm2-135m": ModelSpec(

@@ -4,8 +4,10 @@ Notation as in ``models/llama.py``: B batch, T new tokens per row (prompt length
 decode), S cache slots attended, D hidden, H/K query/KV heads, E head dim, F FFN size, V vocab.
 A dense (M x N) @ (N x P) product costs 2·M·N·P FLOPs (one multiply and one add per term; Kaplan
 et al. 2020, §2.1). Elementwise work (norms, RoPE, SiLU, softmax) is a few FLOPs per element and
-is left out of matmul-bound ops. Bytes are at ``spec.dtype_bytes`` per element; token ids are
-int32.
+is left out of matmul-bound ops. Bytes are at ``spec.dtype_bytes`` per element -- the model's
+dtype, which is that of the weights on the accelerator, of the activations on either device and
+of the KV caches; token ids are int32 and logits float32. (Ops computed on the host hold their
+weights in float32, ``models.spec.HOST_DTYPE``: ``spec.op_weight_bytes(op, HOST_DTYPE)``.)
 """
 
 from __future__ import annotations

@@ -9,15 +9,16 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, ModelOption, app, err, out, plan_by_name,
-                           print_table)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ModelOption, app,
+                           describe_dtype, err, out, plan_by_name, print_table)
 from hx.devices import discover
-from hx.models.loader import load
+from hx.models.loader import load, resolve_dtype
 
 
 @app.command()
 def bench(
     model: Optional[str] = ModelOption,
+    dtype: str = DtypeOption,
     batches: str = typer.Option("1,16", help="Comma-separated batch sizes."),
     plans: str = typer.Option("all-accelerator,all-host,stream-all,host:SCORE+MLP1",
                               help="Comma-separated plans: a policy name, layer-split:N, or "
@@ -32,9 +33,9 @@ def bench(
     from hx.bench import bench_decode, bench_workload, rows_to_json
     from hx.memory import check_fits
 
-    loaded = load(model)
-    spec = loaded.spec
     devices = discover(accelerator_memory)
+    loaded = load(model, resolve_dtype(dtype, devices))
+    spec = loaded.spec
     rows = []
     for b in (int(x) for x in batches.split(",")):
         workload = bench_workload(b, context, steps)
@@ -44,8 +45,9 @@ def bench(
             rows.append(bench_decode(spec, loaded.params, plan, b, devices, context, steps))
             err.print(f"[dim]measured {plan.name} batch {b}[/dim]")
 
-    table = Table(title=f"decode step, {spec.name}, context {context}, median of {steps} "
-                        f"steps; ratio = executor / one jit of the whole model (resident)")
+    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, context {context}, median of "
+                        f"{steps} steps; ratio = executor / one jit of the whole model "
+                        f"(resident)")
     table.add_column("plan", no_wrap=True)
     for col in ("batch", "tok/s", "executor ms", "1-jit ms", "ratio", "segments", "overlap",
                 "acc peak MiB"):
@@ -57,6 +59,7 @@ def bench(
                       "-" if r.overlap is None else f"{r.overlap:.2f}",
                       f"{r.accelerator_peak_bytes / 2**20:.1f}")
     print_table(table)
-    out.print(devices.describe(), soft_wrap=True)
+    out.print(f"{describe_dtype(spec.dtype, dtype, devices)} | {devices.describe()}",
+              soft_wrap=True)
     if json_out:
         json_out.write_text(json.dumps(rows_to_json(rows, devices, spec), indent=1))

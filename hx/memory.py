@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
-from hx.models.spec import ModelSpec
+from hx.models.spec import DTYPE_BYTES, ModelSpec
 from hx.plan import PHASES, RESIDENT, ExecutionPlan
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run
 from hx.segments import split_segments
@@ -132,6 +132,29 @@ class MemoryEstimate:
                 f"activations {self.activations} (peak in {self.phase})")
 
 
+def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
+    """(accelerator, host) bytes of the weight buffers the executor places for ``plan``: one
+    buffer per distinct (array, home, dtype) -- resident and streamed weights in the model's
+    dtype, host-homed weights in the dtype of each device whose segments use them
+    (``hx.programs.weight_dtype``: float32 for host ops, the model's dtype when an accelerator
+    segment stages them in); a tied embedding is one array for EMBED and HEAD."""
+    from hx.programs import weight_dtype
+
+    held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
+    for layer, op, home in plan.weights.sequence():
+        dtypes = {weight_dtype(spec, plan.phase(p).get(layer, op)) for p in PHASES}
+        for path, shape in spec.op_weight_shapes(op).items():
+            array = "embedding" if path == "embedding" and spec.tie_embeddings else (layer, op,
+                                                                                   path)
+            for dtype in dtypes:
+                n = 1
+                for d in shape:
+                    n *= d
+                held[(array, home, dtype)] = n * DTYPE_BYTES[dtype]
+    resident = sum(b for (_, home, _), b in held.items() if home == RESIDENT)
+    return resident, sum(held.values()) - resident
+
+
 def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
     """New tokens per row in one step of ``phase``: the largest prefill chunk, or 1."""
     if phase == "decode":
@@ -143,8 +166,8 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
              programs: "Programs | None" = None) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
-    Resident weights count each distinct array once (a tied embedding resident for both EMBED
-    and HEAD is one buffer), KV caches on the accelerator 2·B·S·K·E·4 bytes per layer. On top,
+    Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·B·S·K·E·w
+    bytes per layer (w bytes per element of the model's dtype). On top,
     the peak of a dry run (``hx.schedule.dry_run``) of each phase's schedule: staged weights,
     step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
     from its compilation (``programs``, default: the process's compiler for the accelerator
@@ -153,20 +176,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     from hx.programs import programs_for, proxy
 
     programs = programs or programs_for(spec)
-    homes = plan.weights
-    resident = host = 0
-    for layer, op, home in homes.sequence():
-        nbytes = spec.op_weight_bytes(op)
-        if home == RESIDENT:
-            resident += nbytes
-        else:  # streamed weights live in (pinned) host memory
-            host += nbytes
-    if homes.embed == homes.head and spec.tie_embeddings:  # one array serves both
-        tied = spec.vocab_size * spec.d_model * spec.dtype_bytes
-        if homes.embed == RESIDENT:
-            resident -= tied
-        else:
-            host -= tied
+    resident, host = held_weight_bytes(plan, spec)
     kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)

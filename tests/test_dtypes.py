@@ -200,3 +200,19 @@ def test_stream_all_halves_its_staging_in_bfloat16(tiny_model, tiny_bf16):
     plan, work = policies.stream_all(3), Workload(2, 8, 32)
     full, half = (estimate(plan, m.spec, work) for m in (tiny_model, tiny_bf16))
     assert half.staging * 2 == full.staging > 0
+
+
+@pytest.mark.parametrize("name", ["stream-all", "alternating", "host:SCORE,MLP1", "all-host"])
+def test_host_estimate_counts_the_buffers_the_executor_holds(tiny_bf16, devices, name):
+    """Host-homed weights are held in float32 for host ops and in bfloat16 where an
+    accelerator segment stages them in; the estimate's host bytes, less its host KV caches,
+    equal the distinct buffers the executor placed off accelerator memory."""
+    plan, spec = PLANS[name], tiny_bf16.spec
+    ex = Executor(spec, tiny_bf16.params, plan, devices)
+    buffers = {id(leaf): leaf for phase in ex._params.values() for seg in phase
+               for tree in seg for leaf in jax.tree.leaves(tree)}
+    off_accelerator = sum(b.nbytes for b in buffers.values()
+                          if b.sharding.memory_kind != "device"
+                          or b.devices() != {devices[ACCELERATOR]})
+    host_kv = spec.kv_bytes_per_token() * sum(home == HOST for home in plan.kv)  # B = S = 1
+    assert estimate(plan, spec, Workload(1, 1, 1)).host - host_kv == off_accelerator

@@ -26,9 +26,10 @@ demo: install
 	mkdir -p out
 	$(BIN)/hx generate --chat --prompts examples/prompts.jsonl --output out/completions.jsonl
 
-## The test suite (includes the comparison against Hugging Face transformers).
+## The test suite (includes the comparison against Hugging Face transformers). Two worker
+## processes: most of its time is single-threaded XLA compilation and Python.
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --durations=25
 
 ## Decode benchmark: tokens/s and executor overhead; writes out/bench_decode.json.
 bench: install

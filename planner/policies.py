@@ -127,10 +127,10 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     n = spec.n_layers
     if policy in NEEDS_PROFILE and profile is None:
         raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
-    planners = {
-        "min-max": lambda d: baselines.min_max(spec, profile, d, workload),
-        "flexgen-lp": lambda d: baselines.flexgen_lp(spec, profile, d, workload),
-        "cpsat": lambda d: cpsat.plan_cpsat(spec, profile, d, workload).plan,
+    planners = {  # run only when asked for
+        "min-max": lambda: baselines.min_max(spec, profile, devices, workload),
+        "flexgen-lp": lambda: baselines.flexgen_lp(spec, profile, devices, workload),
+        "cpsat": lambda: cpsat.plan_cpsat(spec, profile, devices, workload).plan,
     }
     if policy == "all-accelerator":
         plan = all_accelerator(n)
@@ -142,14 +142,14 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
         plan = (largest_layer_split(spec, devices, workload) if gpu_layers is None
                 else layer_split(n, gpu_layers))
     elif policy in planners:
-        plan = planners[policy](devices)
+        plan = planners[policy]()
     elif policy == "auto":
         if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
             return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
         if profile is None:
             return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
                                      devices, workload)
-        return fit_prefill_chunk(planners["cpsat"](devices), spec, devices, workload)
+        return fit_prefill_chunk(planners["cpsat"](), spec, devices, workload)
     else:
         raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
     try:

@@ -59,12 +59,20 @@ def layer_split(n_layers: int, gpu_layers: int) -> ExecutionPlan:
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
                         ) -> ExecutionPlan:
     """``layer_split`` with the largest N whose plan fits the budgets with prefill in chunks
-    of ``MIN_CHUNK`` (N = 0 always fits the accelerator)."""
-    for n in range(spec.n_layers + 1, -1, -1):
-        plan = layer_split(spec.n_layers, n)
-        if fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
-            return plan
-    return layer_split(spec.n_layers, 0)
+    of ``MIN_CHUNK``, by bisection (memory grows with N; N = 0 always fits the
+    accelerator)."""
+    def split_fits(n: int) -> bool:
+        plan = layer_split(spec.n_layers, n).with_prefill_chunk(MIN_CHUNK)
+        return fits(plan, spec, devices, workload)
+
+    fitting, failing = 0, spec.n_layers + 2  # N = fitting fits, N = failing does not
+    while failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if split_fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return layer_split(spec.n_layers, fitting)
 
 
 # Prefill chunk sizes a policy tries, largest first (None: the whole prompt in one step).

@@ -57,19 +57,26 @@ def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_fil
                  profile: HardwareProfile | None) -> ExecutionPlan:
     """The plan the options ask for: ``--plan`` file, ``--host-ops`` list, or a policy
     (default ``auto``: all-accelerator when it fits the budget, else the CP-SAT plan -- or,
-    without a hardware profile, the largest layer split that fits).
+    without a hardware profile, the largest layer split that fits). A ``--plan`` file that
+    names no prefill chunk, and a ``--host-ops`` plan, get the largest chunk under which they
+    fit (``policies.fit_prefill_chunk``), as policies' plans do.
 
     Raises:
-      HxError: more than one of the three given, or a bad plan/policy.
+      HxError: more than one of the three given, a bad plan/policy, or a plan that does not
+        fit even in the smallest chunks (with the bytes over).
     """
     if sum(x is not None and x != "" for x in (plan_file, host_ops, policy)) > 1:
         raise HxError("give at most one of --plan, --host-ops and --policy")
     if plan_file:
-        return ExecutionPlan.load(str(plan_file), spec.n_layers)
-    if host_ops:
-        return ExecutionPlan.uniform(spec.n_layers, tuple(
+        plan = ExecutionPlan.load(str(plan_file), spec.n_layers)
+    elif host_ops:
+        plan = ExecutionPlan.uniform(spec.n_layers, tuple(
             op.strip().upper() for op in host_ops.split(",") if op.strip()))
-    return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile)
+    else:
+        return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile)
+    if plan.prefill_chunk is not None:
+        return plan  # as the file says; check_fits judges it
+    return policies.fit_prefill_chunk(plan, spec, devices, workload)
 
 
 def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workload,

@@ -12,6 +12,7 @@ does not fit before anything runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable
 
@@ -19,7 +20,7 @@ from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import DTYPE_BYTES, ModelSpec
 from hx.plan import PHASES, RESIDENT, ExecutionPlan
-from hx.schedule import DryRun, Instruction, compile_schedule, dry_run
+from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, step_bytes
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
 
@@ -147,10 +148,7 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
             array = "embedding" if path == "embedding" and spec.tie_embeddings else (layer, op,
                                                                                    path)
             for dtype in dtypes:
-                n = 1
-                for d in shape:
-                    n *= d
-                held[(array, home, dtype)] = n * DTYPE_BYTES[dtype]
+                held[(array, home, dtype)] = math.prod(shape) * DTYPE_BYTES[dtype]
     resident = sum(b for (_, home, _), b in held.items() if home == RESIDENT)
     return resident, sum(held.values()) - resident
 
@@ -188,9 +186,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     worst = DryRun()
     worst_phase = "decode"
     for phase in PHASES:
-        schedule = compile_schedule(plan, spec, phase, workload.batch,
-                                    phase_tokens(plan, phase, workload), workload.cache_slots,
-                                    programs.temp_bytes)
+        schedule = compile_schedule(plan, spec, phase, *shapes[phase], programs.temp_bytes)
         run = dry_run(schedule)
         if run.peak > worst.peak:
             worst, worst_phase = run, phase
@@ -236,5 +232,5 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
     names = ("tokens", "x", "h", "q", "k", "v", "o", "a", "logits")
     B, S = workload.batch, workload.cache_slots
     whole = split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0]
-    return max(2 * crossing_bytes(spec, names, B, T) + 4 * (B * T + B + 1)
+    return max(2 * crossing_bytes(spec, names, B, T) + step_bytes(B, T)
                + programs.temp_bytes(whole, B, T, S) for T in {prefill_tokens, 1})

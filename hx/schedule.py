@@ -52,6 +52,11 @@ def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
                if staged)
 
 
+def step_bytes(batch: int, tokens: int) -> int:
+    """Bytes of a ``Step`` on a device: int32 positions (B, T), write index, kv_start (B,)."""
+    return 4 * (batch * tokens + 1 + batch)
+
+
 @dataclass(frozen=True)
 class Instruction:
     """One thing the executor does in a step.
@@ -136,7 +141,7 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                 stage(next_stream[i])
         if seg.device not in stepped:
             stepped.add(seg.device)
-            nbytes = 4 * (batch * tokens + 1 + batch)  # positions, write_index, kv_start
+            nbytes = step_bytes(batch, tokens)
             out.append(Instruction(STEP, i, None, nbytes=nbytes, allocs=(
                 ((STEP_KEY, "activations", nbytes),) if on_acc else ())))
         moves = moves_of[i]

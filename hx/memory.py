@@ -12,6 +12,7 @@ does not fit before anything runs.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable
@@ -160,8 +161,9 @@ def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
     return max(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk))
 
 
+@functools.lru_cache(maxsize=4096)
 def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
-             programs: "Programs | None" = None) -> MemoryEstimate:
+             programs: "Programs | None" = None, sized: bool = True) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
     Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·B·S·K·E·w
@@ -170,10 +172,16 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
     from its compilation (``programs``, default: the process's compiler for the accelerator
     ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``).
+
+    Args:
+      sized: False counts XLA temporaries as 0 bytes and compiles nothing: a lower bound on
+        the estimate, cheap enough to discard candidates in a planner's search.
+
+    Estimates are cached (all arguments are immutable): planners probe the same plan more
+    than once.
     """
     from hx.programs import programs_for, proxy
 
-    programs = programs or programs_for(spec)
     resident, host = held_weight_bytes(plan, spec)
     kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
@@ -181,13 +189,16 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
 
     shapes = {phase: (workload.batch, phase_tokens(plan, phase, workload), workload.cache_slots)
               for phase in PHASES}
-    programs.prepare([(proxy(seg), *shapes[phase]) for phase in PHASES
-                      for seg in split_segments(plan, phase) if seg.device == ACCELERATOR])
+    temp_bytes = None
+    if sized:
+        programs = programs or programs_for(spec)
+        programs.prepare([(proxy(seg), *shapes[phase]) for phase in PHASES
+                          for seg in split_segments(plan, phase) if seg.device == ACCELERATOR])
+        temp_bytes = programs.temp_bytes
     worst = DryRun()
     worst_phase = "decode"
     for phase in PHASES:
-        schedule = compile_schedule(plan, spec, phase, *shapes[phase], programs.temp_bytes)
-        run = dry_run(schedule)
+        run = dry_run(compile_schedule(plan, spec, phase, *shapes[phase], temp_bytes))
         if run.peak > worst.peak:
             worst, worst_phase = run, phase
     return MemoryEstimate(resident, kv_acc, worst.peak_by_owner.get("staging", 0),

@@ -165,17 +165,17 @@ class Programs:
 
     def prepare(self, wanted: list[tuple[Segment, int, int, int]]) -> None:
         """Compile the (segment, batch, tokens, slots) not compiled yet, on every CPU core at
-        once (XLA compiles without holding Python's lock; tracing and lowering stay serial)."""
+        once: each is handed to a compiling thread as soon as it is lowered (XLA compiles
+        without holding Python's lock, so compiles overlap the tracing and lowering of the
+        next segments, which stay serial)."""
         todo: dict[tuple, Any] = {}
-        for segment, batch, tokens, slots in wanted:
-            key = self._key(segment, batch, tokens, slots)
-            if key not in self._compiled and key not in todo:
-                todo[key] = self._lower(segment, batch, tokens, slots)
-        if len(todo) < 2:
-            return
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for key, compiled in zip(todo, pool.map(lambda low: low.compile(), todo.values())):
-                self._compiled[key] = compiled
+            for segment, batch, tokens, slots in wanted:
+                key = self._key(segment, batch, tokens, slots)
+                if key not in self._compiled and key not in todo:
+                    todo[key] = pool.submit(self._lower(segment, batch, tokens, slots).compile)
+            for key, compiling in todo.items():
+                self._compiled[key] = compiling.result()
                 self.compilations += 1
 
     def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:

@@ -22,6 +22,7 @@ Instruction kinds, in the order the executor issues them for each segment i:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -104,6 +105,7 @@ class Schedule:
 TempBytes = Callable[[Segment, int, int, int], int]
 
 
+@functools.lru_cache(maxsize=4096)
 def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
                      tokens: int, slots: int, temp_bytes: TempBytes | None = None
                      ) -> Schedule:
@@ -115,6 +117,9 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
       temp_bytes: XLA temporary bytes of an accelerator segment at (B, T, S)
         (``hx.programs.Programs.temp_bytes``); None sizes them 0 (the simulator needs no
         sizes; the executor measures its own).
+
+    Schedules are cached (all arguments are immutable): the simulator prices the same step
+    once per prefill chunk and per candidate plan.
     """
     segments = split_segments(plan, phase)
     moves_of, next_stream = crossings(segments), next_streaming(segments)

@@ -8,6 +8,7 @@ configured by it (it is frozen and hashable, so it can be a static argument unde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class ModelSpec:
                 (H, E), (K, E), (K, E))
         return shapes[op]
 
+    @functools.lru_cache(maxsize=1024)
     def op_weight_bytes(self, op: str, dtype: str | None = None) -> int:
         """Bytes of the weights owned by ``op`` in ``dtype`` (default: the model's dtype;
         ``HOST_DTYPE`` gives what a host-computed op holds). Every weight, norm scales and

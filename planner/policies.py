@@ -80,7 +80,12 @@ CHUNKS = (None, 512, 128, MIN_CHUNK)
 
 
 def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
-    """Whether ``check_fits`` accepts ``plan``."""
+    """Whether ``check_fits`` accepts ``plan`` (a plan whose unsized estimate -- XLA
+    temporaries left out, nothing compiled -- already exceeds the accelerator budget is
+    refused without compiling its segments)."""
+    capacity = devices.accelerator.capacity
+    if capacity is not None and estimate(plan, spec, workload, sized=False).accelerator > capacity:
+        return False
     try:
         check_fits(plan, spec, devices, workload)
         return True
@@ -101,8 +106,10 @@ def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
     if plan.prefill_chunk is not None and fits(plan, spec, devices, workload):
         return plan
     chunks = [c for c in CHUNKS if c is None or c < workload.prompt_tokens]
+    if fits(plan.with_prefill_chunk(chunks[0]), spec, devices, workload):
+        return plan.with_prefill_chunk(chunks[0])  # the common case: one size, one compile
     check_fits(plan.with_prefill_chunk(chunks[-1]), spec, devices, workload)  # else raises
-    fitting, failing = len(chunks) - 1, -1  # indices into chunks (largest first)
+    fitting, failing = len(chunks) - 1, 0  # indices into chunks (largest first)
     while fitting - failing > 1:
         middle = (fitting + failing) // 2
         if fits(plan.with_prefill_chunk(chunks[middle]), spec, devices, workload):

@@ -90,7 +90,8 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
                 batch: int, tokens: int, slots: int, context: int) -> list[Task]:
     """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order:
-    ``stage`` an H2D copy of the staged weights, ``wait`` the sync overhead after the waited
+    ``stage`` an H2D copy of the staged weights (the link's per-copy latency for each staged
+    op plus bytes / bandwidth), ``wait`` the sync overhead after the waited
     segment, ``move`` a transfer (latency + bytes / bandwidth) after the producers of what it
     moves, ``launch`` the device's launch overhead plus its ops after its inputs, its staged
     weights and the last wait."""
@@ -112,7 +113,10 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             continue
         seg = schedule.segments[i]
         if ins.kind == STAGE:
-            staged[i] = add(H2D, f"weights {i}", ins.nbytes / profile.h2d_bandwidth, [synced])
+            copies = sum(seg.staged)  # the executor issues one device_put per staged op
+            staged[i] = add(H2D, f"weights {i}",
+                            copies * profile.h2d_latency + ins.nbytes / profile.h2d_bandwidth,
+                            [synced])
         elif ins.kind == WAIT:
             synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
         elif ins.kind == MOVE:

@@ -99,6 +99,11 @@ class HardwareProfile:
         this close to each other as ties (``cpsat.plan_cpsat``).
       h2d_latency / d2h_latency: seconds of fixed cost per large copy call on each link, from
         the profiler's two-size fit (t = latency + bytes / bandwidth); 0 when not measured.
+      round_trip: seconds of JAX's own device switch there and back, the floor under the
+        executor's: a (1, 576) float32 activation computed on the accelerator, one
+        ``device_put`` to the host CPU device, a tiny op there, one ``device_put`` back, a tiny
+        op on the accelerator, waited for (``profiler.measure_round_trip``); 0 when not
+        measured. ``excursion_seconds`` is what the simulator prices for the same trip.
       matmul_dtype: the dtype the ``matmul`` rates of both devices were measured at.
       quick: measured by ``profiler.quick`` (fewer sizes, shorter runs, no calibration) because
         a command needed a profile and none was saved; ``hx profile`` measures a full one.
@@ -120,6 +125,15 @@ class HardwareProfile:
     d2h_latency: float = 0.0
     matmul_dtype: str = "float32"
     quick: bool = False
+    round_trip: float = 0.0
+
+    def excursion_seconds(self, batch: int = 1, nbytes: int = 0) -> float:
+        """Seconds the simulator adds for one accelerator -> host -> accelerator excursion of a
+        ``nbytes`` activation beyond the ops' compute: a transfer each way (latency + bytes /
+        bandwidth) and one more launch on each device. Compare with ``round_trip``."""
+        return (2 * self.transfer_latency + nbytes / self.d2h_bandwidth
+                + nbytes / self.h2d_bandwidth + self.accelerator.launch_seconds(batch)
+                + self.host.launch_seconds(batch))
 
     def device(self, name: str) -> DeviceProfile:
         """The ``DeviceProfile`` of ``"accelerator"`` or ``"host"``."""

@@ -25,6 +25,9 @@ or a ratio compares are interleaved, so a slow spell of this shared machine hits
   product) is repeated inside one call, each repeat depending on the one before, until the
   call lasts ``Effort.memory_target_s`` / ``matmul_target_s``.
 * **attention**: the SCORE kernel each side uses, reading a full KV cache of S slots.
+* **round trip**: JAX's bare device switch there and back at (1, 576) float32 (accelerator
+  op, ``device_put`` to the host device, host op, ``device_put`` back, accelerator op): the
+  floor under the executor's cost of a host excursion (``HardwareProfile.excursion_seconds``).
 * **contention**: a weight copy overlapped with an M = 1 product over as many bytes.
 * **launch overhead** (without ``calibrate.refine``): the executor's own decode steps of a tiny
   model under plans of 1 to 121 segments (``QUICK``: the 33-segment one): the cost per
@@ -296,6 +299,29 @@ def measure_small_transfers(devices: Devices, effort: Effort = FULL) -> tuple[fl
     return h2d.seconds, d2h.seconds
 
 
+ROUND_TRIP_SHAPE = (1, 576)  # a decode activation of SmolLM2, float32
+
+
+@jax.jit
+def _touch(x: jax.Array) -> jax.Array:
+    return x + 1.0
+
+
+def measure_round_trip(devices: Devices, effort: Effort = FULL) -> float:
+    """Seconds of JAX's bare device switch there and back (``HardwareProfile.round_trip``): a
+    (1, 576) float32 activation computed on the accelerator, ``device_put`` to the host CPU
+    device, a tiny op there, ``device_put`` back, a tiny op on the accelerator, waited for.
+    No executor does less for a host excursion; the issue that asked for it measured ~1 ms on
+    an H100 machine (jax 0.11)."""
+    x = jax.device_put(np.ones(ROUND_TRIP_SHAPE, np.float32), devices[ACCELERATOR])
+
+    def trip():
+        on_host = _touch(jax.device_put(_touch(x), devices[HOST]))
+        return _touch(jax.device_put(on_host, devices[ACCELERATOR]))
+
+    return effort.time(trip)[0].seconds
+
+
 # -- compute -----------------------------------------------------------------------------------
 
 @jax.jit
@@ -479,7 +505,18 @@ def fit_launch_overhead(profile: HardwareProfile, devices: Devices,
         den += slope * slope
     launch = max(0.0, num / den) if den else 0.0
     log(f"launch overhead per segment {launch * 1e6:.0f} us (tiny model, {len(chosen)} plans)")
-    return with_launch(launch)
+    fitted = with_launch(launch)
+    log(excursion_line(fitted))
+    return fitted
+
+
+def excursion_line(profile: HardwareProfile) -> str:
+    """One line: what the profile prices a host excursion at vs JAX's bare round trip."""
+    priced = profile.excursion_seconds(1, math.prod(ROUND_TRIP_SHAPE) * 4)
+    ratio = f" = {priced / profile.round_trip:.2f}x" if profile.round_trip else ""
+    return (f"host excursion (1, 576) float32: executor {priced * 1e6:.0f} us (priced: 2 "
+            f"transfers + 2 launches) vs bare JAX round trip {profile.round_trip * 1e6:.0f} us"
+            f"{ratio}")
 
 
 # -- the profile -------------------------------------------------------------------------------
@@ -505,6 +542,8 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             f"({link.nbytes / MiB:.0f} MiB in {link.seconds * 1e3:.1f} ms, spread "
             f"{link.spread:.0%})")
     log(f"small transfer {small_h2d * 1e6:.0f} us H2D, {small_d2h * 1e6:.0f} us D2H")
+    round_trip = measure_round_trip(devices, effort)
+    log(f"bare round trip accelerator -> host op -> accelerator {round_trip * 1e6:.0f} us")
     sides = {}
     for side, kernel in ((ACCELERATOR, attention), (HOST, prefix_attention)):
         device = devices[side]
@@ -530,7 +569,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
         d2h_bandwidth=d2h.bandwidth, transfer_latency=latency, contention=contention,
         accelerator_memory=own_limit, host_memory=pages, emulated=acc.emulated,
         h2d_latency=h2d.latency, d2h_latency=d2h.latency,
-        matmul_dtype=jnp.dtype(dtype).name, quick=quick)
+        matmul_dtype=jnp.dtype(dtype).name, quick=quick, round_trip=round_trip)
     if not launch:
         return profile
     return fit_launch_overhead(profile, devices, effort.launch_plans, log)

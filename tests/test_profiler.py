@@ -77,7 +77,8 @@ def figures(devices):
     figure from their seconds). The direct ones, float32: one copy of six 16 MiB arrays (96
     MiB; larger arrays page-fault by turns on XLA:CPU) to device memory, and of six fresh ones
     to the host, against the link's fitted latency + bytes / bandwidth at that size; a fresh
-    (16, 576) array each way; eight in-place +1 over 128 MiB; eight (1 x 4096) @ (4096 x 8192)
+    (16, 576) array each way; a (1, 576) one to the host, through a +1 there and back;
+    eight in-place +1 over 128 MiB; eight (1 x 4096) @ (4096 x 8192)
     products (128 MiB of weights) or four (256 x 4096) @ (4096 x 2048), dispatched back to
     back (a GPU would otherwise spend a single call's time mostly on its dispatch and
     synchronisation)."""
@@ -104,6 +105,13 @@ def figures(devices):
            [Direct(lambda a: jax.device_put(a, acc), fresh(jax.device_put(small, host))),
             Direct(lambda a: jax.device_put(a, host), fresh(jax.device_put(small, acc)))],
            lambda d: statistics.mean(x.seconds() for x in d))
+    add_one = jax.jit(lambda x: x + 1.0)
+    activation = jax.device_put(np.ones((1, 576), np.float32), acc)
+    yield ("bare round trip s (accelerator -> host op -> accelerator)",
+           lambda: profiler.measure_round_trip(devices, FULL),
+           [Direct(lambda: add_one(jax.device_put(
+               add_one(jax.device_put(add_one(activation), host)), acc)))],
+           lambda d: d[0].seconds())
     product = jax.jit(lambda x, w: x @ w)
     rng = np.random.default_rng(3)
     for side, device in (("accelerator", acc), ("host", host)):
@@ -172,6 +180,7 @@ def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monke
         assert all(rate > 0 for _, rate in side.matmul + side.attention)
         assert side.memory_bandwidth > 0 and side.launch_seconds(1) >= 0
     assert quick.h2d_bandwidth > 0 and quick.d2h_bandwidth > 0 and quick.transfer_latency > 0
+    assert quick.round_trip > 0
     # a device switch costs something: the launch fit takes what the transfers leave (>= 0)
     assert quick.accelerator.launch_seconds(1) + quick.transfer_latency > 0
     assert 0 <= quick.contention <= 1

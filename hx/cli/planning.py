@@ -59,7 +59,7 @@ def profile_command(
 ) -> None:
     """Measure the accelerator, host and link rates (and fit them to a model), ~2 minutes."""
     from hx.planner.calibrate import refine as refine_profile
-    from hx.planner.profiler import measure
+    from hx.planner.profiler import excursion_line, measure
 
     start = time.perf_counter()
 
@@ -97,6 +97,7 @@ def profile_command(
               f"transfer latency {profile.transfer_latency * 1e6:.0f} us"
               f"{' (fitted)' if refine else ''}, contention {profile.contention:.2f}, "
               f"sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
+    out.print(excursion_line(profile), soft_wrap=True)
 
 
 def _cell(plan: ExecutionPlan, layer: int, op: str) -> str:

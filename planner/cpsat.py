@@ -36,7 +36,7 @@ from ortools.sat.python import cp_model
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import activation_reserve, estimate
-from hx.models.spec import LAYER_OPS, ModelSpec
+from hx.models.spec import HOST_DTYPE, LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict, predict_prefill
@@ -124,6 +124,7 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
     kv_bytes = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
+    host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
     costs = []
     for kv in (ACCELERATOR, HOST):
         for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS)):
@@ -134,7 +135,8 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
                        - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
                                  workload.batch, 1, workload.cache_slots, context).seconds)
             resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s == RESIDENT)
-            host = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
+            host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
+                       for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
             staged = [staged_bytes(spec, s) for s in split_segments(pair, "decode")]
             costs.append(PatternCost(
                 p, max(seconds, 0.0), resident + (kv_bytes if kv == ACCELERATOR else 0),

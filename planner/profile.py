@@ -16,6 +16,7 @@ from typing import Any
 from hx.errors import HxError
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "profile.json")
+LOW_DTYPES = ("bfloat16", "float16")  # priced with ``DeviceProfile.matmul_low``
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
@@ -36,9 +37,11 @@ class DeviceProfile:
     """Rates of one device as the executor drives it.
 
     Attributes:
-      matmul: ((M rows, FLOP/s), ...) sorted by M: rate of (M x N) @ (N x P) products whose
-        weights come from memory (working set larger than the caches), at the profile's
-        ``matmul_dtype``.
+      matmul: ((M rows, FLOP/s), ...) sorted by M: rate of float32 (M x N) @ (N x P) products
+        whose weights come from memory (working set larger than the caches).
+      matmul_low: the same in 16-bit floats (measured in bfloat16; float16 runs on the same
+        units of a GPU), for ops on an accelerator holding a bf16/f16 model; empty where not
+        measured (the host, which computes in float32) -- ``matmul`` is used then.
       memory_bandwidth: bytes/s (read + written) of an in-place elementwise pass over a buffer
         larger than the caches (gathers, elementwise work).
       attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
@@ -55,6 +58,7 @@ class DeviceProfile:
     attention: tuple[tuple[int, float], ...]
     launch_overhead: tuple[tuple[int, float], ...]
     compute_scale: tuple[tuple[int, float], ...] = ()
+    matmul_low: tuple[tuple[int, float], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -64,9 +68,12 @@ class DeviceProfile:
         """``compute_scale`` at ``batch`` (interpolated in log batch)."""
         return _interpolate(self.compute_scale, batch) if self.compute_scale else 1.0
 
-    def matmul_seconds(self, flops: float, rows: int) -> float:
-        """Seconds of ``flops`` of matmul at M = ``rows``."""
-        return flops / _interpolate(self.matmul, rows) if flops else 0.0
+    def matmul_seconds(self, flops: float, rows: int, dtype: str = "float32") -> float:
+        """Seconds of ``flops`` of matmul at M = ``rows`` with operands of ``dtype``."""
+        if not flops:
+            return 0.0
+        curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
+        return flops / _interpolate(curve, rows)
 
     def attention_seconds(self, kv_bytes: float, slots: int) -> float:
         """Seconds for SCORE to read ``kv_bytes`` of cache at ``slots`` slots."""
@@ -104,7 +111,6 @@ class HardwareProfile:
         ``device_put`` to the host CPU device, a tiny op there, one ``device_put`` back, a tiny
         op on the accelerator, waited for (``profiler.measure_round_trip``); 0 when not
         measured. ``excursion_seconds`` is what the simulator prices for the same trip.
-      matmul_dtype: the dtype the ``matmul`` rates of both devices were measured at.
       quick: measured by ``profiler.quick`` (fewer sizes, shorter runs, no calibration) because
         a command needed a profile and none was saved; ``hx profile`` measures a full one.
     """
@@ -123,7 +129,6 @@ class HardwareProfile:
     model_error: float = 0.0
     h2d_latency: float = 0.0
     d2h_latency: float = 0.0
-    matmul_dtype: str = "float32"
     quick: bool = False
     round_trip: float = 0.0
 
@@ -159,6 +164,7 @@ class HardwareProfile:
                 d["compute_scale"] = tuple((int(b), float(f))
                                            for b, f in d.get("compute_scale", ()))
                 d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
+                d["matmul_low"] = tuple((int(m), float(r)) for m, r in d.get("matmul_low", ()))
                 devices[side] = DeviceProfile(**d)
             rest = {f.name: data[f.name] for f in fields(cls)
                     if f.name not in devices and f.name in data}

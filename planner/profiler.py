@@ -299,6 +299,7 @@ def measure_small_transfers(devices: Devices, effort: Effort = FULL) -> tuple[fl
     return h2d.seconds, d2h.seconds
 
 
+LOW_DTYPE = jnp.bfloat16  # ``DeviceProfile.matmul_low`` on the accelerator
 ROUND_TRIP_SHAPE = (1, 576)  # a decode activation of SmolLM2, float32
 
 
@@ -522,7 +523,7 @@ def excursion_line(profile: HardwareProfile) -> str:
 # -- the profile -------------------------------------------------------------------------------
 
 def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
-            launch: bool = True, effort: Effort = FULL, dtype=jnp.float32) -> HardwareProfile:
+            launch: bool = True, effort: Effort = FULL) -> HardwareProfile:
     """Measure every figure of a ``HardwareProfile`` on ``devices`` (module doc).
 
     Args:
@@ -530,7 +531,6 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
       launch: fit the launch overhead to a tiny model's decode steps (``fit_launch_overhead``);
         leave it out when ``calibrate.refine`` follows, as it fits it to the model.
       effort: ``FULL`` (``hx profile``) or ``QUICK``.
-      dtype: the dtype of the matmul rates (the weights' dtype; float32 today).
     """
     h2d, d2h = measure_h2d(devices, effort), measure_d2h(devices, effort)
     small_h2d, small_d2h = measure_small_transfers(devices, effort)
@@ -547,15 +547,18 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     sides = {}
     for side, kernel in ((ACCELERATOR, attention), (HOST, prefix_attention)):
         device = devices[side]
-        matmul = measure_matmul(device, dtype, effort.matmul_rows, effort)
+        curves = {dtype: measure_matmul(device, dtype, effort.matmul_rows, effort)
+                  for dtype in ((jnp.float32, LOW_DTYPE) if side == ACCELERATOR
+                                else (jnp.float32,))}
         memory = measure_memory_bandwidth(device, effort)
-        log(f"{side}: matmul {matmul[0][1] / 1e9:.1f} GFLOP/s at M={matmul[0][0]}, "
-            f"{matmul[-1][1] / 1e9:.1f} at M={matmul[-1][0]} ({jnp.dtype(dtype).name}); "
-            f"memory {memory / 1e9:.1f} GB/s")
+        for dtype, curve in curves.items():
+            log(f"{side}: matmul {curve[0][1] / 1e9:.1f} GFLOP/s at M={curve[0][0]}, "
+                f"{curve[-1][1] / 1e9:.1f} at M={curve[-1][0]} ({jnp.dtype(dtype).name})")
+        log(f"{side}: memory {memory / 1e9:.1f} GB/s")
         sides[side] = DeviceProfile(
-            matmul=matmul, memory_bandwidth=memory,
+            matmul=curves[jnp.float32], memory_bandwidth=memory,
             attention=measure_attention(device, kernel, effort.attention_slots, effort),
-            launch_overhead=())
+            launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()))
     contention = measure_contention(devices, effort)
     log(f"copy/compute contention {contention:.2f}")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -569,7 +572,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
         d2h_bandwidth=d2h.bandwidth, transfer_latency=latency, contention=contention,
         accelerator_memory=own_limit, host_memory=pages, emulated=acc.emulated,
         h2d_latency=h2d.latency, d2h_latency=d2h.latency,
-        matmul_dtype=jnp.dtype(dtype).name, quick=quick, round_trip=round_trip)
+        quick=quick, round_trip=round_trip)
     if not launch:
         return profile
     return fit_launch_overhead(profile, devices, effort.launch_plans, log)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import EMBED, ModelSpec
+from hx.models.spec import EMBED, HOST_DTYPE, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
@@ -68,16 +68,17 @@ def op_seconds(spec: ModelSpec, profile: HardwareProfile, device: str, op: str, 
 
 
 def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
+    dtype = spec.dtype if device == ACCELERATOR else HOST_DTYPE  # what the op multiplies in
     if op == "SCORE":
         read = slots if device == ACCELERATOR else min(
             slots, round_up(context, HOST_ATTENTION_BLOCK))
         c = op_cost(spec, op, batch, tokens, read)
         return max(rates.attention_seconds(c.kv_read_bytes, read),
-                   rates.matmul_seconds(c.flops, c.rows))
+                   rates.matmul_seconds(c.flops, c.rows, dtype))
     c = op_cost(spec, op, batch, tokens, slots)
     if op == EMBED:
         return c.other_bytes / rates.memory_bandwidth
-    return rates.matmul_seconds(c.flops, c.rows)
+    return rates.matmul_seconds(c.flops, c.rows, dtype)
 
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,

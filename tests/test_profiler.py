@@ -173,14 +173,17 @@ def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monke
     print(f"quick profile measured in {seconds:.1f} s")
     assert seconds <= 20, f"quick profile took {seconds:.1f} s"
     assert len(lines) == 1 and "quick" in lines[0] and "hx profile" in lines[0], lines
-    assert quick.quick and "quick" in quick.name and quick.matmul_dtype == "float32"
+    assert quick.quick and "quick" in quick.name
     assert quick.emulated == devices.accelerator.emulated and quick.model_error == 0
     for side in (quick.accelerator, quick.host):
         assert [m for m, _ in side.matmul] == list(profiler.QUICK.matmul_rows)
-        assert all(rate > 0 for _, rate in side.matmul + side.attention)
+        assert all(rate > 0 for _, rate in side.matmul + side.matmul_low + side.attention)
         assert side.memory_bandwidth > 0 and side.launch_seconds(1) >= 0
     assert quick.h2d_bandwidth > 0 and quick.d2h_bandwidth > 0 and quick.transfer_latency > 0
     assert quick.round_trip > 0
+    # bfloat16 rates on the accelerator, where a bf16 model's ops run; the host computes float32
+    assert [m for m, _ in quick.accelerator.matmul_low] == list(profiler.QUICK.matmul_rows)
+    assert quick.host.matmul_low == ()
     # a device switch costs something: the launch fit takes what the transfers leave (>= 0)
     assert quick.accelerator.launch_seconds(1) + quick.transfer_latency > 0
     assert 0 <= quick.contention <= 1
@@ -201,12 +204,16 @@ def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monke
 def test_new_fields_round_trip_and_old_files_load(tmp_path):
     from profiles import gpu_like
 
-    profile = dataclasses.replace(gpu_like(), h2d_latency=1e-5, d2h_latency=2e-5,
-                                  matmul_dtype="bfloat16", quick=True)
+    base = gpu_like()
+    profile = dataclasses.replace(
+        base, h2d_latency=1e-5, d2h_latency=2e-5, quick=True, round_trip=3e-4,
+        accelerator=dataclasses.replace(base.accelerator, matmul_low=((1, 2e12), (64, 3e13))))
     profile.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
-    old = gpu_like().to_json()
-    for name in ("h2d_latency", "d2h_latency", "matmul_dtype", "quick"):
+    old = base.to_json()
+    for name in ("h2d_latency", "d2h_latency", "quick", "round_trip"):
         del old[name]
+    del old["accelerator"]["matmul_low"]
+    old["matmul_dtype"] = "float32"  # a field older files have: ignored
     loaded = HardwareProfile.from_json(old)
-    assert loaded == gpu_like() and not loaded.quick and loaded.matmul_dtype == "float32"
+    assert loaded == base and not loaded.quick and loaded.accelerator.matmul_low == ()

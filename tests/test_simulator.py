@@ -73,3 +73,25 @@ def test_contention_and_transfers_only_slow_things_down():
              - predict(mixed, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT).seconds)
     # per layer q, k, v go to the host and o comes back: two transfers on the critical path
     assert extra == pytest.approx(2 * SPEC.n_layers * (1e-3 - 1e-5), rel=0.05)
+
+
+def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates():
+    """A bf16/f16 model's accelerator ops multiply at ``matmul_low``; its host ops (float32
+    weights) and every op of a float32 model at ``matmul``; without a low curve, ``matmul``."""
+    base = gpu_like()
+
+    def tenfold(side):
+        return dataclasses.replace(side, matmul_low=tuple((m, 10 * r) for m, r in side.matmul))
+
+    fast = dataclasses.replace(base, accelerator=tenfold(base.accelerator),
+                               host=tenfold(base.host))
+    f32 = PRESETS["llama2-7b"].replace(n_layers=2)
+    for dtype in ("bfloat16", "float16"):
+        low = f32.replace(dtype=dtype)
+        for op in ("Q", "MLP1", "HEAD"):
+            def seconds(spec, device, profile=fast):
+                return op_seconds(spec, profile, device, op, 4, 1, 256, 256)
+
+            assert seconds(low, "accelerator") == pytest.approx(seconds(f32, "accelerator") / 10)
+            assert seconds(low, "host") == seconds(f32, "host")
+            assert seconds(low, "accelerator", base) == seconds(f32, "accelerator", base)

@@ -12,12 +12,13 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, err, out, plan_by_name, print_table)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
+                           ProfileOption, app, describe_dtype, err, out, plan_by_name,
+                           print_table)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
 from hx.schedule import staged_bytes
-from hx.models.loader import load, load_spec
+from hx.models.loader import load, load_spec, resolve_dtype
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
@@ -79,9 +80,10 @@ def profile_command(
     table.add_column("accelerator", justify="right")
     table.add_column("host", justify="right")
     acc, host = profile.accelerator, profile.host
-    table.add_row(f"matmul GFLOP/s ({profile.matmul_dtype}) at M=1 / 16 / 256",
-                  *(" / ".join(f"{r / 1e9:.0f}" for m, r in d.matmul if m in (1, 16, 256))
-                    for d in (acc, host)))
+    for name, curve in (("float32", "matmul"), ("bfloat16", "matmul_low")):
+        table.add_row(f"matmul GFLOP/s ({name}) at M=1 / 16 / 256",
+                      *(" / ".join(f"{r / 1e9:.0f}" for m, r in getattr(d, curve)
+                                   if m in (1, 16, 256)) or "-" for d in (acc, host)))
     table.add_row("memory GB/s", f"{acc.memory_bandwidth / 1e9:.1f}",
                   f"{host.memory_bandwidth / 1e9:.1f}")
     table.add_row("compute scale (batch: factor)",
@@ -154,6 +156,7 @@ def plan_command(
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="A GGUF file, HF folder or preset name "
                                              "(smollm2-135m, llama2-70b); only shapes are read."),
+    dtype: str = DtypeOption,
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     host_memory: Optional[str] = HostMemoryOption,
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
@@ -169,8 +172,9 @@ def plan_command(
     """Choose a plan under the memory budget and show it with its predicted time."""
     from hx.planner.cpsat import plan_cpsat
 
-    spec = load_spec(model)
     devices = discover(accelerator_memory, host_memory)
+    spec = load_spec(model)
+    spec = spec.replace(dtype=resolve_dtype(dtype, devices))
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
     hardware = profile_for(profile, devices, policy)
     if policy == "cpsat":
@@ -185,6 +189,7 @@ def plan_command(
     else:
         plan = plan_by_name(policy, spec, devices, workload, hardware)
     describe_plan(plan, spec, hardware, workload)
+    out.print(describe_dtype(spec.dtype, dtype, devices), soft_wrap=True)
     if output:
         plan.save(str(output))
         err.print(f"[dim]plan written to {output}[/dim]")
@@ -193,6 +198,7 @@ def plan_command(
 @app.command("ablate")
 def ablate_command(
     model: Optional[str] = ModelOption,
+    dtype: str = DtypeOption,
     profile: Optional[Path] = ProfileOption,
     budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "
                                                     "model's weight bytes."),
@@ -206,7 +212,7 @@ def ablate_command(
     """Every policy's plan at several budgets and batches: predicted vs measured decode step."""
     from hx.planner.ablate import ablate, rows_to_json
 
-    loaded = load(model)
+    loaded = load(model, resolve_dtype(dtype))  # auto decides without starting the backends
     fractions = tuple(float(x) for x in budgets.split(","))
     hardware = load_default(str(profile) if profile else None)
     if hardware is None:  # started at the largest budget, as ``ablate`` would (XLA's GPU pool)

@@ -8,6 +8,7 @@ table to the accelerator to gather B rows would never pay.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from hx.devices import ACCELERATOR, HOST, Devices
@@ -119,6 +120,16 @@ def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
     return plan.with_prefill_chunk(chunks[fitting])
 
 
+@functools.lru_cache(maxsize=64)
+def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
+                workload: Workload) -> ExecutionPlan:
+    """``cpsat.plan_cpsat``'s plan (cached: ``auto`` asks for the one ``cpsat`` found; the
+    solver is deterministic for its default seed)."""
+    from hx.planner import cpsat
+
+    return cpsat.plan_cpsat(spec, profile, devices, workload).plan
+
+
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
             "cpsat", "auto")
 NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without one
@@ -137,7 +148,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
       HxError: an unknown policy, a policy needing a profile without one, or a plan that does
         not fit (naming the minimum feasible budget for it).
     """
-    from hx.planner import baselines, cpsat  # OR-Tools loads only when a solver is asked for
+    from hx.planner import baselines  # OR-Tools loads only when a solver is asked for
 
     n = spec.n_layers
     if policy in NEEDS_PROFILE and profile is None:
@@ -145,7 +156,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     planners = {  # run only when asked for
         "min-max": lambda: baselines.min_max(spec, profile, devices, workload),
         "flexgen-lp": lambda: baselines.flexgen_lp(spec, profile, devices, workload),
-        "cpsat": lambda: cpsat.plan_cpsat(spec, profile, devices, workload).plan,
+        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload),
     }
     if policy == "all-accelerator":
         plan = all_accelerator(n)

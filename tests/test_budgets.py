@@ -50,9 +50,14 @@ def test_every_policy_fits_its_dry_run_or_states_the_minimum(model):
     assert refused and fitted
 
 
+@pytest.fixture(scope="module")
+def llama2_7b_2l():
+    return load("llama2-7b:2L")
+
+
 @pytest.mark.parametrize("batch,prompt", [(1, 1000), (16, 128)])
-def test_real_run_reaches_the_dry_run_peak(batch, prompt):
-    model = load("llama2-7b:2L")
+def test_real_run_reaches_the_dry_run_peak(llama2_7b_2l, batch, prompt):
+    model = llama2_7b_2l
     spec = model.spec
     work = Workload.for_prompts(batch, prompt, 5, spec)
     devices = discover(accelerator_memory=int(0.5 * spec.weight_bytes))

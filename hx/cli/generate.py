@@ -16,6 +16,7 @@ from hx.models.loader import load, resolve_dtype
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
 from hx.planner import policies
 from hx.sampling import SamplingParams
+from hx.segments import split_segments
 from hx.workload import Workload
 
 
@@ -80,8 +81,10 @@ def generate(
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None
     engine = Engine(loaded, chosen, devices, timeline)
+    segments = len(split_segments(chosen, "decode"))
     err.print(f"[dim]{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
-              f"{chosen.name} | {devices.describe()} | needs "
+              f"{chosen.name}, step path: segments ({segments} per decode step) | "
+              f"{devices.describe()} | needs "
               f"{format_bytes(need.accelerator)} on the accelerator[/dim]", soft_wrap=True)
     if hardware is None and chosen.name.startswith("layer-split") and policy is None:
         err.print("[dim]no hardware profile: the largest layer split that fits stands in for "

@@ -1,23 +1,33 @@
 """Scripted batch generation: JSONL prompts in, JSONL completions out, resumable.
 
-Input lines are ``{"id": ..., "prompt": ...}`` (``id`` defaults to the line number). Each result
-line is written and flushed as soon as its batch finishes; a rerun skips ids already in the
-output (a half-written last line from an interrupted run is dropped first), so nothing is lost
-or duplicated.
+Input lines are ``{"id": ..., "prompt": ...}`` (``id`` defaults to the line number), with
+optional per-line ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` and
+``stop`` (a list of strings) overriding the run's settings. Each result line is written,
+flushed and fsynced as soon as its batch finishes, and records what produced it (model, dtype,
+chat template, sampling settings, a hash of the prompt). A rerun skips ids already in the
+output (a torn last line from a killed run is cut first) and refuses to resume over a line
+that other settings produced. Each prompt samples with a seed derived from the run's seed and
+its id (``sampling.row_seed``), so a resumed sampled run equals an uninterrupted one. One run
+at a time writes an output file (``output_lock``: an advisory lock the kernel drops when the
+process dies, so a killed run leaves none behind).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from hx.errors import HxError
 from hx.generate import Completion, Engine, check_prompts, encode_prompt
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
-from hx.sampling import SamplingParams
+from hx.sampling import SamplingParams, row_seed
 from hx.workload import Workload
 
 
@@ -60,8 +70,93 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def completed_ids(path: str) -> set:
-    """Ids already present in an output file.
+OPTIONS = {"max_new_tokens": int, "temperature": (int, float), "top_k": int,
+           "top_p": (int, float), "seed": int, "stop": list}  # per-line overrides
+
+
+def check_output_path(prompts_path: str, output_path: str) -> None:
+    """Refuse, before any work, an output that cannot be written or is the input.
+
+    Raises:
+      HxError: the output's folder is missing or not writable, the output exists and is not
+        writable, or it is the prompts file.
+    """
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise HxError(f"output folder {folder} does not exist; create it or choose another "
+                      "--output")
+    if os.path.exists(output_path):
+        if not os.access(output_path, os.W_OK):
+            raise HxError(f"output file {output_path} is not writable")
+        if os.path.exists(prompts_path) and os.path.samefile(prompts_path, output_path):
+            raise HxError(f"--output {output_path} is the prompts file; choose another file")
+    elif not os.access(folder, os.W_OK):
+        raise HxError(f"output folder {folder} is not writable; choose another --output")
+
+
+@contextlib.contextmanager
+def output_lock(output_path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``OUTPUT.lock`` while a run writes ``output_path``
+    (``flock``: the kernel releases it when the process ends, however it ends).
+
+    Raises:
+      HxError: another live run holds it.
+    """
+    lock_path = output_path + ".lock"
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HxError(f"another hx run is writing {output_path} (it holds {lock_path}); "
+                          "wait for it to finish or choose another --output") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prompt_hash(prompt: str) -> str:
+    """First 16 hex digits of the prompt's SHA-256 (recorded in each result line)."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+
+
+def row_sampling(row: dict[str, Any], base: SamplingParams, where: str
+                 ) -> tuple[SamplingParams, tuple[str, ...]]:
+    """The sampling of one input row: ``base`` with the row's overrides, and its stop strings.
+
+    Raises:
+      HxError: an override of the wrong type or out of range (``where`` names the line).
+    """
+    changes: dict[str, Any] = {}
+    for key, kinds in OPTIONS.items():
+        if key not in row:
+            continue
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            kind = "a list of strings" if key == "stop" else (
+                "an integer" if kinds is int else "a number")
+            raise HxError(f"{where}: '{key}' must be {kind}, got {value!r}")
+        changes[key] = value
+    stops = changes.pop("stop", [])
+    if not all(isinstance(x, str) and x for x in stops):
+        raise HxError(f"{where}: 'stop' must be a list of non-empty strings")
+    try:
+        return dataclasses.replace(base, **changes), tuple(stops)
+    except HxError as e:
+        raise HxError(f"{where}: {e}") from None
+
+
+def produced_by(spec: ModelSpec, sampling: SamplingParams, stops: tuple[str, ...], chat: bool
+                ) -> dict[str, Any]:
+    """What a result line records of how it was made: a resume must match it."""
+    return {"model": spec.name, "dtype": spec.dtype, "chat": chat,
+            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+            "stop": list(stops)}
+
+
+def completed_rows(path: str) -> dict[Any, tuple[int, dict[str, Any]]]:
+    """Result lines already in an output file: id -> (line number, line).
 
     Every complete result line ends with a newline; bytes after the last newline are an
     interrupted write and are cut from the file.
@@ -69,34 +164,48 @@ def completed_ids(path: str) -> set:
       HxError: a complete line is not a result (the file is not an hx output).
     """
     if not os.path.exists(path):
-        return set()
+        return {}
     with open(path, "rb") as f:
         data = f.read()
     complete = data[:data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         with open(path, "r+b") as f:
             f.truncate(len(complete))
-    ids = set()
+    done = {}
     for number, line in enumerate(complete.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            ids.add(json.loads(line)["id"])
+            result = json.loads(line)
+            done[result["id"]] = (number, result)
         except (json.JSONDecodeError, KeyError, TypeError):
             raise HxError(f"{path}:{number}: existing output line is not a result; move the "
                           "file away or choose another --output") from None
-    return ids
+    return done
 
 
-def result_row(row: dict[str, Any], completion: Completion) -> dict[str, Any]:
-    """The output line of one prompt."""
-    return {"id": row["id"], "prompt": row["prompt"], "completion": completion.text,
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
+    """``text`` up to the earliest stop string, or None when none occurs."""
+    ends = [text.find(s) for s in stops if s in text]
+    return text[:min(ends)] if ends else None
+
+
+def result_row(row: dict[str, Any], completion: Completion, provenance: dict[str, Any],
+               stops: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The output line of one prompt (its text cut at the first stop string)."""
+    text, reason = completion.text, completion.finish_reason
+    cut = cut_at_stop(text, stops)
+    if cut is not None:
+        text, reason = cut, "stop"
+    return {"id": row["id"], "prompt": row["prompt"], "completion": text,
             "prompt_tokens": completion.prompt_tokens,
             "completion_tokens": len(completion.token_ids),
-            "finish_reason": completion.finish_reason,
+            "finish_reason": reason,
             "ttft_s": round(completion.ttft_s, 4),
             "decode_tok_s": (round(completion.decode_tok_s, 2)
-                             if completion.decode_tok_s is not None else None)}
+                             if completion.decode_tok_s is not None else None),
+            "prompt_sha256": prompt_hash(row["prompt"]),
+            "produced_by": provenance}
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:
@@ -112,26 +221,34 @@ class BatchJob:
       output_path: the results file being appended to.
       todo: input rows not yet answered.
       token_ids: their token ids.
+      sampling: each row's sampling (the run's, with the row's overrides; stop strings that
+        are one token added to ``stop_ids``).
+      stops: each row's stop strings.
+      provenance: each row's ``produced_by`` record.
       total: rows in the input file.
     """
 
     output_path: str
     todo: list[dict[str, Any]]
     token_ids: list[list[int]]
+    sampling: list[SamplingParams]
+    stops: list[tuple[str, ...]]
+    provenance: list[dict[str, Any]]
     total: int
 
-    def workload(self, batch_size: int, max_new_tokens: int, spec: ModelSpec) -> Workload:
+    def workload(self, batch_size: int, spec: ModelSpec) -> Workload:
         """Largest shapes a batch of this job runs at (what a plan must fit)."""
         longest = max((len(t) for t in self.token_ids), default=1)
+        most_new = max((p.max_new_tokens for p in self.sampling), default=1)
         return Workload.for_prompts(max(1, min(batch_size, len(self.todo))), longest,
-                                    max_new_tokens, spec)
+                                    most_new, spec)
 
-    def run(self, engine: Engine, sampling: SamplingParams, batch_size: int = 8,
+    def run(self, engine: Engine, batch_size: int = 8,
             on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
         """Generate the remaining prompts, appending each batch's results as it ends.
 
-        Prompts are sorted by length so each batch pads little, and one KV-cache length serves
-        the whole run (decode compiles once).
+        Rows with the same sampling form batches, longest prompts first (each batch pads
+        little), and one KV-cache length serves the whole run (decode compiles once).
         Raises:
           HxError: a batch size below 1, or a plan that does not fit the memory budget.
         """
@@ -141,41 +258,81 @@ class BatchJob:
         if not self.todo:
             return summary
         ids = self.token_ids
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        slots = self.workload(batch_size, sampling.max_new_tokens, engine.model.spec).cache_slots
+        groups: dict[tuple, list[int]] = {}
+        for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
+            groups.setdefault((self.sampling[i], self.stops[i]), []).append(i)
+        slots = self.workload(batch_size, engine.model.spec).cache_slots
         with open(self.output_path, "a", encoding="utf-8") as out:
-            for chunk in _chunks(order, batch_size):
-                completions = engine.generate_ids([ids[i] for i in chunk], sampling, slots)
-                for i, completion in zip(chunk, completions):
-                    result = result_row(self.todo[i], completion)
-                    out.write(json.dumps(result, ensure_ascii=False) + "\n")
-                    if on_result:
-                        on_result(result)
-                out.flush()
-                os.fsync(out.fileno())
+            for (sampling, stops), rows in groups.items():
+                for chunk in _chunks(rows, batch_size):
+                    seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in chunk]
+                    completions = engine.generate_ids([ids[i] for i in chunk], sampling, slots,
+                                                      seeds)
+                    for i, completion in zip(chunk, completions):
+                        result = result_row(self.todo[i], completion, self.provenance[i],
+                                            stops)
+                        out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                        if on_result:
+                            on_result(result)
+                    out.flush()
+                    os.fsync(out.fileno())
         return summary
 
 
-def prepare_batch(model: Model, prompts_path: str, output_path: str, chat: bool = False
-                  ) -> BatchJob:
+def prepare_batch(model: Model, prompts_path: str, output_path: str,
+                  sampling: SamplingParams = SamplingParams(), chat: bool = False) -> BatchJob:
     """Read the prompts, drop those already answered in ``output_path``, tokenize and check
     the rest, so that a bad prompt fails before any work.
 
     Raises:
-      HxError: bad input file, a prompt that is empty or longer than the context.
+      HxError: bad input file or per-line option, a prompt that is empty or longer than the
+        context, or an answered id whose line other settings (or another prompt) produced.
     """
     rows = read_prompts(prompts_path)
-    done = completed_ids(output_path)
-    todo = [r for r in rows if r["id"] not in done]
+    done = completed_rows(output_path)
+    todo, samplings, stops, records = [], [], [], []
+    for row in rows:
+        params, row_stops = row_sampling(row, sampling, f"{prompts_path}: id {row['id']!r}")
+        record = produced_by(model.spec, params, row_stops, chat)
+        if row["id"] in done:
+            line, old = done[row["id"]]
+            same = (old.get("prompt_sha256") == prompt_hash(row["prompt"])
+                    and old.get("produced_by") == record)
+            if not same:
+                raise HxError(f"{output_path}:{line}: id {row['id']!r} was produced "
+                              f"differently ({_differences(old, row, record)}); resume with "
+                              "the same prompt, model and settings, or choose another --output")
+            continue
+        tok = model.tokenizer
+        pieces = ([i for i in tok.encode(x) if i != tok.bos_id] for x in row_stops)
+        single = tuple(t[0] for t in pieces if len(t) == 1)  # these end generation early
+        todo.append(row)
+        samplings.append(dataclasses.replace(params, stop_ids=params.stop_ids + single))
+        stops.append(row_stops)
+        records.append(record)
     ids = [encode_prompt(model.tokenizer, r["prompt"], chat) for r in todo]
     check_prompts([len(t) for t in ids], model.spec, [repr(r["id"]) for r in todo])
-    return BatchJob(output_path, todo, ids, total=len(rows))
+    return BatchJob(output_path, todo, ids, samplings, stops, records, total=len(rows))
+
+
+def _differences(old: dict[str, Any], row: dict[str, Any], record: dict[str, Any]) -> str:
+    """``key there -> here`` for each way an existing result line differs from this run's."""
+    there = old.get("produced_by")
+    if not isinstance(there, dict):
+        return "the line records no settings: an older hx wrote it"
+    diffs = [f"{key} {there.get(key)!r} there, {value!r} now"
+             for key, value in record.items() if there.get(key) != value]
+    if old.get("prompt_sha256") != prompt_hash(row["prompt"]):
+        diffs.insert(0, "another prompt text")
+    return "; ".join(diffs)
 
 
 def run_batch(engine: Engine, prompts_path: str, output_path: str, sampling: SamplingParams,
               batch_size: int = 8, chat: bool = False,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
     """Answer every prompt of ``prompts_path`` not yet in ``output_path`` (``prepare_batch``
-    then ``BatchJob.run``)."""
-    job = prepare_batch(engine.model, prompts_path, output_path, chat)
-    return job.run(engine, sampling, batch_size, on_result)
+    then ``BatchJob.run``), holding ``output_lock``."""
+    check_output_path(prompts_path, output_path)
+    with output_lock(output_path):
+        job = prepare_batch(engine.model, prompts_path, output_path, sampling, chat)
+        return job.run(engine, batch_size, on_result)

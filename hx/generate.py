@@ -37,7 +37,9 @@ class Completion:
       prompt_tokens: prompt length in tokens.
       token_ids: generated ids, without the stop token.
       text: ``token_ids`` decoded.
-      finish_reason: ``"stop"`` (a stop token) or ``"length"`` (max_new_tokens or context end).
+      finish_reason: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens reached) or
+        ``"context"`` (cut short of max_new_tokens: the batch's longest prompt and the new
+        tokens filled the model's context).
       ttft_s: seconds from the start of the batch to its first token (prefill + first sample).
       decode_tok_s: this row's tokens after the first, per second of decode; None when the
         first token already ended it.
@@ -205,12 +207,14 @@ class Engine:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams = SamplingParams(),
-                     cache_slots: int | None = None) -> list[Completion]:
+                     cache_slots: int | None = None, seeds: Sequence[int] | None = None
+                     ) -> list[Completion]:
         """Generate from token ids, as one batch.
 
         Args:
           prompts: B prompts of token ids (lengths may differ).
           sampling: sampling and stopping rules.
+          seeds: B sampling seeds, one per prompt (default: ``sampling.seed`` for all).
           cache_slots: KV-cache length; by default ``hx.workload.cache_length`` of this batch.
             A batch run passes one value for all its batches so decode compiles once.
         Raises:
@@ -251,7 +255,7 @@ class Engine:
             caches = self.executor.new_cache(B, workload.cache_slots)
             logits, caches = run_prefill(self.executor, tokens, prefill_step, caches,
                                          self.plan.prefill_chunk)
-            last = np.asarray(sample(logits, sampling, 0))
+            last = np.asarray(sample(logits, sampling, 0, seeds))
             first = time.perf_counter()
             record(last, first)
             kv_start = prefill_step.kv_start
@@ -261,7 +265,7 @@ class Engine:
                 step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
                             write_index=np.int32(T + i - 1), kv_start=kv_start)
                 logits, caches = self.executor.run("decode", last[:, None], step, caches)
-                last = np.asarray(sample(logits, sampling, i))
+                last = np.asarray(sample(logits, sampling, i, seeds))
                 record(last, time.perf_counter())
         finally:
             self.executor.release_cache()
@@ -272,7 +276,9 @@ class Engine:
             elapsed = end[r] - first
             results.append(Completion(
                 prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
-                finish_reason="stop" if finished[r] else "length", ttft_s=first - start,
+                finish_reason=("stop" if finished[r] else
+                               "context" if max_new < sampling.max_new_tokens else "length"),
+                ttft_s=first - start,
                 decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
                 compile_s=compile_s))
         return results

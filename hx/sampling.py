@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hx.errors import HxError
 
@@ -21,8 +24,9 @@ class SamplingParams:
       top_k: keep the k most likely tokens (0 = no limit).
       top_p: keep the smallest set of tokens whose probability reaches p (Holtzman et al.
         2020); 1.0 = no limit.
-      seed: PRNG seed. Each row draws with a key derived from (seed, step) only, so a prompt's
-        sample does not depend on which other prompts share its batch.
+      seed: PRNG seed. Each row draws with a key derived from (its seed, step) only, so a
+        prompt's sample does not depend on which other prompts share its batch (a batch run
+        gives each prompt a seed derived from this one and its id: ``row_seed``).
       stop_ids: extra token ids that end a sequence (the model's EOS always does).
     Raises:
       HxError: out-of-range values.
@@ -51,8 +55,16 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def row_seed(seed: int, row_id: object) -> int:
+    """The sampling seed of one prompt of a batch run: a hash of the run's seed and the
+    prompt's id (stable across processes), so a resumed run samples as an uninterrupted one
+    and equal prompts with different ids draw differently."""
+    digest = hashlib.sha256(f"{seed}:{row_id!r}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "use_top_p"))
-def _sample(logits, seed, step, temperature, top_p, *, top_k: int, use_top_p: bool):
+def _sample(logits, seeds, step, temperature, top_p, *, top_k: int, use_top_p: bool):
     B, V = logits.shape
     scaled = logits.astype(jnp.float32) / temperature
     if top_k or use_top_p:
@@ -63,8 +75,10 @@ def _sample(logits, seed, step, temperature, top_p, *, top_k: int, use_top_p: bo
         probs = jax.nn.softmax(values, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
         values = jnp.where(before < top_p, values, -jnp.inf)  # the top token always stays
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-    choice = jax.vmap(lambda row: jax.random.categorical(key, row))(values)  # same key per row
+    def draw(seed, row):
+        return jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(seed), step), row)
+
+    choice = jax.vmap(draw)(seeds, values)
     return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
@@ -73,17 +87,21 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, params: SamplingParams, step: int) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingParams, step: int,
+           seeds: Sequence[int] | None = None) -> jax.Array:
     """Next token of every row.
 
     Args:
       logits: (B, V) float32.
       params: sampling configuration.
       step: index of the token being generated (0 for the first), mixed into the PRNG key.
+      seeds: (B,) seed of each row (default: ``params.seed`` for every row).
     Returns:
       (B,) int32 token ids, on the logits' device.
     """
     if params.greedy:
         return _greedy(logits)
-    return _sample(logits, params.seed, step, params.temperature, params.top_p,
+    B = logits.shape[0]
+    rows = np.full(B, params.seed, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
+    return _sample(logits, rows, step, params.temperature, params.top_p,
                    top_k=params.top_k, use_top_p=params.top_p < 1.0)

@@ -1,10 +1,13 @@
 """JSONL batch runs: every prompt answered once, output written as produced, resumable."""
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from hx.batch import run_batch
+from hx.batch import output_lock, run_batch
 from hx.errors import HxError
 from hx.generate import Engine
 from hx.sampling import SamplingParams
@@ -12,7 +15,8 @@ from hx.sampling import SamplingParams
 PROMPTS = [f"Prompt number {i}: " + "word " * (i % 5) for i in range(7)]
 SAMPLING = SamplingParams(max_new_tokens=4)
 FIELDS = {"id", "prompt", "completion", "prompt_tokens", "completion_tokens", "finish_reason",
-          "ttft_s", "decode_tok_s"}
+          "ttft_s", "decode_tok_s", "prompt_sha256", "produced_by"}
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +94,89 @@ def test_too_long_prompt_fails_before_any_output(engine, tmp_path):
     with pytest.raises(HxError, match="prompt 'long' has"):
         run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), SAMPLING)
     assert not (tmp_path / "o.jsonl").exists() or read(tmp_path / "o.jsonl") == []
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_per_line_options_override_the_run(engine, tmp_path):
+    free = engine.generate(["alpha beta"], SamplingParams(max_new_tokens=6))[0].text
+    stop = free[len(free) // 2]  # a character the free completion contains
+    write_rows(tmp_path / "in.jsonl", [
+        {"id": "short", "prompt": "alpha beta", "max_new_tokens": 2},
+        {"id": "stop", "prompt": "alpha beta", "max_new_tokens": 6, "stop": [stop]},
+        {"id": "free", "prompt": "alpha beta", "max_new_tokens": 6}])
+    run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), SAMPLING)
+    rows = {r["id"]: r for r in read(tmp_path / "o.jsonl")}
+    assert rows["short"]["completion_tokens"] == 2
+    assert rows["short"]["produced_by"]["max_new_tokens"] == 2
+    assert rows["free"]["completion"] == free
+    assert rows["stop"]["completion"] == free[:free.index(stop)]
+    assert rows["stop"]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"max_new_tokens": "3"}, "'max_new_tokens' must be an integer"),
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"stop": "."}, "'stop' must be a list of strings"),
+    ({"stop": [""]}, "non-empty strings"),
+])
+def test_bad_per_line_option(engine, tmp_path, row, match):
+    write_rows(tmp_path / "in.jsonl", [{"id": "x", "prompt": "hi"} | row])
+    with pytest.raises(HxError, match=match):
+        run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), SAMPLING)
+
+
+def test_resume_is_refused_over_lines_other_settings_made(engine, prompts_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run_batch(engine, str(prompts_file), str(out), SAMPLING, batch_size=3)
+    with pytest.raises(HxError, match=r"out.jsonl:\d+: id 'p\d' was produced differently "
+                                      r"\(max_new_tokens 4 there, 5 now\)"):
+        run_batch(engine, str(prompts_file), str(out), SamplingParams(max_new_tokens=5))
+    rows = read(prompts_file)
+    rows[0]["prompt"] += "!"
+    write_rows(prompts_file, rows)
+    with pytest.raises(HxError, match="another prompt text"):
+        run_batch(engine, str(prompts_file), str(out), SAMPLING, batch_size=3)
+
+
+def test_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts_file, tmp_path,
+                                                           monkeypatch):
+    whole = tmp_path / "whole.jsonl"
+    run_batch(engine, str(prompts_file), str(whole), SAMPLED, batch_size=3)
+    real, calls = engine.generate_ids, []
+
+    def killed_after_one_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    resumed = tmp_path / "resumed.jsonl"
+    monkeypatch.setattr(engine, "generate_ids", killed_after_one_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(engine, str(prompts_file), str(resumed), SAMPLED, batch_size=2)
+    monkeypatch.setattr(engine, "generate_ids", real)
+    run_batch(engine, str(prompts_file), str(resumed), SAMPLED, batch_size=3)
+    completions = {r["id"]: r["completion"] for r in read(whole)}
+    assert {r["id"]: r["completion"] for r in read(resumed)} == completions
+    assert len(set(completions.values())) > 1  # sampled, and not all alike
+
+
+def test_one_run_at_a_time_and_no_stale_lock(engine, prompts_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    with output_lock(str(out)):
+        with pytest.raises(HxError, match="another hx run is writing"):
+            run_batch(engine, str(prompts_file), str(out), SAMPLING)
+    # a run killed with SIGKILL while it holds the lock leaves none behind
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from hx.batch import output_lock\n"
+        f"with output_lock({str(out)!r}):\n    print('locked', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(HxError, match="another hx run is writing"):
+        run_batch(engine, str(prompts_file), str(out), SAMPLING)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert run_batch(engine, str(prompts_file), str(out), SAMPLING).generated == len(PROMPTS)

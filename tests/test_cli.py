@@ -53,22 +53,40 @@ def test_usage_errors(tmp_path):
     assert_clean_error(hx("generate", "--prompts", str(tmp_path / "p.jsonl")), "needs --output")
 
 
+TRICKY = ["a b c", "[INST] hello [/INST]", "[b]bold?[/b] [a-z]+ 😀", "[red]x"]
+
+
 def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
+    """Ids and prompts that look like rich markup are written and echoed verbatim; piped
+    stdout is exactly the lines appended to the output; a second run resumes; a run while
+    another holds the output, or with a bad output path, is refused before the model loads."""
+    from hx.batch import output_lock
+
     write_gguf(tmp_path / "tiny.gguf", tiny_model.spec, tiny_model.params, smollm_metadata)
     (tmp_path / "p.jsonl").write_text("".join(
-        json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["a b c", "hello"])))
+        json.dumps({"id": f"[i]{i}", "prompt": p}, ensure_ascii=False) + "\n"
+        for i, p in enumerate(TRICKY)))
+    out = tmp_path / "o.jsonl"
     args = ("generate", "-m", str(tmp_path / "tiny.gguf"), "--prompts", str(tmp_path / "p.jsonl"),
-            "-o", str(tmp_path / "o.jsonl"), "--max-new-tokens", "3", "--host-ops", "score,mlp2")
+            "-o", str(out), "--max-new-tokens", "3", "--host-ops", "score,mlp2")
     result = hx(*args)
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == [0, 1]
+    assert result.stdout == out.read_text(encoding="utf-8")  # byte for byte
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(f"[i]{i}" for i in range(len(TRICKY)))
+    assert {r["prompt"] for r in rows} == set(TRICKY)
     assert all(r["completion_tokens"] <= 3 for r in rows)
     assert "host:SCORE,MLP2" in result.stderr
     # the header says EMULATED exactly when the accelerator is a CPU device standing in for one
     assert ("EMULATED" in result.stderr) == devices.emulated
     again = hx(*args)
-    assert again.returncode == 0 and "0 generated, 2 already" in again.stderr
+    assert again.returncode == 0 and f"0 generated, {len(TRICKY)} already" in again.stderr
+    assert again.stdout == ""
+    with output_lock(str(out)):
+        assert_clean_error(hx(*args), "another hx run is writing", str(out))
+    assert_clean_error(hx(*args[:5], "-o", str(tmp_path / "missing" / "o.jsonl")),
+                       "does not exist")
+    assert_clean_error(hx(*args[:5], "-o", str(tmp_path / "p.jsonl")), "is the prompts file")
 
 
 QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes

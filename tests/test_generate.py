@@ -48,7 +48,7 @@ def test_context_end_limits_new_tokens(tiny_model):
     n_ctx = tiny_model.spec.context_length
     c = Engine(tiny_model).generate_ids([[5] * (n_ctx - 3)],
                                         SamplingParams(max_new_tokens=50))[0]
-    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+    assert len(c.token_ids) == 3 and c.finish_reason == "context"
 
 
 def test_prompt_errors(tiny_model):

@@ -89,6 +89,7 @@ def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workloa
     return policies.build(name, spec, devices, workload, profile=profile)
 
 
-def print_table(table: Table) -> None:
-    """Print a table of numbers at full width (never truncating a column)."""
-    Console(width=max(out.width, 140)).print(table)
+def print_table(table: Table, stderr: bool = False) -> None:
+    """Print a table of numbers at full width (never truncating a column), on stdout or, for
+    reports beside data written to stdout, on stderr."""
+    Console(width=max(out.width, 140), stderr=stderr).print(table)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+from rich.text import Text
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, out, resolve_plan)
+                           ProfileOption, app, describe_dtype, err, out, print_table,
+                           resolve_plan)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype
@@ -52,11 +61,12 @@ def generate(
     trace: Optional[Path] = typer.Option(None, "--trace",
                                          help="Write a Chrome/Perfetto trace of the run."),
 ) -> None:
-    """Generate completions for one prompt or a JSONL file of prompts."""
-    from hx.batch import prepare_batch
-    from hx.generate import Engine, check_prompts, encode_prompt
-    from hx.memory import check_fits
-    from hx.timeline import Timeline, median_overlap
+    """Generate completions for one prompt or a JSONL file of prompts.
+
+    With --prompts, each result line is appended to --output as its batch ends; an interrupted
+    run resumes where it stopped. Piped, stdout carries exactly those JSONL lines; on a
+    terminal, each prompt and completion."""
+    from hx.batch import check_output_path, output_lock
 
     if (prompt is None) == (prompts is None):
         raise HxError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
@@ -64,16 +74,33 @@ def generate(
         raise HxError("--prompts needs --output OUT.jsonl")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
+    lock = contextlib.nullcontext()
+    if prompts is not None:  # before the model loads: fail fast, and one run per output
+        check_output_path(str(prompts), str(output))
+        lock = output_lock(str(output))
+    with lock:
+        _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
+                  host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, trace)
+
+
+def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
+              host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, trace
+              ) -> None:
+    from hx.batch import prepare_batch
+    from hx.generate import Engine, check_prompts, encode_prompt
+    from hx.memory import check_fits
+    from hx.timeline import Timeline, median_overlap
+
     devices = discover(accelerator_memory, host_memory)
     loaded = load(model, resolve_dtype(dtype, devices))
     spec = loaded.spec
     if prompt is not None:
         ids = encode_prompt(loaded.tokenizer, prompt, chat)
         check_prompts([len(ids)], spec)
-        workload = Workload.for_prompts(1, len(ids), max_new_tokens, spec)
+        workload = Workload.for_prompts(1, len(ids), sampling.max_new_tokens, spec)
     else:
-        job = prepare_batch(loaded, str(prompts), str(output), chat)
-        workload = job.workload(batch_size, max_new_tokens, spec)
+        job = prepare_batch(loaded, str(prompts), str(output), sampling, chat)
+        workload = job.workload(batch_size, spec)
     from hx.planner.profiler import for_policy  # measures a quick one if the policy needs it
     hardware = for_policy(policy or "auto", str(profile) if profile else None, devices,
                           lambda m: err.print(m, soft_wrap=True, markup=False, highlight=False))
@@ -92,26 +119,19 @@ def generate(
                   soft_wrap=True)
     if prompt is not None:
         result = engine.generate_ids([ids], sampling)[0]
-        out.print(result.text, markup=False, highlight=False)
+        sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
+        sys.stdout.flush()
         rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
         err.print(f"[dim]prompt_tokens={result.prompt_tokens} "
                   f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
                   f"decode={rate} tok/s finish={result.finish_reason} "
                   f"compile={result.compile_s:.1f}s[/dim]", soft_wrap=True)
+        if result.finish_reason == "context":
+            err.print(f"stopped at the model's context of {spec.context_length} tokens: "
+                      f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens "
+                      "asked for", soft_wrap=True, markup=False, highlight=False)
     else:
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err) as progress:
-            task = progress.add_task("generate", total=len(job.todo))
-
-            def show(row: dict) -> None:
-                progress.advance(task)
-                out.print(f"[bold]{row['id']}[/bold] {row['prompt']!r}", highlight=False)
-                out.print(row["completion"], markup=False, highlight=False)
-                out.print()
-
-            summary = job.run(engine, sampling, batch_size, on_result=show)
-        err.print(f"[dim]{summary.generated} generated, {summary.skipped} already in {output}, "
-                  f"{summary.total} prompts[/dim]", soft_wrap=True)
+        _run_batch(job, engine, batch_size, output)
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
@@ -123,3 +143,60 @@ def generate(
         err.print(f"[dim]trace: {len(timeline.events)} events -> {trace}; median decode "
                   f"overlap fraction "
                   f"{'-' if overlap is None else f'{overlap:.2f}'}[/dim]", soft_wrap=True)
+
+
+def _run_batch(job, engine, batch_size: int, output: Path) -> None:
+    """Run a batch job with a progress bar (prompts, tokens/s, ETA), each result echoed as it
+    is written, then a summary table."""
+    results: list[dict] = []
+    start = time.perf_counter()
+    piped = not sys.stdout.isatty()
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
+                  TextColumn("ETA"), TimeRemainingColumn(), console=err) as progress:
+        task = progress.add_task("generate", total=len(job.todo), rate="-")
+
+        def show(row: dict) -> None:
+            results.append(row)
+            tokens = sum(r["completion_tokens"] for r in results)
+            progress.update(task, advance=1,
+                            rate=f"{tokens / (time.perf_counter() - start):.1f}")
+            if piped:  # the very bytes appended to the output file
+                sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+                sys.stdout.flush()
+            else:  # user text is never markup: [/INST], [b], [a-z] print as they are
+                out.print(Text.assemble((str(row["id"]), "bold"), " ", repr(row["prompt"])),
+                          soft_wrap=True, highlight=False)
+                out.print(Text(row["completion"]), soft_wrap=True, highlight=False)
+                out.print()
+
+        summary = job.run(engine, batch_size, on_result=show)
+    wall = time.perf_counter() - start
+    err.print(f"{summary.generated} generated, {summary.skipped} already in {output}, "
+              f"{summary.total} prompts", soft_wrap=True, markup=False, highlight=False)
+    if results:
+        print_table(summary_table(results, wall, engine.accountant.peak), stderr=True)
+
+
+def summary_table(results: list[dict], wall_s: float, peak_bytes: int) -> Table:
+    """Prompts, tokens, tokens/s and TTFT / TPOT percentiles of the results of one run.
+
+    TPOT (time per output token after the first) of a row is 1 / its decode tokens/s."""
+    def percentiles(values: list[float]) -> str:
+        if not values:
+            return "-"
+        return " / ".join(f"{np.percentile(values, q) * 1e3:.1f}" for q in (50, 90, 99))
+
+    tokens = sum(r["completion_tokens"] for r in results)
+    table = Table(title="batch run")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("prompts", str(len(results)))
+    table.add_row("generated tokens", str(tokens))
+    table.add_row("tokens/s (generated / wall)", f"{tokens / wall_s:.1f}" if wall_s else "-")
+    table.add_row("TTFT ms p50 / p90 / p99", percentiles([r["ttft_s"] for r in results]))
+    table.add_row("TPOT ms p50 / p90 / p99",
+                  percentiles([1 / r["decode_tok_s"] for r in results if r["decode_tok_s"]]))
+    table.add_row("accelerator peak", format_bytes(peak_bytes))
+    table.add_row("wall s", f"{wall_s:.1f}")
+    return table

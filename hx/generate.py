@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -74,7 +74,8 @@ def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str]
 
 
 def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list,
-            chunk: int | None) -> tuple:
+                chunk: int | None, on_chunk: Callable[[int, int], None] | None = None
+                ) -> tuple:
     """Run a left-padded prompt batch through ``executor`` in chunks of at most ``chunk``
     tokens (``hx.workload.prefill_chunks``; None: one step). Each chunk writes its keys and
     values at its own cache slots and attends over every slot written before it, so the
@@ -83,12 +84,16 @@ def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list
     Args:
       tokens: (B, T) int32 prompt tokens; step: the prefill ``Step`` of all T tokens.
       caches: per-layer KV caches (consumed).
+      on_chunk: called with (chunk index from 1, number of chunks) before each chunk runs.
     Returns:
       (logits (B, V) of the last position, updated caches).
     """
     start = int(step.write_index)
     logits = None
-    for c in prefill_chunks(tokens.shape[1], chunk):
+    chunks = prefill_chunks(tokens.shape[1], chunk)
+    for index, c in enumerate(chunks, 1):
+        if on_chunk is not None:
+            on_chunk(index, len(chunks))
         part = slice(start, start + c)
         logits, caches = executor.run(
             "prefill", tokens[:, part],
@@ -110,6 +115,10 @@ class Engine:
       plan: op placement and memory homes; all-accelerator when omitted.
       devices: accelerator (with its memory budget) and host; discovered when omitted.
       timeline: records every segment and transfer when given (``--trace``).
+    Attributes:
+      on_status: when set, called with a short line as a batch moves through compiling,
+        each prefill chunk and decoding (a progress display: compiling and a long prompt's
+        prefill can take minutes).
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
@@ -118,6 +127,11 @@ class Engine:
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
         self.executor = Executor(model.spec, model.params, self.plan, devices, timeline)
         self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
+        self.on_status: Callable[[str], None] | None = None
+
+    def _status(self, line: str) -> None:
+        if self.on_status is not None:
+            self.on_status(line)
 
     @property
     def accountant(self):
@@ -177,6 +191,8 @@ class Engine:
         key = (workload, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
+        self._status(f"compiling batch {workload.batch} x {workload.prompt_tokens} tokens, "
+                     f"{workload.cache_slots} KV slots")
         start = time.perf_counter()
         B, S = workload.batch, workload.cache_slots
         for chunk in set(prefill_chunks(workload.prompt_tokens, self.plan.prefill_chunk)):
@@ -253,11 +269,13 @@ class Engine:
         start = time.perf_counter()
         try:
             caches = self.executor.new_cache(B, workload.cache_slots)
-            logits, caches = run_prefill(self.executor, tokens, prefill_step, caches,
-                                         self.plan.prefill_chunk)
+            logits, caches = run_prefill(
+                self.executor, tokens, prefill_step, caches, self.plan.prefill_chunk,
+                lambda i, n: self._status(f"prefill {B} x {T} tokens, chunk {i}/{n}"))
             last = np.asarray(sample(logits, sampling, 0, seeds))
             first = time.perf_counter()
             record(last, first)
+            self._status(f"decoding {B} x up to {max_new} tokens")
             kv_start = prefill_step.kv_start
             for i in range(1, max_new):
                 if all(finished):

@@ -118,7 +118,9 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
                   "the CP-SAT plan; run `hx profile` once to plan with CP-SAT[/dim]",
                   soft_wrap=True)
     if prompt is not None:
-        result = engine.generate_ids([ids], sampling)[0]
+        with err.status("starting", spinner="dots") as status:
+            engine.on_status = lambda line: status.update(Text(line))
+            result = engine.generate_ids([ids], sampling)[0]
         sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
         sys.stdout.flush()
         rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
@@ -151,10 +153,11 @@ def _run_batch(job, engine, batch_size: int, output: Path) -> None:
     results: list[dict] = []
     start = time.perf_counter()
     piped = not sys.stdout.isatty()
-    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=err) as progress:
-        task = progress.add_task("generate", total=len(job.todo), rate="-")
+        task = progress.add_task("starting", total=len(job.todo), rate="-")
+        engine.on_status = lambda line: progress.update(task, description=line)
 
         def show(row: dict) -> None:
             results.append(row)

@@ -9,6 +9,7 @@ serves the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -116,6 +117,9 @@ class Engine:
       devices: accelerator (with its memory budget) and host; discovered when omitted.
       timeline: records every segment and transfer when given (``--trace``).
     Attributes:
+      model: ``model`` without its weight tree (``params`` is empty): once placed, the
+        weights live where the plan put them, and the caller's ``Model`` is the only other
+        reference to the loader's host arrays.
       on_status: when set, called with a short line as a batch moves through compiling,
         each prefill chunk and decoding (a progress display: compiling and a long prompt's
         prefill can take minutes).
@@ -123,9 +127,11 @@ class Engine:
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
                  devices: Devices | None = None, timeline: Timeline | None = None):
-        self.model = model
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
         self.executor = Executor(model.spec, model.params, self.plan, devices, timeline)
+        # the executor holds the weights where the plan put them; keep no second reference to
+        # the loader's host copies, so dropping the ``Model`` frees them (one copy per weight)
+        self.model = dataclasses.replace(model, params={})
         self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
         self.on_status: Callable[[str], None] | None = None
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hx.errors import HxError
+from hx.models.buffers import aligned_copy
 from hx.models.llama import layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
@@ -156,29 +157,32 @@ def load_gguf(path: str, dtype: str = "float32") -> GGUFContents:
 
     def kernel(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """(out, in) row-major matrix -> Flax kernel (in..., out...) of ``shape``."""
-        return np.ascontiguousarray(w.T).reshape(shape)
+        return aligned_copy(w.T).reshape(shape)
 
-    embedding = tensor("token_embd.weight", (spec.vocab_size, D))
+    def vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return aligned_copy(tensor(name, shape))
+
+    embedding = vector("token_embd.weight", (spec.vocab_size, D))
     params: dict[str, Any] = {EMBED: {"embedding": embedding}}
     for i in range(spec.n_layers):
         b = f"blk.{i}."
         wq = unpermute_rope_rows(tensor(b + "attn_q.weight", (H * E, D)), H)
         wk = unpermute_rope_rows(tensor(b + "attn_k.weight", (K * E, D)), K)
         params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": tensor(b + "attn_norm.weight", (D,))},
+            "Q": {"attn_norm": {"scale": vector(b + "attn_norm.weight", (D,))},
                   "wq": {"kernel": kernel(wq, (D, H, E))}},
             "K": {"wk": {"kernel": kernel(wk, (D, K, E))}},
             "V": {"wv": {"kernel": kernel(tensor(b + "attn_v.weight", (K * E, D)), (D, K, E))}},
             "SCORE": {},
             "OUT": {"wo": {"kernel": kernel(tensor(b + "attn_output.weight", (D, H * E)),
                                             (H, E, D))}},
-            "MLP1": {"ffn_norm": {"scale": tensor(b + "ffn_norm.weight", (D,))},
+            "MLP1": {"ffn_norm": {"scale": vector(b + "ffn_norm.weight", (D,))},
                      "w_gate": {"kernel": kernel(tensor(b + "ffn_gate.weight", (F, D)), (D, F))},
                      "w_up": {"kernel": kernel(tensor(b + "ffn_up.weight", (F, D)), (D, F))}},
             "MLP2": {"w_down": {"kernel": kernel(tensor(b + "ffn_down.weight", (D, F)), (F, D))}},
         }
     head_table = (embedding if spec.tie_embeddings
-                  else tensor("output.weight", (spec.vocab_size, D)))
-    params[HEAD] = {"final_norm": {"scale": tensor("output_norm.weight", (D,))},
+                  else vector("output.weight", (spec.vocab_size, D)))
+    params[HEAD] = {"final_norm": {"scale": vector("output_norm.weight", (D,))},
                     "embedding": head_table}
     return GGUFContents(spec=spec, params=params, metadata=meta)

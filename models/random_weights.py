@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from hx.errors import HxError
+from hx.models.buffers import aligned_copy, aligned_empty
 from hx.models.llama import layer_key
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
@@ -41,7 +42,7 @@ _CHUNK = 1 << 18  # elements drawn and scaled per pass: 1 MiB, stays in cache
 def _uniform(shape: tuple[int, ...], seed: int, path: str, dtype=np.float32) -> np.ndarray:
     """A fresh array of ``shape`` and ``dtype``, uniform with standard deviation ``STD``: drawn
     in float32 (into the array itself, or a chunk at a time and rounded into it)."""
-    out = np.empty(shape, dtype)
+    out = aligned_empty(shape, dtype)
     flat = out.reshape(-1)  # a view: ``out`` is contiguous
     scratch = None if out.dtype == np.float32 else np.empty(min(_CHUNK, flat.size), np.float32)
     rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
@@ -103,7 +104,7 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
                 node = tree
                 for m in modules:
                     node = node.setdefault(m, {})
-                node[last] = (np.ones(shape, dtype) if last == "scale"
+                node[last] = (aligned_copy(np.ones(shape, dtype)) if last == "scale"
                               else pool.submit(_uniform, shape, seed, name, *narrow))
             return tree
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hx.errors import HxError
+from hx.models.buffers import aligned_copy
 from hx.models.llama import layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
@@ -81,24 +82,28 @@ def load_safetensors_dir(directory: str, dtype: str = "float32"
     D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
 
     def kernel(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return np.ascontiguousarray(get(name).T).reshape(shape)
+        return aligned_copy(get(name).T).reshape(shape)
 
-    embedding = get("model.embed_tokens.weight")
+    def vector(name: str) -> np.ndarray:
+        return aligned_copy(get(name))
+
+    embedding = vector("model.embed_tokens.weight")
     params: dict[str, Any] = {EMBED: {"embedding": embedding}}
     for i in range(spec.n_layers):
         b = f"model.layers.{i}."
         params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": get(b + "input_layernorm.weight")},
+            "Q": {"attn_norm": {"scale": vector(b + "input_layernorm.weight")},
                   "wq": {"kernel": kernel(b + "self_attn.q_proj.weight", (D, H, E))}},
             "K": {"wk": {"kernel": kernel(b + "self_attn.k_proj.weight", (D, K, E))}},
             "V": {"wv": {"kernel": kernel(b + "self_attn.v_proj.weight", (D, K, E))}},
             "SCORE": {},
             "OUT": {"wo": {"kernel": kernel(b + "self_attn.o_proj.weight", (H, E, D))}},
-            "MLP1": {"ffn_norm": {"scale": get(b + "post_attention_layernorm.weight")},
+            "MLP1": {"ffn_norm": {"scale": vector(b + "post_attention_layernorm.weight")},
                      "w_gate": {"kernel": kernel(b + "mlp.gate_proj.weight", (D, F))},
                      "w_up": {"kernel": kernel(b + "mlp.up_proj.weight", (D, F))}},
             "MLP2": {"w_down": {"kernel": kernel(b + "mlp.down_proj.weight", (F, D))}},
         }
-    head_table = embedding if spec.tie_embeddings else get("lm_head.weight")
-    params[HEAD] = {"final_norm": {"scale": get("model.norm.weight")}, "embedding": head_table}
+    head_table = embedding if spec.tie_embeddings else vector("lm_head.weight")
+    params[HEAD] = {"final_norm": {"scale": vector("model.norm.weight")},
+                    "embedding": head_table}
     return spec, params

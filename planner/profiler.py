@@ -16,7 +16,8 @@ or a ratio compares are interleaved, so a slow spell of this shared machine hits
 * **transfer latency**: a (16, 576) float32 activation moved each way as ``Executor.run`` moves
   it (a list in one ``device_put``, a fresh source), less bytes / bandwidth; mean of the two.
 * **matmul** (FLOP/s at M rows, at a dtype): (M x 4096) @ (4096 x P) products, P covering
-  256 MiB of weights at small M (beyond the caches of a CPU and of an H100's 50 MB L2), fewer
+  256 MiB of weights at small M (64 MiB in a quick profile; beyond the caches of a CPU and of
+  an H100's 50 MB L2), fewer
   columns at large M.
 * **memory bandwidth**: in-place (donated) elementwise passes over 256 MiB, read + written
   bytes counted (an output allocated per call would time the allocator's page faults instead:
@@ -74,7 +75,6 @@ LINK_CAP = 2**30  # largest timed copy, bytes
 SMALL_SHAPE = (16, 576)  # an activation (batch 16, SmolLM2's width), float32: 36 KiB
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
 MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MATMUL_WEIGHT_BYTES = 256 * MiB  # weights of the product at M = 1: beyond any cache
 COLUMN_STEP = 1024  # P is a multiple of this
 MEMORY_BYTES = 256 * MiB  # buffer of the elementwise pass
 ATTENTION_SLOTS = (256, 1024, 4096)
@@ -91,6 +91,8 @@ class Effort:
       memory_target_s / matmul_target_s: seconds one timed call of elementwise passes / of
         products should last (work is repeated inside the call until it does).
       matmul_rows: the M of the matmul rate curve.
+      matmul_weight_bytes: weights of the product at M = 1, beyond any cache (256 MiB; the
+        quick profile's 64 MiB are still beyond an H100's 50 MB L2).
       attention_slots: the S of the attention rate curve.
       window / tolerance / max_rounds / max_seconds / warmup_s: ``stable_seconds``' stopping
         rule for every figure.
@@ -102,6 +104,7 @@ class Effort:
     memory_target_s: float
     matmul_target_s: float
     matmul_rows: tuple[int, ...]
+    matmul_weight_bytes: int
     attention_slots: tuple[int, ...]
     window: int
     tolerance: float
@@ -121,11 +124,13 @@ class Effort:
 
 
 FULL = Effort(link_target_s=0.02, memory_target_s=0.01, matmul_target_s=0.01,
-              matmul_rows=MATMUL_ROWS, attention_slots=ATTENTION_SLOTS, window=5,
+              matmul_rows=MATMUL_ROWS, matmul_weight_bytes=256 * MiB,
+              attention_slots=ATTENTION_SLOTS, window=5,
               tolerance=0.05, max_rounds=25, max_seconds=1.0, warmup_s=0.3,
               launch_plans=(0, 1, 2, 3, 4))
 QUICK = Effort(link_target_s=0.01, memory_target_s=0.005, matmul_target_s=0.005,
-               matmul_rows=(1, 4, 16, 64, 256), attention_slots=(256, 4096), window=3,
+               matmul_rows=(1, 16, 256), matmul_weight_bytes=64 * MiB,
+               attention_slots=(256, 4096), window=3,
                tolerance=0.05, max_rounds=7, max_seconds=0.4, warmup_s=0.1, launch_plans=(3,))
 
 
@@ -350,11 +355,11 @@ def _weights(device: jax.Device, dtype, columns: int, seed: int = 0) -> jax.Arra
     return jax.device_put(w.astype(dtype, copy=False), device)
 
 
-def _max_columns(device: jax.Device, dtype) -> int:
-    """Columns of the widest weight matrix: ``MATMUL_WEIGHT_BYTES`` (or an eighth of the free
+def _max_columns(device: jax.Device, dtype, weight_bytes: int) -> int:
+    """Columns of the widest weight matrix: ``weight_bytes`` (or an eighth of the free
     memory), a multiple of N."""
     per = MATMUL_N * MATMUL_N * np.dtype(dtype).itemsize
-    return MATMUL_N * max(1, min(MATMUL_WEIGHT_BYTES, _room(device)) // per)
+    return MATMUL_N * max(1, min(weight_bytes, _room(device)) // per)
 
 
 def matmul_columns(rows: int, widest: int, rate: float | None, target_s: float) -> int:
@@ -384,11 +389,12 @@ def _repeats(time_one: Callable[[int], float], target_s: float, most: int = 1024
 def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] = MATMUL_ROWS,
                    effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
     """((M, FLOP/s), ...) of (M x 4096) @ (4096 x P) products of ``dtype`` whose weights come
-    from memory: P covers 256 MiB of weights at M = 1 (beyond any cache), fewer columns at
+    from memory: P covers ``effort.matmul_weight_bytes`` of weights at M = 1 (beyond any
+    cache), fewer columns at
     larger M where a product would outlast ``effort.matmul_target_s`` (``matmul_columns``);
     products shorter than that are repeated (each depending on the one before) inside one
     call until it lasts that long."""
-    widest = _weights(device, dtype, _max_columns(device, dtype))
+    widest = _weights(device, dtype, _max_columns(device, dtype, effort.matmul_weight_bytes))
     rates: list[tuple[int, float]] = []
     for m in rows:
         p = matmul_columns(m, widest.shape[1], rates[-1][1] if rates else None,
@@ -450,11 +456,13 @@ def measure_attention(device: jax.Device, kernel, slots: tuple[int, ...] = ATTEN
 
 def measure_contention(devices: Devices, effort: Effort = FULL) -> float:
     """Share of the shorter of a weight copy (pinned_host -> device memory) and an M = 1
-    product over as many weight bytes (128 MiB) lost when both run at once:
+    product over as many weight bytes (half ``Effort.matmul_weight_bytes``) lost when both
+    run at once:
     (t_both - max) / min, clipped to [0, 1]."""
     acc = devices[ACCELERATOR]
     pinned, acc_memory = _memories(devices)
-    w = _weights(acc, jnp.float32, max(MATMUL_N, _max_columns(acc, jnp.float32) // 2), seed=1)
+    w = _weights(acc, jnp.float32, max(MATMUL_N, _max_columns(
+        acc, jnp.float32, effort.matmul_weight_bytes) // 2), seed=1)
     sources = [jax.device_put(c, pinned) for c in _host_chunks(w.nbytes)]
     x = jax.device_put(jnp.ones((1, MATMUL_N), jnp.float32), acc)
     compute, copy, both = effort.time(

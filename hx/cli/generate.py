@@ -108,6 +108,7 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None
     engine = Engine(loaded, chosen, devices, timeline)
+    del loaded  # frees the loader's weight arrays: the executor holds the weights now
     segments = len(split_segments(chosen, "decode"))
     err.print(f"[dim]{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
               f"{chosen.name}, step path: segments ({segments} per decode step) | "

@@ -3,8 +3,9 @@
 Input lines are ``{"id": ..., "prompt": ...}`` (``id`` defaults to the line number), with
 optional per-line ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` and
 ``stop`` (a list of strings) overriding the run's settings. Each result line is written,
-flushed and fsynced as soon as its batch finishes, and records what produced it (model, dtype,
-chat template, sampling settings, a hash of the prompt). A rerun skips ids already in the
+flushed and fsynced the moment its sequence ends (``Engine.generate_ids``' ``on_finish``),
+and records what produced it (model, dtype, chat template, sampling settings, a hash of the
+prompt). A rerun skips ids already in the
 output (a torn last line from a killed run is cut first) and refuses to resume over a line
 that other settings produced. Each prompt samples with a seed derived from the run's seed and
 its id (``sampling.row_seed``), so a resumed sampled run equals an uninterrupted one. One run
@@ -245,7 +246,8 @@ class BatchJob:
 
     def run(self, engine: Engine, batch_size: int = 8,
             on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
-        """Generate the remaining prompts, appending each batch's results as it ends.
+        """Generate the remaining prompts, appending each result the moment its row ends (its
+        stop token, or its batch's last step), flushed and fsynced.
 
         Rows with the same sampling form batches, longest prompts first (each batch pads
         little), and one KV-cache length serves the whole run (decode compiles once).
@@ -265,17 +267,19 @@ class BatchJob:
         with open(self.output_path, "a", encoding="utf-8") as out:
             for (sampling, stops), rows in groups.items():
                 for chunk in _chunks(rows, batch_size):
-                    seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in chunk]
-                    completions = engine.generate_ids([ids[i] for i in chunk], sampling, slots,
-                                                      seeds)
-                    for i, completion in zip(chunk, completions):
+                    def write(r: int, completion: Completion, chunk=chunk, stops=stops) -> None:
+                        i = chunk[r]
                         result = result_row(self.todo[i], completion, self.provenance[i],
                                             stops)
                         out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                        out.flush()
+                        os.fsync(out.fileno())
                         if on_result:
                             on_result(result)
-                    out.flush()
-                    os.fsync(out.fileno())
+
+                    seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in chunk]
+                    engine.generate_ids([ids[i] for i in chunk], sampling, slots, seeds,
+                                        on_finish=write)
         return summary
 
 

@@ -229,7 +229,8 @@ class Engine:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams = SamplingParams(),
-                     cache_slots: int | None = None, seeds: Sequence[int] | None = None
+                     cache_slots: int | None = None, seeds: Sequence[int] | None = None,
+                     on_finish: Callable[[int, Completion], None] | None = None
                      ) -> list[Completion]:
         """Generate from token ids, as one batch.
 
@@ -237,6 +238,9 @@ class Engine:
           prompts: B prompts of token ids (lengths may differ).
           sampling: sampling and stopping rules.
           seeds: B sampling seeds, one per prompt (default: ``sampling.seed`` for all).
+          on_finish: called with (row, its ``Completion``) the moment a row ends -- at its
+            stop token, while the others go on -- and at the end for the rest (a batch run
+            writes each result then).
           cache_slots: KV-cache length; by default ``hx.workload.cache_length`` of this batch.
             A batch run passes one value for all its batches so decode compiles once.
         Raises:
@@ -261,6 +265,20 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in range(B)]
         finished = [False] * B
         end = [0.0] * B
+        results: list[Completion | None] = [None] * B
+
+        def complete(r: int) -> None:
+            after_first = len(outputs[r]) - 1 + (1 if finished[r] else 0)
+            elapsed = end[r] - first
+            results[r] = Completion(
+                prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
+                finish_reason=("stop" if finished[r] else
+                               "context" if max_new < sampling.max_new_tokens else "length"),
+                ttft_s=first - start,
+                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
+                compile_s=compile_s)
+            if on_finish is not None:
+                on_finish(r, results[r])
 
         def record(new: np.ndarray, now: float) -> None:
             for r in range(B):
@@ -271,6 +289,8 @@ class Engine:
                 else:
                     outputs[r].append(int(new[r]))
                 end[r] = now
+                if finished[r]:
+                    complete(r)
 
         start = time.perf_counter()
         try:
@@ -294,15 +314,7 @@ class Engine:
         finally:
             self.executor.release_cache()
 
-        results = []
         for r in range(B):
-            after_first = len(outputs[r]) - 1 + (1 if finished[r] else 0)
-            elapsed = end[r] - first
-            results.append(Completion(
-                prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
-                finish_reason=("stop" if finished[r] else
-                               "context" if max_new < sampling.max_new_tokens else "length"),
-                ttft_s=first - start,
-                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
-                compile_s=compile_s))
+            if results[r] is None:
+                complete(r)
         return results

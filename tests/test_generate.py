@@ -59,3 +59,28 @@ def test_prompt_errors(tiny_model):
         engine.generate([""])
     with pytest.raises(HxError, match="too small"):
         engine.generate_ids([[1] * 20], SamplingParams(max_new_tokens=40), cache_slots=32)
+
+
+def test_a_row_is_reported_the_moment_it_stops(tiny_model, monkeypatch):
+    """``on_finish`` hands over a row at its stop token, before the batch's other rows end
+    (a batch run writes it then: a later crash loses nothing of it)."""
+    engine = Engine(tiny_model)
+    prompts = [[3, 4, 5], [9, 8, 7, 6]]
+    free = engine.generate_ids(prompts, SamplingParams(max_new_tokens=6))
+    stop = next(t for t in free[0].token_ids[1:] if t not in free[1].token_ids)
+    cut = free[0].token_ids.index(stop)
+    real, decodes = engine.executor.run, []
+
+    def crash_late(phase, *args):
+        decodes.append(phase)
+        if decodes.count("decode") > cut + 1:
+            raise KeyboardInterrupt
+        return real(phase, *args)
+
+    monkeypatch.setattr(engine.executor, "run", crash_late)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_ids(prompts, SamplingParams(max_new_tokens=6, stop_ids=(stop,)),
+                            on_finish=lambda r, c: seen.append((r, c)))
+    assert [(r, c.token_ids, c.finish_reason) for r, c in seen] == [
+        (0, free[0].token_ids[:cut], "stop")]

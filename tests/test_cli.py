@@ -127,3 +127,53 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
                 "--profile", str(tmp_path / "gpu.json"))
     assert result.returncode == 0, result.stderr
     assert "plan cpsat" in result.stderr
+
+
+def killed_twice_then_finished(args, out, kills=(3, 7)):
+    """Run ``hx *args`` writing ``out``; SIGKILL it once ``out`` has each of ``kills`` lines
+    (unless it finishes first), then run it to the end. Returns how many runs were killed."""
+    import signal
+    import time
+
+    killed = 0
+    for lines in kills:
+        run = subprocess.Popen([sys.executable, "-m", "hx", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        while run.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+                run.send_signal(signal.SIGKILL)
+                killed += run.wait() == -signal.SIGKILL
+                break
+            time.sleep(0.02)
+        run.wait()
+    result = hx(*args)
+    assert result.returncode == 0, result.stderr
+    return killed
+
+
+def test_runs_killed_twice_resume_to_the_uninterrupted_output(tmp_path, tiny_model,
+                                                               smollm_metadata):
+    """Acceptance A at CI scale: 12 prompts, killed with SIGKILL twice: every id exactly
+    once, completions equal to an uninterrupted run's, greedy and sampled (seeded)."""
+    write_gguf(tmp_path / "tiny.gguf", tiny_model.spec, tiny_model.params, smollm_metadata)
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": " ".join(words[:1 + i % 8])}) + "\n"
+        for i in range(12)))
+    for sampling in (("--temperature", "0"), ("--temperature", "0.8", "--seed", "5")):
+        def args(name):
+            return ("generate", "-m", str(tmp_path / "tiny.gguf"), "--prompts",
+                    str(tmp_path / "p.jsonl"), "-o", str(tmp_path / name),
+                    "--max-new-tokens", "6", "--batch-size", "2", *sampling)
+
+        whole = hx(*args("whole.jsonl"))
+        assert whole.returncode == 0, whole.stderr
+        assert killed_twice_then_finished(args("killed.jsonl"), tmp_path / "killed.jsonl") == 2
+        rows = [json.loads(line) for line in
+                (tmp_path / "killed.jsonl").read_text().splitlines()]
+        assert sorted(r["id"] for r in rows) == sorted(f"q{i}" for i in range(12))
+        expected = {json.loads(line)["id"]: json.loads(line)["completion"] for line in
+                    (tmp_path / "whole.jsonl").read_text().splitlines()}
+        assert {r["id"]: r["completion"] for r in rows} == expected
+        (tmp_path / "whole.jsonl").unlink()
+        (tmp_path / "killed.jsonl").unlink()

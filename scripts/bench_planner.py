@@ -14,6 +14,7 @@ import json
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import hx
@@ -34,7 +35,8 @@ def main() -> None:
     if profile is None:
         raise SystemExit("no hardware profile: run `hx profile` or pass --profile")
     rows = []
-    table = Table(title=f"CP-SAT planning, batch 1, 128 + 128 tokens [{profile.name}]")
+    table = Table(title="CP-SAT planning, batch 1, 128 + 128 tokens "
+                        + escape(f"[{profile.name}]"))
     for col in ("model", "budget", "status", "objective ms", "bound ms", "chosen ms", "solve s",
                 "total s"):
         table.add_column(col, justify="left" if col in ("model", "status") else "right")

@@ -44,6 +44,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import hx
@@ -195,7 +196,7 @@ def main() -> None:
                  and r["case"].startswith("round trip"))
 
     table = Table(title=f"device switches, {spec.name} shapes, float32, context "
-                        f"{args.context}; median us of a whole step [{where}]")
+                        f"{args.context}; median us of a whole step " + escape(f"[{where}]"))
     for col in ("case", "batch", "us", "vs accelerator us", "spread"):
         table.add_column(col, justify="left" if col == "case" else "right")
     for r in rows:

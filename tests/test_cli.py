@@ -118,6 +118,7 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
                 "--profile", str(tmp_path / "gpu.json"), "-o", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr
     assert "CP-SAT OPTIMAL" in result.stdout and "predicted decode step" in result.stdout
+    assert "[gpu-like test profile]" in result.stdout  # bracketed names are text, not markup
     assert json.loads((tmp_path / "plan.json").read_text())["name"] == "cpsat"
     result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "1GB",
                 "--policy", "all-accelerator", "--profile", str(tmp_path / "gpu.json"))

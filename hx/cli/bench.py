@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ModelOption, app,
-                           describe_dtype, err, out, plan_by_name, print_table)
+                           describe_dtype, note, out, plan_by_name, print_table)
 from hx.devices import discover
 from hx.models.loader import load, resolve_dtype
 
@@ -43,7 +43,7 @@ def bench(
             plan = plan_by_name(name, spec, devices, workload)
             check_fits(plan, spec, devices, workload)
             rows.append(bench_decode(spec, loaded.params, plan, b, devices, context, steps))
-            err.print(f"[dim]measured {plan.name} batch {b}[/dim]")
+            note(f"measured {plan.name} batch {b}")
 
     table = Table(title=f"decode step, {spec.name}, {spec.dtype}, context {context}, median of "
                         f"{steps} steps; ratio = executor / one jit of the whole model "

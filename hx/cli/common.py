@@ -89,6 +89,12 @@ def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workloa
     return policies.build(name, spec, devices, workload, profile=profile)
 
 
+def note(text: str) -> None:
+    """A dim report line on stderr, printed as text: names, paths and messages in it are never
+    read as rich markup (``[x]`` in a model name or path would vanish or raise)."""
+    err.print(text, style="dim", markup=False, highlight=False, soft_wrap=True)
+
+
 def print_table(table: Table, stderr: bool = False) -> None:
     """Print a table of numbers at full width (never truncating a column), on stdout or, for
     reports beside data written to stdout, on stderr."""

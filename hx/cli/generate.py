@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, out, print_table,
+                           ProfileOption, app, describe_dtype, err, note, out, print_table,
                            resolve_plan)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
@@ -110,14 +110,12 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
     engine = Engine(loaded, chosen, devices, timeline)
     del loaded  # frees the loader's weight arrays: the executor holds the weights now
     segments = len(split_segments(chosen, "decode"))
-    err.print(f"[dim]{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
-              f"{chosen.name}, step path: segments ({segments} per decode step) | "
-              f"{devices.describe()} | needs "
-              f"{format_bytes(need.accelerator)} on the accelerator[/dim]", soft_wrap=True)
+    note(f"{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
+         f"{chosen.name}, step path: segments ({segments} per decode step) | "
+         f"{devices.describe()} | needs {format_bytes(need.accelerator)} on the accelerator")
     if hardware is None and chosen.name.startswith("layer-split") and policy is None:
-        err.print("[dim]no hardware profile: the largest layer split that fits stands in for "
-                  "the CP-SAT plan; run `hx profile` once to plan with CP-SAT[/dim]",
-                  soft_wrap=True)
+        note("no hardware profile: the largest layer split that fits stands in for "
+             "the CP-SAT plan; run `hx profile` once to plan with CP-SAT")
     if prompt is not None:
         with err.status("starting", spinner="dots") as status:
             engine.on_status = lambda line: status.update(Text(line))
@@ -125,10 +123,10 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
         sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
         sys.stdout.flush()
         rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
-        err.print(f"[dim]prompt_tokens={result.prompt_tokens} "
-                  f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
-                  f"decode={rate} tok/s finish={result.finish_reason} "
-                  f"compile={result.compile_s:.1f}s[/dim]", soft_wrap=True)
+        note(f"prompt_tokens={result.prompt_tokens} "
+             f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
+             f"decode={rate} tok/s finish={result.finish_reason} "
+             f"compile={result.compile_s:.1f}s")
         if result.finish_reason == "context":
             err.print(f"stopped at the model's context of {spec.context_length} tokens: "
                       f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens "
@@ -138,14 +136,13 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
-    err.print(f"[dim]accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
-              f"{owners or 'the plan puts nothing there'}[/dim]", soft_wrap=True)
+    note(f"accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
+         f"{owners or 'the plan puts nothing there'}")
     if timeline is not None:
         timeline.to_chrome(str(trace))
         overlap = median_overlap(timeline)
-        err.print(f"[dim]trace: {len(timeline.events)} events -> {trace}; median decode "
-                  f"overlap fraction "
-                  f"{'-' if overlap is None else f'{overlap:.2f}'}[/dim]", soft_wrap=True)
+        note(f"trace: {len(timeline.events)} events -> {trace}; median decode overlap "
+             f"fraction {'-' if overlap is None else f'{overlap:.2f}'}")
 
 
 def _run_batch(job, engine, batch_size: int, output: Path) -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, out, plan_by_name,
+                           ProfileOption, app, describe_dtype, err, note, out, plan_by_name,
                            print_table)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
@@ -65,7 +66,7 @@ def profile_command(
     start = time.perf_counter()
 
     def log(message: str) -> None:
-        err.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]", soft_wrap=True)
+        note(f"{time.perf_counter() - start:6.1f} s  {message}")
 
     devices = discover()
     profile = measure(devices, log, launch=not refine)
@@ -148,7 +149,8 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         out.print(f"predicted decode step {decode.seconds * 1e3:.2f} ms "
                   f"({workload.batch / decode.seconds:.1f} tokens/s; busy: {busy}); "
                   f"prefill {prefill * 1e3:.1f} ms "
-                  f"[{profile.name}{', EMULATED' if profile.emulated else ''}]", soft_wrap=True)
+                  + escape(f"[{profile.name}{', EMULATED' if profile.emulated else ''}]"),
+                  soft_wrap=True)
 
 
 @app.command("plan")
@@ -192,7 +194,7 @@ def plan_command(
     out.print(describe_dtype(spec.dtype, dtype, devices), soft_wrap=True)
     if output:
         plan.save(str(output))
-        err.print(f"[dim]plan written to {output}[/dim]")
+        note(f"plan written to {output}")
 
 
 @app.command("ablate")
@@ -219,9 +221,9 @@ def ablate_command(
         hardware = profile_for(profile, discover(int(loaded.spec.weight_bytes * max(fractions))))
     rows = ablate(loaded.spec, loaded.params, hardware, fractions, _batches(batches),
                   tuple(p.strip() for p in policy_names.split(",")), runs, steps,
-                  log=lambda m: err.print(f"[dim]{m}[/dim]", soft_wrap=True))
+                  log=note)
     table = Table(title=f"{loaded.spec.name}: decode step per policy (median of {runs} runs) "
-                        f"[{hardware.name}{', EMULATED' if hardware.emulated else ''}]")
+                        + escape(f"[{hardware.name}{', EMULATED' if hardware.emulated else ''}]"))
     for col in ("budget", "batch", "policy", "plan", "acc MiB", "predicted ms", "measured ms",
                 "pred/meas", "tok/s", "best"):
         table.add_column(col, justify="left" if col in ("policy", "plan") else "right")

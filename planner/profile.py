@@ -109,7 +109,7 @@ class HardwareProfile:
       round_trip: seconds of JAX's own device switch there and back, the floor under the
         executor's: a (1, 576) float32 activation computed on the accelerator, one
         ``device_put`` to the host CPU device, a tiny op there, one ``device_put`` back, a tiny
-        op on the accelerator, waited for (``profiler.measure_round_trip``); 0 when not
+        op on the accelerator, waited for (``links.measure_round_trip``); 0 when not
         measured. ``excursion_seconds`` is what the simulator prices for the same trip.
       quick: measured by ``profiler.quick`` (fewer sizes, shorter runs, no calibration) because
         a command needed a profile and none was saved; ``hx profile`` measures a full one.

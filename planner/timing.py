@@ -1,4 +1,5 @@
-"""Robust wall-clock timing of JAX work on a shared, noisy machine.
+"""Robust wall-clock timing of JAX work on a shared, noisy machine, and how long the profiler
+measures (``Effort``: ``FULL`` for ``hx profile``, ``QUICK`` when a command needs one now).
 
 All times are in seconds, measured with ``time.perf_counter`` around the call and
 ``jax.block_until_ready`` of its result (device work is asynchronous: a call returns before the
@@ -106,3 +107,60 @@ def stable_seconds(*runs: Callable[[], object], window: int = 5, tolerance: floa
         middle = statistics.median(seen[-window:] if spread <= tolerance else seen)
         result.append(Timing(middle, spread, len(seen)))
     return tuple(result)
+
+
+MiB = 2**20
+MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # M of a full profile's matmul curve
+ATTENTION_SLOTS = (256, 1024, 4096)  # S of a full profile's attention curve
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How long to measure.
+
+    Attributes:
+      link_target_s: seconds one large copy should take (bandwidth-bound beyond it).
+      memory_target_s / matmul_target_s: seconds one timed call of elementwise passes / of
+        products should last (work is repeated inside the call until it does).
+      matmul_rows: the M of the matmul rate curve.
+      matmul_weight_bytes: weights of the product at M = 1, beyond any cache (256 MiB; the
+        quick profile's 64 MiB are still beyond an H100's 50 MB L2).
+      attention_slots: the S of the attention rate curve.
+      window / tolerance / max_rounds / max_seconds / warmup_s: ``stable_seconds``' stopping
+        rule for every figure.
+      launch_plans: which of ``calibrate.dispatch_plans`` (indices) the launch fit observes
+        on the tiny model: all five (1 to 121 segments), or the 33-segment one alone.
+    """
+
+    link_target_s: float
+    memory_target_s: float
+    matmul_target_s: float
+    matmul_rows: tuple[int, ...]
+    matmul_weight_bytes: int
+    attention_slots: tuple[int, ...]
+    window: int
+    tolerance: float
+    max_rounds: int
+    max_seconds: float
+    warmup_s: float
+    launch_plans: tuple[int, ...]
+
+    def time(self, *runs: Callable, setups=None, warmup_s: float | None = None
+             ) -> tuple[Timing, ...]:
+        """``stable_seconds`` of ``runs`` (interleaved) under this effort's stopping rule
+        (``warmup_s`` instead of the effort's own, when given)."""
+        return stable_seconds(*runs, window=self.window, tolerance=self.tolerance,
+                              max_rounds=self.max_rounds, max_seconds=self.max_seconds,
+                              warmup_s=self.warmup_s if warmup_s is None else warmup_s,
+                              setups=setups)
+
+
+FULL = Effort(link_target_s=0.02, memory_target_s=0.01, matmul_target_s=0.01,
+              matmul_rows=MATMUL_ROWS, matmul_weight_bytes=256 * MiB,
+              attention_slots=ATTENTION_SLOTS, window=5,
+              tolerance=0.05, max_rounds=25, max_seconds=1.0, warmup_s=0.3,
+              launch_plans=(0, 1, 2, 3, 4))
+QUICK = Effort(link_target_s=0.01, memory_target_s=0.005, matmul_target_s=0.005,
+               matmul_rows=(1, 16, 256), matmul_weight_bytes=64 * MiB,
+               attention_slots=(256, 4096), window=3,
+               tolerance=0.05, max_rounds=7, max_seconds=0.4, warmup_s=0.1, launch_plans=(3,))

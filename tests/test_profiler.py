@@ -15,10 +15,11 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from conftest import TINY
-from hx.planner import profiler
+from hx.planner import links, profiler, rates, timing
 from hx.planner.calibrate import refine
 from hx.planner.profile import HardwareProfile
-from hx.planner.profiler import FULL, fit_line
+from hx.planner.links import fit_line
+from hx.planner.timing import FULL
 
 TOLERANCE = 0.15  # acceptance D: every figure within 15 % of its direct measurement
 ATTEMPTS = 3  # per figure, while it misses (see the test)
@@ -49,14 +50,14 @@ def interleaved(monkeypatch, *directs):
     """Make every timing round of the profiler call ``directs`` too, after its own runs: each
     direct call sits between the profiler's calls, so the load of this shared machine hits
     both alike (it changes by tens of percent within a second here)."""
-    original = profiler.Effort.time
+    original = timing.Effort.time
 
     def time_with(self, *runs, setups=None, **options):
         setups = list(setups) if setups else [None] * len(runs)
         return original(self, *runs, *directs, setups=setups + [None] * len(directs),
                         **options)[:len(runs)]
 
-    monkeypatch.setattr(profiler.Effort, "time", time_with)
+    monkeypatch.setattr(timing.Effort, "time", time_with)
 
 
 def fresh(array):
@@ -92,23 +93,23 @@ def figures(devices):
         return nbytes / (link.latency + nbytes / link.bandwidth)
 
     src = jax.device_put(pieces, pinned)
-    yield ("H2D bytes/s at 96 MiB", lambda: rate(profiler.measure_h2d(devices, FULL)),
+    yield ("H2D bytes/s at 96 MiB", lambda: rate(links.measure_h2d(devices, FULL)),
            [Direct(lambda: jax.device_put(src, device_memory))],
            lambda d: nbytes / d[0].seconds())
-    yield ("D2H bytes/s at 96 MiB", lambda: rate(profiler.measure_d2h(devices, FULL)),
+    yield ("D2H bytes/s at 96 MiB", lambda: rate(links.measure_d2h(devices, FULL)),
            [Direct(lambda a: jax.device_put(a, host),
                    fresh(jax.device_put(pieces, device_memory)))],
            lambda d: nbytes / d[0].seconds())
     small = np.ones((16, 576), np.float32)
     yield ("small transfer s (mean of both ways)",
-           lambda: statistics.mean(profiler.measure_small_transfers(devices, FULL)),
+           lambda: statistics.mean(links.measure_small_transfers(devices, FULL)),
            [Direct(lambda a: jax.device_put(a, acc), fresh(jax.device_put(small, host))),
             Direct(lambda a: jax.device_put(a, host), fresh(jax.device_put(small, acc)))],
            lambda d: statistics.mean(x.seconds() for x in d))
     add_one = jax.jit(lambda x: x + 1.0)
     activation = jax.device_put(np.ones((1, 576), np.float32), acc)
     yield ("bare round trip s (accelerator -> host op -> accelerator)",
-           lambda: profiler.measure_round_trip(devices, FULL),
+           lambda: links.measure_round_trip(devices, FULL),
            [Direct(lambda: add_one(jax.device_put(
                add_one(jax.device_put(add_one(activation), host)), acc)))],
            lambda d: d[0].seconds())
@@ -117,7 +118,7 @@ def figures(devices):
     for side, device in (("accelerator", acc), ("host", host)):
         bump = fresh(jax.device_put(np.zeros(2**25, np.float32), device))  # 128 MiB
         yield (f"{side} memory bytes/s",
-               lambda d=device: profiler.measure_memory_bandwidth(d, FULL),
+               lambda d=device: rates.measure_memory_bandwidth(d, FULL),
                [Direct(lambda bump=bump: [bump() for _ in range(8)][-1])],
                lambda d: 8 * 2 * 2**27 / d[0].seconds())
         w = jax.device_put(rng.random((4096, 8192), np.float32) - 0.5, device)
@@ -125,7 +126,7 @@ def figures(devices):
             x, wp = jax.device_put(np.ones((m, 4096), np.float32), device), w[:, :p]
             rows = (1,) if m == 1 else (1, m)  # as in the profile, M = 1 sizes the next M
             yield (f"{side} matmul FLOP/s M={m}",
-                   lambda d=device, r=rows: profiler.measure_matmul(d, jnp.float32, r, FULL)[-1][1],
+                   lambda d=device, r=rows: rates.measure_matmul(d, jnp.float32, r, FULL)[-1][1],
                    [Direct(lambda x=x, wp=wp, k=k: [product(x, wp) for _ in range(k)])],
                    lambda d, m=m, p=p, k=k: k * 2 * m * 4096 * p / d[0].seconds())
 
@@ -176,13 +177,13 @@ def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monke
     assert quick.quick and "quick" in quick.name
     assert quick.emulated == devices.accelerator.emulated and quick.model_error == 0
     for side in (quick.accelerator, quick.host):
-        assert [m for m, _ in side.matmul] == list(profiler.QUICK.matmul_rows)
+        assert [m for m, _ in side.matmul] == list(timing.QUICK.matmul_rows)
         assert all(rate > 0 for _, rate in side.matmul + side.matmul_low + side.attention)
         assert side.memory_bandwidth > 0 and side.launch_seconds(1) >= 0
     assert quick.h2d_bandwidth > 0 and quick.d2h_bandwidth > 0 and quick.transfer_latency > 0
     assert quick.round_trip > 0
     # bfloat16 rates on the accelerator, where a bf16 model's ops run; the host computes float32
-    assert [m for m, _ in quick.accelerator.matmul_low] == list(profiler.QUICK.matmul_rows)
+    assert [m for m, _ in quick.accelerator.matmul_low] == list(timing.QUICK.matmul_rows)
     assert quick.host.matmul_low == ()
     # a device switch costs something: the launch fit takes what the transfers leave (>= 0)
     assert quick.accelerator.launch_seconds(1) + quick.transfer_latency > 0

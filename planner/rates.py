@@ -1,0 +1,177 @@
+"""Compute and memory rates of one device, measured as the executor's ops use it
+(``profiler`` assembles them into a ``HardwareProfile``):
+
+* **matmul** (FLOP/s at M rows, at a dtype): (M x 4096) @ (4096 x P) products, P covering
+  ``Effort.matmul_weight_bytes`` of weights at small M (256 MiB; 64 MiB in a quick profile:
+  beyond the caches of a CPU and of an H100's 50 MB L2), fewer columns at large M.
+* **memory bandwidth**: in-place (donated) elementwise passes over 256 MiB, read + written
+  bytes counted (an output allocated per call would time the allocator's page faults instead:
+  measured here, 3 GB/s instead of 35).
+* Work shorter than a dispatch and a synchronisation (a GPU's pass over 256 MiB, its M = 1
+  product) is repeated inside one call, each repeat depending on the one before, until the
+  call lasts ``Effort.memory_target_s`` / ``matmul_target_s``.
+* **attention**: the SCORE kernel each side uses, reading a full KV cache of S slots.
+* **contention**: a weight copy overlapped with an M = 1 product over as many bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hx.devices import ACCELERATOR, Devices
+from hx.models.llama import Step
+from hx.planner.links import host_chunks, memories, room
+from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
+
+MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
+COLUMN_STEP = 1024  # P is a multiple of this
+MEMORY_BYTES = 256 * MiB  # buffer of the elementwise pass
+LOW_DTYPE = jnp.bfloat16  # ``DeviceProfile.matmul_low`` on the accelerator
+
+
+@jax.jit
+def _products(x: jax.Array, w: jax.Array, count: jax.Array) -> jax.Array:
+    """``count`` products x_i @ w in a loop (one compilation for every count), each input
+    scaled by the mean of the product before it: the data dependency keeps the compiler from
+    merging them into one wider product (which would read ``w`` once) or hoisting them out;
+    each reads all of ``w`` (larger than the caches)."""
+    def product(i, carry):
+        x, _ = carry
+        y = x @ w
+        return x * (1 + jnp.mean(y) * 1e-12).astype(x.dtype), y
+
+    first = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+    return jax.lax.fori_loop(0, count, product, (x, first))[1]
+
+
+def _weights(device: jax.Device, dtype, columns: int, seed: int = 0) -> jax.Array:
+    """A (N x ``columns``) weight matrix of ``dtype`` on ``device``, uniform in +-1/sqrt(N)
+    (drawn as float32 uniform: ~5x faster than normal; the values do not change the time)."""
+    rng = np.random.default_rng(seed)
+    w = rng.random((MATMUL_N, columns), dtype=np.float32)
+    w -= np.float32(0.5)
+    w *= np.float32(2 / math.sqrt(MATMUL_N))
+    return jax.device_put(w.astype(dtype, copy=False), device)
+
+
+def _max_columns(device: jax.Device, dtype, weight_bytes: int) -> int:
+    """Columns of the widest weight matrix: ``weight_bytes`` (or an eighth of the free
+    memory), a multiple of N."""
+    per = MATMUL_N * MATMUL_N * np.dtype(dtype).itemsize
+    return MATMUL_N * max(1, min(weight_bytes, room(device)) // per)
+
+
+def matmul_columns(rows: int, widest: int, rate: float | None, target_s: float) -> int:
+    """Columns P of the product timed at M = ``rows``: all ``widest`` at first (``rate``
+    None), then as many as ``rate`` (FLOP/s, measured at the smaller M before) gets through in
+    ``target_s``: a multiple of ``COLUMN_STEP``, at least one step. A CPU at large M then
+    times a product of tens of milliseconds, where all columns would take seconds; a GPU keeps
+    them all (a wide product fills its SMs)."""
+    if rate is None:
+        return widest
+    p = int(rate * target_s / (2 * rows * MATMUL_N)) // COLUMN_STEP * COLUMN_STEP
+    return min(widest, max(COLUMN_STEP, p))
+
+
+def _repeats(time_one: Callable[[int], float], target_s: float, most: int = 1024
+             ) -> tuple[int, float]:
+    """(k, seconds): one call of ``time_one(k)`` repeats its work k times, k = 1 unless one
+    is shorter than ``target_s`` (a GPU's pass over 256 MiB is shorter than a dispatch and a
+    synchronisation), then enough to last ``target_s``."""
+    seconds = time_one(1)
+    if seconds >= target_s:
+        return 1, seconds
+    k = min(most, math.ceil(target_s / seconds))
+    return k, time_one(k)
+
+
+def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] = MATMUL_ROWS,
+                   effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
+    """((M, FLOP/s), ...) of (M x 4096) @ (4096 x P) products of ``dtype`` whose weights come
+    from memory: P covers ``effort.matmul_weight_bytes`` of weights at M = 1 (beyond any
+    cache), fewer columns at larger M where a product would outlast ``effort.matmul_target_s`` (``matmul_columns``);
+    products shorter than that are repeated (each depending on the one before) inside one
+    call until it lasts that long."""
+    widest = _weights(device, dtype, _max_columns(device, dtype, effort.matmul_weight_bytes))
+    rates: list[tuple[int, float]] = []
+    for m in rows:
+        p = matmul_columns(m, widest.shape[1], rates[-1][1] if rates else None,
+                           effort.matmul_target_s)
+        w = widest if p == widest.shape[1] else widest[:, :p]
+        x = jax.device_put(jnp.ones((m, MATMUL_N), dtype), device)
+        warmup = None if not rates else min(effort.warmup_s, 0.05)  # busy since the first M
+
+        def time_one(k: int) -> float:
+            return effort.time(lambda: _products(x, w, k), warmup_s=warmup)[0].seconds
+
+        k, seconds = _repeats(time_one, effort.matmul_target_s)
+        rates.append((m, 2.0 * m * MATMUL_N * p * k / seconds))
+    return tuple(rates)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _passes(x: jax.Array, count: jax.Array) -> jax.Array:
+    """``count`` in-place elementwise passes over ``x`` (a loop, so the compiler cannot fuse
+    them into one; one compilation for every count)."""
+    return jax.lax.fori_loop(0, count, lambda i, a: a * 0.5 + 1.0, x)
+
+
+def measure_memory_bandwidth(device: jax.Device, effort: Effort = FULL) -> float:
+    """Bytes/s (read + written) of in-place elementwise passes over a 256 MiB buffer (or an
+    eighth of the free memory), repeated inside one call until it lasts
+    ``effort.memory_target_s``."""
+    nbytes = min(MEMORY_BYTES, room(device)) // 4 * 4
+    state = [jax.device_put(np.ones(nbytes // 4, np.float32), device)]
+
+    def time_one(k: int) -> float:
+        def run():
+            state[0] = _passes(state[0], k)
+            return state[0]
+        return effort.time(run)[0].seconds
+
+    k, seconds = _repeats(time_one, effort.memory_target_s)
+    return 2 * nbytes * k / seconds
+
+
+def measure_attention(device: jax.Device, kernel, slots: tuple[int, ...] = ATTENTION_SLOTS,
+                      effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
+    """((S, KV bytes/s), ...) of ``kernel`` reading a full cache of S slots (B=4, H=16, K=4,
+    E=64, one query per row, float32)."""
+    B, H, K, E = 4, 16, 4, 64
+    f = jax.jit(kernel)
+    rates = []
+    for s in slots:
+        rng = np.random.default_rng(s)
+        q = jax.device_put(rng.standard_normal((B, 1, H, E), np.float32), device)
+        cache = jax.device_put({n: rng.standard_normal((B, s, K, E), np.float32)
+                                for n in ("k", "v")}, device)
+        step = jax.device_put(Step(np.zeros((B, 1), np.int32), np.int32(s - 1),
+                                   np.zeros((B,), np.int32)), device)
+        seconds = effort.time(lambda: f(q, cache, step))[0].seconds
+        rates.append((s, 2 * B * s * K * E * 4 / seconds))
+    return tuple(rates)
+
+
+def measure_contention(devices: Devices, effort: Effort = FULL) -> float:
+    """Share of the shorter of a weight copy (pinned_host -> device memory) and an M = 1
+    product over as many weight bytes (half ``Effort.matmul_weight_bytes``) lost when both
+    run at once:
+    (t_both - max) / min, clipped to [0, 1]."""
+    acc = devices[ACCELERATOR]
+    pinned, acc_memory = memories(devices)
+    w = _weights(acc, jnp.float32, max(MATMUL_N, _max_columns(
+        acc, jnp.float32, effort.matmul_weight_bytes) // 2), seed=1)
+    sources = [jax.device_put(c, pinned) for c in host_chunks(w.nbytes)]
+    x = jax.device_put(jnp.ones((1, MATMUL_N), jnp.float32), acc)
+    compute, copy, both = effort.time(
+        lambda: _products(x, w, 1),
+        lambda: jax.device_put(sources, acc_memory),
+        lambda: (jax.device_put(sources, acc_memory), _products(x, w, 1)))
+    shorter, longer = sorted((compute.seconds, copy.seconds))
+    return min(1.0, max(0.0, (both.seconds - longer) / shorter))

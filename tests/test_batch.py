@@ -58,17 +58,24 @@ def test_resume_after_interrupted_write(engine, prompts_file, tmp_path):
     assert sorted(r["id"] for r in read(out)) == [f"p{i}" for i in range(7)]
 
 
-def test_results_are_on_disk_before_a_crash(engine, prompts_file, tmp_path, monkeypatch):
-    out = tmp_path / "out.jsonl"
-    real, calls = engine.generate_ids, []
+def interrupted_at_second_batch(generate_ids):
+    """``generate_ids`` that raises KeyboardInterrupt on its second call (a run killed after
+    one batch)."""
+    calls = []
 
-    def crash_on_second_batch(*args, **kwargs):
+    def wrapped(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return generate_ids(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "generate_ids", crash_on_second_batch)
+    return wrapped
+
+
+def test_results_are_on_disk_before_a_crash(engine, prompts_file, tmp_path, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    real = engine.generate_ids
+    monkeypatch.setattr(engine, "generate_ids", interrupted_at_second_batch(real))
     with pytest.raises(KeyboardInterrupt):
         run_batch(engine, str(prompts_file), str(out), SAMPLING, batch_size=3)
     assert len(read(out)) == 3
@@ -145,16 +152,9 @@ def test_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts_file,
                                                            monkeypatch):
     whole = tmp_path / "whole.jsonl"
     run_batch(engine, str(prompts_file), str(whole), SAMPLED, batch_size=3)
-    real, calls = engine.generate_ids, []
-
-    def killed_after_one_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
+    real = engine.generate_ids
     resumed = tmp_path / "resumed.jsonl"
-    monkeypatch.setattr(engine, "generate_ids", killed_after_one_batch)
+    monkeypatch.setattr(engine, "generate_ids", interrupted_at_second_batch(real))
     with pytest.raises(KeyboardInterrupt):
         run_batch(engine, str(prompts_file), str(resumed), SAMPLED, batch_size=2)
     monkeypatch.setattr(engine, "generate_ids", real)

@@ -89,6 +89,11 @@ def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workloa
     return policies.build(name, spec, devices, workload, profile=profile)
 
 
+def say(message: str) -> None:
+    """One plain line on stderr (no markup: messages name paths, ids and commands)."""
+    err.print(message, soft_wrap=True, markup=False, highlight=False)
+
+
 def note(text: str) -> None:
     """A dim report line on stderr, printed as text: names, paths and messages in it are never
     read as rich markup (``[x]`` in a model name or path would vanish or raise)."""

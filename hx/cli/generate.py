@@ -18,7 +18,7 @@ from rich.text import Text
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
                            ProfileOption, app, describe_dtype, err, note, out, print_table,
-                           resolve_plan)
+                           resolve_plan, say)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype
@@ -102,8 +102,7 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
         job = prepare_batch(loaded, str(prompts), str(output), sampling, chat)
         workload = job.workload(batch_size, spec)
     from hx.planner.profiler import for_policy  # measures a quick one if the policy needs it
-    hardware = for_policy(policy or "auto", str(profile) if profile else None, devices,
-                          lambda m: err.print(m, soft_wrap=True, markup=False, highlight=False))
+    hardware = for_policy(policy or "auto", str(profile) if profile else None, devices, say)
     chosen = resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers, hardware)
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None
@@ -128,9 +127,8 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
              f"decode={rate} tok/s finish={result.finish_reason} "
              f"compile={result.compile_s:.1f}s")
         if result.finish_reason == "context":
-            err.print(f"stopped at the model's context of {spec.context_length} tokens: "
-                      f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens "
-                      "asked for", soft_wrap=True, markup=False, highlight=False)
+            say(f"stopped at the model's context of {spec.context_length} tokens: "
+                f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
     else:
         _run_batch(job, engine, batch_size, output)
     acct = engine.accountant
@@ -151,8 +149,8 @@ def _run_batch(job, engine, batch_size: int, output: Path) -> None:
     results: list[dict] = []
     start = time.perf_counter()
     piped = not sys.stdout.isatty()
-    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=err) as progress:
         task = progress.add_task("starting", total=len(job.todo), rate="-")
         engine.on_status = lambda line: progress.update(task, description=line)
@@ -173,8 +171,8 @@ def _run_batch(job, engine, batch_size: int, output: Path) -> None:
 
         summary = job.run(engine, batch_size, on_result=show)
     wall = time.perf_counter() - start
-    err.print(f"{summary.generated} generated, {summary.skipped} already in {output}, "
-              f"{summary.total} prompts", soft_wrap=True, markup=False, highlight=False)
+    say(f"{summary.generated} generated, {summary.skipped} already in {output}, "
+        f"{summary.total} prompts")
     if results:
         print_table(summary_table(results, wall, engine.accountant.peak), stderr=True)
 

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, note, out, plan_by_name,
-                           print_table)
+                           ProfileOption, app, describe_dtype, note, out, plan_by_name,
+                           print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
 from hx.schedule import staged_bytes
@@ -31,11 +31,6 @@ from hx.workload import Workload
 
 def _batches(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def say(message: str) -> None:
-    """One plain line on stderr (no markup: messages name paths and commands)."""
-    err.print(message, soft_wrap=True, markup=False, highlight=False)
 
 
 def profile_for(path: Optional[Path], devices: Devices, policy: Optional[str] = None

@@ -16,6 +16,10 @@ list the simulator prices and the memory estimate sizes:
   ``hx.programs``; KV caches are donated, so appends are in place);
 * ``free``: end of step.
 
+``run_block`` runs a block of micro-batches through one such schedule (the zig-zag block
+schedule: a staged layer serves every micro-batch before it is dropped); ``run`` is a block of
+one.
+
 The accountant applies every instruction's allocations with the real sizes of the arrays (and
 XLA's temporary bytes of the real executable); the timeline, when given, records every copy and
 launch.
@@ -24,7 +28,7 @@ launch.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +41,8 @@ from hx.models.llama import Cache, Step, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import programs_for, weight_dtype
-from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, STEP_KEY, TEMP_KEY, WAIT,
-                         Schedule, act_key, compile_schedule, staging_key)
+from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT, Schedule,
+                         act_key, compile_schedule, staging_key, step_key)
 from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
@@ -116,12 +120,15 @@ class Executor:
         self._schedules: dict[tuple, Schedule] = {}
         self._executables: dict[tuple, tuple[Any, int]] = {}
         self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
+        self._kv_keys: set[tuple] = set()  # accountant keys of live KV caches
 
     # -- KV caches ---------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, length: int, dtype=None) -> list[Cache]:
+    def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
+                  ) -> list[Cache]:
         """Zeroed KV caches, (batch, length, K, E) each of ``dtype`` (default: the model's),
-        on every layer's plan home."""
+        on every layer's plan home; ``micro`` names the micro-batch (or other user) they
+        belong to in the accountant, so a block's caches are counted side by side."""
         s = self.spec
         shape, dtype = (batch, length, s.n_kv_heads, s.head_dim), dtype or jnp.dtype(s.dtype)
         caches = []
@@ -130,23 +137,28 @@ class Executor:
             cache = {name: jnp.zeros(shape, dtype, device=self.devices[home])
                      for name in ("k", "v")}
             if home == ACCELERATOR:
-                self.accountant.allocate("kv", ("kv", layer), tree_bytes(cache))
+                self.accountant.allocate("kv", ("kv", micro, layer), tree_bytes(cache))
+                self._kv_keys.add(("kv", micro, layer))
             caches.append(cache)
         return caches
 
-    def release_cache(self) -> None:
-        """Forget the KV caches of ``new_cache`` (call when their generation is over)."""
-        for layer in range(self.spec.n_layers):
-            self.accountant.free(("kv", layer))
+    def release_cache(self, micro: Hashable | None = None) -> None:
+        """Forget the KV caches ``new_cache`` made for ``micro`` (None: all of them); call
+        when their generation is over."""
+        for key in [k for k in self._kv_keys if micro is None or k[1] == micro]:
+            self.accountant.free(key)
+            self._kv_keys.discard(key)
 
     # -- one step ----------------------------------------------------------------------------
 
-    def schedule(self, phase: str, batch: int, tokens: int, slots: int) -> Schedule:
-        """The instructions of one step of ``phase`` at (B, T, S) (built once per shape)."""
-        key = (phase, batch, tokens, slots)
+    def schedule(self, phase: str, batch: int, tokens: int, slots: int,
+                 micro_batches: int = 1) -> Schedule:
+        """The instructions of one step of ``phase`` at (B, T, S) for a block of
+        ``micro_batches`` (built once per shape)."""
+        key = (phase, batch, tokens, slots, micro_batches)
         if key not in self._schedules:
             self._schedules[key] = compile_schedule(self.plan, self.spec, phase, batch, tokens,
-                                                    slots)
+                                                    slots, micro_batches=micro_batches)
         return self._schedules[key]
 
     def _executable(self, phase: str, index: int, batch: int, tokens: int, slots: int
@@ -182,23 +194,49 @@ class Executor:
         Raises:
           BudgetExceeded: an allocation passes the accelerator budget (a bug).
         """
+        logits, caches_out = self.run_block(phase, [tokens], [step], [caches])
+        return logits[0], caches_out[0]
+
+    def run_block(self, phase: str, tokens: Sequence[np.ndarray | jax.Array],
+                  steps: Sequence[Step], caches: Sequence[list[Cache]]
+                  ) -> tuple[list[jax.Array], list[list[Cache]]]:
+        """One forward step of ``phase`` for a block of N micro-batches, in the zig-zag block
+        schedule: each segment (a streamed layer's weights staged once) runs for every
+        micro-batch before the next segment.
+
+        Args:
+          tokens: N arrays (B, T) int32, one per micro-batch (equal shapes).
+          steps: N ``Step``s, one per micro-batch (each its own write index and row starts).
+          caches: N lists of per-layer KV caches of equal shape (B, S, K, E); consumed.
+        Returns:
+          (N logits (B, V) float32, N updated cache lists).
+        Raises:
+          ValueError: micro-batches of different shapes.
+          BudgetExceeded: an allocation passes the accelerator budget (a bug).
+        """
         tl, acct = self.timeline, self.accountant
+        N = len(tokens)
+        B, T = np.shape(tokens[0])
+        S = caches[0][0]["k"].shape[1]
+        if any(np.shape(t) != (B, T) for t in tokens) or any(
+                c[0]["k"].shape[:2] != (B, S) for c in caches) or len(steps) != N or len(
+                caches) != N:
+            raise ValueError("a block's micro-batches need one step and one cache list each, "
+                             "all of the same (B, T) and (B, S)")
         if tl is not None:
             tl.begin_step(phase)
-        B, T = np.shape(tokens)
-        S = caches[0]["k"].shape[1]
-        schedule = self.schedule(phase, B, T, S)
+        schedule = self.schedule(phase, B, T, S, N)
         segments, params = self.segments[phase], self._params[phase]
-        env: dict[str, Any] = {"tokens": tokens}
-        producer: dict[Any, int | None] = {}  # env name / ("kv", layer) -> timeline event
-        steps: dict[str, Step] = {}
-        inputs: dict[int, tuple[dict[str, Any], int | None]] = {}  # moved activations, event
+        envs: list[dict[str, Any]] = [{"tokens": t} for t in tokens]
+        producer: dict[Any, int | None] = {}  # (name or ("kv", layer), micro) -> event
+        placed_steps: dict[tuple[str, int], Step] = {}
+        inputs: dict[tuple[int, int], tuple[dict[str, Any], int | None]] = {}
         staged: dict[int, tuple[tuple, int | None]] = {}
-        outputs: dict[int, Any] = {}
-        caches = list(caches)
+        outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
+        caches = [list(c) for c in caches]
 
         for ins in schedule.instructions:
-            i = ins.segment
+            i, m = ins.segment, ins.micro
             seg = segments[i] if i is not None else None
             if ins.kind == STAGE:
                 staged[i] = self._stage(phase, i)
@@ -208,52 +246,57 @@ class Executor:
                 staged.pop(i)
                 acct.apply(ins)
             elif ins.kind == STEP:
-                steps[seg.device] = jax.device_put(step, self.devices[seg.device])
-                acct.apply(ins, {STEP_KEY: tree_bytes(steps[seg.device])})
+                placed = jax.device_put(steps[m], self.devices[seg.device])
+                placed_steps[(seg.device, m)] = placed
+                acct.apply(ins, {step_key(m): tree_bytes(placed)})
             elif ins.kind == MOVE:  # everything a segment reads from elsewhere, in one call
                 dispatch = time.perf_counter()
-                moved = jax.device_put([env[n] for n in ins.names], self.devices[seg.device])
+                moved = jax.device_put([envs[m][n] for n in ins.names],
+                                       self.devices[seg.device])
                 nbytes = sum(x.nbytes for x in moved)
                 acct.apply(ins, {INPUT_KEY: nbytes})
                 event = None
                 if tl is not None and ins.resource is not None:
                     event = tl.record(H2D if ins.resource == "H2D" else D2H,
                                       " ".join(ins.names), moved,
-                                      [producer.get(n) for n in ins.names],
+                                      [producer.get((n, m)) for n in ins.names],
                                       dispatch=dispatch, bytes=nbytes)
-                inputs[i] = (dict(zip(ins.names, moved)), event)
+                inputs[(i, m)] = (dict(zip(ins.names, moved)), event)
             elif ins.kind == LAUNCH:
-                moved, move_event = inputs.pop(i, ({}, None))
+                moved, move_event = inputs.pop((i, m), ({}, None))
                 seg_params, deps = params[i], [move_event]
                 if seg.streams:
                     trees, weight_event = staged[i]
                     seg_params = tuple(t if t is not None else p
                                        for p, t in zip(params[i], trees))
                     deps.append(weight_event)
+                env = envs[m]
                 acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
-                seg_caches = tuple(caches[layer] for layer in seg.cache_layers)
+                seg_caches = tuple(caches[m][layer] for layer in seg.cache_layers)
                 compiled, temp = self._executable(phase, i, B, T, S)
                 dispatch = time.perf_counter()
-                out, seg_caches = compiled(seg_params, acts, seg_caches, steps[seg.device])
-                outputs[i] = out
+                out, seg_caches = compiled(seg_params, acts, seg_caches,
+                                           placed_steps[(seg.device, m)])
+                outputs.setdefault(i, []).append(out)
                 for layer, cache in zip(seg.cache_layers, seg_caches):
-                    caches[layer] = cache
+                    caches[m][layer] = cache
                 env.update(out)
-                acct.apply(ins, {TEMP_KEY: temp} | {act_key(n): v.nbytes for n, v in out.items()})
+                acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
+                                                    for n, v in out.items()})
                 if tl is not None:
-                    deps += [producer.get(n) for n in seg.reads if n not in moved]
-                    deps += [producer.get(("kv", layer)) for layer in seg.cache_layers]
+                    deps += [producer.get((n, m)) for n in seg.reads if n not in moved]
+                    deps += [producer.get((("kv", layer), m)) for layer in seg.cache_layers]
                     ops = " ".join(op if layer is None else f"{op}{layer}"
                                    for layer, op in seg.ops)
                     layers = sorted({layer for layer, _ in seg.ops if layer is not None})
                     event = tl.record(ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
-                                      ops, (out, seg_caches), deps, dispatch=dispatch,
-                                      segment=i, layers=layers)
-                    producer.update({name: event for name in out})
-                    producer.update({("kv", layer): event for layer in seg.cache_layers})
+                                      ops if N == 1 else f"{ops} [mb {m}]", (out, seg_caches),
+                                      deps, dispatch=dispatch, segment=i, layers=layers)
+                    producer.update({(name, m): event for name in out})
+                    producer.update({(("kv", layer), m): event for layer in seg.cache_layers})
             elif ins.kind == FREE:
                 acct.apply(ins)
-        return env["logits"], caches
+        return [env["logits"] for env in envs], caches
 
     def _stage(self, phase: str, index: int) -> tuple[tuple, int | None]:
         """Issue the copy of segment ``index``'s staged weights into accelerator memory.

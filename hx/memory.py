@@ -166,12 +166,15 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
              programs: "Programs | None" = None, sized: bool = True) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
-    Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·B·S·K·E·w
-    bytes per layer (w bytes per element of the model's dtype). On top,
+    Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·R·S·K·E·w
+    bytes per layer (R = ``workload.rows``: B·N rows of a block plus spare rows; w bytes per
+    element of the model's dtype). On top,
     the peak of a dry run (``hx.schedule.dry_run``) of each phase's schedule: staged weights,
     step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
     from its compilation (``programs``, default: the process's compiler for the accelerator
-    ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``).
+    ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``);
+    both phases run the block of ``workload.micro_batches``. With spare rows (iteration-level
+    scheduling) the peak is at least ``reframe_bytes`` beyond the caches.
 
     Args:
       sized: False counts XLA temporaries as 0 bytes and compiles nothing: a lower bound on
@@ -183,7 +186,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     from hx.programs import programs_for, proxy
 
     resident, host = held_weight_bytes(plan, spec)
-    kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)
 
@@ -198,11 +201,30 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     worst = DryRun()
     worst_phase = "decode"
     for phase in PHASES:
-        run = dry_run(compile_schedule(plan, spec, phase, *shapes[phase], temp_bytes))
+        run = dry_run(compile_schedule(plan, spec, phase, *shapes[phase], temp_bytes,
+                                       workload.micro_batches))
         if run.peak > worst.peak:
             worst, worst_phase = run, phase
+    if workload.spare_rows and kv_acc and reframe_bytes(spec, workload) > worst.peak:
+        return MemoryEstimate(resident, kv_acc, 0, reframe_bytes(spec, workload), host,
+                              "KV re-framing")
     return MemoryEstimate(resident, kv_acc, worst.peak_by_owner.get("staging", 0),
                           worst.peak_by_owner.get("activations", 0), host, worst_phase)
+
+
+def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:
+    """Accelerator bytes of one micro-batch's K (or V) cache of one layer, (B, S, K, E): the
+    temporary of shifting a cache along its slots (iteration-level scheduling re-frames a
+    micro-batch's caches one array at a time, between steps)."""
+    return spec.kv_bytes_per_token() // 2 * workload.batch * workload.cache_slots
+
+
+def describe_batch(workload: Workload) -> str:
+    """``16`` or ``4 x 16`` (micro-batches x rows), with ``+ 1 spare row`` when held."""
+    text = str(workload.batch) if workload.micro_batches == 1 else (
+        f"{workload.micro_batches} x {workload.batch}")
+    return text + (f" + {workload.spare_rows} spare row{'s' * (workload.spare_rows > 1)}"
+                   if workload.spare_rows else "")
 
 
 def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
@@ -221,7 +243,7 @@ def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
         if capacity is not None and need > capacity:
             raise HxError(
                 f"plan {plan.name!r} does not fit the {name} memory budget at batch "
-                f"{workload.batch}, {workload.cache_slots} KV slots: it needs {need} bytes "
+                f"{describe_batch(workload)}, {workload.cache_slots} KV slots: it needs {need} bytes "
                 f"({detail}) but the budget is {capacity} bytes, over by {need - capacity} "
                 f"bytes ({format_bytes(need - capacity)})")
     return est
@@ -231,7 +253,7 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
                        programs: "Programs | None" = None) -> int:
     """Accelerator bytes a planner sets aside for a step's activations and XLA temporaries
     before it knows the plan: every named activation held and copied in at once (2x their
-    bytes at (B, T)), the step inputs, and the XLA temporaries of the whole model as one
+    bytes at (B, T), per micro-batch of a block), the step inputs, and the XLA temporaries of the whole model as one
     accelerator segment, at T = ``prefill_tokens`` and at T = 1. Planners size plans with
     it; ``check_fits`` then sizes the chosen plan exactly (``cpsat.plan_cpsat`` re-plans with
     a smaller budget, and the baselines back off, in the rare case the exact size is larger).
@@ -243,5 +265,6 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
     names = ("tokens", "x", "h", "q", "k", "v", "o", "a", "logits")
     B, S = workload.batch, workload.cache_slots
     whole = split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0]
-    return max(2 * crossing_bytes(spec, names, B, T) + step_bytes(B, T)
+    N = workload.micro_batches  # a block holds each micro-batch's activations
+    return max(N * (2 * crossing_bytes(spec, names, B, T) + step_bytes(B, T))
                + programs.temp_bytes(whole, B, T, S) for T in {prefill_tokens, 1})

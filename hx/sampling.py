@@ -64,7 +64,7 @@ def row_seed(seed: int, row_id: object) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "use_top_p"))
-def _sample(logits, seeds, step, temperature, top_p, *, top_k: int, use_top_p: bool):
+def _sample(logits, seeds, steps, temperature, top_p, *, top_k: int, use_top_p: bool):
     B, V = logits.shape
     scaled = logits.astype(jnp.float32) / temperature
     if top_k or use_top_p:
@@ -75,10 +75,10 @@ def _sample(logits, seeds, step, temperature, top_p, *, top_k: int, use_top_p: b
         probs = jax.nn.softmax(values, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
         values = jnp.where(before < top_p, values, -jnp.inf)  # the top token always stays
-    def draw(seed, row):
+    def draw(seed, step, row):
         return jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(seed), step), row)
 
-    choice = jax.vmap(draw)(seeds, values)
+    choice = jax.vmap(draw)(seeds, steps, values)
     return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
@@ -87,14 +87,16 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, params: SamplingParams, step: int,
+def sample(logits: jax.Array, params: SamplingParams, step: int | Sequence[int],
            seeds: Sequence[int] | None = None) -> jax.Array:
     """Next token of every row.
 
     Args:
       logits: (B, V) float32.
       params: sampling configuration.
-      step: index of the token being generated (0 for the first), mixed into the PRNG key.
+      step: index of the token being generated (0 for the first), mixed into the PRNG key;
+        one for all rows or (B,) one per row (rows that joined a running batch at different
+        iterations are at different tokens).
       seeds: (B,) seed of each row (default: ``params.seed`` for every row).
     Returns:
       (B,) int32 token ids, on the logits' device.
@@ -103,5 +105,6 @@ def sample(logits: jax.Array, params: SamplingParams, step: int,
         return _greedy(logits)
     B = logits.shape[0]
     rows = np.full(B, params.seed, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
-    return _sample(logits, rows, step, params.temperature, params.top_p,
+    steps = np.broadcast_to(np.asarray(step, np.uint32), (B,))
+    return _sample(logits, rows, steps, params.temperature, params.top_p,
                    top_k=params.top_k, use_top_p=params.top_p < 1.0)

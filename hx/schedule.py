@@ -18,6 +18,13 @@ Instruction kinds, in the order the executor issues them for each segment i:
   ``move``    copy the activations segment i reads from the other device (H2D or D2H)
   ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
   ``free``    end of step: release temporaries, inputs and held activations
+
+A **block** of N micro-batches (``micro_batches``) runs the zig-zag block schedule of FlexGen
+(Sheng et al. 2023, §4.2): each segment's weights are staged once and every micro-batch passes
+through the segment before the next segment starts, so one copy of a streamed layer serves N·B
+rows. ``step``, ``move`` and ``launch`` are issued once per micro-batch (``Instruction.micro``);
+``stage`` and ``wait`` once per segment. With host attention, the host works on one
+micro-batch's SCORE while the accelerator runs the next segment of the micro-batch before it.
 """
 
 from __future__ import annotations
@@ -34,7 +41,12 @@ from hx.segments import Segment, crossings, first_streaming, next_streaming, spl
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
-STEP_KEY, INPUT_KEY, TEMP_KEY = ("step",), ("input",), ("temp",)
+INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
+
+
+def step_key(micro: int = 0) -> tuple:
+    """Accountant key of micro-batch ``micro``'s step inputs on the accelerator."""
+    return ("step", micro)
 
 
 def staging_key(segment: int) -> tuple:
@@ -42,9 +54,9 @@ def staging_key(segment: int) -> tuple:
     return ("staging", segment)
 
 
-def act_key(name: str) -> tuple:
-    """Accountant key of a held activation."""
-    return ("act", name)
+def act_key(name: str, micro: int = 0) -> tuple:
+    """Accountant key of a held activation of micro-batch ``micro``."""
+    return ("act", name, micro)
 
 
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
@@ -65,6 +77,7 @@ class Instruction:
     Attributes:
       kind: ``wait``, ``stage``, ``step``, ``move``, ``launch`` or ``free``.
       segment: index of the segment it concerns (None for ``free``).
+      micro: the micro-batch a ``step``, ``move`` or ``launch`` is for (0 for the others).
       resource: what it occupies: ``H2D``/``D2H`` (copies), ``accelerator``/``host``
         (compute), ``sync`` (the executor blocked on a device), or None when it costs nothing
         the simulator models (step inputs; tokens already in host memory).
@@ -76,6 +89,7 @@ class Instruction:
 
     kind: str
     segment: int | None
+    micro: int = 0
     resource: str | None = None
     names: tuple[str, ...] = ()
     nbytes: int = 0
@@ -91,7 +105,8 @@ class Schedule:
       phase: ``prefill`` or ``decode``.
       segments: the phase's segments (``hx.segments.split_segments``).
       instructions: in issue order.
-      batch, tokens, slots: B rows, T new tokens per row, S cache slots.
+      batch, tokens, slots: B rows per micro-batch, T new tokens per row, S cache slots.
+      micro_batches: N micro-batches in the block.
     """
 
     phase: str
@@ -100,6 +115,7 @@ class Schedule:
     batch: int
     tokens: int
     slots: int
+    micro_batches: int = 1
 
 
 TempBytes = Callable[[Segment, int, int, int], int]
@@ -107,13 +123,15 @@ TempBytes = Callable[[Segment, int, int, int], int]
 
 @functools.lru_cache(maxsize=4096)
 def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
-                     tokens: int, slots: int, temp_bytes: TempBytes | None = None
-                     ) -> Schedule:
+                     tokens: int, slots: int, temp_bytes: TempBytes | None = None,
+                     micro_batches: int = 1) -> Schedule:
     """Compile one step of ``plan``'s ``phase`` into instructions.
 
     Args:
-      batch, tokens, slots: B rows, T new tokens per row (a prefill chunk, or 1 in decode),
-        S KV-cache slots.
+      batch, tokens, slots: B rows per micro-batch, T new tokens per row (a prefill chunk, or
+        1 in decode), S KV-cache slots.
+      micro_batches: N micro-batches run through each segment in turn (the zig-zag block
+        schedule; 1: an ordinary step).
       temp_bytes: XLA temporary bytes of an accelerator segment at (B, T, S)
         (``hx.programs.Programs.temp_bytes``); None sizes them 0 (the simulator needs no
         sizes; the executor measures its own).
@@ -128,54 +146,57 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
 
     def stage(j: int) -> None:
         nbytes = staged_bytes(spec, segments[j])
-        out.append(Instruction(STAGE, j, H2D, nbytes=nbytes,
+        out.append(Instruction(STAGE, j, resource=H2D, nbytes=nbytes,
                                allocs=((staging_key(j), "staging", nbytes),)))
 
     if first is not None:
         stage(first)
     previous_stream: int | None = None
-    stepped: set[str] = set()
-    held: set[str] = set()
+    stepped: set[tuple[str, int]] = set()
+    held: set[tuple[str, int]] = set()
     for i, seg in enumerate(segments):
         on_acc = seg.device == ACCELERATOR
         if seg.streams:
             if previous_stream is not None:  # its buffer is reused: wait for it to finish
-                out.append(Instruction(WAIT, previous_stream, SYNC,
+                out.append(Instruction(WAIT, previous_stream, resource=SYNC,
                                        frees=(staging_key(previous_stream),)))
             if next_stream[i] is not None:
                 stage(next_stream[i])
-        if seg.device not in stepped:
-            stepped.add(seg.device)
-            nbytes = step_bytes(batch, tokens)
-            out.append(Instruction(STEP, i, None, nbytes=nbytes, allocs=(
-                ((STEP_KEY, "activations", nbytes),) if on_acc else ())))
-        moves = moves_of[i]
-        if moves:
-            nbytes = crossing_bytes(spec, moves, batch, tokens)
-            from_host_memory = moves == ("tokens",) and not on_acc
-            out.append(Instruction(
-                MOVE, i, None if from_host_memory else (H2D if on_acc else D2H), moves, nbytes,
-                allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()))
-        if on_acc:
-            temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
-            allocs = [(TEMP_KEY, "activations", temp)]
-            allocs += [(act_key(n), "activations", crossing_bytes(spec, (n,), batch, tokens))
-                       for n in seg.writes]
-            held.update(seg.writes)
-            out.append(Instruction(LAUNCH, i, ACCELERATOR, seg.writes, allocs=tuple(allocs)))
-        else:
-            dropped = tuple(act_key(n) for n in seg.writes if n in held)
-            held.difference_update(seg.writes)
-            out.append(Instruction(LAUNCH, i, HOST, seg.writes, frees=dropped))
+        for m in range(micro_batches):
+            if (seg.device, m) not in stepped:
+                stepped.add((seg.device, m))
+                nbytes = step_bytes(batch, tokens)
+                out.append(Instruction(STEP, i, m, None, nbytes=nbytes, allocs=(
+                    ((step_key(m), "activations", nbytes),) if on_acc else ())))
+            moves = moves_of[i]
+            if moves:
+                nbytes = crossing_bytes(spec, moves, batch, tokens)
+                from_host_memory = moves == ("tokens",) and not on_acc
+                out.append(Instruction(
+                    MOVE, i, m, None if from_host_memory else (H2D if on_acc else D2H), moves,
+                    nbytes, allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()))
+            if on_acc:
+                temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
+                allocs = [(TEMP_KEY, "activations", temp)]
+                allocs += [(act_key(n, m), "activations",
+                            crossing_bytes(spec, (n,), batch, tokens)) for n in seg.writes]
+                held.update((n, m) for n in seg.writes)
+                out.append(Instruction(LAUNCH, i, m, ACCELERATOR, seg.writes,
+                                       allocs=tuple(allocs)))
+            else:
+                dropped = tuple(act_key(n, m) for n in seg.writes if (n, m) in held)
+                held.difference_update((n, m) for n in seg.writes)
+                out.append(Instruction(LAUNCH, i, m, HOST, seg.writes, frees=dropped))
         if seg.streams:
             previous_stream = i
     frees: list[Hashable] = []
     if previous_stream is not None:
-        out.append(Instruction(WAIT, previous_stream, SYNC,
+        out.append(Instruction(WAIT, previous_stream, resource=SYNC,
                                frees=(staging_key(previous_stream),)))
-    frees += [TEMP_KEY, STEP_KEY, INPUT_KEY] + [act_key(n) for n in sorted(held)]
-    out.append(Instruction(FREE, None, None, frees=tuple(frees)))
-    return Schedule(phase, segments, tuple(out), batch, tokens, slots)
+    frees += [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(micro_batches)]
+    frees += [act_key(n, m) for n, m in sorted(held)]
+    out.append(Instruction(FREE, None, frees=tuple(frees)))
+    return Schedule(phase, segments, tuple(out), batch, tokens, slots, micro_batches)
 
 
 @dataclass

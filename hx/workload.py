@@ -62,14 +62,26 @@ class Workload:
     """Shapes one generation job runs at.
 
     Attributes:
-      batch: B, rows per step.
-      prompt_tokens: T, padded prompt length of prefill.
+      batch: B, rows per step (per micro-batch in a block).
+      prompt_tokens: T, padded prompt length of prefill (the chunk a prompt joining a running
+        block is prefilled in, with iteration-level scheduling).
       cache_slots: S, KV-cache length per row.
+      micro_batches: N micro-batches of B rows in a block (zig-zag block schedule); every
+        row's KV cache is held at once.
+      spare_rows: KV-cache rows held beside the block's: iteration-level scheduling prefills
+        a joining prompt into a cache row of its own before copying it into the block.
     """
 
     batch: int
     prompt_tokens: int
     cache_slots: int
+    micro_batches: int = 1
+    spare_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        """KV-cache rows held at once: B·N plus the spare rows."""
+        return self.batch * self.micro_batches + self.spare_rows
 
     @property
     def decode_context(self) -> int:

@@ -52,7 +52,7 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     times = _op_times(spec, profile, workload)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)
-    kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     state: dict[tuple[int | None, str], str] = {(i, op): HOST for i in range(spec.n_layers)
                                                 for op in LAYER_OPS}
     state[(None, HEAD)] = HOST
@@ -122,7 +122,7 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     L = spec.n_layers
     times = _op_times(spec, profile, workload)
     layer_w = spec.layer_weight_bytes
-    kv_layer = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     acc_compute = sum(times[ACCELERATOR][op] for op in WEIGHTED_OPS)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)

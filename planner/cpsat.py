@@ -122,7 +122,7 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     """Simulated marginal decode time and bytes of one layer of every pattern (cached: the
     budget does not enter, so planning at many budgets prices once)."""
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
-    kv_bytes = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
     host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
     costs = []
@@ -131,9 +131,10 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
             p = Pattern(kv, ops)
             pair = layer_plan(two, [p, p], HOST, "p")
             seconds = (predict(pair, two, profile, "decode", workload.batch, 1,
-                               workload.cache_slots, context).seconds
+                               workload.cache_slots, context, workload.micro_batches).seconds
                        - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
-                                 workload.batch, 1, workload.cache_slots, context).seconds)
+                                 workload.batch, 1, workload.cache_slots, context,
+                                 workload.micro_batches).seconds)
             resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s == RESIDENT)
             host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
                        for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
@@ -170,7 +171,8 @@ def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
 
     def run(head: str) -> float:
         return predict(layer_plan(one, [host_layer], head, "h"), one, profile, "decode",
-                       workload.batch, 1, workload.cache_slots, context).seconds
+                       workload.batch, 1, workload.cache_slots, context,
+                       workload.micro_batches).seconds
 
     return {state: run(state) for state in OP_STATES}
 

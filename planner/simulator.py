@@ -89,19 +89,22 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
 
 
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
-                batch: int, tokens: int, slots: int, context: int) -> list[Task]:
+                batch: int, tokens: int, slots: int, context: int, micro_batches: int = 1
+                ) -> list[Task]:
     """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order:
     ``stage`` an H2D copy of the staged weights (the link's per-copy latency for each staged
     op plus bytes / bandwidth), ``wait`` the sync overhead after the waited
     segment, ``move`` a transfer (latency + bytes / bandwidth) after the producers of what it
     moves, ``launch`` the device's launch overhead plus its ops after its inputs, its staged
-    weights and the last wait."""
-    schedule = compile_schedule(plan, spec, phase, batch, tokens, slots)
+    weights and the last wait. A block of ``micro_batches`` (zig-zag block schedule) has one
+    move and launch per micro-batch of ``batch`` rows; a wait follows the last of them."""
+    schedule = compile_schedule(plan, spec, phase, batch, tokens, slots,
+                                micro_batches=micro_batches)
     tasks: list[Task] = []
-    launched: dict[int, int] = {}  # segment -> its compute task
+    launched: dict[int, int] = {}  # segment -> its latest compute task
     staged: dict[int, int] = {}  # segment -> its weight copy
-    moved: dict[int, int] = {}  # segment -> its input transfer
-    producer: dict[str, int | None] = {"tokens": None}  # activation -> task producing it
+    moved: dict[tuple[int, int], int] = {}  # (segment, micro-batch) -> its input transfer
+    producer: dict[tuple[str, int], int | None] = {}  # (activation, micro) -> its task
     synced: int | None = None  # the last wait: copies and launches issued after it
 
     def add(resource, name, duration, deps=()) -> int:
@@ -109,7 +112,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         return len(tasks) - 1
 
     for ins in schedule.instructions:
-        i = ins.segment
+        i, m = ins.segment, ins.micro
         if ins.resource is None:
             continue
         seg = schedule.segments[i]
@@ -122,17 +125,18 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
         elif ins.kind == MOVE:
             bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
-            moved[i] = add(ins.resource, " ".join(ins.names),
-                           profile.transfer_latency + ins.nbytes / bandwidth,
-                           [producer[n] for n in ins.names])
+            moved[(i, m)] = add(ins.resource, " ".join(ins.names),
+                                profile.transfer_latency + ins.nbytes / bandwidth,
+                                [producer.get((n, m)) for n in ins.names])
         elif ins.kind == LAUNCH:
-            deps = [staged.get(i), moved.get(i), synced if seg.streams else None]
-            deps += [producer[n] for n in seg.reads]
+            deps = [staged.get(i), moved.get((i, m)), synced if seg.streams else None]
+            deps += [producer.get((n, m)) for n in seg.reads]
             name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
             duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
                 spec, profile, seg, batch, tokens, slots, context)
-            launched[i] = add(seg.device, name, duration, deps)
-            producer.update({n: launched[i] for n in ins.names})
+            launched[i] = add(seg.device, name if micro_batches == 1 else f"{name} [mb {m}]",
+                              duration, deps)
+            producer.update({(n, m): launched[i] for n in ins.names})
     return tasks
 
 
@@ -173,16 +177,19 @@ def run_tasks(tasks: list[Task], contention: float) -> float:
 
 
 def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
-            batch: int, tokens: int, slots: int, context: int | None = None) -> Prediction:
+            batch: int, tokens: int, slots: int, context: int | None = None,
+            micro_batches: int = 1) -> Prediction:
     """Predicted wall time of one executor step of ``phase``.
 
     Args:
-      batch, tokens: rows and new tokens per row (the prompt length in prefill, 1 in decode).
+      batch, tokens: rows (per micro-batch) and new tokens per row (the prompt length in
+        prefill, 1 in decode).
       slots: KV-cache slots S.
       context: slots in use (default: all of them).
+      micro_batches: N micro-batches in the block (the step serves N·batch rows).
     """
     tasks = build_tasks(plan, spec, profile, phase, batch, tokens, slots,
-                        slots if context is None else context)
+                        slots if context is None else context, micro_batches)
     seconds = run_tasks(tasks, profile.contention)
     busy: dict[str, float] = {}
     for t in tasks:

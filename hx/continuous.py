@@ -1,0 +1,300 @@
+"""Iteration-level scheduling of many prompts over a block of micro-batches.
+
+Orca (Yu et al., OSDI 2022) schedules per iteration instead of per batch: a sequence leaves the
+batch the step it ends and a waiting prompt takes its place at the next iteration, so short
+answers do not wait for long ones and no step computes rows that are done. ``ContinuousBatcher``
+does this over a block of N micro-batches of B rows (the zig-zag block schedule of
+``Executor.run_block``: each streamed layer serves all N·B rows once per step).
+
+Every step of the executor writes one cache slot shared by a micro-batch's rows (its
+``frontier``: ``Step.write_index``); rows differ in where they start (``Step.kv_start``). A
+prompt of L tokens joins a free row by
+
+1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache of ``rows``
+   (up to B joining prompts share one prefill, left-padded to a multiple of the chunk, at a
+   power-of-two row count so few shapes are compiled) -- between two decode iterations;
+2. copying its cache row into the micro-batch, shifted so that its last prompt token sits just
+   before the frontier (its first L slots before it; ``kv_start`` = frontier - L). A frontier
+   smaller than L first shifts the micro-batch's caches right.
+
+When a micro-batch's frontier reaches the last slot, its caches are shifted left by the
+smallest ``kv_start`` of its rows (slots no row attends to any more). A row's RoPE positions
+count from its own first token, so shifts change no result: each row computes what it would
+alone, up to float rounding of the batched products. A cache of S slots >= L + max_new_tokens
+of every prompt always leaves room (the row that starts at slot 0 has then finished).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hx.devices import ACCELERATOR
+from hx.errors import HxError
+from hx.generate import Completion, Engine, check_prompts, run_prefill
+from hx.memory import reframe_bytes
+from hx.models.llama import Cache, Step
+from hx.sampling import SamplingParams, sample
+from hx.workload import CACHE_BUCKET, Workload, new_tokens, round_up
+
+JOIN_CHUNK = 64  # tokens per prefill step of a joining prompt, unless the plan sets a chunk
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _shift(cache: jax.Array, slots: jax.Array) -> jax.Array:
+    """``cache`` (B, S, K, E) rolled by ``slots`` along S (positive: towards the end)."""
+    return jnp.roll(cache, slots, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(cache: jax.Array, joined: jax.Array, source: jax.Array, row: jax.Array,
+            slots: jax.Array) -> jax.Array:
+    """``cache`` (B, S, K, E) with row ``row`` replaced by row ``source`` of ``joined``
+    (G, S, K, E) rolled by ``slots`` along S."""
+    return cache.at[row].set(jnp.roll(joined[source], slots, axis=0))
+
+
+@dataclass
+class _Row:
+    """A prompt being answered in one row of a micro-batch."""
+
+    prompt: int  # index into the prompts
+    max_new: int
+    started: float  # its prefill began (seconds, perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    sampled: int = 0  # tokens drawn so far: the PRNG step of the next
+    first: float = 0.0
+    end: float = 0.0
+    stopped: bool = False
+
+
+@dataclass
+class _MicroBatch:
+    """B rows sharing one frontier (the cache slot the next decode step writes)."""
+
+    name: int
+    caches: list[Cache]
+    kv_start: np.ndarray  # (B,) int32; an empty row starts past the end (attends nothing)
+    frontier: int
+    rows: list[_Row | None]
+    last: np.ndarray  # (B,) int32 token each row feeds next
+
+    @property
+    def active(self) -> list[int]:
+        return [r for r, row in enumerate(self.rows) if row is not None]
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+    return min(cap, 1 << (n - 1).bit_length())
+
+
+class ContinuousBatcher:
+    """Generates many prompts with iteration-level scheduling over N micro-batches of B rows.
+
+    Args:
+      engine: the ``Engine`` (model, plan, executor) to run.
+      micro_batch: B, rows per micro-batch.
+      micro_batches: N, micro-batches in the block.
+      join_chunk: tokens per prefill step of joining prompts (default: the plan's prefill
+        chunk, else ``JOIN_CHUNK``).
+    Raises:
+      HxError: B or N below 1.
+    """
+
+    def __init__(self, engine: Engine, micro_batch: int, micro_batches: int = 1,
+                 join_chunk: int | None = None):
+        if micro_batch < 1 or micro_batches < 1:
+            raise HxError(f"a block needs at least one micro-batch of one row, got "
+                          f"{micro_batches} x {micro_batch}")
+        self.engine, self.B, self.N = engine, micro_batch, micro_batches
+        self.chunk = join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK
+
+    def workload(self, lengths: Sequence[int], max_new_tokens: Sequence[int]) -> Workload:
+        """Shapes of a run over prompts of these lengths: (B, join chunk, S, N) with B spare
+        rows, S >= every prompt's length + new tokens (and its padded prefill)."""
+        spec = self.engine.model.spec
+        need = max(max(L + new_tokens(L, n, spec), round_up(L, self.chunk))
+                   for L, n in zip(lengths, max_new_tokens))
+        return Workload(self.B, self.chunk, round_up(need, CACHE_BUCKET), self.N,
+                        spare_rows=self.B)
+
+    def compile(self, workload: Workload, sampling: SamplingParams) -> float:
+        """Compile decode at (B, 1, S), prefill at every join size and the samplers; returns
+        the seconds it took."""
+        ex, start = self.engine.executor, time.perf_counter()
+        B, S = workload.batch, workload.cache_slots
+        sizes = sorted({_pow2_at_least(g, B) for g in range(1, B + 1)})
+        self.engine._status(f"compiling decode {self.N} x {B} rows, prefill chunks of "
+                            f"{self.chunk} tokens at {sizes} rows, {S} KV slots")
+        ex.compile("decode", B, 1, S)
+        for g in sizes:
+            ex.compile("prefill", g, self.chunk, S)
+        head = ex.devices[self.engine.plan.phase("decode").head]
+        for rows in {B, *sizes}:
+            zeros = jax.device_put(np.zeros((rows, self.engine.model.spec.vocab_size),
+                                            np.float32), head)
+            sample(zeros, sampling, 0, [0] * rows).block_until_ready()
+        return time.perf_counter() - start
+
+    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
+            seeds: Sequence[int] | None = None,
+            on_finish: Callable[[int, Completion], None] | None = None) -> list[Completion]:
+        """Answer every prompt; each leaves its row the step it ends and the next waiting
+        prompt (in the given order) takes the row.
+
+        Args:
+          prompts: token ids of each prompt.
+          sampling: sampling and stopping rules (one for all).
+          seeds: a sampling seed per prompt (default ``sampling.seed``); a prompt draws the
+            same tokens as it would alone.
+          on_finish: called with (prompt index, its ``Completion``) the moment it ends.
+        Returns:
+          one ``Completion`` per prompt, in order. ``ttft_s`` counts from the start of the
+          prompt's own prefill.
+        Raises:
+          HxError: an empty prompt or one longer than the context, or a plan that does not
+            fit the memory budget at this run's shapes.
+        """
+        engine, ex, spec = self.engine, self.engine.executor, self.engine.model.spec
+        lengths = [len(p) for p in prompts]
+        check_prompts(lengths, spec)
+        max_new = [new_tokens(L, sampling.max_new_tokens, spec) for L in lengths]
+        workload = self.workload(lengths, max_new)
+        engine.check(workload)
+        compile_s = self.compile(workload, sampling)
+        tok = engine.model.tokenizer
+        stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+        seeds = list(seeds) if seeds is not None else [sampling.seed] * len(prompts)
+        results: list[Completion | None] = [None] * len(prompts)
+        B, S = self.B, workload.cache_slots
+
+        def finish(row: _Row) -> None:
+            after_first = len(row.tokens) - 1 + (1 if row.stopped else 0)
+            elapsed = row.end - row.first
+            results[row.prompt] = Completion(
+                prompt_tokens=lengths[row.prompt], token_ids=row.tokens,
+                text=tok.decode(row.tokens),
+                finish_reason=("stop" if row.stopped else "context"
+                               if row.max_new < sampling.max_new_tokens else "length"),
+                ttft_s=row.first - row.started,
+                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
+                compile_s=compile_s)
+            if on_finish is not None:
+                on_finish(row.prompt, results[row.prompt])
+
+        def record(mb: _MicroBatch, r: int, token: int, now: float) -> None:
+            """A row's new token; frees the row when it ends."""
+            row = mb.rows[r]
+            row.sampled += 1
+            row.end = now
+            if token in stop:
+                row.stopped = True
+            else:
+                row.tokens.append(token)
+            mb.last[r] = token
+            if row.stopped or row.sampled >= row.max_new:
+                mb.rows[r] = None
+                mb.kv_start[r] = S
+                finish(row)
+
+        queue = collections.deque(range(len(prompts)))
+        blocks = [_MicroBatch(m, ex.new_cache(B, S, micro=m), np.full(B, S, np.int32), 0,
+                              [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
+        try:
+            while queue or any(mb.active for mb in blocks):
+                free = [(mb, r) for mb in blocks for r in range(B) if mb.rows[r] is None]
+                while queue and free:
+                    places, free = free[:min(B, len(queue))], free[min(B, len(queue)):]
+                    self._join([queue.popleft() for _ in places], places, prompts, max_new,
+                               sampling, seeds, S, record)
+                running = [mb for mb in blocks if mb.active]
+                if not running:
+                    continue
+                for mb in running:
+                    if mb.frontier == S:  # the last slot is written: drop what no row reads
+                        unread = int(mb.kv_start[mb.active].min())
+                        if unread == 0:  # a row would have outlived the cache: a bug
+                            raise RuntimeError(f"no free slot in a {S}-slot KV cache")
+                        self._reframe(mb, -unread)
+                steps = []
+                for mb in running:
+                    positions = np.where(mb.kv_start < S, mb.frontier - mb.kv_start, 0)
+                    steps.append(Step(positions[:, None].astype(np.int32),
+                                      np.int32(mb.frontier), mb.kv_start.copy()))
+                logits, caches = ex.run_block("decode", [mb.last[:, None] for mb in running],
+                                              steps, [mb.caches for mb in running])
+                for mb, out, cache in zip(running, logits, caches):
+                    mb.caches, mb.frontier = cache, mb.frontier + 1
+                    active = mb.active
+                    draws = [mb.rows[r].sampled if r in active else 0 for r in range(B)]
+                    new = np.asarray(sample(out, sampling, draws,
+                                            [seeds[mb.rows[r].prompt] if r in active else 0
+                                             for r in range(B)]))
+                    now = time.perf_counter()
+                    for r in active:
+                        record(mb, r, int(new[r]), now)
+        finally:
+            ex.release_cache()
+        return results
+
+    def _join(self, group: list[int], places: list[tuple[_MicroBatch, int]],
+              prompts: Sequence[Sequence[int]], max_new: list[int], sampling: SamplingParams,
+              seeds: list[int], S: int, record: Callable) -> None:
+        """Prefill ``group`` (at most B prompts) together and move each into its place."""
+        engine, ex = self.engine, self.engine.executor
+        started = time.perf_counter()
+        G = _pow2_at_least(len(group), self.B)
+        T = max(round_up(len(prompts[p]), self.chunk) for p in group)
+        tokens = np.full((G, T), engine.model.tokenizer.eos_id or 0, np.int32)
+        kv_start = np.full(G, T, np.int32)  # rows past the group attend nothing
+        for j, p in enumerate(group):
+            tokens[j, T - len(prompts[p]):] = prompts[p]
+            kv_start[j] = T - len(prompts[p])
+        positions = np.maximum(np.arange(T, dtype=np.int32)[None, :] - kv_start[:, None], 0)
+        joined = ex.new_cache(G, S, micro="join")
+        try:
+            logits, joined = run_prefill(
+                ex, tokens, Step(positions, np.int32(0), kv_start), joined, self.chunk,
+                lambda i, n: engine._status(f"prefill of {len(group)} joining prompt(s), "
+                                            f"chunk {i}/{n}"))
+            first = np.asarray(sample(logits, sampling, 0,
+                                      [seeds[p] for p in group] + [0] * (G - len(group))))
+            now = time.perf_counter()
+            for j, (p, (mb, r)) in enumerate(zip(group, places)):
+                L = len(prompts[p])
+                if mb.frontier < L:
+                    self._reframe(mb, L - mb.frontier)
+                shift = np.int32(mb.frontier - T)
+                mb.caches = [{name: _insert(cache[name], part[name], np.int32(j), np.int32(r),
+                                            shift) for name in cache}
+                             for cache, part in zip(mb.caches, joined)]
+                mb.kv_start[r] = mb.frontier - L
+                mb.rows[r] = _Row(p, max_new[p], started, first=now)
+                record(mb, r, int(first[j]), now)
+        finally:
+            ex.release_cache("join")
+
+    def _reframe(self, mb: _MicroBatch, slots: int) -> None:
+        """Shift micro-batch ``mb``'s caches by ``slots`` (negative: towards slot 0)."""
+        acct = self.engine.accountant
+        S = mb.caches[0]["k"].shape[1]
+        on_accelerator = ACCELERATOR in self.engine.plan.kv
+        temp = reframe_bytes(self.engine.model.spec,
+                             Workload(self.B, self.chunk, S)) if on_accelerator else 0
+        acct.allocate("activations", ("reframe",), temp)
+        try:
+            shift = np.int32(slots)
+            mb.caches = [{name: _shift(c, shift) for name, c in cache.items()}
+                         for cache in mb.caches]
+        finally:
+            acct.free(("reframe",))
+        active = mb.active
+        mb.kv_start[active] += slots
+        mb.frontier += slots

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from hx.errors import HxError
 from hx.generate import Completion, Engine, check_prompts, encode_prompt
@@ -209,11 +209,6 @@ def result_row(row: dict[str, Any], completion: Completion, provenance: dict[str
             "produced_by": provenance}
 
 
-def _chunks(items: list, size: int) -> Iterable[list]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
-
-
 @dataclass
 class BatchJob:
     """Prompts of a JSONL file that still need an answer, tokenized and checked.
@@ -238,22 +233,36 @@ class BatchJob:
     total: int
 
     def workload(self, batch_size: int, spec: ModelSpec) -> Workload:
-        """Largest shapes a batch of this job runs at (what a plan must fit)."""
+        """Largest shapes a static batch of this job runs at (what a plan must fit)."""
         longest = max((len(t) for t in self.token_ids), default=1)
         most_new = max((p.max_new_tokens for p in self.sampling), default=1)
         return Workload.for_prompts(max(1, min(batch_size, len(self.todo))), longest,
                                     most_new, spec)
 
-    def run(self, engine: Engine, batch_size: int = 8,
-            on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
-        """Generate the remaining prompts, appending each result the moment its row ends (its
-        stop token, or its batch's last step), flushed and fsynced.
+    def cache_slots(self, spec: ModelSpec, chunk: int) -> int:
+        """KV-cache slots of an iteration-level run of this job (``continuous.run_slots``)."""
+        from hx.continuous import run_slots
 
-        Rows with the same sampling form batches, longest prompts first (each batch pads
-        little), and one KV-cache length serves the whole run (decode compiles once).
+        return run_slots([len(t) for t in self.token_ids] or [1],
+                         [p.max_new_tokens for p in self.sampling] or [1], spec, chunk)
+
+    def run(self, engine: Engine, batch_size: int = 1,
+            on_result: Callable[[dict[str, Any]], None] | None = None,
+            block: Workload | None = None) -> BatchSummary:
+        """Generate the remaining prompts, appending each result the moment its row ends,
+        flushed and fsynced.
+
+        Rows with the same sampling run together, longest prompts first. Without ``block``
+        they form static batches of ``batch_size`` (latency mode: a row that ends early
+        waits, idle, for its batch's last step); with ``block`` -- (B rows, join chunk, S,
+        N micro-batches) -- they run with iteration-level scheduling
+        (``continuous.ContinuousBatcher``: a row that ends is refilled at the next step).
+        One KV-cache length serves the whole run (each shape compiles once).
         Raises:
           HxError: a batch size below 1, or a plan that does not fit the memory budget.
         """
+        from hx.continuous import ContinuousBatcher
+
         if batch_size < 1:
             raise HxError(f"batch size must be >= 1, got {batch_size}")
         summary = BatchSummary(self.total, self.total - len(self.todo), len(self.todo))
@@ -263,23 +272,32 @@ class BatchJob:
         groups: dict[tuple, list[int]] = {}
         for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
             groups.setdefault((self.sampling[i], self.stops[i]), []).append(i)
-        slots = self.workload(batch_size, engine.model.spec).cache_slots
         with open(self.output_path, "a", encoding="utf-8") as out:
-            for (sampling, stops), rows in groups.items():
-                for chunk in _chunks(rows, batch_size):
-                    def write(r: int, completion: Completion, chunk=chunk, stops=stops) -> None:
-                        i = chunk[r]
-                        result = result_row(self.todo[i], completion, self.provenance[i],
-                                            stops)
-                        out.write(json.dumps(result, ensure_ascii=False) + "\n")
-                        out.flush()
-                        os.fsync(out.fileno())
-                        if on_result:
-                            on_result(result)
+            def writer(rows: list[int], stops: tuple[str, ...]):
+                def write(r: int, completion: Completion) -> None:
+                    i = rows[r]
+                    result = result_row(self.todo[i], completion, self.provenance[i], stops)
+                    out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                    out.flush()
+                    os.fsync(out.fileno())
+                    if on_result:
+                        on_result(result)
+                return write
 
-                    seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in chunk]
-                    engine.generate_ids([ids[i] for i in chunk], sampling, slots, seeds,
-                                        on_finish=write)
+            for (sampling, stops), rows in groups.items():
+                seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in rows]
+                if block is not None:
+                    batcher = ContinuousBatcher(engine, block.batch, block.micro_batches,
+                                                block.prompt_tokens)
+                    batcher.run([ids[i] for i in rows], sampling, seeds, writer(rows, stops),
+                                block.cache_slots)
+                    continue
+                slots = self.workload(batch_size, engine.model.spec).cache_slots
+                for start in range(0, len(rows), batch_size):
+                    chunk = rows[start:start + batch_size]
+                    engine.generate_ids([ids[i] for i in chunk], sampling, slots,
+                                        seeds[start:start + batch_size],
+                                        on_finish=writer(chunk, stops))
         return summary
 
 
@@ -332,11 +350,13 @@ def _differences(old: dict[str, Any], row: dict[str, Any], record: dict[str, Any
 
 
 def run_batch(engine: Engine, prompts_path: str, output_path: str, sampling: SamplingParams,
-              batch_size: int = 8, chat: bool = False,
-              on_result: Callable[[dict[str, Any]], None] | None = None) -> BatchSummary:
+              batch_size: int = 1, chat: bool = False,
+              on_result: Callable[[dict[str, Any]], None] | None = None,
+              block: Workload | None = None) -> BatchSummary:
     """Answer every prompt of ``prompts_path`` not yet in ``output_path`` (``prepare_batch``
-    then ``BatchJob.run``), holding ``output_lock``."""
+    then ``BatchJob.run``: static batches of ``batch_size``, or iteration-level scheduling
+    over ``block``), holding ``output_lock``."""
     check_output_path(prompts_path, output_path)
     with output_lock(output_path):
         job = prepare_batch(engine.model, prompts_path, output_path, sampling, chat)
-        return job.run(engine, batch_size, on_result)
+        return job.run(engine, batch_size, on_result, block)

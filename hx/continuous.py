@@ -41,6 +41,7 @@ from hx.errors import HxError
 from hx.generate import Completion, Engine, check_prompts, run_prefill
 from hx.memory import reframe_bytes
 from hx.models.llama import Cache, Step
+from hx.models.spec import ModelSpec
 from hx.sampling import SamplingParams, sample
 from hx.workload import CACHE_BUCKET, Workload, new_tokens, round_up
 
@@ -91,6 +92,16 @@ class _MicroBatch:
         return [r for r, row in enumerate(self.rows) if row is not None]
 
 
+def run_slots(lengths: Sequence[int], max_new_tokens: Sequence[int], spec: ModelSpec,
+              chunk: int) -> int:
+    """KV-cache slots S of a run: room for every prompt's tokens and its new tokens (capped
+    by the context), and for its prefill padded to a multiple of ``chunk``, rounded up to
+    ``CACHE_BUCKET``."""
+    need = max(max(L + new_tokens(L, n, spec), round_up(L, chunk))
+               for L, n in zip(lengths, max_new_tokens))
+    return round_up(need, CACHE_BUCKET)
+
+
 def _pow2_at_least(n: int, cap: int) -> int:
     return min(cap, 1 << (n - 1).bit_length())
 
@@ -116,14 +127,10 @@ class ContinuousBatcher:
         self.engine, self.B, self.N = engine, micro_batch, micro_batches
         self.chunk = join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK
 
-    def workload(self, lengths: Sequence[int], max_new_tokens: Sequence[int]) -> Workload:
-        """Shapes of a run over prompts of these lengths: (B, join chunk, S, N) with B spare
-        rows, S >= every prompt's length + new tokens (and its padded prefill)."""
-        spec = self.engine.model.spec
-        need = max(max(L + new_tokens(L, n, spec), round_up(L, self.chunk))
-                   for L, n in zip(lengths, max_new_tokens))
-        return Workload(self.B, self.chunk, round_up(need, CACHE_BUCKET), self.N,
-                        spare_rows=self.B)
+    def workload(self, cache_slots: int) -> Workload:
+        """Shapes of a run: (B, join chunk, S, N) with B spare rows (a joining group's
+        prefill cache)."""
+        return Workload(self.B, self.chunk, cache_slots, self.N, spare_rows=self.B)
 
     def compile(self, workload: Workload, sampling: SamplingParams) -> float:
         """Compile decode at (B, 1, S), prefill at every join size and the samplers; returns
@@ -131,7 +138,7 @@ class ContinuousBatcher:
         ex, start = self.engine.executor, time.perf_counter()
         B, S = workload.batch, workload.cache_slots
         sizes = sorted({_pow2_at_least(g, B) for g in range(1, B + 1)})
-        self.engine._status(f"compiling decode {self.N} x {B} rows, prefill chunks of "
+        self.engine.status(f"compiling decode {self.N} x {B} rows, prefill chunks of "
                             f"{self.chunk} tokens at {sizes} rows, {S} KV slots")
         ex.compile("decode", B, 1, S)
         for g in sizes:
@@ -145,7 +152,8 @@ class ContinuousBatcher:
 
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
             seeds: Sequence[int] | None = None,
-            on_finish: Callable[[int, Completion], None] | None = None) -> list[Completion]:
+            on_finish: Callable[[int, Completion], None] | None = None,
+            cache_slots: int | None = None) -> list[Completion]:
         """Answer every prompt; each leaves its row the step it ends and the next waiting
         prompt (in the given order) takes the row.
 
@@ -155,6 +163,8 @@ class ContinuousBatcher:
           seeds: a sampling seed per prompt (default ``sampling.seed``); a prompt draws the
             same tokens as it would alone.
           on_finish: called with (prompt index, its ``Completion``) the moment it ends.
+          cache_slots: KV-cache slots S (default ``run_slots`` of these prompts); a batch run
+            passes one value for all its runs so each shape compiles once.
         Returns:
           one ``Completion`` per prompt, in order. ``ttft_s`` counts from the start of the
           prompt's own prefill.
@@ -166,7 +176,11 @@ class ContinuousBatcher:
         lengths = [len(p) for p in prompts]
         check_prompts(lengths, spec)
         max_new = [new_tokens(L, sampling.max_new_tokens, spec) for L in lengths]
-        workload = self.workload(lengths, max_new)
+        least = run_slots(lengths, max_new, spec, self.chunk)
+        if cache_slots is not None and cache_slots < least:
+            raise HxError(f"KV cache of {cache_slots} slots is too small for these prompts "
+                          f"and their new tokens ({least} needed)")
+        workload = self.workload(cache_slots or least)
         engine.check(workload)
         compile_s = self.compile(workload, sampling)
         tok = engine.model.tokenizer
@@ -262,7 +276,7 @@ class ContinuousBatcher:
         try:
             logits, joined = run_prefill(
                 ex, tokens, Step(positions, np.int32(0), kv_start), joined, self.chunk,
-                lambda i, n: engine._status(f"prefill of {len(group)} joining prompt(s), "
+                lambda i, n: engine.status(f"prefill of {len(group)} joining prompt(s), "
                                             f"chunk {i}/{n}"))
             first = np.asarray(sample(logits, sampling, 0,
                                       [seeds[p] for p in group] + [0] * (G - len(group))))

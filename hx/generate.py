@@ -135,7 +135,8 @@ class Engine:
         self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
         self.on_status: Callable[[str], None] | None = None
 
-    def _status(self, line: str) -> None:
+    def status(self, line: str) -> None:
+        """Pass a progress line to ``on_status`` (when set)."""
         if self.on_status is not None:
             self.on_status(line)
 
@@ -197,7 +198,7 @@ class Engine:
         key = (workload, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
-        self._status(f"compiling batch {workload.batch} x {workload.prompt_tokens} tokens, "
+        self.status(f"compiling batch {workload.batch} x {workload.prompt_tokens} tokens, "
                      f"{workload.cache_slots} KV slots")
         start = time.perf_counter()
         B, S = workload.batch, workload.cache_slots
@@ -297,11 +298,11 @@ class Engine:
             caches = self.executor.new_cache(B, workload.cache_slots)
             logits, caches = run_prefill(
                 self.executor, tokens, prefill_step, caches, self.plan.prefill_chunk,
-                lambda i, n: self._status(f"prefill {B} x {T} tokens, chunk {i}/{n}"))
+                lambda i, n: self.status(f"prefill {B} x {T} tokens, chunk {i}/{n}"))
             last = np.asarray(sample(logits, sampling, 0, seeds))
             first = time.perf_counter()
             record(last, first)
-            self._status(f"decoding {B} x up to {max_new} tokens")
+            self.status(f"decoding {B} x up to {max_new} tokens")
             kv_start = prefill_step.kv_start
             for i in range(1, max_new):
                 if all(finished):

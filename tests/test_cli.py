@@ -1,6 +1,7 @@
 """The ``hx`` command: bad input gives one line on stderr and exit status 2, no traceback."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -67,10 +68,17 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
         json.dumps({"id": f"[i]{i}", "prompt": p}, ensure_ascii=False) + "\n"
         for i, p in enumerate(TRICKY)))
     out = tmp_path / "o.jsonl"
+    from profiles import gpu_like
+
+    gpu_like().save(str(tmp_path / "gpu.json"))
     args = ("generate", "-m", str(tmp_path / "tiny.gguf"), "--prompts", str(tmp_path / "p.jsonl"),
-            "-o", str(out), "--max-new-tokens", "3", "--host-ops", "score,mlp2")
+            "-o", str(out), "--max-new-tokens", "3", "--host-ops", "score,mlp2",
+            "--profile", str(tmp_path / "gpu.json"))
     result = hx(*args)
     assert result.returncode == 0, result.stderr
+    # a prompts file runs in throughput mode, its block planned on the profile given
+    assert re.search(r"throughput mode: \d micro-batch(es)? x \d rows, plan host:SCORE,MLP2",
+                     result.stderr)
     assert result.stdout == out.read_text(encoding="utf-8")  # byte for byte
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(f"[i]{i}" for i in range(len(TRICKY)))
@@ -165,7 +173,8 @@ def test_runs_killed_twice_resume_to_the_uninterrupted_output(tmp_path, tiny_mod
         def args(name):
             return ("generate", "-m", str(tmp_path / "tiny.gguf"), "--prompts",
                     str(tmp_path / "p.jsonl"), "-o", str(tmp_path / name),
-                    "--max-new-tokens", "6", "--batch-size", "2", *sampling)
+                    "--max-new-tokens", "6", "--micro-batch", "2", "--micro-batches", "2",
+                    *sampling)
 
         whole = hx(*args("whole.jsonl"))
         assert whole.returncode == 0, whole.stderr

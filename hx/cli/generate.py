@@ -57,7 +57,18 @@ def generate(
                                       f"{','.join((EMBED,) + LAYER_OPS + (HEAD,))}."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="Execution plan JSON file."),
     profile: Optional[Path] = ProfileOption,
-    batch_size: int = typer.Option(8, help="Prompts per batch (with --prompts)."),
+    mode: str = typer.Option(
+        "auto", help="latency: static batches of --batch-size prompts (default 1), the plan "
+                     "chosen for them; throughput: iteration-level scheduling over a block of "
+                     "micro-batches, block and plan chosen for the most tokens/s; auto: "
+                     "throughput for --prompts unless --batch-size is given, latency for "
+                     "--prompt."),
+    batch_size: Optional[int] = typer.Option(
+        None, help="Prompts per static batch in latency mode (with --prompts; default 1)."),
+    micro_batch: Optional[int] = typer.Option(
+        None, help="Rows per micro-batch in throughput mode (default: planned)."),
+    micro_batches: Optional[int] = typer.Option(
+        None, help="Micro-batches per block in throughput mode (default: planned)."),
     trace: Optional[Path] = typer.Option(None, "--trace",
                                          help="Write a Chrome/Perfetto trace of the run."),
 ) -> None:
@@ -78,14 +89,27 @@ def generate(
     if prompts is not None:  # before the model loads: fail fast, and one run per output
         check_output_path(str(prompts), str(output))
         lock = output_lock(str(output))
+    if mode not in ("auto", "latency", "throughput"):
+        raise HxError(f"--mode must be auto, latency or throughput, got {mode!r}")
+    if mode == "auto":
+        mode = "throughput" if prompts is not None and batch_size is None else "latency"
+    if mode == "throughput" and (prompts is None or batch_size is not None):
+        raise HxError("--mode throughput runs a --prompts file, in a block sized by "
+                      "--micro-batch and --micro-batches (not --batch-size)")
+    if mode == "latency" and (micro_batch or micro_batches):
+        raise HxError("--micro-batch and --micro-batches belong to --mode throughput")
+    if (micro_batch is None) != (micro_batches is None):
+        raise HxError("give both --micro-batch and --micro-batches, or neither (planned)")
+    block = (micro_batch, micro_batches) if mode == "throughput" else None
     with lock:
         _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
-                  host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, trace)
+                  host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
+                  block, trace)
 
 
 def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
-              host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, trace
-              ) -> None:
+              host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, block,
+              trace) -> None:
     from hx.batch import prepare_batch
     from hx.generate import Engine, check_prompts, encode_prompt
     from hx.memory import check_fits
@@ -101,16 +125,28 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
     else:
         job = prepare_batch(loaded, str(prompts), str(output), sampling, chat)
         workload = job.workload(batch_size, spec)
-    from hx.planner.profiler import for_policy  # measures a quick one if the policy needs it
-    hardware = for_policy(policy or "auto", str(profile) if profile else None, devices, say)
-    chosen = resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers, hardware)
+    from hx.planner.profiler import for_policy, load_or_measure
+
+    # choosing a block compares predicted tokens/s: that always needs a profile
+    hardware = (load_or_measure(str(profile) if profile else None, devices, say)
+                if block is not None and block[0] is None else
+                for_policy(policy or "auto", str(profile) if profile else None, devices, say))
+
+    def place(workload: Workload):
+        return resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers,
+                            hardware)
+
+    if block is not None:
+        workload, chosen = _plan_block(job, spec, hardware, block, place)
+    else:
+        chosen = place(workload)
     need = check_fits(chosen, spec, devices, workload)
     timeline = Timeline() if trace else None
     engine = Engine(loaded, chosen, devices, timeline)
     del loaded  # frees the loader's weight arrays: the executor holds the weights now
     segments = len(split_segments(chosen, "decode"))
-    note(f"{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | plan "
-         f"{chosen.name}, step path: segments ({segments} per decode step) | "
+    note(f"{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | "
+         f"{'throughput' if block else 'latency'} mode | plan {chosen.name}, step path: segments ({segments} per decode step) | "
          f"{devices.describe()} | needs {format_bytes(need.accelerator)} on the accelerator")
     if hardware is None and chosen.name.startswith("layer-split") and policy is None:
         note("no hardware profile: the largest layer split that fits stands in for "
@@ -130,7 +166,7 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
             say(f"stopped at the model's context of {spec.context_length} tokens: "
                 f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
     else:
-        _run_batch(job, engine, batch_size, output)
+        _run_batch(job, engine, batch_size, output, workload if block is not None else None)
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
@@ -143,7 +179,30 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
              f"fraction {'-' if overlap is None else f'{overlap:.2f}'}")
 
 
-def _run_batch(job, engine, batch_size: int, output: Path) -> None:
+def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, object]:
+    """The block (and plan) of a throughput run: the one given by --micro-batch and
+    --micro-batches, else the one ``throughput.choose_block`` predicts the most tokens/s
+    for."""
+    from hx.continuous import JOIN_CHUNK
+    from hx.planner.throughput import choose_block
+
+    rows, count = block
+    slots = job.cache_slots(spec, JOIN_CHUNK)
+    if rows and count:
+        workload = Workload(rows, JOIN_CHUNK, slots, count, spare_rows=rows)
+        return workload, place(workload)
+    prompts = max(1, len(job.todo))
+    lengths = [len(t) for t in job.token_ids] or [1]
+    new = [p.max_new_tokens for p in job.sampling] or [1]
+    note(f"choosing a block for {prompts} prompts (mean {np.mean(lengths):.0f} prompt tokens, "
+         f"up to {np.mean(new):.0f} new)")
+    choice = choose_block(spec, hardware, prompts, float(np.mean(lengths)), float(np.mean(new)),
+                          slots, JOIN_CHUNK, place)
+    note(f"throughput mode: {choice.describe()}")
+    return choice.workload, choice.plan
+
+
+def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | None) -> None:
     """Run a batch job with a progress bar (prompts, tokens/s, ETA), each result echoed as it
     is written, then a summary table."""
     results: list[dict] = []
@@ -169,7 +228,7 @@ def _run_batch(job, engine, batch_size: int, output: Path) -> None:
                 out.print(Text(row["completion"]), soft_wrap=True, highlight=False)
                 out.print()
 
-        summary = job.run(engine, batch_size, on_result=show)
+        summary = job.run(engine, batch_size, on_result=show, block=block)
     wall = time.perf_counter() - start
     say(f"{summary.generated} generated, {summary.skipped} already in {output}, "
         f"{summary.total} prompts")

@@ -1,0 +1,97 @@
+"""Iteration-level scheduling: each prompt's tokens equal a run of it alone, rows are refilled
+the step they free, caches are re-framed both ways, and memory stays within the estimate."""
+
+import numpy as np
+import pytest
+
+from hx.continuous import ContinuousBatcher, run_slots
+from hx.devices import discover
+from hx.generate import Engine
+from hx.memory import estimate
+from hx.sampling import SamplingParams
+from hx.workload import new_tokens
+
+from plans import kv_host_odd
+from hx.planner import policies
+
+MAX_NEW = 24
+PLANS = {"all-accelerator": policies.all_accelerator(3), "stream-all": policies.stream_all(3),
+         "kv-host-odd": kv_host_odd(3)}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    rng = np.random.default_rng(4)
+    return [[int(t) for t in rng.integers(5, 4000, n)] for n in (3, 70, 12, 41, 5, 90, 29, 8, 55)]
+
+
+@pytest.fixture(scope="module")
+def stops(tiny_model, prompts):
+    """Stop tokens that end prompts after different numbers of tokens: a token some prompts
+    produce early, taken from greedy runs alone."""
+    engine = Engine(tiny_model)
+    runs = [engine.generate_ids([p], SamplingParams(max_new_tokens=MAX_NEW))[0].token_ids
+            for p in prompts[:4]]
+    return tuple(sorted({runs[0][3], runs[1][9], runs[2][16]}))
+
+
+def spy_reframes(monkeypatch):
+    shifts = []
+    real = ContinuousBatcher._reframe
+
+    def spy(self, mb, slots):
+        shifts.append(slots)
+        return real(self, mb, slots)
+
+    monkeypatch.setattr(ContinuousBatcher, "_reframe", spy)
+    return shifts
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_prompt_gets_what_it_gets_alone(tiny_model, prompts, stops, name, monkeypatch):
+    plan = PLANS[name]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, stop_ids=stops)
+    engine = Engine(tiny_model, plan)
+    alone = [engine.generate_ids([p], greedy)[0] for p in prompts]
+    lengths = {len(c.token_ids) for c in alone}
+    assert len(lengths) >= 3  # rows end at different steps
+    shifts = spy_reframes(monkeypatch)
+    finished = []
+    steps = []
+    real_block = engine.executor.run_block
+    monkeypatch.setattr(engine.executor, "run_block",
+                        lambda *a: steps.append(len(a[1])) or real_block(*a))
+    got = ContinuousBatcher(engine, 2, 2).run(prompts, greedy,
+                                              on_finish=lambda i, c: finished.append(i))
+    assert [c.token_ids for c in got] == [c.token_ids for c in alone]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in alone]
+    assert sorted(finished) == list(range(len(prompts)))
+    assert min(shifts) < 0 < max(shifts)  # caches shifted towards both ends
+    # a row that ends is refilled at once: while prompts wait, every decode step is full
+    assert len(steps) < sum(len(c.token_ids) + 1 for c in alone) / 3
+
+
+def test_sampled_rows_draw_what_they_draw_alone(tiny_model, prompts):
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, seed=1)
+    seeds = [100 + i for i in range(len(prompts))]
+    engine = Engine(tiny_model, PLANS["stream-all"])
+    alone = [engine.generate_ids([p], sampled, seeds=[s])[0].token_ids
+             for p, s in zip(prompts, seeds)]
+    got = ContinuousBatcher(engine, 3, 1).run(prompts, sampled, seeds)
+    assert [c.token_ids for c in got] == alone
+    assert len({tuple(t) for t in alone}) == len(prompts)
+
+
+def test_the_run_fits_its_estimate(tiny_model, prompts):
+    """Under a budget of exactly the estimate of the run's workload (caches of every row of
+    the block, a spare group, the re-framing temporary), the run completes."""
+    plan = PLANS["kv-host-odd"]
+    engine = Engine(tiny_model, plan)
+    batcher = ContinuousBatcher(engine, 2, 2)
+    spec = tiny_model.spec
+    slots = run_slots([len(p) for p in prompts],
+                      [new_tokens(len(p), MAX_NEW, spec) for p in prompts], spec, batcher.chunk)
+    need = estimate(plan, spec, batcher.workload(slots)).accelerator
+    engine = Engine(tiny_model, plan, discover(accelerator_memory=need))
+    ContinuousBatcher(engine, 2, 2).run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert 0 < engine.accountant.peak <= need

@@ -252,7 +252,8 @@ class BatchJob:
         """Generate the remaining prompts, appending each result the moment its row ends,
         flushed and fsynced.
 
-        Rows with the same sampling run together, longest prompts first. Without ``block``
+        Rows with the same sampling (token limits aside) run together, longest prompts first.
+        Without ``block``
         they form static batches of ``batch_size`` (latency mode: a row that ends early
         waits, idle, for its batch's last step); with ``block`` -- (B rows, join chunk, S,
         N micro-batches) -- they run with iteration-level scheduling
@@ -269,9 +270,10 @@ class BatchJob:
         if not self.todo:
             return summary
         ids = self.token_ids
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}  # rows that differ in token limits run together
         for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
-            groups.setdefault((self.sampling[i], self.stops[i]), []).append(i)
+            key = dataclasses.replace(self.sampling[i], max_new_tokens=1), self.stops[i]
+            groups.setdefault(key, []).append(i)
         with open(self.output_path, "a", encoding="utf-8") as out:
             def writer(rows: list[int], stops: tuple[str, ...]):
                 def write(r: int, completion: Completion) -> None:
@@ -286,18 +288,18 @@ class BatchJob:
 
             for (sampling, stops), rows in groups.items():
                 seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in rows]
+                limits = [self.sampling[i].max_new_tokens for i in rows]
                 if block is not None:
                     batcher = ContinuousBatcher(engine, block.batch, block.micro_batches,
                                                 block.prompt_tokens)
                     batcher.run([ids[i] for i in rows], sampling, seeds, writer(rows, stops),
-                                block.cache_slots)
+                                block.cache_slots, limits)
                     continue
                 slots = self.workload(batch_size, engine.model.spec).cache_slots
                 for start in range(0, len(rows), batch_size):
-                    chunk = rows[start:start + batch_size]
-                    engine.generate_ids([ids[i] for i in chunk], sampling, slots,
-                                        seeds[start:start + batch_size],
-                                        on_finish=writer(chunk, stops))
+                    part = slice(start, start + batch_size)
+                    engine.generate_ids([ids[i] for i in rows[part]], sampling, slots,
+                                        seeds[part], writer(rows[part], stops), limits[part])
         return summary
 
 

@@ -153,7 +153,8 @@ class ContinuousBatcher:
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
             seeds: Sequence[int] | None = None,
             on_finish: Callable[[int, Completion], None] | None = None,
-            cache_slots: int | None = None) -> list[Completion]:
+            cache_slots: int | None = None,
+            max_new_tokens: Sequence[int] | None = None) -> list[Completion]:
         """Answer every prompt; each leaves its row the step it ends and the next waiting
         prompt (in the given order) takes the row.
 
@@ -165,6 +166,7 @@ class ContinuousBatcher:
           on_finish: called with (prompt index, its ``Completion``) the moment it ends.
           cache_slots: KV-cache slots S (default ``run_slots`` of these prompts); a batch run
             passes one value for all its runs so each shape compiles once.
+          max_new_tokens: a token limit per prompt (default: ``sampling``'s for all).
         Returns:
           one ``Completion`` per prompt, in order. ``ttft_s`` counts from the start of the
           prompt's own prefill.
@@ -175,7 +177,8 @@ class ContinuousBatcher:
         engine, ex, spec = self.engine, self.engine.executor, self.engine.model.spec
         lengths = [len(p) for p in prompts]
         check_prompts(lengths, spec)
-        max_new = [new_tokens(L, sampling.max_new_tokens, spec) for L in lengths]
+        asked = list(max_new_tokens or [sampling.max_new_tokens] * len(prompts))
+        max_new = [new_tokens(L, n, spec) for L, n in zip(lengths, asked)]
         least = run_slots(lengths, max_new, spec, self.chunk)
         if cache_slots is not None and cache_slots < least:
             raise HxError(f"KV cache of {cache_slots} slots is too small for these prompts "
@@ -196,7 +199,7 @@ class ContinuousBatcher:
                 prompt_tokens=lengths[row.prompt], token_ids=row.tokens,
                 text=tok.decode(row.tokens),
                 finish_reason=("stop" if row.stopped else "context"
-                               if row.max_new < sampling.max_new_tokens else "length"),
+                               if row.max_new < asked[row.prompt] else "length"),
                 ttft_s=row.first - row.started,
                 decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
                 compile_s=compile_s)

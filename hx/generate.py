@@ -231,19 +231,20 @@ class Engine:
     def generate_ids(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams = SamplingParams(),
                      cache_slots: int | None = None, seeds: Sequence[int] | None = None,
-                     on_finish: Callable[[int, Completion], None] | None = None
-                     ) -> list[Completion]:
-        """Generate from token ids, as one batch.
+                     on_finish: Callable[[int, Completion], None] | None = None,
+                     max_new_tokens: Sequence[int] | None = None) -> list[Completion]:
+        """Generate from token ids, as one (static) batch: it runs until its last row ends.
 
         Args:
           prompts: B prompts of token ids (lengths may differ).
           sampling: sampling and stopping rules.
           seeds: B sampling seeds, one per prompt (default: ``sampling.seed`` for all).
           on_finish: called with (row, its ``Completion``) the moment a row ends -- at its
-            stop token, while the others go on -- and at the end for the rest (a batch run
-            writes each result then).
+            stop token or its own token limit, while the others go on (a batch run writes
+            each result then).
           cache_slots: KV-cache length; by default ``hx.workload.cache_length`` of this batch.
             A batch run passes one value for all its batches so decode compiles once.
+          max_new_tokens: B token limits, one per prompt (default: ``sampling``'s for all).
         Raises:
           HxError: an empty prompt, one that does not fit the context, a too-small cache, or a
             plan that does not fit the memory budget.
@@ -253,8 +254,10 @@ class Engine:
         tokens, prefill_step = self._left_pad(prompts, lengths)
         B, T = tokens.shape
         longest = int(lengths.max())
-        max_new = new_tokens(longest, sampling.max_new_tokens, spec)
-        workload = Workload.for_prompts(B, longest, sampling.max_new_tokens, spec)
+        asked = list(max_new_tokens or [sampling.max_new_tokens] * B)
+        max_new = new_tokens(longest, max(asked), spec)  # rows share slots: the longest caps
+        limits = [min(n, max_new) for n in asked]
+        workload = Workload.for_prompts(B, longest, max(asked), spec)
         if cache_slots is not None:
             if cache_slots < T + max_new - 1:
                 raise HxError(f"KV cache of {cache_slots} slots is too small for a {T}-token "
@@ -264,34 +267,33 @@ class Engine:
         stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
         compile_s = self._compile(workload, sampling)
         outputs: list[list[int]] = [[] for _ in range(B)]
-        finished = [False] * B
-        end = [0.0] * B
+        stopped = [False] * B
         results: list[Completion | None] = [None] * B
 
-        def complete(r: int) -> None:
-            after_first = len(outputs[r]) - 1 + (1 if finished[r] else 0)
-            elapsed = end[r] - first
+        def complete(r: int, now: float) -> None:
+            after_first = len(outputs[r]) - 1 + (1 if stopped[r] else 0)
+            elapsed = now - first
             results[r] = Completion(
                 prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
-                finish_reason=("stop" if finished[r] else
-                               "context" if max_new < sampling.max_new_tokens else "length"),
+                finish_reason=("stop" if stopped[r] else
+                               "context" if limits[r] < asked[r] else "length"),
                 ttft_s=first - start,
                 decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
                 compile_s=compile_s)
             if on_finish is not None:
                 on_finish(r, results[r])
 
-        def record(new: np.ndarray, now: float) -> None:
+        def record(new: np.ndarray, drawn: int, now: float) -> None:
+            """Each running row's ``drawn``-th token; a row ends at a stop or its limit."""
             for r in range(B):
-                if finished[r]:
+                if results[r] is not None:
                     continue
                 if int(new[r]) in stop:
-                    finished[r] = True
+                    stopped[r] = True
                 else:
                     outputs[r].append(int(new[r]))
-                end[r] = now
-                if finished[r]:
-                    complete(r)
+                if stopped[r] or drawn == limits[r]:
+                    complete(r, now)
 
         start = time.perf_counter()
         try:
@@ -301,21 +303,17 @@ class Engine:
                 lambda i, n: self.status(f"prefill {B} x {T} tokens, chunk {i}/{n}"))
             last = np.asarray(sample(logits, sampling, 0, seeds))
             first = time.perf_counter()
-            record(last, first)
-            self.status(f"decoding {B} x up to {max_new} tokens")
+            record(last, 1, first)
+            self.status(f"decoding {B} x up to {max(limits)} tokens")
             kv_start = prefill_step.kv_start
-            for i in range(1, max_new):
-                if all(finished):
+            for i in range(1, max(limits)):
+                if all(r is not None for r in results):
                     break
                 step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
                             write_index=np.int32(T + i - 1), kv_start=kv_start)
                 logits, caches = self.executor.run("decode", last[:, None], step, caches)
                 last = np.asarray(sample(logits, sampling, i, seeds))
-                record(last, time.perf_counter())
+                record(last, i + 1, time.perf_counter())
         finally:
             self.executor.release_cache()
-
-        for r in range(B):
-            if results[r] is None:
-                complete(r)
         return results

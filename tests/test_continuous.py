@@ -95,3 +95,18 @@ def test_the_run_fits_its_estimate(tiny_model, prompts):
     engine = Engine(tiny_model, plan, discover(accelerator_memory=need))
     ContinuousBatcher(engine, 2, 2).run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert 0 < engine.accountant.peak <= need
+
+
+def test_token_limits_per_prompt(tiny_model, prompts):
+    """Each prompt stops at its own limit, in a static batch and with iteration-level
+    scheduling alike, with the tokens it gets alone."""
+    engine = Engine(tiny_model)
+    limits = [1 + (7 * i) % 20 for i in range(len(prompts))]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW)
+    alone = [engine.generate_ids([p], SamplingParams(max_new_tokens=n))[0].token_ids
+             for p, n in zip(prompts, limits)]
+    static = engine.generate_ids(prompts, greedy, max_new_tokens=limits)
+    continuous = ContinuousBatcher(engine, 4).run(prompts, greedy, max_new_tokens=limits)
+    for got in (static, continuous):
+        assert [c.token_ids for c in got] == alone
+        assert {c.finish_reason for c in got} == {"length"}

@@ -10,9 +10,10 @@ Every step of the executor writes one cache slot shared by a micro-batch's rows 
 ``frontier``: ``Step.write_index``); rows differ in where they start (``Step.kv_start``). A
 prompt of L tokens joins a free row by
 
-1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache of ``rows``
-   (up to B joining prompts share one prefill, left-padded to a multiple of the chunk, at a
-   power-of-two row count so few shapes are compiled) -- between two decode iterations;
+1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache -- between
+   two decode iterations. Waiting prompts of one padded length (a multiple of the chunk)
+   share a prefill, a power of two of them at a time (one compiled shape per power of two up
+   to B, and no idle rows);
 2. copying its cache row into the micro-batch, shifted so that its last prompt token sits just
    before the frontier (its first L slots before it; ``kv_start`` = frontier - L). A frontier
    smaller than L first shifts the micro-batch's caches right.
@@ -26,7 +27,6 @@ of every prompt always leaves room (the row that starts at slot 0 has then finis
 
 from __future__ import annotations
 
-import collections
 import functools
 import time
 from dataclasses import dataclass, field
@@ -102,8 +102,9 @@ def run_slots(lengths: Sequence[int], max_new_tokens: Sequence[int], spec: Model
     return round_up(need, CACHE_BUCKET)
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-    return min(cap, 1 << (n - 1).bit_length())
+def _group_sizes(rows: int) -> list[int]:
+    """Row counts a joining group is prefilled at: the powers of two up to ``rows``."""
+    return [1 << k for k in range(rows.bit_length()) if 1 << k <= rows]
 
 
 class ContinuousBatcher:
@@ -137,7 +138,7 @@ class ContinuousBatcher:
         the seconds it took."""
         ex, start = self.engine.executor, time.perf_counter()
         B, S = workload.batch, workload.cache_slots
-        sizes = sorted({_pow2_at_least(g, B) for g in range(1, B + 1)})
+        sizes = _group_sizes(B)
         self.engine.status(f"compiling decode {self.N} x {B} rows, prefill chunks of "
                             f"{self.chunk} tokens at {sizes} rows, {S} KV slots")
         ex.compile("decode", B, 1, S)
@@ -221,15 +222,16 @@ class ContinuousBatcher:
                 mb.kv_start[r] = S
                 finish(row)
 
-        queue = collections.deque(range(len(prompts)))
+        queue = list(range(len(prompts)))
         blocks = [_MicroBatch(m, ex.new_cache(B, S, micro=m), np.full(B, S, np.int32), 0,
                               [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
         try:
             while queue or any(mb.active for mb in blocks):
                 free = [(mb, r) for mb in blocks for r in range(B) if mb.rows[r] is None]
                 while queue and free:
-                    places, free = free[:min(B, len(queue))], free[min(B, len(queue)):]
-                    self._join([queue.popleft() for _ in places], places, prompts, max_new,
+                    group = self._next_group(queue, prompts, min(B, len(free)))
+                    places, free = free[:len(group)], free[len(group):]
+                    self._join(group, places, prompts, max_new,
                                sampling, seeds, S, record)
                 running = [mb for mb in blocks if mb.active]
                 if not running:
@@ -261,16 +263,30 @@ class ContinuousBatcher:
             ex.release_cache()
         return results
 
+    def _next_group(self, queue: list[int], prompts: Sequence[Sequence[int]], most: int
+                    ) -> list[int]:
+        """Take from ``queue`` the next prompts to prefill together: the first waiting prompt
+        and others of the same padded length (a multiple of the chunk: no prompt pads more
+        than a chunk), as many as the largest power of two <= ``most`` allows (one compiled
+        shape per power of two, no idle rows)."""
+        padded = lambda p: round_up(len(prompts[p]), self.chunk)  # noqa: E731
+        same = [p for p in queue if padded(p) == padded(queue[0])][:most]
+        group = same[:1 << (len(same).bit_length() - 1)]
+        chosen = set(group)
+        queue[:] = [p for p in queue if p not in chosen]
+        return group
+
     def _join(self, group: list[int], places: list[tuple[_MicroBatch, int]],
               prompts: Sequence[Sequence[int]], max_new: list[int], sampling: SamplingParams,
               seeds: list[int], S: int, record: Callable) -> None:
-        """Prefill ``group`` (at most B prompts) together and move each into its place."""
+        """Prefill ``group`` (prompts of one padded length, a power of two of them) together
+        and move each into its place."""
         engine, ex = self.engine, self.engine.executor
         started = time.perf_counter()
-        G = _pow2_at_least(len(group), self.B)
-        T = max(round_up(len(prompts[p]), self.chunk) for p in group)
+        G = len(group)
+        T = round_up(len(prompts[group[0]]), self.chunk)
         tokens = np.full((G, T), engine.model.tokenizer.eos_id or 0, np.int32)
-        kv_start = np.full(G, T, np.int32)  # rows past the group attend nothing
+        kv_start = np.zeros(G, np.int32)
         for j, p in enumerate(group):
             tokens[j, T - len(prompts[p]):] = prompts[p]
             kv_start[j] = T - len(prompts[p])
@@ -281,8 +297,7 @@ class ContinuousBatcher:
                 ex, tokens, Step(positions, np.int32(0), kv_start), joined, self.chunk,
                 lambda i, n: engine.status(f"prefill of {len(group)} joining prompt(s), "
                                             f"chunk {i}/{n}"))
-            first = np.asarray(sample(logits, sampling, 0,
-                                      [seeds[p] for p in group] + [0] * (G - len(group))))
+            first = np.asarray(sample(logits, sampling, 0, [seeds[p] for p in group]))
             now = time.perf_counter()
             for j, (p, (mb, r)) in enumerate(zip(group, places)):
                 L = len(prompts[p])

@@ -1,15 +1,23 @@
-"""hx against Hugging Face ``transformers.generate`` on the same weights and threads.
+"""hx against Hugging Face ``transformers.generate`` and llama.cpp on the same weights and
+threads.
 
 Usage: python scripts/bench_peers.py [--batches 1,8,32] [--prompt-tokens 64] [--new-tokens 32]
-                                     [--rounds 3] [--json out/bench_peers.json]
+           [--rounds 3] [--llama-python PYTHON] [--json out/bench_peers.json]
 
-SmolLM2-135M-Instruct from its GGUF, float32, greedy: hx (``Engine.generate_ids``, the plan
-``auto`` picks without a budget: all-accelerator) and transformers (CPU torch loading the same
-GGUF with ``gguf_file=``, ``torch.set_num_threads`` = this machine's cores), the same prompt
-token ids in both, every row ``--prompt-tokens`` long. Each round times one whole generate
-(prefill + decode) of each engine at each batch, the two interleaved so a slow spell of the
-machine hits both; tokens/s = generated tokens / seconds; medians over the rounds, and the
-median of the per-round ratios. hx's first call per shape compiles and is not timed.
+SmolLM2-135M-Instruct from its GGUF, float32, greedy: hx (the plan ``auto`` picks without a
+budget: all-accelerator) as one static batch (``Engine.generate_ids``, latency mode) and with
+iteration-level scheduling over one micro-batch of the batch's rows (throughput mode), and
+transformers (CPU torch loading the same GGUF with ``gguf_file=``, ``torch.set_num_threads`` =
+this machine's cores), the same prompt token ids in all, every row ``--prompt-tokens`` long.
+Each round times one whole generate (prefill + decode) of each engine at each batch,
+interleaved so a slow spell of the machine hits all; tokens/s = generated tokens / seconds;
+medians over the rounds, and the median of the per-round ratios. hx's first call per shape
+compiles and is not timed.
+
+With ``--llama-python`` (an interpreter with ``llama-cpp-python``; its wheel is built from
+source), batch-1 decode tokens/s of hx (``Completion.decode_tok_s``) and of llama.cpp on an F32
+GGUF of the same weights (``scripts/f32_gguf.py``; ``scripts/llama_cpp_decode.py``), with the
+same threads, interleaved; the two greedy continuations are compared.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import hx
+from hx.continuous import ContinuousBatcher
 from hx.generate import Engine
 from hx.models.loader import default_model_path
 from hx.sampling import SamplingParams
@@ -50,6 +59,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-python", help="python with llama_cpp, for the batch-1 row")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
 
@@ -72,6 +82,13 @@ def main() -> int:
         out = engine.generate_ids([ids] * batch, sampling)
         return sum(len(c.token_ids) for c in out), time.perf_counter() - start
 
+    def run_hx_throughput(batch: int) -> tuple[int, float]:
+        batcher = ContinuousBatcher(engine, batch)
+        start = time.perf_counter()
+        out = batcher.run([ids] * batch, sampling)
+        return (sum(len(c.token_ids) for c in out),
+                time.perf_counter() - start - out[0].compile_s)
+
     def run_hf(batch: int) -> tuple[int, float]:
         tokens = torch.tensor([ids] * batch)
         start = time.perf_counter()
@@ -81,32 +98,78 @@ def main() -> int:
         return int(np.prod(out[:, tokens.shape[1]:].shape)), time.perf_counter() - start
 
     rows = []
+    engines = {"hx latency": run_hx, "hx throughput": run_hx_throughput,
+               "transformers": run_hf}
     for batch in (int(b) for b in args.batches.split(",")):
         run_hx(batch)  # compiles this batch's shapes
-        rates: dict[str, list[float]] = {"hx": [], "transformers": []}
+        rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
-            for name, run in (("hx", run_hx), ("transformers", run_hf)):
+            for name, run in engines.items():
                 tokens, seconds = run(batch)
                 rates[name].append(tokens / seconds)
-        ratios = [a / b for a, b in zip(rates["hx"], rates["transformers"])]
-        rows.append({"batch": batch, "hx_tok_s": statistics.median(rates["hx"]),
-                     "transformers_tok_s": statistics.median(rates["transformers"]),
-                     "ratio": statistics.median(ratios), "rounds": args.rounds})
+        row = {"batch": batch, "rounds": args.rounds}
+        for name in engines:
+            row[f"{name} tok/s"] = statistics.median(rates[name])
+        for name in ("hx latency", "hx throughput"):
+            row[f"{name} / transformers"] = statistics.median(
+                a / b for a, b in zip(rates[name], rates["transformers"]))
+        rows.append(row)
         print(f"batch {batch} done", file=sys.stderr)
+    llama = decode_vs_llama_cpp(args, engine, ids, threads) if args.llama_python else None
 
     table = Table(title=f"greedy generate, SmolLM2-135M float32, {args.prompt_tokens} prompt + "
                         f"{args.new_tokens} new tokens per row, {threads} threads "
                         f"{escape('[' + hx.discover().describe() + ']')}")
-    for col in ("batch", "hx tok/s", "transformers tok/s", "hx / transformers"):
+    columns = [k for k in rows[0] if k != "rounds"]
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["batch"]), f"{r['hx_tok_s']:.1f}",
-                      f"{r['transformers_tok_s']:.1f}", f"{r['ratio']:.2f}")
+        table.add_row(*(str(r[c]) if c == "batch" else f"{r[c]:.2f}" if "/" in c
+                        else f"{r[c]:.1f}" for c in columns))
     Console().print(table)
+    if llama:
+        Console().print(f"batch-1 decode: hx {llama['hx_decode_tok_s']:.1f} tok/s, llama.cpp F32 "
+                        f"{llama['llama_cpp_decode_tok_s']:.1f} tok/s, ratio "
+                        f"{llama['ratio']:.2f} (same {llama['same_tokens']} of "
+                        f"{args.new_tokens} greedy tokens)", markup=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"threads": threads, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"threads": threads, "rows": rows,
+                                               "batch1_decode": llama}, indent=1))
     return 0
+
+
+def decode_vs_llama_cpp(args, engine: Engine, ids: list[int], threads: int) -> dict:
+    """Batch-1 decode tokens/s of hx and of llama.cpp (F32 GGUF of the same weights, run by
+    ``args.llama_python``), interleaved over ``args.rounds``."""
+    import subprocess
+    import tempfile
+
+    from f32_gguf import write_f32
+
+    folder = tempfile.mkdtemp(prefix="hx-f32-")
+    gguf = os.path.join(folder, "smollm2-f32.gguf")
+    write_f32(default_model_path(), gguf)
+    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_decode.py")
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_ids=())
+    hx_rates, llama_rates, same = [], [], 0
+    try:
+        for _ in range(args.rounds):
+            mine = engine.generate_ids([ids], sampling)[0]
+            hx_rates.append(mine.decode_tok_s)
+            done = subprocess.run([args.llama_python, helper, gguf, json.dumps(ids),
+                                   str(args.new_tokens), str(threads)],
+                                  capture_output=True, text=True, check=True)
+            theirs = json.loads(done.stdout)
+            llama_rates.append(theirs["decode_tok_s"])
+            same = sum(a == b for a, b in zip(mine.token_ids, theirs["tokens"]))
+    finally:
+        os.remove(gguf)
+        os.rmdir(folder)
+    return {"hx_decode_tok_s": statistics.median(hx_rates),
+            "llama_cpp_decode_tok_s": statistics.median(llama_rates),
+            "ratio": statistics.median(a / b for a, b in zip(hx_rates, llama_rates)),
+            "same_tokens": same, "rounds": args.rounds}
 
 
 if __name__ == "__main__":

@@ -176,6 +176,8 @@ class ContinuousBatcher:
             fit the memory budget at this run's shapes.
         """
         engine, ex, spec = self.engine, self.engine.executor, self.engine.model.spec
+        if not prompts:
+            return []
         lengths = [len(p) for p in prompts]
         check_prompts(lengths, spec)
         asked = list(max_new_tokens or [sampling.max_new_tokens] * len(prompts))
@@ -223,6 +225,7 @@ class ContinuousBatcher:
                 finish(row)
 
         queue = list(range(len(prompts)))
+        shown = ""
         blocks = [_MicroBatch(m, ex.new_cache(B, S, micro=m), np.full(B, S, np.int32), 0,
                               [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
         try:
@@ -236,6 +239,11 @@ class ContinuousBatcher:
                 running = [mb for mb in blocks if mb.active]
                 if not running:
                     continue
+                line = (f"decoding {sum(len(mb.active) for mb in running)} rows, "
+                        f"{len(queue)} prompts waiting")
+                if line != shown:
+                    engine.status(line)
+                    shown = line
                 for mb in running:
                     if mb.frontier == S:  # the last slot is written: drop what no row reads
                         unread = int(mb.kv_start[mb.active].min())

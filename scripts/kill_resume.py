@@ -4,10 +4,12 @@ Usage: python scripts/kill_resume.py [--prompts 200] [--kills 2] [--max-new-toke
                                      [--json out/kill_resume.json] [-- extra hx options]
 
 Writes PROMPTS mixed-length prompts, runs ``hx generate --prompts`` once uninterrupted, then
-again killing it with SIGKILL at KILLS random moments (each uniformly within the first 80 %
-of the uninterrupted run's time, after at least one line was written) and restarting it until
-it finishes; greedy, then sampled (temperature 0.8, seed 7). Checks that every id is written
-exactly once and that the completions equal the uninterrupted run's; prints a table.
+again killing it with SIGKILL at KILLS random moments (each the moment the output holds a
+random number of further lines, uniform between one and 80 % of the prompts still to answer:
+results are written as they complete, so this is a random point of the run's work) and
+restarting it until it finishes; greedy, then sampled (temperature 0.8, seed 7). Checks that
+every id is written exactly once and that the completions equal the uninterrupted run's;
+prints a table. Runs in ``hx generate``'s default mode for a prompts file (throughput).
 """
 
 from __future__ import annotations
@@ -38,20 +40,20 @@ def write_prompts(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words)}) + "\n")
 
 
-def hx(*args: str, kill_after: float | None = None, out: Path | None = None) -> bool:
-    """Run ``hx``; with ``kill_after``, SIGKILL it that many seconds after ``out`` got its
-    first line. Returns whether it was killed."""
+def lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def hx(*args: str, kill_at: int | None = None, out: Path | None = None) -> bool:
+    """Run ``hx``; with ``kill_at``, SIGKILL it the moment ``out`` has that many lines.
+    Returns whether it was killed (it may finish first)."""
     run = subprocess.Popen([sys.executable, "-m", "hx", *args], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    started = None
     while run.poll() is None:
-        if kill_after is not None:
-            if started is None and out.exists() and out.stat().st_size:
-                started = time.perf_counter()
-            if started is not None and time.perf_counter() - started >= kill_after:
-                run.send_signal(signal.SIGKILL)
-                return run.wait() == -signal.SIGKILL
-        time.sleep(0.01)
+        if kill_at is not None and lines_in(out) >= kill_at:
+            run.send_signal(signal.SIGKILL)
+            return run.wait() == -signal.SIGKILL
+        time.sleep(0.005)
     if run.returncode:
         raise SystemExit(f"hx exited with {run.returncode}: {' '.join(args)}")
     return False
@@ -87,8 +89,10 @@ def main() -> int:
             killed_out, kills, runs = tmp / f"{name}-killed.jsonl", 0, 0
             for _ in range(args.kills):
                 runs += 1
+                done = lines_in(killed_out)  # kill after a random share of what is left
                 kills += hx(*command(killed_out), out=killed_out,
-                            kill_after=rng.uniform(0.05, 0.8) * whole_s)
+                            kill_at=done + rng.randint(1, max(1, int(0.8 * (args.prompts
+                                                                              - done)))))
             hx(*command(killed_out))
             want, _ = completions(tmp / f"{name}-whole.jsonl")
             got, lines = completions(killed_out)

@@ -307,10 +307,12 @@ class ContinuousBatcher:
                                             f"chunk {i}/{n}"))
             first = np.asarray(sample(logits, sampling, 0, [seeds[p] for p in group]))
             now = time.perf_counter()
+            for mb in {id(mb): mb for mb, _ in places}.values():  # one shift per micro-batch
+                need = max(len(prompts[p]) for p, (m, _) in zip(group, places) if m is mb)
+                if mb.frontier < need:
+                    self._reframe(mb, need - mb.frontier)
             for j, (p, (mb, r)) in enumerate(zip(group, places)):
                 L = len(prompts[p])
-                if mb.frontier < L:
-                    self._reframe(mb, L - mb.frontier)
                 shift = np.int32(mb.frontier - T)
                 mb.caches = [{name: _insert(cache[name], part[name], np.int32(j), np.int32(r),
                                             shift) for name in cache}
@@ -322,7 +324,11 @@ class ContinuousBatcher:
             ex.release_cache("join")
 
     def _reframe(self, mb: _MicroBatch, slots: int) -> None:
-        """Shift micro-batch ``mb``'s caches by ``slots`` (negative: towards slot 0)."""
+        """Shift micro-batch ``mb``'s caches by ``slots`` (negative: towards slot 0); with no
+        row in use only its frontier moves (no row reads the caches)."""
+        if not mb.active:
+            mb.frontier += slots
+            return
         acct = self.engine.accountant
         S = mb.caches[0]["k"].shape[1]
         on_accelerator = ACCELERATOR in self.engine.plan.kv

@@ -1,9 +1,11 @@
 """Batch-generation throughput: latency vs throughput mode, static vs iteration-level batches.
 
 Usage: python scripts/bench_throughput.py [--rounds 3] [--budget 0.25] [--prompts 64]
-           [--new-tokens 64] [--mixed 48] [--mixed-batch 8] [--only B|C] [--json OUT.json]
+           [--new-tokens 64] [--mixed 48] [--mixed-batch 8] [--only B|C] [--model NAME]
+           [--dtype float32] [--throughput-only] [--json OUT.json]
 
-SmolLM2-135M-Instruct (its GGUF), float32, greedy, on whatever accelerator ``hx.discover``
+SmolLM2-135M-Instruct (its GGUF; ``--model`` takes any ``hx.load`` name, a preset's random
+weights get random token ids), float32, greedy, on whatever accelerator ``hx.discover``
 finds (this VM: the emulated one), two comparisons, each round running both sides back to back
 (interleaved, so a slow spell of a shared machine hits both):
 
@@ -54,11 +56,14 @@ TEXT = ("The history of the printing press begins with movable type, which let a
         "from town to town, where readers argued about what they found in them. ")
 
 
-def make_prompts(tokenizer, n: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``shortest``..``longest`` token ids: windows of ``TEXT`` repeated,
-    lengths and offsets drawn from ``seed``."""
-    corpus = tokenizer.encode(TEXT * 12)
+def make_prompts(model, n: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``shortest``..``longest`` token ids: windows of ``TEXT`` repeated
+    (random ids for a model without a tokenizer), lengths and offsets drawn from ``seed``."""
     rng = np.random.default_rng(seed)
+    if model.tokenizer.eos_id is None:  # random weights of a preset's shapes
+        corpus = [int(t) for t in rng.integers(0, model.spec.vocab_size, 4 * longest)]
+    else:
+        corpus = model.tokenizer.encode(TEXT * 12)
     prompts = []
     for _ in range(n):
         length = int(rng.integers(shortest, longest + 1))
@@ -116,12 +121,12 @@ def compare(name: str, runs: dict, rounds: int) -> dict:
             outputs[side] = out
             print(f"{name} round {r + 1}: {side} {rates[side][-1]:.1f} tokens/s "
                   f"({sum(map(len, out))} tokens)", file=sys.stderr, flush=True)
-    first, second = list(runs)
+    first, last = list(runs)[0], list(runs)[-1]
     return {"sides": list(runs), "tok_s": {s: statistics.median(v) for s, v in rates.items()},
             "rounds": {s: v for s, v in rates.items()},
-            "ratio": statistics.median(b / a for a, b in zip(rates[first], rates[second])),
-            "identical_outputs": outputs[first] == outputs[second],
-            "tokens": sum(map(len, outputs[second]))}
+            "ratio": statistics.median(b / a for a, b in zip(rates[first], rates[last])),
+            "identical_outputs": outputs[first] == outputs[last],
+            "tokens": sum(map(len, outputs[last]))}
 
 
 def bench_b(model, args) -> dict:
@@ -130,7 +135,7 @@ def bench_b(model, args) -> dict:
         spec.n_layers), spec)))
     devices = discover(accelerator_memory=budget)
     profile = load_or_measure(None, devices, lambda line: print(line, file=sys.stderr))
-    prompts = make_prompts(model.tokenizer, args.prompts, 32, 128, seed=1)
+    prompts = make_prompts(model, args.prompts, 32, 128, seed=1)
     limits = [args.new_tokens] * len(prompts)
     lengths = [len(p) for p in prompts]
     single = policies.build("auto", spec, devices,
@@ -142,14 +147,15 @@ def bench_b(model, args) -> dict:
                           float(args.new_tokens), slots, JOIN_CHUNK,
                           lambda w: policies.build("auto", spec, devices, w, profile=profile))
     print(f"B: latency plan {single.name}; throughput {choice.describe()}", file=sys.stderr)
-    latency, throughput = Engine(model, single, devices), Engine(model, choice.plan, devices)
-    result = compare("B", {
-        "latency": lambda: static_run(latency, prompts, limits, 1),
-        "throughput": lambda: continuous_run(throughput, choice.workload, prompts, limits)},
-        args.rounds)
+    engines = {"throughput": Engine(model, choice.plan, devices)}
+    runs = {"throughput": lambda: continuous_run(engines["throughput"], choice.workload,
+                                                 prompts, limits)}
+    if not args.throughput_only:
+        engines["latency"] = Engine(model, single, devices)
+        runs = {"latency": lambda: static_run(engines["latency"], prompts, limits, 1)} | runs
+    result = compare("B", runs, args.rounds)
     result.update(budget_bytes=budget, latency_plan=single.name, block=choice.describe(),
-                  peaks={"latency": latency.accountant.peak,
-                         "throughput": throughput.accountant.peak})
+                  peaks={side: engine.accountant.peak for side, engine in engines.items()})
     return result
 
 
@@ -157,7 +163,7 @@ def bench_c(model, args) -> dict:
     spec = model.spec
     devices = discover()
     rng = np.random.default_rng(2)
-    prompts = make_prompts(model.tokenizer, args.mixed, 32, 512, seed=2)
+    prompts = make_prompts(model, args.mixed, 32, 512, seed=2)
     limits = [int(x) for x in rng.integers(16, 257, len(prompts))]
     engine = Engine(model, ExecutionPlan.all_accelerator(spec.n_layers), devices)
     lengths = [len(p) for p in prompts]
@@ -180,16 +186,20 @@ def main() -> int:
     parser.add_argument("--mixed", type=int, default=48)
     parser.add_argument("--mixed-batch", type=int, default=8)
     parser.add_argument("--only", choices=("B", "C"))
+    parser.add_argument("--model", default=None, help="hx.load name (default SmolLM2)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="B: skip the latency-mode side (long on big models)")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
-    model = hx.load(dtype="float32")
+    model = hx.load(args.model, dtype=args.dtype)
     results = {}
     if args.only in (None, "B"):
         results["B"] = bench_b(model, args)
     if args.only in (None, "C"):
         results["C"] = bench_c(model, args)
 
-    table = Table(title=f"SmolLM2-135M float32, greedy, {args.rounds} rounds "
+    table = Table(title=f"{model.spec.name} {args.dtype}, greedy, {args.rounds} rounds "
                         f"{escape('[' + discover().describe() + ']')}")
     for col in ("comparison", "side", "tokens/s (median)", "ratio (median)", "same outputs"):
         table.add_column(col, justify="right")

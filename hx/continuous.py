@@ -62,6 +62,12 @@ def _insert(cache: jax.Array, joined: jax.Array, source: jax.Array, row: jax.Arr
     return cache.at[row].set(jnp.roll(joined[source], slots, axis=0))
 
 
+@jax.jit
+def _take(cache: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows ``rows`` of ``cache`` (B, S, K, E)."""
+    return cache[rows]
+
+
 @dataclass
 class _Row:
     """A prompt being answered in one row of a micro-batch."""
@@ -134,15 +140,16 @@ class ContinuousBatcher:
         return Workload(self.B, self.chunk, cache_slots, self.N, spare_rows=self.B)
 
     def compile(self, workload: Workload, sampling: SamplingParams) -> float:
-        """Compile decode at (B, 1, S), prefill at every join size and the samplers; returns
-        the seconds it took."""
+        """Compile decode and prefill at every power of two of rows up to B (join groups; a
+        micro-batch shrinks to them once no prompt waits) and the samplers; returns the
+        seconds it took."""
         ex, start = self.engine.executor, time.perf_counter()
         B, S = workload.batch, workload.cache_slots
         sizes = _group_sizes(B)
-        self.engine.status(f"compiling decode {self.N} x {B} rows, prefill chunks of "
-                            f"{self.chunk} tokens at {sizes} rows, {S} KV slots")
-        ex.compile("decode", B, 1, S)
+        self.engine.status(f"compiling decode and prefill chunks of {self.chunk} tokens at "
+                            f"{sizes} rows, {S} KV slots")
         for g in sizes:
+            ex.compile("decode", g, 1, S)
             ex.compile("prefill", g, self.chunk, S)
         head = ex.devices[self.engine.plan.phase("decode").head]
         for rows in {B, *sizes}:
@@ -230,12 +237,14 @@ class ContinuousBatcher:
                               [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
         try:
             while queue or any(mb.active for mb in blocks):
-                free = [(mb, r) for mb in blocks for r in range(B) if mb.rows[r] is None]
-                while queue and free:
+                while queue:  # fill every free row (a prompt may end at its first token)
+                    free = [(mb, r) for mb in blocks for r in range(len(mb.rows))
+                            if mb.rows[r] is None]
+                    if not free:
+                        break
                     group = self._next_group(queue, prompts, min(B, len(free)))
-                    places, free = free[:len(group)], free[len(group):]
-                    self._join(group, places, prompts, max_new,
-                               sampling, seeds, S, record)
+                    self._join(group, free[:len(group)], prompts, max_new, sampling, seeds, S,
+                               record)
                 running = [mb for mb in blocks if mb.active]
                 if not running:
                     continue
@@ -245,31 +254,64 @@ class ContinuousBatcher:
                     engine.status(line)
                     shown = line
                 for mb in running:
+                    rows = 1 << (len(mb.active) - 1).bit_length()
+                    if not queue and rows < len(mb.rows):  # no prompt will fill empty rows
+                        self._shrink(mb, rows)
                     if mb.frontier == S:  # the last slot is written: drop what no row reads
                         unread = int(mb.kv_start[mb.active].min())
                         if unread == 0:  # a row would have outlived the cache: a bug
                             raise RuntimeError(f"no free slot in a {S}-slot KV cache")
                         self._reframe(mb, -unread)
-                steps = []
+                shapes: dict[int, list[_MicroBatch]] = {}  # a block step per row count
                 for mb in running:
-                    positions = np.where(mb.kv_start < S, mb.frontier - mb.kv_start, 0)
-                    steps.append(Step(positions[:, None].astype(np.int32),
-                                      np.int32(mb.frontier), mb.kv_start.copy()))
-                logits, caches = ex.run_block("decode", [mb.last[:, None] for mb in running],
-                                              steps, [mb.caches for mb in running])
-                for mb, out, cache in zip(running, logits, caches):
-                    mb.caches, mb.frontier = cache, mb.frontier + 1
-                    active = mb.active
-                    draws = [mb.rows[r].sampled if r in active else 0 for r in range(B)]
-                    new = np.asarray(sample(out, sampling, draws,
-                                            [seeds[mb.rows[r].prompt] if r in active else 0
-                                             for r in range(B)]))
-                    now = time.perf_counter()
-                    for r in active:
-                        record(mb, r, int(new[r]), now)
+                    shapes.setdefault(len(mb.rows), []).append(mb)
+                for group in shapes.values():
+                    self._decode(group, S, sampling, seeds, record)
         finally:
             ex.release_cache()
         return results
+
+    def _decode(self, group: list[_MicroBatch], S: int, sampling: SamplingParams,
+                seeds: list[int], record: Callable) -> None:
+        """One decode step of micro-batches of equal rows, as a block; records each row's
+        token."""
+        steps = []
+        for mb in group:
+            positions = np.where(mb.kv_start < S, mb.frontier - mb.kv_start, 0)
+            steps.append(Step(positions[:, None].astype(np.int32), np.int32(mb.frontier),
+                              mb.kv_start.copy()))
+        logits, caches = self.engine.executor.run_block(
+            "decode", [mb.last[:, None] for mb in group], steps, [mb.caches for mb in group])
+        for mb, out, cache in zip(group, logits, caches):
+            mb.caches, mb.frontier = cache, mb.frontier + 1
+            rows = [mb.rows[r] for r in range(len(mb.rows))]
+            new = np.asarray(sample(out, sampling, [row.sampled if row else 0 for row in rows],
+                                    [seeds[row.prompt] if row else 0 for row in rows]))
+            now = time.perf_counter()
+            for r in mb.active:
+                record(mb, r, int(new[r]), now)
+
+    def _shrink(self, mb: _MicroBatch, rows: int) -> None:
+        """Keep ``rows`` rows of micro-batch ``mb`` (its rows in use first): once no prompt
+        waits, steps stop computing rows that have ended."""
+        ex = self.engine.executor
+        keep = mb.active
+        keep += [r for r in range(len(mb.rows)) if r not in keep][:rows - len(keep)]
+        index = jnp.asarray(keep, jnp.int32)
+        on_accelerator = ACCELERATOR in self.engine.plan.kv
+        # layer by layer, each old cache dropped as its copy is made: beside the caches, at most
+        # a K and a V array of ``rows`` <= B/2 rows, one (B, S, K, E) array's bytes
+        temp = reframe_bytes(self.engine.model.spec, Workload(
+            len(mb.rows), self.chunk, mb.caches[0]["k"].shape[1])) if on_accelerator else 0
+        self.engine.accountant.allocate("activations", ("reframe",), temp)
+        try:
+            for layer, cache in enumerate(mb.caches):
+                mb.caches[layer] = {name: _take(c, index) for name, c in cache.items()}
+        finally:
+            self.engine.accountant.free(("reframe",))
+        ex.account_cache(mb.caches, mb.name)
+        mb.rows = [mb.rows[r] for r in keep]
+        mb.kv_start, mb.last = mb.kv_start[keep], mb.last[keep]
 
     def _next_group(self, queue: list[int], prompts: Sequence[Sequence[int]], most: int
                     ) -> list[int]:

@@ -131,16 +131,22 @@ class Executor:
         belong to in the accountant, so a block's caches are counted side by side."""
         s = self.spec
         shape, dtype = (batch, length, s.n_kv_heads, s.head_dim), dtype or jnp.dtype(s.dtype)
-        caches = []
-        for layer in range(s.n_layers):
-            home = self.plan.kv[layer]
-            cache = {name: jnp.zeros(shape, dtype, device=self.devices[home])
-                     for name in ("k", "v")}
-            if home == ACCELERATOR:
+        caches = [{name: jnp.zeros(shape, dtype, device=self.devices[self.plan.kv[layer]])
+                   for name in ("k", "v")} for layer in range(s.n_layers)]
+        self.account_cache(caches, micro)
+        return caches
+
+    def account_cache(self, caches: list[Cache], micro: Hashable = 0) -> None:
+        """Record (or, for caches that changed size, re-record) the accelerator bytes of
+        ``micro``'s KV caches with the accountant.
+
+        Raises:
+          BudgetExceeded: they pass the accelerator budget (a bug: plans are checked first).
+        """
+        for layer, cache in enumerate(caches):
+            if self.plan.kv[layer] == ACCELERATOR:
                 self.accountant.allocate("kv", ("kv", micro, layer), tree_bytes(cache))
                 self._kv_keys.add(("kv", micro, layer))
-            caches.append(cache)
-        return caches
 
     def release_cache(self, micro: Hashable | None = None) -> None:
         """Forget the KV caches ``new_cache`` made for ``micro`` (None: all of them); call

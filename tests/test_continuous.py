@@ -57,18 +57,26 @@ def test_each_prompt_gets_what_it_gets_alone(tiny_model, prompts, stops, name, m
     assert len(lengths) >= 3  # rows end at different steps
     shifts = spy_reframes(monkeypatch)
     finished = []
-    steps = []
     real_block = engine.executor.run_block
-    monkeypatch.setattr(engine.executor, "run_block",
-                        lambda *a: steps.append(len(a[1])) or real_block(*a))
+    rows_per_step = []  # (micro-batches, rows) of each decode step
+
+    def spy(phase, tokens, *rest):
+        if phase == "decode":
+            rows_per_step.append((len(tokens), len(tokens[0])))
+        return real_block(phase, tokens, *rest)
+
+    monkeypatch.setattr(engine.executor, "run_block", spy)
     got = ContinuousBatcher(engine, 2, 2).run(prompts, greedy,
                                               on_finish=lambda i, c: finished.append(i))
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in alone]
     assert sorted(finished) == list(range(len(prompts)))
     assert min(shifts) < 0 < max(shifts)  # caches shifted towards both ends
-    # a row that ends is refilled at once: while prompts wait, every decode step is full
-    assert len(steps) < sum(len(c.token_ids) + 1 for c in alone) / 3
+    # a row that ends is refilled at once, and once no prompt waits micro-batches shrink to
+    # their rows in use: no step computes a row that has ended
+    decoded = sum(len(c.token_ids) + (c.finish_reason == "stop") - 1 for c in alone)
+    assert sum(n * b for n, b in rows_per_step) == decoded
+    assert rows_per_step[0] == (2, 2) and min(b for _, b in rows_per_step) == 1
 
 
 def test_sampled_rows_draw_what_they_draw_alone(tiny_model, prompts):

@@ -27,10 +27,11 @@ of every prompt always leaves room (the row that starts at slot 0 has then finis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -298,17 +299,11 @@ class ContinuousBatcher:
         keep = mb.active
         keep += [r for r in range(len(mb.rows)) if r not in keep][:rows - len(keep)]
         index = jnp.asarray(keep, jnp.int32)
-        on_accelerator = ACCELERATOR in self.engine.plan.kv
         # layer by layer, each old cache dropped as its copy is made: beside the caches, at most
         # a K and a V array of ``rows`` <= B/2 rows, one (B, S, K, E) array's bytes
-        temp = reframe_bytes(self.engine.model.spec, Workload(
-            len(mb.rows), self.chunk, mb.caches[0]["k"].shape[1])) if on_accelerator else 0
-        self.engine.accountant.allocate("activations", ("reframe",), temp)
-        try:
+        with self._cache_temporary(mb):
             for layer, cache in enumerate(mb.caches):
                 mb.caches[layer] = {name: _take(c, index) for name, c in cache.items()}
-        finally:
-            self.engine.accountant.free(("reframe",))
         ex.account_cache(mb.caches, mb.name)
         mb.rows = [mb.rows[r] for r in keep]
         mb.kv_start, mb.last = mb.kv_start[keep], mb.last[keep]
@@ -365,24 +360,31 @@ class ContinuousBatcher:
         finally:
             ex.release_cache("join")
 
+    @contextlib.contextmanager
+    def _cache_temporary(self, mb: _MicroBatch) -> Iterator[None]:
+        """Account, while the body rewrites ``mb``'s caches one array at a time, the
+        accelerator bytes of one of its (B, S, K, E) arrays (``memory.reframe_bytes``; none
+        when every KV cache is on the host)."""
+        acct = self.engine.accountant
+        temp = reframe_bytes(self.engine.model.spec, Workload(
+            len(mb.rows), self.chunk, mb.caches[0]["k"].shape[1]))
+        acct.allocate("activations", ("reframe",),
+                      temp if ACCELERATOR in self.engine.plan.kv else 0)
+        try:
+            yield
+        finally:
+            acct.free(("reframe",))
+
     def _reframe(self, mb: _MicroBatch, slots: int) -> None:
         """Shift micro-batch ``mb``'s caches by ``slots`` (negative: towards slot 0); with no
         row in use only its frontier moves (no row reads the caches)."""
         if not mb.active:
             mb.frontier += slots
             return
-        acct = self.engine.accountant
-        S = mb.caches[0]["k"].shape[1]
-        on_accelerator = ACCELERATOR in self.engine.plan.kv
-        temp = reframe_bytes(self.engine.model.spec,
-                             Workload(self.B, self.chunk, S)) if on_accelerator else 0
-        acct.allocate("activations", ("reframe",), temp)
-        try:
-            shift = np.int32(slots)
+        shift = np.int32(slots)
+        with self._cache_temporary(mb):
             mb.caches = [{name: _shift(c, shift) for name, c in cache.items()}
                          for cache in mb.caches]
-        finally:
-            acct.free(("reframe",))
         active = mb.active
         mb.kv_start[active] += slots
         mb.frontier += slots

@@ -248,7 +248,7 @@ class BatchJob:
 
     def run(self, engine: Engine, batch_size: int = 1,
             on_result: Callable[[dict[str, Any]], None] | None = None,
-            block: Workload | None = None) -> BatchSummary:
+            block: Workload | None = None, join_min: int = 1) -> BatchSummary:
         """Generate the remaining prompts, appending each result the moment its row ends,
         flushed and fsynced.
 
@@ -257,7 +257,8 @@ class BatchJob:
         they form static batches of ``batch_size`` (latency mode: a row that ends early
         waits, idle, for its batch's last step); with ``block`` -- (B rows, join chunk, S,
         N micro-batches) -- they run with iteration-level scheduling
-        (``continuous.ContinuousBatcher``: a row that ends is refilled at the next step).
+        (``continuous.ContinuousBatcher``: a row that ends is refilled at the next step, or
+        once ``join_min`` rows are free).
         One KV-cache length serves the whole run (each shape compiles once).
         Raises:
           HxError: a batch size below 1, or a plan that does not fit the memory budget.
@@ -291,7 +292,7 @@ class BatchJob:
                 limits = [self.sampling[i].max_new_tokens for i in rows]
                 if block is not None:
                     batcher = ContinuousBatcher(engine, block.batch, block.micro_batches,
-                                                block.prompt_tokens)
+                                                block.prompt_tokens, join_min)
                     batcher.run([ids[i] for i in rows], sampling, seeds, writer(rows, stops),
                                 block.cache_slots, limits)
                     continue
@@ -354,11 +355,11 @@ def _differences(old: dict[str, Any], row: dict[str, Any], record: dict[str, Any
 def run_batch(engine: Engine, prompts_path: str, output_path: str, sampling: SamplingParams,
               batch_size: int = 1, chat: bool = False,
               on_result: Callable[[dict[str, Any]], None] | None = None,
-              block: Workload | None = None) -> BatchSummary:
+              block: Workload | None = None, join_min: int = 1) -> BatchSummary:
     """Answer every prompt of ``prompts_path`` not yet in ``output_path`` (``prepare_batch``
     then ``BatchJob.run``: static batches of ``batch_size``, or iteration-level scheduling
-    over ``block``), holding ``output_lock``."""
+    over ``block``, joins waiting for ``join_min`` free rows), holding ``output_lock``."""
     check_output_path(prompts_path, output_path)
     with output_lock(output_path):
         job = prepare_batch(engine.model, prompts_path, output_path, sampling, chat)
-        return job.run(engine, batch_size, on_result, block)
+        return job.run(engine, batch_size, on_result, block, join_min)

@@ -13,7 +13,10 @@ prompt of L tokens joins a free row by
 1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache -- between
    two decode iterations. Waiting prompts of one padded length (a multiple of the chunk)
    share a prefill, a power of two of them at a time (one compiled shape per power of two up
-   to B, and no idle rows);
+   to B, and no idle rows). While rows decode, a join may wait until ``join_min`` rows are
+   free (or every waiting prompt has one): where weights are streamed a prefill costs a pass
+   over them whatever its rows, so prompts joining one at a time would stream the weights
+   once each (``planner.throughput`` picks ``join_min``);
 2. copying its cache row into the micro-batch, shifted so that its last prompt token sits just
    before the frontier (its first L slots before it; ``kv_start`` = frontier - L). A frontier
    smaller than L first shifts the micro-batch's caches right.
@@ -123,16 +126,20 @@ class ContinuousBatcher:
       micro_batches: N, micro-batches in the block.
       join_chunk: tokens per prefill step of joining prompts (default: the plan's prefill
         chunk, else ``JOIN_CHUNK``).
+      join_min: free rows a join waits for while other rows decode (default 1: at once).
     Raises:
-      HxError: B or N below 1.
+      HxError: B or N below 1, or ``join_min`` outside 1..B·N.
     """
 
     def __init__(self, engine: Engine, micro_batch: int, micro_batches: int = 1,
-                 join_chunk: int | None = None):
+                 join_chunk: int | None = None, join_min: int = 1):
         if micro_batch < 1 or micro_batches < 1:
             raise HxError(f"a block needs at least one micro-batch of one row, got "
                           f"{micro_batches} x {micro_batch}")
-        self.engine, self.B, self.N = engine, micro_batch, micro_batches
+        if not 1 <= join_min <= micro_batch * micro_batches:
+            raise HxError(f"join_min must be from 1 to the block's {micro_batch * micro_batches} "
+                          f"rows, got {join_min}")
+        self.engine, self.B, self.N, self.join_min = engine, micro_batch, micro_batches, join_min
         self.chunk = join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK
 
     def workload(self, cache_slots: int) -> Workload:
@@ -238,11 +245,12 @@ class ContinuousBatcher:
                               [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
         try:
             while queue or any(mb.active for mb in blocks):
-                while queue:  # fill every free row (a prompt may end at its first token)
+                while queue:  # fill free rows (a prompt may end at its first token)
                     free = [(mb, r) for mb in blocks for r in range(len(mb.rows))
                             if mb.rows[r] is None]
-                    if not free:
-                        break
+                    decoding = any(mb.active for mb in blocks)
+                    if not free or decoding and len(free) < min(self.join_min, len(queue)):
+                        break  # wait for join_min free rows
                     group = self._next_group(queue, prompts, min(B, len(free)))
                     self._join(group, free[:len(group)], prompts, max_new, sampling, seeds, S,
                                record)

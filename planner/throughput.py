@@ -1,19 +1,22 @@
-"""Throughput planning: the block (N micro-batches of B rows) and placement with the most
-predicted tokens/s for a batch run under the memory budgets (DESIGN §6).
+"""Throughput planning: the block (N micro-batches of B rows), join group and placement with
+the most predicted tokens/s for a batch run under the memory budgets (DESIGN §6).
 
-A batch run with iteration-level scheduling (``hx.continuous``) keeps B·N sequences decoding
-in the zig-zag block schedule and prefills each waiting prompt into a row as one ends. Over a
-run of prompts of mean length P generating G tokens each, a block of R = B·N rows spends per R
-prompts G decode steps of the block and R prefills of one prompt, so (FlexGen's throughput
-objective, Sheng et al. 2023 §4, with the prefill of the prompts that join counted):
+A batch run with iteration-level scheduling (``hx.continuous``) keeps R = B·N sequences
+decoding in the zig-zag block schedule; as rows end, waiting prompts are prefilled k at a time
+(``ContinuousBatcher``'s ``join_min``: k free rows awaited, k a power of two <= B) and
+join. Per generated token the run spends a
+share of a decode step and a share of a join prefill (FlexGen's throughput objective, Sheng et
+al. 2023 §4, with the prefill of the prompts that join counted):
 
-    tokens/s = R·G / (G · t_step(B, N) + R · t_prefill(P))
+    seconds per token = t_step(B, N) / (R - (k - 1)/2) + t_prefill(k, P) / (k · G)
 
-with both times predicted by ``planner.simulator`` from a ``HardwareProfile`` for the plan the
-placement policy builds at that block's workload (its KV caches -- every row's, plus the spare
-rows a joining prompt is prefilled into -- counted against the budget). Larger blocks amortise
-each streamed weight over more rows until the KV cache pushes weights or attention off the
-accelerator; the search keeps the best block that fits.
+with G the mean new tokens per prompt, P the mean prompt length, and (k - 1)/2 the mean rows
+idle while a join group gathers (rows ending one at a time). Both times are predicted by
+``planner.simulator`` from a ``HardwareProfile`` for the plan the placement policy builds at
+that block's workload (its KV caches -- every row's, plus the B spare rows a group is
+prefilled into -- counted against the budget). Larger blocks amortise each streamed weight over more rows
+until the KV cache pushes weights or attention off the accelerator; larger join groups amortise
+a prefill's pass over the streamed weights over more prompts. The search keeps the best.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from hx.planner.simulator import predict, predict_prefill
 from hx.models.spec import ModelSpec
 from hx.workload import Workload, round_up
 
-MAX_ROWS = 64  # most rows a block holds (B·N)
+MAX_ROWS = 256  # most rows a block holds (B·N)
 MICRO_BATCHES = (2, 4)  # N tried beside 1 at the best number of rows
 
 
@@ -38,10 +41,11 @@ class BlockChoice:
 
     Attributes:
       plan: the placement (fitted at ``workload``).
-      workload: (B, join chunk, S, N) with B spare rows.
+      workload: (B, join chunk, S, N) with B spare rows (a join group's prefill cache).
+      join_min: k, the free rows a join waits for while rows decode (prefilled together).
       tokens_per_s: predicted generated tokens per second over the run.
       step_s: predicted seconds of one decode step of the whole block.
-      prefill_s: predicted seconds to prefill one prompt of the mean length.
+      prefill_s: predicted seconds to prefill a join group of k prompts of the mean length.
     """
 
     plan: ExecutionPlan
@@ -49,14 +53,16 @@ class BlockChoice:
     tokens_per_s: float
     step_s: float
     prefill_s: float
+    join_min: int
 
     def describe(self) -> str:
-        """``4 x 16 rows, plan cpsat: 812.3 tokens/s predicted (step 78.8 ms, prefill ...)``"""
+        """``4 micro-batches x 16 rows, joins of 8, plan cpsat: 812.3 tokens/s predicted
+        (decode step 78.8 ms, prefill ...)``"""
         w = self.workload
         return (f"{w.micro_batches} micro-batch{'es' * (w.micro_batches > 1)} x {w.batch} rows, "
-                f"plan {self.plan.name}: {self.tokens_per_s:.1f} tokens/s predicted (decode "
-                f"step {self.step_s * 1e3:.1f} ms, prefill {self.prefill_s * 1e3:.1f} ms per "
-                f"prompt)")
+                f"joins of {self.join_min}, plan {self.plan.name}: {self.tokens_per_s:.1f} "
+                f"tokens/s predicted (decode step {self.step_s * 1e3:.1f} ms, prefill "
+                f"{self.prefill_s * 1e3:.1f} ms per join)")
 
 
 def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt_tokens: float,
@@ -69,7 +75,9 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
     the number of prompts) down, as one micro-batch, until the predicted rate falls (it rises
     with R while a step amortises its weights over more rows, and falls once R's KV cache
     pushes work off the accelerator); at the best R it then tries N micro-batches of R/N rows.
-    Each candidate costs one placement (a CP-SAT solve for ``cpsat``/``auto``).
+    At each block every join group k (powers of two up to B) is priced; the plan is placed
+    once per block. Each block costs one placement (a
+    CP-SAT solve for ``cpsat``/``auto``).
 
     Args:
       prompts: prompts in the run (a block has at most this many rows).
@@ -91,9 +99,14 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
         plan = place(workload)
         step = predict(plan, spec, profile, "decode", b, 1, cache_slots, context, n).seconds
         joins = plan if plan.prefill_chunk else plan.with_prefill_chunk(chunk)
-        prefill = predict_prefill(joins, spec, profile, 1, padded, cache_slots)
-        tokens_per_s = b * n * new_tokens / (new_tokens * step + b * n * prefill)
-        return BlockChoice(plan, workload, tokens_per_s, step, prefill)
+        best_k: BlockChoice | None = None
+        for k in (1 << i for i in range(b.bit_length())):
+            prefill = predict_prefill(joins, spec, profile, k, padded, cache_slots)
+            per_token = step / (b * n - (k - 1) / 2) + prefill / (k * new_tokens)
+            choice = BlockChoice(plan, workload, 1 / per_token, step, prefill, k)
+            if best_k is None or choice.tokens_per_s > best_k.tokens_per_s:
+                best_k = choice
+        return best_k
 
     best: BlockChoice | None = None
     rows = 1 << (max(1, min(max_rows, prompts)).bit_length() - 1)

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 import hx
@@ -91,11 +90,13 @@ def static_run(engine: Engine, prompts, limits, batch: int) -> tuple[list, float
     return out, seconds
 
 
-def continuous_run(engine: Engine, block: Workload, prompts, limits) -> tuple[list, float]:
-    """Iteration-level scheduling over ``block``: (token ids per prompt, seconds without
-    compilation)."""
+def continuous_run(engine: Engine, block: Workload, prompts, limits, join_min: int = 1
+                   ) -> tuple[list, float]:
+    """Iteration-level scheduling over ``block``, joins waiting for ``join_min`` free rows:
+    (token ids per prompt, seconds without compilation)."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    batcher = ContinuousBatcher(engine, block.batch, block.micro_batches, block.prompt_tokens)
+    batcher = ContinuousBatcher(engine, block.batch, block.micro_batches, block.prompt_tokens,
+                                join_min)
     began = time.perf_counter()
     done = batcher.run([prompts[i] for i in order], SamplingParams(max(limits)),
                        cache_slots=block.cache_slots, max_new_tokens=[limits[i] for i in order])
@@ -149,12 +150,13 @@ def bench_b(model, args) -> dict:
     print(f"B: latency plan {single.name}; throughput {choice.describe()}", file=sys.stderr)
     engines = {"throughput": Engine(model, choice.plan, devices)}
     runs = {"throughput": lambda: continuous_run(engines["throughput"], choice.workload,
-                                                 prompts, limits)}
+                                                 prompts, limits, choice.join_min)}
     if not args.throughput_only:
         engines["latency"] = Engine(model, single, devices)
         runs = {"latency": lambda: static_run(engines["latency"], prompts, limits, 1)} | runs
     result = compare("B", runs, args.rounds)
-    result.update(budget_bytes=budget, latency_plan=single.name, block=choice.describe(),
+    result.update(devices=devices.describe(), budget_bytes=budget, latency_plan=single.name,
+                  block=choice.describe(), join_min=choice.join_min,
                   peaks={side: engine.accountant.peak for side, engine in engines.items()})
     return result
 
@@ -173,7 +175,7 @@ def bench_c(model, args) -> dict:
     result = compare("C", {
         "static": lambda: static_run(engine, prompts, limits, args.mixed_batch),
         "iteration-level": lambda: continuous_run(engine, block, prompts, limits)}, args.rounds)
-    result.update(batch=args.mixed_batch)
+    result.update(devices=devices.describe(), batch=args.mixed_batch)
     return result
 
 
@@ -199,8 +201,7 @@ def main() -> int:
     if args.only in (None, "C"):
         results["C"] = bench_c(model, args)
 
-    table = Table(title=f"{model.spec.name} {args.dtype}, greedy, {args.rounds} rounds "
-                        f"{escape('[' + discover().describe() + ']')}")
+    table = Table(title=f"{model.spec.name} {args.dtype}, greedy, {args.rounds} rounds")
     for col in ("comparison", "side", "tokens/s (median)", "ratio (median)", "same outputs"):
         table.add_column(col, justify="right")
     labels = {"B": f"B: {args.prompts} prompts, {args.budget:.0%} budget",
@@ -210,7 +211,11 @@ def main() -> int:
             table.add_row(labels[key] if k == 0 else "", side, f"{r['tok_s'][side]:.1f}",
                           f"{r['ratio']:.2f}" if k == 1 else "",
                           str(r["identical_outputs"]) if k == 1 else "")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for key, r in results.items():
+        console.print(f"{key}: {r['devices']}" + (f"; {r['block']}" if "block" in r else ""),
+                      markup=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

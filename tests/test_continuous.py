@@ -105,16 +105,24 @@ def test_the_run_fits_its_estimate(tiny_model, prompts):
     assert 0 < engine.accountant.peak <= need
 
 
-def test_token_limits_per_prompt(tiny_model, prompts):
+def test_token_limits_per_prompt(tiny_model, prompts, monkeypatch):
     """Each prompt stops at its own limit, in a static batch and with iteration-level
-    scheduling alike, with the tokens it gets alone."""
+    scheduling alike (joining at once, or waiting for 3 free rows: fewer, larger join
+    prefills), with the tokens it gets alone."""
     engine = Engine(tiny_model)
     limits = [1 + (7 * i) % 20 for i in range(len(prompts))]
     greedy = SamplingParams(max_new_tokens=MAX_NEW)
     alone = [engine.generate_ids([p], SamplingParams(max_new_tokens=n))[0].token_ids
              for p, n in zip(prompts, limits)]
     static = engine.generate_ids(prompts, greedy, max_new_tokens=limits)
-    continuous = ContinuousBatcher(engine, 4).run(prompts, greedy, max_new_tokens=limits)
-    for got in (static, continuous):
+    joins = {1: [], 3: []}
+    real = ContinuousBatcher._join
+    monkeypatch.setattr(ContinuousBatcher, "_join", lambda self, group, *rest: (
+        joins[self.join_min].append(len(group)), real(self, group, *rest))[1])
+    continuous = {k: ContinuousBatcher(engine, 4, join_min=k).run(
+        prompts, greedy, max_new_tokens=limits) for k in joins}
+    for got in (static, *continuous.values()):
         assert [c.token_ids for c in got] == alone
         assert {c.finish_reason for c in got} == {"length"}
+    assert sum(joins[1]) == sum(joins[3]) == len(prompts)
+    assert len(joins[3]) < len(joins[1])

@@ -126,7 +126,8 @@ def test_minimum_feasible_budget_is_stated_and_is_feasible():
 
 def test_choose_block_serves_many_rows_per_streamed_layer():
     """On a GPU-like profile with weights streamed, the chosen block fits, its rate is the
-    formula's for the plan at that block, and it beats one row at a time (a streamed layer
+    formula's for the plan at that block and its join group, joins are grouped (a prefill
+    streams the weights whatever its rows), and it beats one row at a time (a streamed layer
     then serves one sequence) by more than 3x."""
     from hx.planner.simulator import predict_prefill
     from hx.planner.throughput import choose_block
@@ -145,9 +146,12 @@ def test_choose_block_serves_many_rows_per_streamed_layer():
     step = predict(choice.plan, spec, profile, "decode", w.batch, 1, 512, 350,
                    w.micro_batches).seconds
     joins = choice.plan.with_prefill_chunk(choice.plan.prefill_chunk or 64)  # 64-token chunks
-    prefill = predict_prefill(joins, spec, profile, 1, 320, 512)
+    k = choice.join_min
+    assert 1 < k <= w.batch
+    prefill = predict_prefill(joins, spec, profile, k, 320, 512)
     rows = w.batch * w.micro_batches
-    assert choice.tokens_per_s == pytest.approx(rows * 100 / (100 * step + rows * prefill))
+    assert choice.tokens_per_s == pytest.approx(1 / (step / (rows - (k - 1) / 2)
+                                                     + prefill / (k * 100)))
     one = choose_block(spec, profile, 1, 300.0, 100.0, 512, 64, place)
     assert one.workload.batch * one.workload.micro_batches == 1
     assert choice.tokens_per_s > 3 * one.tokens_per_s

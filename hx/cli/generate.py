@@ -137,7 +137,7 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
                             hardware)
 
     if block is not None:
-        workload, chosen = _plan_block(job, spec, hardware, block, place)
+        workload, chosen, join_min = _plan_block(job, spec, hardware, block, place)
     else:
         chosen = place(workload)
     need = check_fits(chosen, spec, devices, workload)
@@ -166,7 +166,8 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
             say(f"stopped at the model's context of {spec.context_length} tokens: "
                 f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
     else:
-        _run_batch(job, engine, batch_size, output, workload if block is not None else None)
+        _run_batch(job, engine, batch_size, output, workload if block is not None else None,
+                   join_min if block is not None else 1)
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
@@ -179,10 +180,10 @@ def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator
              f"fraction {'-' if overlap is None else f'{overlap:.2f}'}")
 
 
-def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, object]:
-    """The block (and plan) of a throughput run: the one given by --micro-batch and
-    --micro-batches, else the one ``throughput.choose_block`` predicts the most tokens/s
-    for."""
+def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, object, int]:
+    """The block, plan and join group (free rows a join waits for) of a throughput run: the
+    block given by --micro-batch and --micro-batches (joins at once), else the one
+    ``throughput.choose_block`` predicts the most tokens/s for."""
     from hx.continuous import JOIN_CHUNK
     from hx.planner.throughput import choose_block
 
@@ -190,7 +191,7 @@ def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, obj
     slots = job.cache_slots(spec, JOIN_CHUNK)
     if rows and count:
         workload = Workload(rows, JOIN_CHUNK, slots, count, spare_rows=rows)
-        return workload, place(workload)
+        return workload, place(workload), 1
     prompts = max(1, len(job.todo))
     lengths = [len(t) for t in job.token_ids] or [1]
     new = [p.max_new_tokens for p in job.sampling] or [1]
@@ -199,10 +200,11 @@ def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, obj
     choice = choose_block(spec, hardware, prompts, float(np.mean(lengths)), float(np.mean(new)),
                           slots, JOIN_CHUNK, place)
     note(f"throughput mode: {choice.describe()}")
-    return choice.workload, choice.plan
+    return choice.workload, choice.plan, choice.join_min
 
 
-def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | None) -> None:
+def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | None,
+               join_min: int) -> None:
     """Run a batch job with a progress bar (prompts, tokens/s, ETA), each result echoed as it
     is written, then a summary table."""
     results: list[dict] = []
@@ -228,7 +230,7 @@ def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | Non
                 out.print(Text(row["completion"]), soft_wrap=True, highlight=False)
                 out.print()
 
-        summary = job.run(engine, batch_size, on_result=show, block=block)
+        summary = job.run(engine, batch_size, on_result=show, block=block, join_min=join_min)
     wall = time.perf_counter() - start
     say(f"{summary.generated} generated, {summary.skipped} already in {output}, "
         f"{summary.total} prompts")

@@ -71,10 +71,10 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
                  micro_batches: Sequence[int] = MICRO_BATCHES) -> BlockChoice:
     """The block with the most predicted tokens/s.
 
-    The search tries R = B·N rows in powers of two from the largest (at most ``max_rows`` and
-    the number of prompts) down, as one micro-batch, until the predicted rate falls (it rises
-    with R while a step amortises its weights over more rows, and falls once R's KV cache
-    pushes work off the accelerator); at the best R it then tries N micro-batches of R/N rows.
+    The search tries every R = B·N rows in powers of two up to ``max_rows`` and the number of
+    prompts, as one micro-batch (the rate is not unimodal in R: it rises while a step
+    amortises its weights over more rows, drops when R's KV cache moves to the host, and may
+    rise again), then N micro-batches of R/N rows at the best R.
     At each block every join group k (powers of two up to B) is priced; the plan is placed
     once per block. Each block costs one placement (a
     CP-SAT solve for ``cpsat``/``auto``).
@@ -108,20 +108,14 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
                 best_k = choice
         return best_k
 
-    best: BlockChoice | None = None
-    rows = 1 << (max(1, min(max_rows, prompts)).bit_length() - 1)
-    while rows >= 1:
+    best = rate(1, 1)  # raises when nothing fits
+    for i in range(1, max(1, min(max_rows, prompts)).bit_length()):
         try:
-            choice = rate(rows, 1)
+            choice = rate(1 << i, 1)
         except HxError:
-            if rows == 1:
-                raise
-            rows //= 2
-            continue
-        if best is not None and choice.tokens_per_s < best.tokens_per_s:
-            break
-        best, rows = choice, rows // 2
-    assert best is not None
+            break  # more rows need more memory: none larger fits either
+        if choice.tokens_per_s > best.tokens_per_s:
+            best = choice
     total = best.workload.batch
     for n in micro_batches:
         if total % n == 0 and total // n >= 1:

@@ -6,11 +6,19 @@ feasible plan gets a simulator prediction of its decode step and is measured on 
 all policies alike), and the median over rounds of each round's median step time is reported.
 Policies that produce the same plan share one measurement (their plans are equal, so is their
 speed; measuring them apart would only rank the noise).
+
+One executor lives at a time: each measurement builds the plan's executor (the compiled
+programs are shared, so only the weights are placed again) and drops it before the next. The
+budget is per run; on a GPU, executors of several policies alive at once would hold their
+resident weights side by side in one memory pool and run out of it (seen on an H100 with
+Llama-2-7B shapes in bfloat16), while the emulator, whose budgets are per executor, would not
+notice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -70,7 +78,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
         devices = discover(accelerator_memory=budget)
         for batch in batches:
             workload = Workload(batch, context, slots)
-            group: list = []  # (row, executor or None when it shares a twin's runs, plan)
+            group: list = []  # (row, whether it shares a twin's runs, plan)
             for name in policy_names:
                 try:
                     plan = policies.build(name, spec, devices, workload, profile=profile)
@@ -83,24 +91,26 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
                 row = AblationRow(name, fraction, budget, batch, plan.name,
                                   estimate(plan, spec, workload).accelerator, predicted, None,
                                   twin.runs_s if twin else [])
-                executor = None if twin else Executor(spec, params, plan, devices)
-                group.append((row, executor, plan))
+                group.append((row, twin is not None, plan))
                 rows.append(row)
             for r in range(runs):
-                for row, executor, _ in group:
-                    if executor is None:
+                for row, shared, plan in group:
+                    if shared:
                         continue  # same plan as an earlier policy: shares its runs
+                    executor = Executor(spec, params, plan, devices)
                     times = time_decode(executor, DecodeProbe(spec, batch, context, seed=r),
                                         slots, steps)
                     row.runs_s.append(statistics.median(times))
-            for row, executor, _ in group:
+                    if executor.accountant.peak > budget:
+                        raise RuntimeError(f"{row.policy} passed its budget")  # a bug
+                    del executor
+                    gc.collect()  # its accelerator buffers go before the next one's arrive
+            for row, shared, _ in group:
                 row.measured_s = statistics.median(row.runs_s)
-                if executor is None:
-                    continue
-                if executor.accountant.peak > budget:
-                    raise RuntimeError(f"{row.policy} passed its budget")  # a bug
-                log(f"{fraction:.0%} batch {batch} {row.policy}: predicted "
-                    f"{row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms")
+                if not shared:
+                    log(f"{fraction:.0%} batch {batch} {row.policy}: predicted "
+                        f"{row.predicted_s * 1e3:.1f} ms, measured "
+                        f"{row.measured_s * 1e3:.1f} ms")
     return rows
 
 

@@ -27,6 +27,7 @@ of the per-round ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -148,16 +149,29 @@ def bench_b(model, args) -> dict:
                           float(args.new_tokens), slots, JOIN_CHUNK,
                           lambda w: policies.build("auto", spec, devices, w, profile=profile))
     print(f"B: latency plan {single.name}; throughput {choice.describe()}", file=sys.stderr)
-    engines = {"throughput": Engine(model, choice.plan, devices)}
-    runs = {"throughput": lambda: continuous_run(engines["throughput"], choice.workload,
-                                                 prompts, limits, choice.join_min)}
+    peaks: dict[str, int] = {}
+
+    def alone(side: str, plan: ExecutionPlan, run):
+        """``run(engine)`` on an engine of its own, dropped after: one engine's weights on
+        the accelerator at a time (a GPU's memory pool holds one budget, not two)."""
+        def go():
+            engine = Engine(model, plan, devices)
+            try:
+                return run(engine)
+            finally:
+                peaks[side] = max(peaks.get(side, 0), engine.accountant.peak)
+                del engine
+                gc.collect()
+        return go
+
+    runs = {"throughput": alone("throughput", choice.plan, lambda engine: continuous_run(
+        engine, choice.workload, prompts, limits, choice.join_min))}
     if not args.throughput_only:
-        engines["latency"] = Engine(model, single, devices)
-        runs = {"latency": lambda: static_run(engines["latency"], prompts, limits, 1)} | runs
+        runs = {"latency": alone("latency", single, lambda engine: static_run(
+            engine, prompts, limits, 1))} | runs
     result = compare("B", runs, args.rounds)
     result.update(devices=devices.describe(), budget_bytes=budget, latency_plan=single.name,
-                  block=choice.describe(), join_min=choice.join_min,
-                  peaks={side: engine.accountant.peak for side, engine in engines.items()})
+                  block=choice.describe(), join_min=choice.join_min, peaks=peaks)
     return result
 
 

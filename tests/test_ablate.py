@@ -8,10 +8,26 @@ from hx.planner import policies
 from profiles import gpu_like
 
 
-def test_ablation_rows(tiny_model):
+def test_ablation_rows(tiny_model, monkeypatch):
+    """... and one executor (with its accelerator weights) lives at a time: a GPU's memory
+    pool holds one run's budget, not one per policy."""
+    import weakref
+
+    from hx.planner import ablate as module
+
+    live, most = weakref.WeakSet(), []
+
+    class Counted(module.Executor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            live.add(self)
+            most.append(len(live))
+
+    monkeypatch.setattr(module, "Executor", Counted)
     profile = gpu_like()
     rows = ablate(TINY, tiny_model.params, profile, (0.3, 2.0), (1,), ("cpsat",) + BASELINES,
                   runs=2, steps=2, context=16)
+    assert most and max(most) == 1
     assert len(rows) == 2 * (1 + len(BASELINES))
     for row in rows:
         if row.error is not None:  # only a plan that does not fit goes unmeasured

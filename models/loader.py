@@ -142,10 +142,14 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None) -> Model:
       a ``Model`` with ``random_params(spec, seed)`` in ``dtype`` (``resolve_dtype``), a
       ``NoTokenizer`` and ``source`` "random weights (seed S) of the shapes of <spec name>".
     Raises:
-      HxError: an unknown preset or dtype, a bad layer count, or more bytes than the host has
-        available.
+      HxError: an unknown preset or dtype, a bad layer count, a shapes-only (OPT) preset, or
+        more bytes than the host has available.
     """
     spec = _in_dtype(preset(name), resolve_dtype(dtype))
+    if spec.architecture != "llama":
+        raise HxError(f"{spec.name} is a shapes-only preset: hx plans and simulates "
+                      f"{spec.architecture.upper()} models (hx plan/simulate/ablate -m {name}) "
+                      f"but runs only Llama-family ones")
     return Model(spec, random_params(spec, seed), NoTokenizer(name),
                  f"random weights (seed {seed}) of the shapes of {spec.name}")
 

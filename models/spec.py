@@ -21,6 +21,7 @@ EMBED, HEAD = "EMBED", "HEAD"
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+ARCHITECTURES = ("llama", "opt")
 # Weights of ops computed on the host are held in float32 whatever the model's dtype: XLA:CPU
 # multiplies float32 fastest. Measured on this 2-core VM (jax 0.10.2), a (1 x 4096) @
 # (4096 x 11008) product took 12.6 ms in float32 and 200 ms in bfloat16 or 175 ms in float16
@@ -65,6 +66,11 @@ class ModelSpec:
         are held in ``HOST_DTYPE``.
       qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
         as Qwen2 does; Llama and Mistral have none.
+      architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
+        Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
+        (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
+        seven ops -- Q/K/V/OUT projections, SCORE, MLP1 = LayerNorm + fc1 + ReLU, MLP2 = fc2 --
+        so hx plans and simulates OPT by shape; it cannot run it (no OPT weights load).
     """
 
     name: str
@@ -81,6 +87,7 @@ class ModelSpec:
     tie_embeddings: bool = False
     dtype: str = "float32"
     qkv_bias: bool = False
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -89,6 +96,9 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}; one of "
+                             f"{', '.join(ARCHITECTURES)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r}; hx runs models in "
                              f"{', '.join(DTYPE_BYTES)}")
@@ -109,7 +119,12 @@ class ModelSpec:
         always lists ``embedding``: for a tied model it is the ``EMBED`` matrix itself, which
         costs memory twice only where the two ops sit on different devices. With ``qkv_bias``
         Q, K and V also own ``wq/bias`` (H, E), ``wk/bias`` (K, E) and ``wv/bias`` (K, E).
+        An ``opt`` spec lists OPT's tensors (HF ``OPTForCausalLM`` names, per op): the learned
+        positions (context + 2 rows, OPT's offset) with the embedding, LayerNorm biases,
+        projection biases, fc1/fc2; its LM head is tied to the embedding.
         """
+        if self.architecture == "opt":
+            return self._opt_weight_shapes()[op]
         D, H, K, E, F, V = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                             self.d_ff, self.vocab_size)
         shapes = {
@@ -127,6 +142,26 @@ class ModelSpec:
             shapes["Q"]["wq/bias"], shapes["K"]["wk/bias"], shapes["V"]["wv/bias"] = (
                 (H, E), (K, E), (K, E))
         return shapes[op]
+
+    def _opt_weight_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        D, H, E, F, V = self.d_model, self.n_heads, self.head_dim, self.d_ff, self.vocab_size
+        return {
+            EMBED: {"embed_tokens": (V, D), "embed_positions": (self.context_length + 2, D)},
+            "Q": {"self_attn_layer_norm": (2, D), "q_proj": (D, H * E), "q_proj/bias": (H * E,)},
+            "K": {"k_proj": (D, H * E), "k_proj/bias": (H * E,)},
+            "V": {"v_proj": (D, H * E), "v_proj/bias": (H * E,)},
+            "SCORE": {},
+            "OUT": {"out_proj": (H * E, D), "out_proj/bias": (D,)},
+            "MLP1": {"final_layer_norm": (2, D), "fc1": (D, F), "fc1/bias": (F,)},
+            "MLP2": {"fc2": (F, D), "fc2/bias": (D,)},
+            HEAD: {"decoder_final_layer_norm": (2, D), "embed_tokens": (V, D)},
+        }
+
+    @property
+    def gated_mlp(self) -> bool:
+        """MLP1 holds two (D, F) matrices (SwiGLU's gate and up; Llama) rather than one (OPT's
+        fc1)."""
+        return self.architecture == "llama"
 
     @functools.lru_cache(maxsize=1024)
     def op_weight_bytes(self, op: str, dtype: str | None = None) -> int:
@@ -205,6 +240,16 @@ PRESETS: dict[str, ModelSpec] = {
         name="Qwen2.5-7B", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, head_dim=128,
         d_ff=18944, vocab_size=152064, context_length=32768, rope_theta=1000000.0,
         norm_eps=1e-6, qkv_bias=True),
+    # OPT (Zhang et al. 2022), shapes from FMInference/FlexiGen flexgen/opt_config.py (FFN = 4 x
+    # hidden, 2048 positions, vocabulary 50272); OPT-30B also from facebook/opt-30b's config.
+    # Shapes only: hx plans and simulates them, it does not run OPT.
+    **{name: ModelSpec(
+        name=label, n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=heads,
+        head_dim=hidden // heads, d_ff=4 * hidden, vocab_size=50272, context_length=2048,
+        tie_embeddings=True, architecture="opt")
+       for name, label, layers, hidden, heads in (
+           ("opt-6.7b", "OPT-6.7B", 32, 4096, 32), ("opt-30b", "OPT-30B", 48, 7168, 56),
+           ("opt-66b", "OPT-66B", 64, 9216, 72), ("opt-175b", "OPT-175B", 96, 12288, 96))},
 }
 
 _LAYER_COUNT = re.compile(r"(\d+)[lL]?")

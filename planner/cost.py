@@ -43,7 +43,8 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     attended cache slots.
 
     Formulas (M = B·T):
-      Q: 2·M·D·H·E;  K, V: 2·M·D·K·E;  OUT: 2·M·H·E·D;  MLP1: 2·(2·M·D·F) (gate and up);
+      Q: 2·M·D·H·E;  K, V: 2·M·D·K·E;  OUT: 2·M·H·E·D;  MLP1: 2·(2·M·D·F) (gate and up;
+      2·M·D·F for OPT's single fc1);
       MLP2: 2·M·F·D;  HEAD: 2·B·D·V;  SCORE: q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading
       2·B·S·K·E cache elements and appending 2·B·T·K·E;  EMBED: B·T·D elements gathered.
     """
@@ -57,8 +58,9 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
         return OpCost(4.0 * batch * H * tokens * slots * E, M, 0,
                       kv_read_bytes=2 * batch * slots * K * E * w,
                       kv_write_bytes=2 * M * K * E * w)
+    mlp1 = (4.0 if s.gated_mlp else 2.0) * M * D * F
     flops = {"Q": 2.0 * M * D * H * E, "K": 2.0 * M * D * K * E, "V": 2.0 * M * D * K * E,
-             "OUT": 2.0 * M * H * E * D, "MLP1": 4.0 * M * D * F, "MLP2": 2.0 * M * F * D,
+             "OUT": 2.0 * M * H * E * D, "MLP1": mlp1, "MLP2": 2.0 * M * F * D,
              HEAD: 2.0 * batch * D * V}[op]
     return OpCost(flops, batch if op == HEAD else M, weights)
 

@@ -113,6 +113,10 @@ class HardwareProfile:
         measured. ``excursion_seconds`` is what the simulator prices for the same trip.
       quick: measured by ``profiler.quick`` (fewer sizes, shorter runs, no calibration) because
         a command needed a profile and none was saved; ``hx profile`` measures a full one.
+      disk_read_bandwidth / disk_write_bandwidth: bytes/s of sequential reads into and writes
+        from host memory of the disk tier (NVMe); 0 when the machine has none (hardware
+        presets, ``planner.hardware``).
+      disk_memory: bytes of the disk tier (None: none or unknown).
     """
 
     name: str
@@ -131,6 +135,9 @@ class HardwareProfile:
     d2h_latency: float = 0.0
     quick: bool = False
     round_trip: float = 0.0
+    disk_read_bandwidth: float = 0.0
+    disk_write_bandwidth: float = 0.0
+    disk_memory: int | None = None
 
     def excursion_seconds(self, batch: int = 1, nbytes: int = 0) -> float:
         """Seconds the simulator adds for one accelerator -> host -> accelerator excursion of a

@@ -18,7 +18,8 @@ from numpy_reference import logits_np
 # Published parameter counts (model cards / Hugging Face), for the presets' shapes.
 PUBLISHED = {"smollm2-135m": 1.35e8, "llama2-7b": 6.74e9, "llama2-13b": 13.0e9,
              "llama2-70b": 69.0e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9,
-             "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9}
+             "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9, "opt-6.7b": 6.7e9, "opt-30b": 30e9,
+             "opt-66b": 66e9, "opt-175b": 175e9}
 
 
 def test_every_preset_has_its_published_size():
@@ -148,3 +149,20 @@ def test_qkv_bias_matches_float64_reference():
         lambda path, a: a * 0 if path[-1].key == "bias" else a, params)
     without = logits_np(spec, unbiased, tokens[0])[-1]
     assert np.abs(without - ref).max() > 1e-3 * np.abs(ref).max()  # the biases did matter
+
+
+def test_opt_is_planned_by_shape_and_not_run():
+    """OPT's layer on the seven ops: one fc1 in MLP1 (half SwiGLU's FLOPs at the same F), MHA,
+    biases, learned positions with the embedding; loading its weights is refused."""
+    from hx.planner.cost import op_cost
+
+    opt = PRESETS["opt-30b"]
+    D, F = opt.d_model, opt.d_ff
+    assert opt.op_weight_bytes("MLP1") == (2 * D + D * F + F) * 4
+    assert opt.op_weight_bytes("EMBED") == (opt.vocab_size + 2050) * D * 4
+    assert op_cost(opt, "MLP1", 2, 3, 0).flops == 2 * 6 * D * F
+    llama = opt.replace(architecture="llama")
+    assert op_cost(llama, "MLP1", 2, 3, 0).flops == 4 * 6 * D * F
+    with pytest.raises(HxError, match="shapes-only"):
+        load("opt-30b:1L")
+    assert load_spec("opt-175b:2L").n_layers == 2

@@ -1,0 +1,213 @@
+"""Hardware presets: ``HardwareProfile``s of machines hx plans and simulates for without running
+on them (DESIGN §6; the seeds' FlexGen T4 and A10G settings, and newer GPUs).
+
+A preset is built from datasheet figures (memory, memory bandwidth, dense FP32 and BF16
+matmul peaks), the host (cores, memory), the PCIe link as measured on that generation, and an
+optional NVMe disk tier, each with its source (``docs/hardware-sources.md`` gives the
+citations in full). Datasheets give peaks, not the rates hx's executor reaches, so the rate
+curves are those **measured on an H100 80GB HBM3 machine** (``hx profile``, 2026-11-22,
+``docs/measurements/h100-2026-11-22/profile-no-refine.json``) scaled to the preset:
+
+* accelerator matmul at M rows: the H100's measured rate x (preset / H100 memory bandwidth),
+  capped at the preset's datasheet peak x the H100's measured fraction of its own peak
+  (small M is bound by reading the weights, large M by the tensor cores; a roofline);
+* accelerator attention (KV bytes/s) and memory bandwidth: the H100's x the bandwidth ratio;
+* host matmul: the measured 16-core host's rate x (cores / 16), but not above the rate its
+  memory bandwidth allows at M rows (2·M FLOPs per float32 weight read), nor below the
+  measured rate; host memory bandwidth and hx's host attention kernel (one core) as measured;
+* per-launch overhead and the activation-transfer latency: as measured (hx's own dispatch).
+
+Figures marked UNSOURCED in ``docs/hardware-sources.md`` are not used: where one is missing
+the preset says so (``GpuSheet.note``) and stands in the nearest sourced figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hx.errors import HxError
+from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
+
+GB, GiB = 10**9, 2**30
+
+
+@dataclass(frozen=True)
+class GpuSheet:
+    """Datasheet figures of one GPU and its link.
+
+    Attributes:
+      memory: bytes of device memory.
+      bandwidth: bytes/s of device memory.
+      fp32 / bf16: dense peak FLOP/s (no 2:4 sparsity).
+      h2d / d2h: bytes/s of pinned host -> device copies and device -> host activation
+        copies as measured on that PCIe generation.
+      source: where each figure comes from.
+    """
+
+    memory: int
+    bandwidth: float
+    fp32: float
+    bf16: float
+    h2d: float
+    d2h: float
+    source: str
+
+
+@dataclass(frozen=True)
+class HostSheet:
+    """The host: ``cores`` physical cores, ``memory`` bytes; ``source`` cites both."""
+
+    cores: int
+    memory: int
+    source: str
+
+
+@dataclass(frozen=True)
+class DiskSheet:
+    """An NVMe disk tier: sequential ``read``/``write`` bytes/s, ``capacity`` bytes."""
+
+    read: float
+    write: float
+    capacity: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A machine: GPU, host and optional disk."""
+
+    name: str
+    gpu: GpuSheet
+    host: HostSheet
+    disk: DiskSheet | None = None
+
+
+# The measured reference: H100 80GB HBM3 (SXM5 datasheet: 3,350 GB/s, 67 TFLOP/s FP32,
+# 989 TFLOP/s BF16 dense) on a 16-core host, jax 0.11.2, 2026-11-22 (rates in FLOP/s or B/s).
+REFERENCE_BANDWIDTH, REFERENCE_FP32, REFERENCE_BF16, REFERENCE_CORES = 3350 * GB, 67e12, 989e12, 16
+REFERENCE = HardwareProfile(
+    name="H100 80GB HBM3, measured",
+    accelerator=DeviceProfile(
+        matmul=((1, 6.13e11), (4, 4.31e12), (16, 1.60e13), (64, 3.80e13), (256, 4.75e13),
+                (512, 4.81e13)),
+        matmul_low=((1, 2.12e12), (4, 8.76e12), (16, 3.30e13), (64, 1.40e14), (256, 4.72e14),
+                    (512, 5.76e14)),
+        memory_bandwidth=2.38e12,
+        attention=((256, 2.24e10), (1024, 7.43e10), (4096, 1.81e11)),
+        launch_overhead=((1, 4.16e-4),)),
+    host=DeviceProfile(
+        matmul=((1, 3.19e10), (4, 1.18e11), (16, 1.80e11), (64, 6.68e11), (256, 8.03e11),
+                (512, 7.25e11)),
+        memory_bandwidth=5.92e10,
+        attention=((256, 2.74e9), (1024, 2.43e9), (4096, 2.47e9)),
+        launch_overhead=((1, 4.16e-4),)),
+    h2d_bandwidth=4.65e10, d2h_bandwidth=2.52e9, transfer_latency=3.78e-4, contention=0.0,
+    accelerator_memory=81559 * 2**20, host_memory=135148564480, h2d_latency=8.66e-4,
+    round_trip=1.07e-3)
+
+_PCIE3 = ("PCIe 3.0 x16: H2D 12.89 GB/s, D2H 4.82 GB/s, FlexGen's rates fitted on the T4 "
+          "(FlexiGen experimental/cost_model.py ctog_bdw, gtoc_bdw_hidden)")
+_PCIE4 = ("PCIe 4.0 x16: H2D 25 GB/s measured peak on an A100 (BaM authors, ZaidQureshi/bam "
+          "#54); D2H as measured on the H100 machine (no sourced Gen4 figure)")
+_PCIE4_A10 = ("PCIe 4.0 x16: H2D 19.5 GB/s, one stream on an A10 (drkennetz/cuda_examples #1); "
+              "D2H as measured on the H100 machine")
+
+PRESETS: dict[str, Preset] = {
+    "t4": Preset(
+        "T4-16GB (PCIe 3.0), 208 GB host, NVMe (FlexGen's GCP machine)",
+        GpuSheet(16 * GiB, 320 * GB, 8.1e12, 65e12, 12.89 * GB, 4.82 * GB,
+                 "NVIDIA T4 datasheet via sysrqmts.com: 16 GB GDDR6, 320 GB/s, 8.1 TFLOP/s "
+                 "FP32, 65 TFLOP/s FP16 mixed (no sparsity on Turing; bf16 priced as fp16); "
+                 + _PCIE3),
+        HostSheet(16, 208 * GB, "FlexGen paper Table 1: 208 GB DRAM; 32 vCPU (16 cores) from "
+                                "n1-highmem-32, the GCP type with 208 GB"),
+        DiskSheet(2 * GB, 1 * GB, 1500 * GB,
+                  "FlexGen paper §6: 1.5 TB NVMe, read about 2 GB/s, write about 1 GB/s")),
+    "a10g": Preset(
+        "A10G-24GB (PCIe 4.0, AWS g5), 24-core EPYC host",
+        GpuSheet(24 * GiB, 600 * GB, 31.2e12, 125e12, 19.5 * GB, REFERENCE.d2h_bandwidth,
+                 "24 GB GDDR6, 600 GB/s (Baseten A10 vs A10G); FP32 and BF16 peaks are "
+                 "UNSOURCED for the A10G: the A10's 31.2 TFLOP/s FP32 (sysrqmts.com) and "
+                 "125 TFLOP/s BF16 dense (A10 datasheet, not in the corpus: unverified) "
+                 "stand in; " + _PCIE4_A10),
+        HostSheet(24, 192 * GiB, "g5.12xlarge: 48 vCPU (24 cores), 192 GiB (AWS Batch GPU "
+                                 "jobs table); second-generation AMD EPYC (AWS EC2 G5)")),
+    "a100-40gb": Preset(
+        "A100-40GB PCIe 4.0, 32-core host",
+        GpuSheet(40 * GiB, 1555 * GB, 19.5e12, 312e12, 25 * GB, REFERENCE.d2h_bandwidth,
+                 "NVIDIA A100 datasheet (r4): 40 GB HBM2, 1,555 GB/s, 19.5 TFLOP/s FP32, "
+                 "312 TFLOP/s BF16 dense; " + _PCIE4),
+        HostSheet(32, 256 * GiB, "host assumed: 32 cores, 256 GiB (no single deployment)")),
+    "l4": Preset(
+        "L4-24GB PCIe 4.0, 16-core host",
+        GpuSheet(24 * GiB, 300 * GB, 30.3e12, 121e12, 25 * GB, REFERENCE.d2h_bandwidth,
+                 "NVIDIA L4: 24 GB GDDR6, 300 GB/s, 30.3 TFLOP/s FP32, 242 TFLOP/s FP16 with "
+                 "sparsity = 121 dense; " + _PCIE4),
+        HostSheet(16, 128 * GiB, "host assumed: 16 cores, 128 GiB (as GCP g2-standard-32)")),
+    "h100-80gb": Preset(
+        "H100-80GB HBM3 (PCIe 5.0 link), 16-core host, as measured",
+        GpuSheet(REFERENCE.accelerator_memory, REFERENCE_BANDWIDTH, REFERENCE_FP32,
+                 REFERENCE_BF16, REFERENCE.h2d_bandwidth, REFERENCE.d2h_bandwidth,
+                 "NVIDIA H100 SXM5 datasheet: 80 GB HBM3, 3,350 GB/s, 67 TFLOP/s FP32, 989 "
+                 "BF16 dense; rates and link measured on it (hx profile, 2026-11-22)"),
+        HostSheet(REFERENCE_CORES, REFERENCE.host_memory,
+                  "measured: 16 cores, 128 GiB (the H100 machine hx was run on)")),
+}
+
+
+def _scaled(curve: tuple[tuple[int, float], ...], factor: float, cap: float
+                  ) -> tuple[tuple[int, float], ...]:
+    return tuple((m, min(rate * factor, cap)) for m, rate in curve)
+
+
+def build(preset: Preset) -> HardwareProfile:
+    """The ``HardwareProfile`` of ``preset`` (module docstring: how its rates are scaled
+    from the measured H100 machine)."""
+    ref, gpu, host = REFERENCE, preset.gpu, preset.host
+    bandwidth = gpu.bandwidth / REFERENCE_BANDWIDTH
+    f32_cap = gpu.fp32 * ref.accelerator.matmul[-1][1] / REFERENCE_FP32
+    bf16_cap = gpu.bf16 * ref.accelerator.matmul_low[-1][1] / REFERENCE_BF16
+    accelerator = DeviceProfile(
+        matmul=_scaled(ref.accelerator.matmul, bandwidth, f32_cap),
+        matmul_low=_scaled(ref.accelerator.matmul_low, bandwidth, bf16_cap),
+        memory_bandwidth=ref.accelerator.memory_bandwidth * bandwidth,
+        attention=tuple((s, r * bandwidth) for s, r in ref.accelerator.attention),
+        launch_overhead=ref.accelerator.launch_overhead)
+    cores = host.cores / REFERENCE_CORES
+    host_matmul = tuple(
+        (m, max(rate, min(rate * cores, m / 2 * ref.host.memory_bandwidth)))
+        for m, rate in ref.host.matmul)
+    host_profile = DeviceProfile(matmul=host_matmul, memory_bandwidth=ref.host.memory_bandwidth,
+                                 attention=ref.host.attention,
+                                 launch_overhead=ref.host.launch_overhead)
+    disk = preset.disk
+    return HardwareProfile(
+        name=preset.name, accelerator=accelerator, host=host_profile,
+        h2d_bandwidth=gpu.h2d, d2h_bandwidth=gpu.d2h, transfer_latency=ref.transfer_latency,
+        contention=ref.contention, accelerator_memory=gpu.memory, host_memory=host.memory,
+        h2d_latency=ref.h2d_latency, round_trip=ref.round_trip,
+        disk_read_bandwidth=disk.read if disk else 0.0,
+        disk_write_bandwidth=disk.write if disk else 0.0,
+        disk_memory=disk.capacity if disk else None)
+
+
+LOCAL = "local"  # the profile ``hx profile`` measured on this machine
+
+
+def hardware_profile(name: str) -> HardwareProfile:
+    """The profile of a preset (``PRESETS`` keys) or ``"local"`` (this machine's saved one).
+
+    Raises:
+      HxError: an unknown name (the message lists the presets), or ``local`` with no profile
+        saved (run ``hx profile``).
+    """
+    key = name.strip().lower()
+    if key == LOCAL:
+        profile = load_default()
+        if profile is None:
+            raise HxError("no measured profile of this machine: run `hx profile` first")
+        return profile
+    if key not in PRESETS:
+        raise HxError(f"unknown hardware preset {name!r}; presets: "
+                      f"{', '.join([*PRESETS, LOCAL])}")
+    return build(PRESETS[key])

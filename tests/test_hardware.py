@@ -1,0 +1,54 @@
+"""Hardware presets: datasheet figures scaled from the measured H100 as a roofline, each preset
+complete, and the simulator ranking machines as their links and memories say."""
+
+import pytest
+
+from hx.errors import HxError
+from hx.models.spec import PRESETS as MODELS
+from hx.planner import policies
+from hx.planner.hardware import PRESETS, REFERENCE, REFERENCE_BANDWIDTH, hardware_profile
+from hx.planner.simulator import predict
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_rates_follow_the_roofline(name):
+    """At M = 1 a matmul reads its weights: the rate scales with memory bandwidth; at large M
+    it is capped at the datasheet peak times the H100's measured share of its own peak."""
+    sheet, profile = PRESETS[name].gpu, hardware_profile(name)
+    ratio = sheet.bandwidth / REFERENCE_BANDWIDTH
+    for low, ref in ((profile.accelerator.matmul_low, REFERENCE.accelerator.matmul_low),
+                     (profile.accelerator.matmul, REFERENCE.accelerator.matmul)):
+        assert low[0][1] == pytest.approx(min(ref[0][1] * ratio, low[-1][1]))
+        assert all(a[1] <= b[1] * 1.0001 for a, b in zip(low, low[1:]))  # rises with M
+    assert profile.accelerator.matmul_low[-1][1] < sheet.bf16
+    assert profile.accelerator.matmul[-1][1] < sheet.fp32
+    assert profile.h2d_bandwidth == sheet.h2d and profile.accelerator_memory == sheet.memory
+    assert "UNSOURCED" not in sheet.source or "stand in" in sheet.source
+    assert profile.host.matmul[0][1] >= REFERENCE.host.matmul[0][1]
+
+
+def test_flexgen_t4_machine_has_its_disk():
+    t4 = hardware_profile("t4")
+    assert t4.disk_read_bandwidth == 2e9 and t4.disk_write_bandwidth == 1e9
+    assert t4.host_memory == 208e9 and t4.disk_memory == 1500e9
+    assert hardware_profile("h100-80gb").disk_read_bandwidth == 0.0
+
+
+def test_unknown_preset_names_the_presets():
+    with pytest.raises(HxError, match="t4, a10g"):
+        hardware_profile("v100")
+
+
+def test_streamed_decode_ranks_machines_by_their_links():
+    """A stream-all Llama-2-7B decode step is bound by the host->GPU link: PCIe 3 (T4)
+    slower than PCIe 4 (A100) slower than the measured PCIe 5 (H100), each at least the
+    weights' bytes over its link."""
+    spec = MODELS["llama2-7b"].replace(n_layers=4, dtype="bfloat16")
+    plan = policies.stream_all(spec.n_layers)
+    seconds = {}
+    for name in ("t4", "a100-40gb", "h100-80gb"):
+        profile = hardware_profile(name)
+        seconds[name] = predict(plan, spec, profile, "decode", 1, 1, 256, 128).seconds
+        streamed = spec.n_layers * spec.layer_weight_bytes
+        assert seconds[name] >= streamed / profile.h2d_bandwidth
+    assert seconds["t4"] > seconds["a100-40gb"] > seconds["h100-80gb"]

@@ -195,11 +195,13 @@ _PROGRAMS: dict[tuple, Programs] = {}
 def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     """The process's ``Programs`` for ``spec``'s shapes on ``devices`` (default: what
     ``hx.discover`` finds), shared by executors and estimates so each segment compiles once.
-    Specs that differ only in layer count or name share one."""
+    Specs that differ only in layer count or name share one. A shapes-only architecture (OPT)
+    is compiled as the Llama layer of the same shapes: only its XLA temporaries are asked for,
+    and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP."""
     from hx.devices import discover
 
     devices = devices or discover()
-    shape = spec.replace(n_layers=1, name="")
+    shape = spec.replace(n_layers=1, name="", architecture="llama")
     key = (shape, devices.accelerator.device, devices.host.device)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = Programs(shape, devices)

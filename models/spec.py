@@ -147,14 +147,17 @@ class ModelSpec:
         D, H, E, F, V = self.d_model, self.n_heads, self.head_dim, self.d_ff, self.vocab_size
         return {
             EMBED: {"embed_tokens": (V, D), "embed_positions": (self.context_length + 2, D)},
-            "Q": {"self_attn_layer_norm": (2, D), "q_proj": (D, H * E), "q_proj/bias": (H * E,)},
-            "K": {"k_proj": (D, H * E), "k_proj/bias": (H * E,)},
-            "V": {"v_proj": (D, H * E), "v_proj/bias": (H * E,)},
+            "Q": {"self_attn_layer_norm/scale": (D,), "self_attn_layer_norm/bias": (D,),
+                  "q_proj/kernel": (D, H * E), "q_proj/bias": (H * E,)},
+            "K": {"k_proj/kernel": (D, H * E), "k_proj/bias": (H * E,)},
+            "V": {"v_proj/kernel": (D, H * E), "v_proj/bias": (H * E,)},
             "SCORE": {},
-            "OUT": {"out_proj": (H * E, D), "out_proj/bias": (D,)},
-            "MLP1": {"final_layer_norm": (2, D), "fc1": (D, F), "fc1/bias": (F,)},
-            "MLP2": {"fc2": (F, D), "fc2/bias": (D,)},
-            HEAD: {"decoder_final_layer_norm": (2, D), "embed_tokens": (V, D)},
+            "OUT": {"out_proj/kernel": (H * E, D), "out_proj/bias": (D,)},
+            "MLP1": {"final_layer_norm/scale": (D,), "final_layer_norm/bias": (D,),
+                     "fc1/kernel": (D, F), "fc1/bias": (F,)},
+            "MLP2": {"fc2/kernel": (F, D), "fc2/bias": (D,)},
+            HEAD: {"decoder_final_layer_norm/scale": (D,), "decoder_final_layer_norm/bias": (D,),
+                   "embed_tokens": (V, D)},
         }
 
     @property

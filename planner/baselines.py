@@ -11,7 +11,7 @@ from ortools.linear_solver import pywraplp
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_reserve
+from hx.memory import activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
 from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
 from hx.planner.cpsat import Pattern, layer_plan
@@ -48,6 +48,9 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     fit, else streamed; SCORE moves with its KV cache. Memory is tracked as resident weights +
     accelerator KV + twice the largest streamed layer (double buffer) + activations; it stops
     when no move lowers the maximum and fits, and backs out moves if ``check_fits`` disagrees.
+
+    Raises:
+      HxError: not even every op on the host fits (the host memory budget), by how much.
     """
     times = _op_times(spec, profile, workload)
     capacity = devices.accelerator.capacity
@@ -99,6 +102,8 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
                                  for i in range(spec.n_layers)], state[(None, HEAD)], "min-max")
 
     while not _fits(plan_of(), spec, devices, workload):  # the tally is an estimate
+        if not moves:  # all on the host, and that does not fit: say why
+            check_fits(plan_of().with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
         state[moves.pop()] = HOST
     return plan_of()
 

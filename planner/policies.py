@@ -122,12 +122,12 @@ def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
 
 @functools.lru_cache(maxsize=64)
 def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
-                workload: Workload) -> ExecutionPlan:
+                workload: Workload, time_limit_s: float) -> ExecutionPlan:
     """``cpsat.plan_cpsat``'s plan (cached: ``auto`` asks for the one ``cpsat`` found; the
     solver is deterministic for its default seed)."""
     from hx.planner import cpsat
 
-    return cpsat.plan_cpsat(spec, profile, devices, workload).plan
+    return cpsat.plan_cpsat(spec, profile, devices, workload, time_limit_s).plan
 
 
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
@@ -136,14 +136,15 @@ NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without on
 
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
-          gpu_layers: int | None = None, profile: "HardwareProfile | None" = None
-          ) -> ExecutionPlan:
+          gpu_layers: int | None = None, profile: "HardwareProfile | None" = None,
+          time_limit_s: float = 5.0) -> ExecutionPlan:
     """The plan of a named policy, checked against the budgets, with the largest prefill
     chunk under which it fits (``fit_prefill_chunk``).
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None. ``min-max``,
-    ``flexgen-lp`` and ``cpsat`` price ops with ``profile``. ``auto`` is all-accelerator when
-    that fits, else the CP-SAT plan (without a profile: the largest layer split).
+    ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
+    seconds per solve with its best plan. ``auto`` is all-accelerator when that fits, else the
+    CP-SAT plan (without a profile: the largest layer split).
     Raises:
       HxError: an unknown policy, a policy needing a profile without one, or a plan that does
         not fit (naming the minimum feasible budget for it).
@@ -156,7 +157,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     planners = {  # run only when asked for
         "min-max": lambda: baselines.min_max(spec, profile, devices, workload),
         "flexgen-lp": lambda: baselines.flexgen_lp(spec, profile, devices, workload),
-        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload),
+        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload, time_limit_s),
     }
     if policy == "all-accelerator":
         plan = all_accelerator(n)

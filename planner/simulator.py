@@ -31,6 +31,7 @@ from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
 from hx.schedule import D2H, H2D, LAUNCH, MOVE, STAGE, SYNC, WAIT, compile_schedule
 from hx.segments import Segment
+from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import prefill_chunks, round_up
 
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
@@ -198,11 +199,26 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
 
 
 def predict_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
-                    batch: int, prompt_tokens: int, slots: int) -> float:
+                    batch: int, prompt_tokens: int, slots: int, micro_batches: int = 1) -> float:
     """Predicted seconds of a whole prefill: one step per chunk of ``plan.prefill_chunk``
-    (``hx.workload.prefill_chunks``), each attending over the prompt so far."""
+    (``hx.workload.prefill_chunks``), each attending over the prompt so far, of a block of
+    ``micro_batches`` micro-batches of ``batch`` rows."""
     done, seconds = 0, 0.0
     for chunk in prefill_chunks(prompt_tokens, plan.prefill_chunk):
         done += chunk
-        seconds += predict(plan, spec, profile, "prefill", batch, chunk, slots, done).seconds
+        seconds += predict(plan, spec, profile, "prefill", batch, chunk, slots, done,
+                           micro_batches).seconds
     return seconds
+
+
+TRACK = {ACCELERATOR: ACC_COMPUTE, HOST: HOST_COMPUTE, H2D: "H2D", D2H: "D2H"}
+
+
+def as_timeline(prediction: Prediction, phase: str = "decode") -> Timeline:
+    """The predicted step as a ``hx.timeline.Timeline`` of one step (its tasks on the tracks
+    of a measured trace; the ``sync`` gaps are left out), so ``Timeline.to_chrome`` writes a
+    simulated step in the format ``hx generate --trace`` writes a measured one."""
+    tasks = [t for t in prediction.tasks if t.resource in TRACK]
+    events = [Event(i, TRACK[t.resource], t.name, 0, t.start, (), {"simulated": True},
+                    t.start, t.end) for i, t in enumerate(tasks)]
+    return Timeline(events=events, step=0, step_names={0: phase})

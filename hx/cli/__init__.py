@@ -15,7 +15,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before XLA first logs
 
-from hx.cli import bench, generate, planning  # noqa: E402,F401  (register the commands)
+from hx.cli import bench, generate, planning, simulate  # noqa: E402,F401  (register the commands)
 from hx.cli.common import app, err  # noqa: E402
 from hx.errors import HxError  # noqa: E402
 

@@ -205,9 +205,29 @@ def ablate_command(
     runs: int = typer.Option(3, help="Measurement rounds (median reported)."),
     steps: int = typer.Option(12, help="Decode steps per measurement (median)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON."),
+    hardware: Optional[str] = typer.Option(
+        None, help="Simulate instead of measuring: hardware presets (comma-separated: t4, "
+                   "a10g, a100-40gb, l4, h100-80gb, local), or `standard` for the standard "
+                   "grid of docs/ablation.md. -m then takes presets, comma-separated; "
+                   "--budgets are fractions of each machine's accelerator memory."),
+    workloads: str = typer.Option("1:512+128,16:512+32,4x16:512+32",
+                                  help="Simulated workloads, [Nx]B:PROMPT+NEW each."),
+    csv_out: Optional[Path] = typer.Option(None, "--csv", help="Simulated: write CSV."),
+    markdown_out: Optional[Path] = typer.Option(None, "--markdown",
+                                                help="Simulated: write the markdown table."),
+    figures: Optional[Path] = typer.Option(None, help="Simulated: write PNG figures here."),
+    time_limit: float = typer.Option(2.0, help="Simulated: CP-SAT time limit per solve (s)."),
 ) -> None:
-    """Every policy's plan at several budgets and batches: predicted vs measured decode step."""
+    """Every policy's plan at several budgets and batches: predicted vs measured decode step
+    on this machine, or (--hardware) simulated runs on hardware presets."""
     from hx.planner.ablate import ablate, rows_to_json
+
+    if hardware is not None:
+        from hx.cli.simulate import ablate_grid, grid_from_options
+
+        grid = grid_from_options(model, hardware, policy_names, budgets, workloads, dtype)
+        ablate_grid(grid, json_out, csv_out, markdown_out, figures, time_limit)
+        return
 
     loaded = load(model, resolve_dtype(dtype))  # auto decides without starting the backends
     fractions = tuple(float(x) for x in budgets.split(","))

@@ -1,0 +1,164 @@
+"""``hx simulate`` (one plan on a hardware preset) and the simulated grid of ``hx ablate
+--hardware`` (``planner.grid``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from hx.cli.common import DtypeOption, ModelOption, ProfileOption, app, note, print_table
+from hx.devices import discover, format_bytes
+from hx.errors import HxError
+from hx.memory import estimate
+from hx.models.loader import load_spec, resolve_dtype
+from hx.planner import policies
+from hx.planner.grid import Grid, GridRow, Scenario, STANDARD, markdown_table, run_grid, \
+    simulate_run, write_csv, write_json
+from hx.planner.hardware import hardware_profile
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import as_timeline
+
+_SCENARIO = re.compile(r"(?:(\d+)x)?(\d+):(\d+)\+(\d+)")
+
+
+def parse_scenarios(text: str) -> tuple[Scenario, ...]:
+    """``1:512+128,4x16:512+32``: [N x]B : prompt + new tokens, comma-separated.
+
+    Raises:
+      HxError: an entry not of that form.
+    """
+    scenarios = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        match = _SCENARIO.fullmatch(part)
+        if match is None:
+            raise HxError(f"bad workload {part!r}: write [Nx]B:PROMPT+NEW, e.g. 16:512+32 or "
+                          "4x16:512+32")
+        n, b, p, g = match.groups()
+        scenarios.append(Scenario(part, int(b), int(p), int(g), int(n or 1)))
+    return tuple(scenarios)
+
+
+def _dtype(dtype: str) -> str:
+    """``auto`` is float16 here: what GPU offloading runs (FlexGen's setting), priced on a
+    preset's 16-bit matmul rates."""
+    return "float16" if dtype in (None, "auto") else resolve_dtype(dtype)
+
+
+def _profile(hardware: Optional[str], profile: Optional[Path]) -> HardwareProfile:
+    if profile is not None:
+        return HardwareProfile.load(str(profile))
+    return hardware_profile(hardware or "local")
+
+
+@app.command("simulate")
+def simulate_command(
+    model: Optional[str] = ModelOption,
+    dtype: str = DtypeOption,
+    hardware: Optional[str] = typer.Option(
+        None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, or local (the "
+                   "profile `hx profile` saved); default local."),
+    profile: Optional[Path] = ProfileOption,
+    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}."),
+    budget: float = typer.Option(1.0, help="Accelerator budget, a fraction of its memory."),
+    workload: str = typer.Option("1:512+32", help="[Nx]B:PROMPT+NEW, e.g. 4x16:512+32."),
+    time_limit: float = typer.Option(5.0, help="CP-SAT time limit per solve, seconds."),
+    trace: Optional[Path] = typer.Option(None, help="Write the simulated decode step as a "
+                                                    "Chrome/Perfetto trace (as --trace of "
+                                                    "hx generate)."),
+) -> None:
+    """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, utilisation."""
+    spec = load_spec(model, _dtype(dtype))
+    hw = _profile(hardware, profile)
+    if hw.accelerator_memory is None:
+        raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
+    (scenario,) = parse_scenarios(workload)
+    budget_bytes = int(budget * hw.accelerator_memory)
+    devices = discover(accelerator_memory=budget_bytes, host_memory=hw.host_memory)
+    plan = policies.build(policy, spec, devices, scenario.workload(), profile=hw,
+                          time_limit_s=time_limit)
+    run = simulate_run(plan, spec, hw, scenario)
+    need = estimate(plan, spec, scenario.workload())
+    table = Table(title=f"{spec.name} on {hw.name} (simulated), {scenario.name}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in (
+            ("plan", plan.name), ("budget", format_bytes(budget_bytes)),
+            ("accelerator bytes", f"{format_bytes(need.accelerator)} ({need.breakdown()})"),
+            ("host bytes", format_bytes(need.host)),
+            ("tokens/s", f"{run.tokens_per_s:.2f}"), ("TTFT s", f"{run.ttft_s:.3f}"),
+            ("TPOT ms", f"{run.tpot_s * 1e3:.1f}"),
+            *((f"{r} busy", f"{u:.0%}") for r, u in sorted(run.utilisation.items()))):
+        table.add_row(name, value)
+    print_table(table)
+    if trace is not None:
+        as_timeline(run.decode).to_chrome(str(trace))
+        note(f"simulated decode step -> {trace}")
+
+
+def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
+                markdown_out: Optional[Path], figures: Optional[Path],
+                time_limit: float) -> list[GridRow]:
+    """Run ``grid`` (``hx ablate --hardware``), print its table and write what was asked."""
+    steps: dict[tuple, dict] = {}
+
+    def keep(row, plan, run):
+        steps.setdefault((row.model, row.hardware, row.budget_fraction, row.scenario),
+                         {})[row.policy] = run.decode
+
+    note(f"simulating {grid.size} runs ({len(grid.models)} models x {len(grid.hardware)} "
+         f"machines x {len(grid.budgets)} budgets x {len(grid.scenarios)} workloads x "
+         f"{len(grid.policies)} policies)")
+    rows = run_grid(grid, time_limit, log=note, keep=keep)
+    text = markdown_table(rows, grid.policies)
+    table = Table(title="simulated generation throughput (tokens/s)")
+    header, _, *lines = text.splitlines()
+    for col in header.strip("| ").split(" | "):
+        table.add_column(col, justify="right")
+    for line in lines:
+        table.add_row(*(c.replace("**", "*") for c in line.strip("| ").split(" | ")))
+    print_table(table)
+    if json_out:
+        write_json(rows, grid, str(json_out))
+    if csv_out:
+        write_csv(rows, str(csv_out))
+    if markdown_out:
+        markdown_out.write_text(text + "\n")
+    if figures:
+        from hx.planner.figures import decode_gantt, throughput_vs_memory
+
+        figures.mkdir(parents=True, exist_ok=True)
+        for model in dict.fromkeys(r.model for r in rows):
+            for machine in grid.hardware:
+                for scenario in grid.scenarios:
+                    part = [r for r in rows if (r.model, r.hardware, r.scenario)
+                            == (model, machine, scenario.name)]
+                    stem = re.sub(r"[^a-z0-9]+", "-", f"{model} {machine} {scenario.name}"
+                                  .lower()).strip("-")
+                    if len(grid.budgets) > 1:
+                        throughput_vs_memory(part, str(figures / f"throughput-{stem}.png"),
+                                             f"{model} on {machine}, {scenario.name}")
+                    top = max(grid.budgets)
+                    decode = steps.get((model, machine, top, scenario.name))
+                    if decode:
+                        decode_gantt(decode, str(figures / f"gantt-{stem}.png"),
+                                     f"{model} on {machine} at {top:.0%}, {scenario.name}: "
+                                     "one decode step")
+        note(f"figures -> {figures}")
+    return rows
+
+
+def grid_from_options(models: Optional[str], hardware: str, policy_names: str, budgets: str,
+                      workloads: str, dtype: str) -> Grid:
+    """The grid ``hx ablate --hardware`` asks for; ``--hardware standard`` is ``STANDARD``."""
+    if hardware.strip() == "standard":
+        return STANDARD
+    return Grid(models=tuple(m.strip() for m in (models or "llama2-7b").split(",")),
+                hardware=tuple(h.strip() for h in hardware.split(",")),
+                policies=tuple(p.strip() for p in policy_names.split(",")),
+                budgets=tuple(float(b) for b in budgets.split(",")),
+                scenarios=parse_scenarios(workloads),
+                dtype=_dtype(dtype))

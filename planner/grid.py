@@ -1,0 +1,213 @@
+"""Simulated ablation grid: models x hardware x placement policies x budgets x workloads, each
+run priced by ``planner.simulator`` on a hardware preset (DESIGN §6), at scales this machine
+cannot run (``planner.ablate`` measures plans on this machine instead).
+
+A run of a workload (B rows per micro-batch, N micro-batches, P prompt tokens, G new tokens)
+under a plan is its prefill -- one block step per prefill chunk -- then G - 1 decode steps of
+the block, priced at the mid-generation context P + G/2 (FlexGen's generation throughput,
+Sheng et al. 2023 §6: generated tokens over prefill plus decode time):
+
+    tokens/s = B·N·G / (t_prefill + (G - 1)·t_decode),   TTFT = t_prefill,   TPOT = t_decode
+
+Utilisation is each resource's busy time over the decode step's makespan.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from hx.devices import discover
+from hx.errors import HxError
+from hx.memory import estimate
+from hx.models.spec import ModelSpec, preset
+from hx.plan import ExecutionPlan
+from hx.planner import policies
+from hx.planner.ablate import BASELINES
+from hx.planner.hardware import hardware_profile
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import Prediction, predict, predict_prefill
+from hx.workload import CACHE_BUCKET, Workload, round_up
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A workload of the grid: ``micro_batches`` x ``batch`` rows, prompts of
+    ``prompt_tokens``, ``new_tokens`` generated each."""
+
+    name: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    micro_batches: int = 1
+
+    def workload(self) -> Workload:
+        """The planner's ``Workload``: KV slots for the prompt and every new token."""
+        slots = round_up(self.prompt_tokens + self.new_tokens, CACHE_BUCKET)
+        return Workload(self.batch, self.prompt_tokens, slots, self.micro_batches)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run: names of model presets (``models.spec.PRESETS``, ``NAME[:NL]``), hardware
+    presets (``planner.hardware``), policies (``planner.policies``), accelerator budgets as
+    fractions of the preset's accelerator memory, and scenarios; models run in ``dtype``."""
+
+    models: tuple[str, ...]
+    hardware: tuple[str, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[float, ...]
+    scenarios: tuple[Scenario, ...]
+    dtype: str = "float16"
+
+    @property
+    def size(self) -> int:
+        return (len(self.models) * len(self.hardware) * len(self.policies) * len(self.budgets)
+                * len(self.scenarios))
+
+
+# 4 models x 3 machines x 6 policies x 3 workloads: the grid docs/ablation.md shows.
+STANDARD = Grid(
+    models=("llama2-7b", "llama3-8b", "opt-30b", "llama2-70b"),
+    hardware=("t4", "a10g", "h100-80gb"),
+    policies=("cpsat",) + BASELINES,
+    budgets=(1.0,),
+    scenarios=(Scenario("chat b1 512+128", 1, 512, 128),
+               Scenario("batch b16 512+32", 16, 512, 32),
+               Scenario("offline 4x16 512+32", 16, 512, 32, micro_batches=4)))
+
+
+@dataclass
+class RunPrediction:
+    """A simulated run. Seconds, tokens/s; ``utilisation``: resource -> busy share of a decode
+    step."""
+
+    tokens_per_s: float
+    ttft_s: float
+    tpot_s: float
+    utilisation: dict[str, float]
+    decode: Prediction = field(repr=False)
+
+
+def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                 scenario: Scenario) -> RunPrediction:
+    """Prefill then decode of ``scenario`` under ``plan`` (module docstring's formula)."""
+    w = scenario.workload()
+    B, N, P, G = scenario.batch, scenario.micro_batches, scenario.prompt_tokens, \
+        scenario.new_tokens
+    prefill = predict_prefill(plan, spec, profile, B, P, w.cache_slots, N)
+    decode = predict(plan, spec, profile, "decode", B, 1, w.cache_slots, P + G // 2, N)
+    total = prefill + (G - 1) * decode.seconds
+    return RunPrediction(B * N * G / total, prefill, decode.seconds,
+                         {r: busy / decode.seconds for r, busy in decode.busy.items()}, decode)
+
+
+@dataclass
+class GridRow:
+    """One (model, hardware, budget, scenario, policy); None fields where no plan fits
+    (``error`` says why)."""
+
+    model: str
+    hardware: str
+    budget_fraction: float
+    budget_bytes: int
+    scenario: str
+    policy: str
+    plan: str | None = None
+    accelerator_bytes: int | None = None
+    tokens_per_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    utilisation: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def run_grid(grid: Grid, time_limit_s: float = 2.0,
+             log: Callable[[str], None] = lambda line: None,
+             keep: Callable[[GridRow, ExecutionPlan, RunPrediction], None] | None = None
+             ) -> list[GridRow]:
+    """Plan and simulate every point of ``grid``; ``keep`` sees each feasible row with its plan
+    and prediction (e.g. for Gantt charts). CP-SAT gets ``time_limit_s`` per solve (its best
+    plan when the limit is hit).
+
+    Raises:
+      HxError: an unknown model, hardware preset or policy name.
+    """
+    rows: list[GridRow] = []
+    for model in grid.models:
+        spec = preset(model).replace(dtype=grid.dtype)
+        for machine in grid.hardware:
+            profile = hardware_profile(machine)
+            for fraction in grid.budgets:
+                budget = int(fraction * profile.accelerator_memory)
+                devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
+                for scenario in grid.scenarios:
+                    workload = scenario.workload()
+                    for policy in grid.policies:
+                        row = GridRow(spec.name, machine, fraction, budget, scenario.name,
+                                      policy)
+                        rows.append(row)
+                        try:
+                            plan = policies.build(policy, spec, devices, workload,
+                                                  profile=profile, time_limit_s=time_limit_s)
+                        except HxError as e:
+                            row.error = str(e).splitlines()[0]
+                            continue
+                        run = simulate_run(plan, spec, profile, scenario)
+                        row.plan = plan.name
+                        row.accelerator_bytes = estimate(plan, spec, workload).accelerator
+                        row.tokens_per_s, row.ttft_s, row.tpot_s = (
+                            run.tokens_per_s, run.ttft_s, run.tpot_s)
+                        row.utilisation = run.utilisation
+                        if keep is not None:
+                            keep(row, plan, run)
+                    best = max((r for r in rows[-len(grid.policies):] if r.tokens_per_s),
+                               key=lambda r: r.tokens_per_s, default=None)
+                    log(f"{spec.name} on {machine} at {fraction:.0%}, {scenario.name}: "
+                        + (f"best {best.policy} {best.tokens_per_s:.1f} tokens/s" if best
+                           else "nothing fits"))
+    return rows
+
+
+def write_csv(rows: Sequence[GridRow], path: str) -> None:
+    """One line per row; utilisation as ``util_<resource>`` columns."""
+    resources = sorted({r for row in rows for r in row.utilisation})
+    names = [f.name for f in dataclasses.fields(GridRow) if f.name != "utilisation"]
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(names + [f"util_{r}" for r in resources])
+        for row in rows:
+            out.writerow([getattr(row, n) for n in names]
+                         + [row.utilisation.get(r, "") for r in resources])
+
+
+def write_json(rows: Sequence[GridRow], grid: Grid, path: str) -> None:
+    """The grid and its rows."""
+    with open(path, "w") as f:
+        json.dump({"grid": asdict(grid), "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def markdown_table(rows: Sequence[GridRow], policies_order: Sequence[str]) -> str:
+    """Tokens/s per policy (columns) for each (model, hardware, budget, scenario) (rows); the
+    best in bold, ``-`` where the policy finds no plan that fits."""
+    head = ["model", "hardware", "budget", "workload", *policies_order]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    groups: dict[tuple, dict[str, GridRow]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.hardware, r.budget_fraction, r.scenario), {})[r.policy] = r
+    for (model, machine, fraction, scenario), by_policy in groups.items():
+        best = max((r.tokens_per_s or 0.0 for r in by_policy.values()), default=0.0)
+        cells = []
+        for p in policies_order:
+            r = by_policy.get(p)
+            if r is None or r.tokens_per_s is None:
+                cells.append("-")
+            else:
+                text = f"{r.tokens_per_s:.2f}" if r.tokens_per_s < 10 else f"{r.tokens_per_s:.1f}"
+                cells.append(f"**{text}**" if r.tokens_per_s == best else text)
+        lines.append("| " + " | ".join([model, machine, f"{fraction:.0%}", scenario, *cells])
+                     + " |")
+    return "\n".join(lines)

@@ -40,7 +40,8 @@ HOST_ATTENTION_BLOCK = 64  # slots per block of host_compute.attention
 
 @dataclass
 class Task:
-    """One piece of work on one resource. Times in seconds from the start of the step."""
+    """One piece of work on one resource. Times in seconds from the start of the step;
+    ``nbytes``: bytes a copy moves (0 for compute)."""
 
     resource: str
     name: str
@@ -48,6 +49,7 @@ class Task:
     deps: tuple[int, ...] = ()
     start: float = 0.0
     end: float = 0.0
+    nbytes: int = 0
 
 
 @dataclass
@@ -108,8 +110,9 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     producer: dict[tuple[str, int], int | None] = {}  # (activation, micro) -> its task
     synced: int | None = None  # the last wait: copies and launches issued after it
 
-    def add(resource, name, duration, deps=()) -> int:
-        tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None)))
+    def add(resource, name, duration, deps=(), nbytes=0) -> int:
+        tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None),
+                          nbytes=nbytes))
         return len(tasks) - 1
 
     for ins in schedule.instructions:
@@ -121,14 +124,14 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             copies = sum(seg.staged)  # the executor issues one device_put per staged op
             staged[i] = add(H2D, f"weights {i}",
                             copies * profile.h2d_latency + ins.nbytes / profile.h2d_bandwidth,
-                            [synced])
+                            [synced], ins.nbytes)
         elif ins.kind == WAIT:
             synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
         elif ins.kind == MOVE:
             bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
             moved[(i, m)] = add(ins.resource, " ".join(ins.names),
                                 profile.transfer_latency + ins.nbytes / bandwidth,
-                                [producer.get((n, m)) for n in ins.names])
+                                [producer.get((n, m)) for n in ins.names], ins.nbytes)
         elif ins.kind == LAUNCH:
             deps = [staged.get(i), moved.get((i, m)), synced if seg.streams else None]
             deps += [producer.get((n, m)) for n in seg.reads]

@@ -95,3 +95,24 @@ def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates
             assert seconds(low, "accelerator") == pytest.approx(seconds(f32, "accelerator") / 10)
             assert seconds(low, "host") == seconds(f32, "host")
             assert seconds(low, "accelerator", base) == seconds(f32, "accelerator", base)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_bytes_moved_in_a_step_are_the_plans(micro_batches):
+    """Stream-all decode: H2D carries every streamed weight once per step (whatever the number
+    of micro-batches) plus, per micro-batch, the embedded x (twice: layer 0's Q/K/V and, after
+    the host SCORE, its OUT residual -- the executor does not hold a copied-in activation
+    across a host excursion) and each layer's attention output o; D2H carries each layer's q,
+    k and v -- counted from the plan, not the schedule."""
+    from hx.planner.cost import activation_bytes
+
+    profile = gpu_like()
+    plan = policies.stream_all(SPEC.n_layers)
+    tasks = predict(plan, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT, micro_batches).tasks
+    moved = {r: sum(t.nbytes for t in tasks if t.resource == r) for r in ("H2D", "D2H")}
+    streamed = sum(SPEC.op_weight_bytes(op) for _, op, home in plan.weights.sequence()
+                   if home == "streamed")
+    act = {n: activation_bytes(SPEC, n, B, 1) for n in ("x", "q", "k", "v", "o")}
+    L, N = SPEC.n_layers, micro_batches
+    assert moved["H2D"] == streamed + N * (2 * act["x"] + L * act["o"])
+    assert moved["D2H"] == N * L * (act["q"] + act["k"] + act["v"])

@@ -164,3 +164,31 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
             if _fits(plan, spec, devices, workload):
                 return plan
     raise HxError(no_fit)
+
+
+def flexgen_published(spec: ModelSpec, devices: Devices, workload: Workload,
+                      weights_gpu: float) -> ExecutionPlan:
+    """A FlexGen policy as published (Sheng et al. 2023, §6 and ``bench_suite.py``, e.g.
+    OPT-30B on a T4: ``--percent 20 80 0 100 0 100 --cpu-cache-compute``): ``weights_gpu`` of
+    every layer's weight bytes resident on the accelerator and the rest streamed from host
+    memory, the KV cache on the host with attention computed there, the activations moving
+    through host memory. FlexGen assigns each weight tensor of a layer wholly to one tier by the
+    midpoint of its cumulative byte range (``init_weight_list``); here the unit is an op, in
+    the layer's order. HEAD is resident when ``weights_gpu`` is 1, else streamed; EMBED stays
+    on the host. The block (GPU batch x micro-batches) is the workload's.
+
+    Raises:
+      HxError: ``weights_gpu`` outside [0, 1], or the plan does not fit the budgets.
+    """
+    if not 0.0 <= weights_gpu <= 1.0:
+        raise HxError(f"FlexGen's GPU weight share must be within 0..1, got {weights_gpu}")
+    layer_w, done, homes = spec.layer_weight_bytes, 0, []
+    for op in WEIGHTED_OPS:
+        size = spec.op_weight_bytes(op)
+        homes.append(RESIDENT if (done + size / 2) / layer_w < weights_gpu else STREAMED)
+        done += size
+    head = RESIDENT if weights_gpu >= 1.0 else STREAMED
+    plan = layer_plan(spec, [Pattern(HOST, tuple(homes))] * spec.n_layers, head,
+                      f"flexgen:{round(weights_gpu * 100)}")
+    check_fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
+    return plan

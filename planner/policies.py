@@ -141,7 +141,9 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     """The plan of a named policy, checked against the budgets, with the largest prefill
     chunk under which it fits (``fit_prefill_chunk``).
 
-    ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None. ``min-max``,
+    ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
+    ``flexgen:P`` is a FlexGen policy as published, P % of the weights on the GPU
+    (``baselines.flexgen_published``). ``min-max``,
     ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
     seconds per solve with its best plan. ``auto`` is all-accelerator when that fits, else the
     CP-SAT plan (without a profile: the largest layer split).
@@ -170,6 +172,12 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
                 else layer_split(n, gpu_layers))
     elif policy in planners:
         plan = planners[policy]()
+    elif policy.startswith("flexgen:"):
+        share = policy.partition(":")[2]
+        if not share.isdigit():
+            raise HxError(f"bad policy {policy!r}: write flexgen:PERCENT, the share of weights "
+                          f"FlexGen keeps on the GPU, e.g. flexgen:20")
+        plan = baselines.flexgen_published(spec, devices, workload, int(share) / 100)
     elif policy == "auto":
         if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
             return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)

@@ -1,0 +1,128 @@
+"""Simulated vs measured decode step on this machine: policies x budgets x batch 1/16, and blocks
+of micro-batches (throughput mode's zig-zag schedule) at two block sizes.
+
+Usage: python scripts/validate_simulator.py [--profile PATH] [--runs 3] [--steps 8]
+           [--budgets 0.25,0.5] [--json OUT.json]
+
+SmolLM2-135M (float32) on whatever accelerator ``hx.discover`` finds (this VM: the emulated
+one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
+policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
+prediction against the median measured step (interleaved rounds). Part 2 times
+``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches (the
+work of a decode step does not depend on what the cache holds) against
+``simulator.predict(..., micro_batches=N)``. A row is within tolerance when predicted /
+measured is within 1 +- 0.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+import hx
+from hx.devices import discover
+from hx.executor import Executor
+from hx.models.llama import Step
+from hx.planner import policies
+from hx.planner.ablate import ablate
+from hx.planner.calibrate import probe_slots
+from hx.planner.profile import load_default
+from hx.planner.simulator import predict
+from hx.workload import Workload
+
+TOLERANCE = 0.15
+CONTEXT = 128
+BLOCKS = ((8, 2), (4, 4))  # (rows per micro-batch, micro-batches)
+
+
+def time_block(executor: Executor, batch: int, micro: int, slots: int, steps: int) -> float:
+    """Median seconds of a decode step of ``micro`` micro-batches of ``batch`` rows."""
+    spec = executor.spec
+    caches = [executor.new_cache(batch, slots, micro=m) for m in range(micro)]
+    rng = np.random.default_rng(0)
+    times = []
+    try:
+        for i in range(3 + steps):
+            at = CONTEXT + i
+            tokens = [rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
+                      for _ in range(micro)]
+            step = Step(np.full((batch, 1), at, np.int32), np.int32(at),
+                        np.zeros(batch, np.int32))
+            began = time.perf_counter()
+            logits, caches = executor.run_block("decode", tokens, [step] * micro, caches)
+            for out in logits:
+                out.block_until_ready()
+            if i >= 3:
+                times.append(time.perf_counter() - began)
+    finally:
+        executor.release_cache()
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", help="hardware profile (default: the saved one)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budgets", default="0.25,0.5")
+    parser.add_argument("--json", help="write the rows as JSON")
+    args = parser.parse_args()
+    profile = load_default(args.profile)
+    if profile is None:
+        print("no hardware profile: run `hx profile` first", file=sys.stderr)
+        return 2
+    model = hx.load()
+    spec = model.spec
+    fractions = tuple(float(x) for x in args.budgets.split(","))
+    rows = []
+    for r in ablate(spec, model.params, profile, fractions, (1, 16), runs=args.runs,
+                    steps=args.steps, context=CONTEXT,
+                    log=lambda line: print(line, file=sys.stderr, flush=True)):
+        if r.measured_s:
+            rows.append({"plan": r.plan, "policy": r.policy, "budget": r.budget_fraction,
+                         "block": f"{r.batch}", "predicted_s": r.predicted_s,
+                         "measured_s": r.measured_s})
+    slots = probe_slots(CONTEXT, args.steps)
+    devices = discover(accelerator_memory=int(spec.weight_bytes * min(fractions)))
+    for batch, micro in BLOCKS:
+        workload = Workload(batch, CONTEXT, slots, micro)
+        plan = policies.build("cpsat", spec, devices, workload, profile=profile)
+        executor = Executor(spec, model.params, plan, devices)
+        measured = statistics.median(time_block(executor, batch, micro, slots, args.steps)
+                                     for _ in range(args.runs))
+        predicted = predict(plan, spec, profile, "decode", batch, 1, slots,
+                            CONTEXT + args.steps // 2, micro).seconds
+        rows.append({"plan": plan.name, "policy": "cpsat (block)", "budget": min(fractions),
+                     "block": f"{micro} x {batch}", "predicted_s": predicted,
+                     "measured_s": measured})
+        print(f"block {micro} x {batch}: predicted {predicted * 1e3:.1f} ms, measured "
+              f"{measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        del executor
+    table = Table(title=f"{spec.name}: simulated vs measured decode step on "
+                        f"{profile.name}{' (EMULATED accelerator)' if profile.emulated else ''}")
+    for col in ("policy", "plan", "budget", "batch / block", "predicted ms", "measured ms",
+                "pred/meas", f"within {TOLERANCE:.0%}"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ratio = r["predicted_s"] / r["measured_s"]
+        r["ratio"], r["within"] = ratio, abs(ratio - 1) <= TOLERANCE
+        table.add_row(r["policy"], r["plan"], f"{r['budget']:.0%}", r["block"],
+                      f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+                      f"{ratio:.2f}", "yes" if r["within"] else "no")
+    Console().print(table)
+    print(f"{sum(r['within'] for r in rows)} of {len(rows)} within {TOLERANCE:.0%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"profile": profile.name, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,10 +36,11 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices, discover
+from hx.errors import HxError
 from hx.memory import Accountant, check_fits
 from hx.models.llama import Cache, Step, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
-from hx.plan import PHASES, RESIDENT, STREAMED, ExecutionPlan
+from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import programs_for, weight_dtype
 from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT, Schedule,
                          act_key, compile_schedule, staging_key, step_key)
@@ -81,6 +82,10 @@ class Executor:
     def __init__(self, spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan,
                  devices: Devices | None = None, timeline: Timeline | None = None):
         plan.validate(spec)
+        if DISK in plan.kv or any(home == DISK for _, _, home in plan.weights.sequence()):
+            raise HxError(f"plan {plan.name!r} keeps weights or KV cache on disk: hx plans and "
+                          "simulates the disk tier (hx simulate, hx ablate --hardware) but "
+                          "does not run it yet; keep them in host memory to run it")
         self.spec, self.plan = spec, plan
         self.devices = devices or discover()
         self.programs = programs_for(spec, self.devices)

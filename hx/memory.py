@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Hashable
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import DTYPE_BYTES, ModelSpec
-from hx.plan import PHASES, RESIDENT, ExecutionPlan
-from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, step_bytes
+from hx.plan import DISK, PHASES, RESIDENT, ExecutionPlan
+from hx.schedule import (DryRun, Instruction, compile_schedule, disk_bytes, dry_run,
+                         step_bytes)
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
 
@@ -112,8 +113,10 @@ class MemoryEstimate:
       kv: KV caches on the accelerator.
       staging: staged (streamed-in) weights live at the peak moment.
       activations: activations, step inputs and XLA temporaries live at the peak moment.
-      host: host memory: host-home and streamed weights, host KV caches.
+      host: host memory: host-home and streamed weights, host KV caches, and two read
+        buffers of the largest disk-homed segment and of a disk layer's KV cache.
       phase: the phase whose step peaks (``prefill`` or ``decode``).
+      disk: weights and KV caches kept on the disk tier (not checked against a capacity).
     """
 
     weights: int
@@ -122,6 +125,7 @@ class MemoryEstimate:
     activations: int
     host: int
     phase: str = "decode"
+    disk: int = 0
 
     @property
     def accelerator(self) -> int:
@@ -139,7 +143,8 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
     buffer per distinct (array, home, dtype) -- resident and streamed weights in the model's
     dtype, host-homed weights in the dtype of each device whose segments use them
     (``hx.programs.weight_dtype``: float32 for host ops, the model's dtype when an accelerator
-    segment stages them in); a tied embedding is one array for EMBED and HEAD."""
+    segment stages them in); a tied embedding is one array for EMBED and HEAD. Disk-homed
+    weights are in neither (``disk_weight_bytes``)."""
     from hx.programs import weight_dtype
 
     held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
@@ -151,7 +156,13 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
             for dtype in dtypes:
                 held[(array, home, dtype)] = math.prod(shape) * DTYPE_BYTES[dtype]
     resident = sum(b for (_, home, _), b in held.items() if home == RESIDENT)
-    return resident, sum(held.values()) - resident
+    return resident, sum(b for (_, home, _), b in held.items() if home not in (RESIDENT, DISK))
+
+
+def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
+    """Bytes of the weights ``plan`` keeps on disk (in the model's dtype)."""
+    return sum(spec.op_weight_bytes(op) for _, op, home in plan.weights.sequence()
+               if home == DISK)
 
 
 def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
@@ -186,9 +197,16 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     from hx.programs import programs_for, proxy
 
     resident, host = held_weight_bytes(plan, spec)
+    disk = disk_weight_bytes(plan, spec)
+    if disk:  # a segment's disk weights are read into host memory, double-buffered
+        host += 2 * max(disk_bytes(plan, spec, seg) for phase in PHASES
+                        for seg in split_segments(plan, phase))
     kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)
+    if DISK in plan.kv:  # a layer's cache read into host memory for one micro-batch, twice
+        disk += sum(kv_layer for home in plan.kv if home == DISK)
+        host += 2 * spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
 
     shapes = {phase: (workload.batch, phase_tokens(plan, phase, workload), workload.cache_slots)
               for phase in PHASES}
@@ -207,9 +225,9 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
             worst, worst_phase = run, phase
     if workload.spare_rows and kv_acc and reframe_bytes(spec, workload) > worst.peak:
         return MemoryEstimate(resident, kv_acc, 0, reframe_bytes(spec, workload), host,
-                              "KV re-framing")
+                              "KV re-framing", disk)
     return MemoryEstimate(resident, kv_acc, worst.peak_by_owner.get("staging", 0),
-                          worst.peak_by_owner.get("activations", 0), host, worst_phase)
+                          worst.peak_by_owner.get("activations", 0), host, worst_phase, disk)
 
 
 def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:

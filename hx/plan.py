@@ -11,7 +11,12 @@ against a ``ModelSpec`` without running anything; the executor interprets it. Th
   into accelerator memory ahead of the segment that uses it, then freed;
   ``"host"`` -- kept on the host CPU device, float32, for host-placed ops (an accelerator op
   whose weights live here has them copied in like streamed ones);
-* KV-cache home per layer. SCORE runs where its layer's KV cache lives, in both phases.
+  ``"disk"`` -- kept on the disk tier (NVMe), read into host memory every step and, for an
+  accelerator op, copied on like a streamed one (FlexGen's weights on disk). Planned and
+  simulated only: the executor refuses such plans;
+* KV-cache home per layer: ``"accelerator"``, ``"host"``, or ``"disk"`` (read into host memory
+  every step and attended there: FlexGen's KV on disk; planned and simulated only). SCORE runs
+  where its layer's KV cache lives (on the host for a disk cache), in both phases.
 
 JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 
@@ -34,9 +39,21 @@ from hx.errors import HxError
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 
 PHASES = ("prefill", "decode")
-RESIDENT, STREAMED = "resident", "streamed"
-WEIGHT_HOMES = (RESIDENT, STREAMED, HOST)
+KV_HOMES = (*DEVICE_NAMES, "disk")
+RESIDENT, STREAMED, DISK = "resident", "streamed", "disk"
+WEIGHT_HOMES = (RESIDENT, STREAMED, HOST, DISK)
 WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != "SCORE")  # SCORE owns no weights
+
+
+def score_device(kv_home: str) -> str:
+    """The device SCORE runs on for a layer whose KV cache lives at ``kv_home``."""
+    return HOST if kv_home == DISK else kv_home
+
+
+def _kv_home(value: Any) -> str:
+    if value not in KV_HOMES:
+        raise HxError(f"plan names KV home {value!r}; expected one of {', '.join(KV_HOMES)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -121,7 +138,8 @@ class Placement(OpTable):
 
 
 class WeightHomes(OpTable):
-    """Home (``resident``/``streamed``/``host``) of the weights of every op that owns some."""
+    """Home (``resident``/``streamed``/``host``/``disk``) of the weights of every op that owns
+    some."""
 
     OPS = WEIGHTED_OPS
     VALUES = WEIGHT_HOMES
@@ -139,7 +157,7 @@ class ExecutionPlan:
     Attributes:
       prefill / decode: ``Placement`` of each phase.
       weights: ``WeightHomes`` (shared by both phases).
-      kv: per layer, the device holding its KV cache.
+      kv: per layer, where its KV cache lives: a device, or ``disk`` (SCORE on the host).
       name: label for reports.
       prefill_chunk: prefill runs the prompt in steps of at most this many tokens, which
         bounds its activations and XLA temporaries (None: the whole prompt in one step).
@@ -226,7 +244,7 @@ class ExecutionPlan:
                           f"{spec.n_layers} layers")
         for phase in PHASES:
             for layer, op, device in self.phase(phase).sequence():
-                if op == "SCORE" and device != self.kv[layer]:
+                if op == "SCORE" and device != score_device(self.kv[layer]):
                     raise HxError(f"plan {self.name!r}: {phase} SCORE of layer {layer} runs on "
                                   f"the {device} but its KV cache lives on the "
                                   f"{self.kv[layer]}; SCORE must run where its KV cache is")
@@ -285,7 +303,7 @@ class ExecutionPlan:
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise HxError(f"plan's prefill_chunk must be a positive integer or null, got "
                           f"{chunk!r}")
-        return cls(prefill, decode, weights, tuple(Placement._value(d) for d in kv), plan.name,
+        return cls(prefill, decode, weights, tuple(_kv_home(d) for d in kv), plan.name,
                    chunk)
 
     def save(self, path: str) -> None:

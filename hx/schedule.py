@@ -35,11 +35,12 @@ from typing import Callable, Hashable
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import ModelSpec
-from hx.plan import ExecutionPlan
+from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import crossing_bytes
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
+READ, DISK_READ = "read", "disk"  # a disk -> host memory read of disk-homed weights
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
 INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
 
@@ -65,6 +66,12 @@ def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
                if staged)
 
 
+def disk_bytes(plan: ExecutionPlan, spec: ModelSpec, segment: Segment) -> int:
+    """Bytes of the segment's weights kept on disk (read into host memory each step)."""
+    return sum(spec.op_weight_bytes(op) for layer, op in segment.ops
+               if plan.weights.get(layer, op) == DISK)
+
+
 def step_bytes(batch: int, tokens: int) -> int:
     """Bytes of a ``Step`` on a device: int32 positions (B, T), write index, kv_start (B,)."""
     return 4 * (batch * tokens + 1 + batch)
@@ -75,7 +82,9 @@ class Instruction:
     """One thing the executor does in a step.
 
     Attributes:
-      kind: ``wait``, ``stage``, ``step``, ``move``, ``launch`` or ``free``.
+      kind: ``wait``, ``stage``, ``step``, ``move``, ``launch``, ``free``, or ``read`` (the
+        segment's disk-homed weights read into host memory; ``resource`` ``disk``: planned
+        and simulated, never executed).
       segment: index of the segment it concerns (None for ``free``).
       micro: the micro-batch a ``step``, ``move`` or ``launch`` is for (0 for the others).
       resource: what it occupies: ``H2D``/``D2H`` (copies), ``accelerator``/``host``
@@ -144,7 +153,13 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
     first = first_streaming(segments)
     out: list[Instruction] = []
 
+    def read(j: int) -> None:
+        nbytes = disk_bytes(plan, spec, segments[j])
+        if nbytes:
+            out.append(Instruction(READ, j, resource=DISK_READ, nbytes=nbytes))
+
     def stage(j: int) -> None:
+        read(j)
         nbytes = staged_bytes(spec, segments[j])
         out.append(Instruction(STAGE, j, resource=H2D, nbytes=nbytes,
                                allocs=((staging_key(j), "staging", nbytes),)))
@@ -162,6 +177,8 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                                        frees=(staging_key(previous_stream),)))
             if next_stream[i] is not None:
                 stage(next_stream[i])
+        if not on_acc:
+            read(i)
         for m in range(micro_batches):
             if (seg.device, m) not in stepped:
                 stepped.add((seg.device, m))

@@ -13,7 +13,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
-from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
+from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
 from hx.planner.cpsat import Pattern, layer_plan
 from hx.planner.policies import fits
 from hx.planner.profile import HardwareProfile
@@ -167,28 +167,36 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
 
 
 def flexgen_published(spec: ModelSpec, devices: Devices, workload: Workload,
-                      weights_gpu: float) -> ExecutionPlan:
+                      weights_gpu: float, weights_cpu: float | None = None,
+                      kv: str = HOST) -> ExecutionPlan:
     """A FlexGen policy as published (Sheng et al. 2023, §6 and ``bench_suite.py``, e.g.
     OPT-30B on a T4: ``--percent 20 80 0 100 0 100 --cpu-cache-compute``): ``weights_gpu`` of
-    every layer's weight bytes resident on the accelerator and the rest streamed from host
-    memory, the KV cache on the host with attention computed there, the activations moving
-    through host memory. FlexGen assigns each weight tensor of a layer wholly to one tier by the
+    every layer's weight bytes resident on the accelerator, ``weights_cpu`` (default: the
+    rest) streamed from host memory and the rest streamed from disk (OPT-175B: 0 / 50 / 50),
+    the KV cache on the host (``kv``: or on disk, as OPT-175B's ``--percent ... 0 0`` puts it)
+    with attention computed on the host, the activations moving through host memory. FlexGen assigns each weight tensor of a layer wholly to one tier by the
     midpoint of its cumulative byte range (``init_weight_list``); here the unit is an op, in
     the layer's order. HEAD is resident when ``weights_gpu`` is 1, else streamed; EMBED stays
     on the host. The block (GPU batch x micro-batches) is the workload's.
 
     Raises:
-      HxError: ``weights_gpu`` outside [0, 1], or the plan does not fit the budgets.
+      HxError: shares outside [0, 1] or summing past 1, or the plan does not fit the budgets.
     """
-    if not 0.0 <= weights_gpu <= 1.0:
-        raise HxError(f"FlexGen's GPU weight share must be within 0..1, got {weights_gpu}")
+    cpu = 1.0 - weights_gpu if weights_cpu is None else weights_cpu
+    if not (0.0 <= weights_gpu <= 1.0 and 0.0 <= cpu and weights_gpu + cpu <= 1.0 + 1e-9):
+        raise HxError(f"FlexGen's weight shares must lie in 0..1 and sum to at most 1, got GPU "
+                      f"{weights_gpu}, CPU {cpu}")
     layer_w, done, homes = spec.layer_weight_bytes, 0, []
     for op in WEIGHTED_OPS:
         size = spec.op_weight_bytes(op)
-        homes.append(RESIDENT if (done + size / 2) / layer_w < weights_gpu else STREAMED)
+        middle = (done + size / 2) / layer_w
+        homes.append(RESIDENT if middle < weights_gpu else
+                     STREAMED if middle < weights_gpu + cpu else DISK)
         done += size
     head = RESIDENT if weights_gpu >= 1.0 else STREAMED
-    plan = layer_plan(spec, [Pattern(HOST, tuple(homes))] * spec.n_layers, head,
-                      f"flexgen:{round(weights_gpu * 100)}")
+    name = f"flexgen:{round(weights_gpu * 100)}" + (
+        f":{round(cpu * 100)}" if weights_gpu + cpu < 1 - 1e-9 else "")
+    name += ":kv-disk" if kv == DISK else ""
+    plan = layer_plan(spec, [Pattern(kv, tuple(homes))] * spec.n_layers, head, name)
     check_fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
     return plan

@@ -37,10 +37,11 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import activation_reserve, estimate
 from hx.models.spec import HOST_DTYPE, LAYER_OPS, ModelSpec
-from hx.plan import RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement, WeightHomes
+from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
+                     WeightHomes, score_device)
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict, predict_prefill
-from hx.schedule import staged_bytes
+from hx.schedule import disk_bytes, staged_bytes
 from hx.segments import split_segments
 from hx.workload import MIN_CHUNK, Workload
 
@@ -59,8 +60,8 @@ class Pattern:
     def devices(self) -> tuple[str, ...]:
         """Device of each op of ``LAYER_OPS``."""
         state = dict(zip(WEIGHTED_OPS, self.ops))
-        return tuple(self.kv if op == "SCORE" else (HOST if state[op] == HOST else ACCELERATOR)
-                     for op in LAYER_OPS)
+        return tuple(score_device(self.kv) if op == "SCORE" else
+                     (HOST if state[op] == HOST else ACCELERATOR) for op in LAYER_OPS)
 
     def homes(self) -> tuple[str, ...]:
         """Weight home of each op of ``WEIGHTED_OPS``."""
@@ -78,6 +79,7 @@ class PatternCost:
     host: int  # host bytes: host and streamed weights + KV
     uses_accelerator: bool
     switches: int  # device changes along the layer's ops, into the next layer included
+    disk_segment: int = 0  # largest segment's disk-homed weights, bytes (read double-buffered)
 
 
 @dataclass
@@ -120,29 +122,40 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
 def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                    context: int) -> tuple[PatternCost, ...]:
     """Simulated marginal decode time and bytes of one layer of every pattern (cached: the
-    budget does not enter, so planning at many budgets prices once)."""
+    budget does not enter, so planning at many budgets prices once). With a disk tier in the
+    profile, every pattern that streams weights has a twin streaming them from disk instead
+    of host memory (FlexGen's weights on disk: read into host memory, then copied on), and
+    every host-KV pattern a twin with its KV cache on disk."""
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
     kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
+    kv_read = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
     weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
     host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
     costs = []
-    for kv in (ACCELERATOR, HOST):
-        for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS)):
-            p = Pattern(kv, ops)
-            pair = layer_plan(two, [p, p], HOST, "p")
-            seconds = (predict(pair, two, profile, "decode", workload.batch, 1,
-                               workload.cache_slots, context, workload.micro_batches).seconds
-                       - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
-                                 workload.batch, 1, workload.cache_slots, context,
-                                 workload.micro_batches).seconds)
-            resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, ops) if s == RESIDENT)
-            host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
-                       for op, s in zip(WEIGHTED_OPS, ops) if s != RESIDENT)
-            staged = [staged_bytes(spec, s) for s in split_segments(pair, "decode")]
-            costs.append(PatternCost(
-                p, max(seconds, 0.0), resident + (kv_bytes if kv == ACCELERATOR else 0),
-                max(staged), host + (kv_bytes if kv == HOST else 0),
-                ACCELERATOR in p.devices(), _switches(p.devices())))
+    patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
+                for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
+    if profile.disk_read_bandwidth:
+        patterns += [Pattern(p.kv, tuple(DISK if s == STREAMED else s for s in p.ops))
+                     for p in patterns if STREAMED in p.ops]
+        patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
+    for p in patterns:
+        pair = layer_plan(two, [p, p], HOST, "p")
+        seconds = (predict(pair, two, profile, "decode", workload.batch, 1,
+                           workload.cache_slots, context, workload.micro_batches).seconds
+                   - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
+                             workload.batch, 1, workload.cache_slots, context,
+                             workload.micro_batches).seconds)
+        resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, p.ops) if s == RESIDENT)
+        host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
+                   for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
+        segments = split_segments(pair, "decode")
+        staged = [staged_bytes(spec, s) for s in segments]
+        on_disk = [disk_bytes(pair, spec, s) for s in segments]
+        costs.append(PatternCost(
+            p, max(seconds, 0.0), resident + (kv_bytes if p.kv == ACCELERATOR else 0),
+            max(staged), host + (kv_bytes if p.kv == HOST else 0),
+            ACCELERATOR in p.devices(), _switches(p.devices()),
+            max(on_disk) + (kv_read if p.kv == DISK else 0)))
     return tuple(costs)
 
 
@@ -152,8 +165,8 @@ def _switches(devices: tuple[str, ...]) -> int:
 
 def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
     """Drop patterns that another is at least as good as on every count (and better on one)."""
-    m = np.array([[c.seconds, c.resident, c.segment, c.host, c.uses_accelerator, c.switches]
-                  for c in costs], dtype=float)
+    m = np.array([[c.seconds, c.resident, c.segment, c.host, c.uses_accelerator, c.switches,
+                   c.disk_segment] for c in costs], dtype=float)
     keep = []
     for i in range(len(costs)):
         no_worse = (m <= m[i]).all(axis=1)
@@ -220,8 +233,12 @@ def _build(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, float], a
     if capacity is not None:
         model.Add(acc_bytes <= capacity)
     if host_capacity is not None:
+        reads = model.NewIntVar(0, max(c.disk_segment for c in costs), "largest_disk_segment")
+        for c, u in zip(costs, used):
+            if c.disk_segment:
+                model.Add(reads >= c.disk_segment).OnlyEnforceIf(u)
         model.Add(sum(c.host * ni for c, ni in zip(costs, n)) + spec.op_weight_bytes("EMBED")
-                  + head_bytes * (1 - head[RESIDENT]) <= host_capacity)
+                  + head_bytes * (1 - head[RESIDENT]) + 2 * reads <= host_capacity)
     seconds = _step_units(costs, heads, n, head)
     switches = sum(c.switches * ni for c, ni in zip(costs, n))
     return _Model(model, n, head, acc_bytes, seconds, switches)
@@ -359,7 +376,7 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
     priced over all its prefill chunks at the largest chunk it fits with."""
     from hx.planner.policies import fit_prefill_chunk
 
-    rows = tuple(tuple(kv if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
+    rows = tuple(tuple(score_device(kv) if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
                  for kv in plan.kv)
     offloaded = ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
                               plan.kv, plan.name)

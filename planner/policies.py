@@ -15,7 +15,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import check_fits, estimate
 from hx.models.spec import EMBED, ModelSpec
-from hx.plan import ExecutionPlan, Placement
+from hx.plan import DISK, ExecutionPlan, Placement
 from hx.workload import MIN_CHUNK, Workload
 
 if TYPE_CHECKING:
@@ -142,8 +142,9 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     chunk under which it fits (``fit_prefill_chunk``).
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
-    ``flexgen:P`` is a FlexGen policy as published, P % of the weights on the GPU
-    (``baselines.flexgen_published``). ``min-max``,
+    ``flexgen:G[:C][:kv-disk]`` is a FlexGen policy as published: G % of the weights on the
+    GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
+    on disk (``baselines.flexgen_published``). ``min-max``,
     ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
     seconds per solve with its best plan. ``auto`` is all-accelerator when that fits, else the
     CP-SAT plan (without a profile: the largest layer split).
@@ -173,11 +174,16 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     elif policy in planners:
         plan = planners[policy]()
     elif policy.startswith("flexgen:"):
-        share = policy.partition(":")[2]
-        if not share.isdigit():
-            raise HxError(f"bad policy {policy!r}: write flexgen:PERCENT, the share of weights "
-                          f"FlexGen keeps on the GPU, e.g. flexgen:20")
-        plan = baselines.flexgen_published(spec, devices, workload, int(share) / 100)
+        shares = policy.split(":")[1:]
+        kv = DISK if shares[-1:] == ["kv-disk"] else HOST
+        shares = shares[:-1] if kv == DISK else shares
+        if not 1 <= len(shares) <= 2 or not all(s.isdigit() for s in shares):
+            raise HxError(f"bad policy {policy!r}: write flexgen:GPU[:CPU][:kv-disk], the "
+                          f"percent of weights FlexGen keeps on the GPU (and in CPU memory; "
+                          f"the rest on disk), e.g. flexgen:20 or flexgen:0:50:kv-disk")
+        plan = baselines.flexgen_published(spec, devices, workload, int(shares[0]) / 100,
+                                           int(shares[1]) / 100 if len(shares) == 2 else None,
+                                           kv)
     elif policy == "auto":
         if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
             return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)

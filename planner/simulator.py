@@ -8,7 +8,9 @@ each segment costs its device's launch overhead
 (the executor's Python dispatch, taken as serial: on a 2-core host it competes with compute)
 plus its ops; after waiting for a streaming segment the executor needs ``sync_overhead`` before
 the next copy and launch go out (the ``sync`` resource). Every piece of work is a task on one
-resource -- ``accelerator`` and ``host`` compute, ``H2D`` and ``D2H`` copies, ``sync`` -- and
+resource -- ``accelerator`` and ``host`` compute, ``H2D`` and ``D2H`` copies, ``sync``, and
+``disk`` reads of disk-homed weights into host memory (bytes / the profile's disk read
+bandwidth, issued with the segment's weight copy and before it) -- and
 each resource runs its tasks one at a time in issue order, once their inputs are ready. When
 copies and computation run at the same moment they share the machine: both progress at
 1 / (1 + ``contention``) of their speed (contention 0: independent engines, as a GPU's DMA and
@@ -26,10 +28,12 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, HOST_DTYPE, ModelSpec
-from hx.plan import ExecutionPlan
+from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
-from hx.schedule import D2H, H2D, LAUNCH, MOVE, STAGE, SYNC, WAIT, compile_schedule
+from hx.errors import HxError
+from hx.schedule import (D2H, DISK_READ, H2D, LAUNCH, MOVE, READ, STAGE, SYNC, WAIT,
+                         compile_schedule)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import prefill_chunks, round_up
@@ -106,6 +110,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     tasks: list[Task] = []
     launched: dict[int, int] = {}  # segment -> its latest compute task
     staged: dict[int, int] = {}  # segment -> its weight copy
+    read: dict[int, int] = {}  # segment -> its disk read
     moved: dict[tuple[int, int], int] = {}  # (segment, micro-batch) -> its input transfer
     producer: dict[tuple[str, int], int | None] = {}  # (activation, micro) -> its task
     synced: int | None = None  # the last wait: copies and launches issued after it
@@ -120,11 +125,14 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         if ins.resource is None:
             continue
         seg = schedule.segments[i]
-        if ins.kind == STAGE:
+        if ins.kind == READ:
+            read[i] = add(DISK_READ, f"read {i}", ins.nbytes / _disk(profile, plan),
+                          [synced], ins.nbytes)
+        elif ins.kind == STAGE:
             copies = sum(seg.staged)  # the executor issues one device_put per staged op
             staged[i] = add(H2D, f"weights {i}",
                             copies * profile.h2d_latency + ins.nbytes / profile.h2d_bandwidth,
-                            [synced], ins.nbytes)
+                            [synced, read.get(i)], ins.nbytes)
         elif ins.kind == WAIT:
             synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
         elif ins.kind == MOVE:
@@ -133,7 +141,14 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                                 profile.transfer_latency + ins.nbytes / bandwidth,
                                 [producer.get((n, m)) for n in ins.names], ins.nbytes)
         elif ins.kind == LAUNCH:
-            deps = [staged.get(i), moved.get((i, m)), synced if seg.streams else None]
+            deps = [staged.get(i), read.get(i), moved.get((i, m)),
+                    synced if seg.streams else None]
+            on_disk = [layer for layer, op in seg.ops if op == "SCORE" and plan.kv[layer] == DISK]
+            if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
+                read_slots = min(slots, round_up(context, HOST_ATTENTION_BLOCK))
+                nbytes = len(on_disk) * spec.kv_bytes_per_token() * batch * read_slots
+                deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
+                                [synced], nbytes))
             deps += [producer.get((n, m)) for n in seg.reads]
             name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
             duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
@@ -142,6 +157,18 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                               duration, deps)
             producer.update({(n, m): launched[i] for n in ins.names})
     return tasks
+
+
+def _disk(profile: HardwareProfile, plan: ExecutionPlan) -> float:
+    """The profile's disk read bandwidth (bytes/s).
+
+    Raises:
+      HxError: the profile has no disk tier.
+    """
+    if not profile.disk_read_bandwidth:
+        raise HxError(f"plan {plan.name!r} keeps data on disk, but the hardware profile "
+                      f"{profile.name!r} has no disk tier")
+    return profile.disk_read_bandwidth
 
 
 def run_tasks(tasks: list[Task], contention: float) -> float:

@@ -57,7 +57,7 @@ def test_shorthand_json():
     ({"decode": {"layers": {"MLP1": "gpu"}}}, "device 'gpu'"),
     ({"decode": {"layers": [{}] * 2}}, "has 2 layers"),
     ({"decode": {}, "kv": ["host"]}, "KV homes"),
-    ({"decode": {}, "weights": {"layers": {"Q": "disk"}}}, "weight home 'disk'"),
+    ({"decode": {}, "weights": {"layers": {"Q": "tape"}}}, "weight home 'tape'"),
     ([1, 2], "JSON object"),
 ])
 def test_malformed_plans(data, match):

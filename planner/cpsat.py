@@ -120,12 +120,12 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
 
 @functools.lru_cache(maxsize=16)
 def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                   context: int) -> tuple[PatternCost, ...]:
+                   context: int, disk: bool = False) -> tuple[PatternCost, ...]:
     """Simulated marginal decode time and bytes of one layer of every pattern (cached: the
-    budget does not enter, so planning at many budgets prices once). With a disk tier in the
-    profile, every pattern that streams weights has a twin streaming them from disk instead
-    of host memory (FlexGen's weights on disk: read into host memory, then copied on), and
-    every host-KV pattern a twin with its KV cache on disk."""
+    budget does not enter, so planning at many budgets prices once). With ``disk``, every
+    pattern that streams weights has a twin streaming them from disk instead of host memory
+    (FlexGen's weights on disk: read into host memory, then copied on), and every host-KV
+    pattern a twin with its KV cache on disk."""
     two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
     kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
     kv_read = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
@@ -134,7 +134,7 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     costs = []
     patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
                 for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
-    if profile.disk_read_bandwidth:
+    if disk:
         patterns += [Pattern(p.kv, tuple(DISK if s == STREAMED else s for s in p.ops))
                      for p in patterns if STREAMED in p.ops]
         patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
@@ -315,7 +315,13 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         that admits one.
     """
     context = workload.decode_context
-    costs = prune(price_patterns(spec, profile, workload, context))
+    # the disk tier only when host memory cannot hold the weights and the KV cache: its twins
+    # nearly triple the patterns, and CP-SAT's search time with them
+    host_need = spec.weight_bytes + spec.n_layers * spec.kv_bytes_per_token() * \
+        workload.rows * workload.cache_slots
+    disk = bool(profile.disk_read_bandwidth) and devices.host.capacity is not None and \
+        host_need > devices.host.capacity
+    costs = prune(price_patterns(spec, profile, workload, context, disk))
     heads = head_seconds(spec, profile, workload, context)
     act = activation_reserve(spec, workload, min(workload.prompt_tokens, MIN_CHUNK))
     built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
@@ -324,6 +330,10 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     start = time.perf_counter()
     status = solver.Solve(built.model)
     solve_s = time.perf_counter() - start
+    if status == cp_model.UNKNOWN:
+        raise HxError(f"CP-SAT found no plan within its time limit of {time_limit_s:g} s "
+                      f"({len(costs)} layer patterns, status UNKNOWN: neither a plan nor a proof "
+                      f"that none fits); give it more time (--time-limit)")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise HxError(_infeasible(spec, costs, heads, act, devices, workload, time_limit_s,
                                   seed, solver.StatusName(status)))

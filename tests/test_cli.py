@@ -77,7 +77,8 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
     result = hx(*args)
     assert result.returncode == 0, result.stderr
     # a prompts file runs in throughput mode, its block planned on the profile given
-    assert re.search(r"throughput mode: \d micro-batch(es)? x \d rows, plan host:SCORE,MLP2",
+    assert re.search(r"throughput mode: \d micro-batch(es)? x \d rows, joins of \d+, plan "
+                     r"host:SCORE,MLP2",
                      result.stderr)
     assert result.stdout == out.read_text(encoding="utf-8")  # byte for byte
     rows = [json.loads(line) for line in out.read_text().splitlines()]

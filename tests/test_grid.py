@@ -19,10 +19,10 @@ SCENARIO = Scenario("16:512+32", 16, 512, 32)
 
 def test_cpsat_throughput_never_falls_as_memory_grows():
     """More accelerator memory can only help the planner: CP-SAT's simulated tokens/s rises
-    (or stays) along a budget sweep, on two machines."""
-    grid = Grid(models=("llama2-7b:4L",), hardware=("t4", "h100-80gb"), policies=("cpsat",),
-                budgets=(0.1, 0.2, 0.4, 0.8), scenarios=(SCENARIO,))
-    rows = run_grid(grid, time_limit_s=1.0)
+    (or stays) along a budget sweep."""
+    grid = Grid(models=("llama2-7b:4L",), hardware=("a10g",), policies=("cpsat",),
+                budgets=(0.1, 0.25, 0.8), scenarios=(SCENARIO,))
+    rows = run_grid(grid, time_limit_s=0.5)
     for machine in grid.hardware:
         rates = [r.tokens_per_s or 0.0 for r in rows if r.hardware == machine]
         assert rates[-1] > 0
@@ -61,19 +61,19 @@ def test_simulate_writes_a_trace(tmp_path):
 
 def test_ablate_hardware_grid_writes_table_csv_json_and_figures(tmp_path):
     pytest.importorskip("matplotlib")
-    result = hx("ablate", "-m", "llama2-7b:2L,opt-6.7b:2L", "--hardware", "t4,h100-80gb",
+    result = hx("ablate", "-m", "llama2-7b:2L", "--hardware", "t4,h100-80gb",
                 "--policies", "all-accelerator,stream-all", "--budgets", "0.05,1",
                 "--workloads", "1:128+8", "--time-limit", "1", "--csv", str(tmp_path / "g.csv"),
                 "--json", str(tmp_path / "g.json"), "--markdown", str(tmp_path / "g.md"),
                 "--figures", str(tmp_path / "fig"))
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader((tmp_path / "g.csv").open()))
-    assert len(rows) == 2 * 2 * 2 * 2
+    assert len(rows) == 2 * 2 * 2
     assert len(json.loads((tmp_path / "g.json").read_text())["rows"]) == len(rows)
     # 5 % of a T4 cannot hold two resident 7B layers: all-accelerator must say so
     small = [r for r in rows if r["hardware"] == "t4" and r["budget_fraction"] == "0.05"
              and r["policy"] == "all-accelerator"]
     assert small and all(r["error"] and not r["tokens_per_s"] for r in small)
     assert "**" in (tmp_path / "g.md").read_text()
-    assert len(list((tmp_path / "fig").glob("throughput-*.png"))) == 4
-    assert len(list((tmp_path / "fig").glob("gantt-*.png"))) == 4
+    assert len(list((tmp_path / "fig").glob("throughput-*.png"))) == 2
+    assert len(list((tmp_path / "fig").glob("gantt-*.png"))) == 2

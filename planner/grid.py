@@ -190,16 +190,18 @@ def write_json(rows: Sequence[GridRow], grid: Grid, path: str) -> None:
         json.dump({"grid": asdict(grid), "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
-def markdown_table(rows: Sequence[GridRow], policies_order: Sequence[str]) -> str:
-    """Tokens/s per policy (columns) for each (model, hardware, budget, scenario) (rows); the
-    best in bold, ``-`` where the policy finds no plan that fits."""
+def throughput_table(rows: Sequence[GridRow], policies_order: Sequence[str], best: str
+                     ) -> tuple[list[str], list[list[str]]]:
+    """(header, cells): tokens/s per policy (columns) for each (model, hardware, budget,
+    scenario) (rows); the best of a row written as ``best`` % its text, ``-`` where the policy
+    finds no plan that fits."""
     head = ["model", "hardware", "budget", "workload", *policies_order]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table: list[list[str]] = []
     groups: dict[tuple, dict[str, GridRow]] = {}
     for r in rows:
         groups.setdefault((r.model, r.hardware, r.budget_fraction, r.scenario), {})[r.policy] = r
     for (model, machine, fraction, scenario), by_policy in groups.items():
-        best = max((r.tokens_per_s or 0.0 for r in by_policy.values()), default=0.0)
+        top = max((r.tokens_per_s or 0.0 for r in by_policy.values()), default=0.0)
         cells = []
         for p in policies_order:
             r = by_policy.get(p)
@@ -207,7 +209,13 @@ def markdown_table(rows: Sequence[GridRow], policies_order: Sequence[str]) -> st
                 cells.append("-")
             else:
                 text = f"{r.tokens_per_s:.2f}" if r.tokens_per_s < 10 else f"{r.tokens_per_s:.1f}"
-                cells.append(f"**{text}**" if r.tokens_per_s == best else text)
-        lines.append("| " + " | ".join([model, machine, f"{fraction:.0%}", scenario, *cells])
-                     + " |")
-    return "\n".join(lines)
+                cells.append(best % text if r.tokens_per_s == top else text)
+        table.append([model, machine, f"{fraction:.0%}", scenario, *cells])
+    return head, table
+
+
+def markdown_table(rows: Sequence[GridRow], policies_order: Sequence[str]) -> str:
+    """``throughput_table`` as markdown, the best of each row in bold."""
+    head, table = throughput_table(rows, policies_order, "**%s**")
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(cells) + " |" for cells in table])

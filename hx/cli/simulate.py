@@ -16,8 +16,8 @@ from hx.errors import HxError
 from hx.memory import estimate
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
-from hx.planner.grid import Grid, GridRow, Scenario, STANDARD, markdown_table, run_grid, \
-    simulate_run, write_csv, write_json
+from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, run_grid,
+                             simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import hardware_profile
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import as_timeline
@@ -113,20 +113,19 @@ def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
          f"machines x {len(grid.budgets)} budgets x {len(grid.scenarios)} workloads x "
          f"{len(grid.policies)} policies)")
     rows = run_grid(grid, time_limit, log=note, keep=keep)
-    text = markdown_table(rows, grid.policies)
     table = Table(title="simulated generation throughput (tokens/s)")
-    header, _, *lines = text.splitlines()
-    for col in header.strip("| ").split(" | "):
+    head, cells = throughput_table(rows, grid.policies, "*%s*")
+    for col in head:
         table.add_column(col, justify="right")
-    for line in lines:
-        table.add_row(*(c.replace("**", "*") for c in line.strip("| ").split(" | ")))
+    for line in cells:
+        table.add_row(*line)
     print_table(table)
     if json_out:
         write_json(rows, grid, str(json_out))
     if csv_out:
         write_csv(rows, str(csv_out))
     if markdown_out:
-        markdown_out.write_text(text + "\n")
+        markdown_out.write_text(markdown_table(rows, grid.policies) + "\n")
     if figures:
         from hx.planner.figures import decode_gantt, throughput_vs_memory
 

@@ -110,6 +110,29 @@ def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
         executor.release_cache()
 
 
+def time_block_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
+                      micro_batches: int) -> list[float]:
+    """Seconds of each of ``steps`` decode steps of a block of ``micro_batches`` micro-batches
+    of ``probe.batch`` rows (``Executor.run_block``, the zig-zag block schedule) until every
+    micro-batch's logits were ready, after ``WARMUP_STEPS`` untimed ones, over zero-filled
+    caches at ``probe``'s positions (as ``time_decode(prefill=False)``); the caches are
+    released at the end."""
+    caches = [executor.new_cache(probe.batch, slots, micro=m) for m in range(micro_batches)]
+    times = []
+    try:
+        for i in range(WARMUP_STEPS + steps):
+            tokens, step = probe.step(i)
+            t0 = time.perf_counter()
+            logits, caches = executor.run_block("decode", [tokens] * micro_batches,
+                                                [step] * micro_batches, caches)
+            jax.block_until_ready(logits)
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        executor.release_cache()
+
+
 def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
                  devices: Devices, context: int = 128, steps: int = 32) -> DecodeBenchRow:
     """Median decode-step time of the executor under ``plan`` and of the whole-model jit.

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +192,25 @@ class Programs:
 
 
 _PROGRAMS: dict[tuple, Programs] = {}
+_ABSENT_ACCELERATOR: ContextVar[bool] = ContextVar("hx_absent_accelerator", default=False)
+
+
+@contextmanager
+def sizing_for_absent_accelerator() -> Iterator[None]:
+    """Within the block, size XLA temporaries for an accelerator that is not this process's:
+    a hardware preset the simulator prices (``planner.grid``, ``hx simulate``).
+
+    ``programs_for`` then compiles the model in float32. XLA:CPU has no float16/bfloat16 dot:
+    it converts the operands to float32, so a half-precision program compiled here holds
+    float32 copies of its weights as temporaries (an OPT-175B layer: tens of GB), which a GPU,
+    multiplying in the half type, never allocates. No buffer of the half-precision program is
+    wider than the float32 program's, so the float32 temporaries bound the target's from above.
+    """
+    token = _ABSENT_ACCELERATOR.set(True)
+    try:
+        yield
+    finally:
+        _ABSENT_ACCELERATOR.reset(token)
 
 
 def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
@@ -197,11 +218,14 @@ def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     ``hx.discover`` finds), shared by executors and estimates so each segment compiles once.
     Specs that differ only in layer count or name share one. A shapes-only architecture (OPT)
     is compiled as the Llama layer of the same shapes: only its XLA temporaries are asked for,
-    and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP."""
+    and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP. Inside
+    ``sizing_for_absent_accelerator`` the model is compiled in float32."""
     from hx.devices import discover
 
     devices = devices or discover()
     shape = spec.replace(n_layers=1, name="", architecture="llama")
+    if _ABSENT_ACCELERATOR.get():
+        shape = shape.replace(dtype="float32")
     key = (shape, devices.accelerator.device, devices.host.device)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = Programs(shape, devices)

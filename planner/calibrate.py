@@ -14,7 +14,11 @@ simulator agrees with them:
    this 2-core host a device switch costs more at larger batches);
 3. copy/compute contention and the sync overhead after each wait on a streaming segment: grid
    search so stream-all's predicted steps meet the observed ones;
-4. ``model_error``: the median relative error left over the observed steps.
+4. accelerator/host compute contention: grid search so a block step (``BLOCK``: half the
+   layers on each side, two micro-batches, one computing on the host while the other computes
+   on the accelerator) is predicted as observed (the profiler's figure is products that
+   stream weights from memory; a model's smaller ops contend less);
+5. ``model_error``: the median relative error left over the observed steps.
 
 Every plan is observed in the same ``ROUNDS`` interleaved rounds (medians used), so the fits
 compare plans timed side by side: this shared machine's speed drifts by tens of percent over
@@ -31,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 from scipy.optimize import nnls
 
-from hx.bench import DecodeProbe, time_decode
+from hx.bench import DecodeProbe, time_block_decode, time_decode
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.executor import Executor
 from hx.models.spec import ModelSpec
@@ -46,6 +50,9 @@ FIT_PASSES = 3  # alternations of fit_compute and fit_launch (they converge in a
 ROUNDS = 3  # interleaved observations of each plan (median used)
 DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops of each plan
                   ("EMBED", "Q", "K", "V", "OUT", "MLP1", "MLP2", "HEAD"))
+
+
+BLOCK = (8, 2)  # (rows per micro-batch, micro-batches) of the block step fit 4 observes
 
 
 def probe_slots(context: int, steps: int) -> int:
@@ -69,11 +76,31 @@ def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch:
                        probe_slots(context, steps), steps, prefill=False)
 
 
+def observe_block(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
+                  micro_batches: int, devices: Devices, rounds: int = ROUNDS,
+                  steps: int = STEPS, context: int = CONTEXT) -> float:
+    """Median seconds of a decode step of a block of ``micro_batches`` x ``batch`` rows under
+    ``plan`` (``rounds`` medians of ``steps`` steps, at ``observe``'s positions)."""
+    executor = Executor(spec, params, plan, devices)
+    probe = DecodeProbe(spec, batch, context)
+    return statistics.median(
+        statistics.median(time_block_decode(executor, probe, probe_slots(context, steps),
+                                            steps, micro_batches))
+        for _ in range(rounds))
+
+
 def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
-                     batch: int, steps: int = STEPS, context: int = CONTEXT) -> float:
-    """The simulator's decode step at the shapes ``observe`` runs (mid-way through them)."""
+                     batch: int, steps: int = STEPS, context: int = CONTEXT,
+                     micro_batches: int = 1) -> float:
+    """The simulator's decode step at the shapes ``observe`` (or ``observe_block``) runs
+    (mid-way through them)."""
     return predict(plan, spec, profile, "decode", batch, 1, probe_slots(context, steps),
-                   context + steps // 2).seconds
+                   context + steps // 2, micro_batches).seconds
+
+
+def block_plan(n_layers: int) -> ExecutionPlan:
+    """The plan of fit 4's block step: the first half of the layers on the accelerator."""
+    return policies.layer_split(n_layers, n_layers // 2)
 
 
 def dispatch_plans(n_layers: int) -> list[ExecutionPlan]:
@@ -176,16 +203,37 @@ def fit_streaming(profile: HardwareProfile, spec: ModelSpec,
     return dataclasses.replace(profile, contention=contention, sync_overhead=sync)
 
 
+def fit_overlap(profile: HardwareProfile, spec: ModelSpec, block_seen: float,
+                log: Callable[[str], None]) -> HardwareProfile:
+    """Accelerator/host compute contention that best predicts the observed block step
+    (``block_seen`` seconds of ``block_plan`` at ``BLOCK``; grid search in steps of 0.05)."""
+    plan, (batch, micro) = block_plan(spec.n_layers), BLOCK
+
+    def error(c: float) -> float:
+        trial = dataclasses.replace(profile, compute_contention=c)
+        return abs(math.log(predicted_decode(plan, spec, trial, batch,
+                                             micro_batches=micro) / block_seen))
+
+    contention = min((c / 20 for c in range(21)), key=error)
+    log(f"block {micro} x {batch}: {block_seen * 1e3:.1f} ms per step; accelerator/host "
+        f"compute contention {contention:.2f}")
+    return dataclasses.replace(profile, compute_contention=contention)
+
+
 def fit(profile: HardwareProfile, spec: ModelSpec,
         seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
-        log: Callable[[str], None] = lambda message: None) -> HardwareProfile:
+        log: Callable[[str], None] = lambda message: None,
+        block_seen: float | None = None) -> HardwareProfile:
     """``profile`` fitted to the observed decode steps ``seen`` (seconds per (plan, batch); the
-    plans of ``calibration_plans``): fits 1-4 of the module doc."""
+    plans of ``calibration_plans``) and, when given, the block step ``block_seen``
+    (``observe_block`` of ``block_plan`` at ``BLOCK``): fits 1-5 of the module doc."""
     for i in range(FIT_PASSES):  # each fit holds the other's result fixed
         said = log if i == FIT_PASSES - 1 else (lambda message: None)
         profile = fit_compute(profile, spec, seen, batches, said)
         profile = fit_launch(profile, spec, seen, batches, said)
     profile = fit_streaming(profile, spec, seen, batches, log)
+    if block_seen is not None:
+        profile = fit_overlap(profile, spec, block_seen, log)
     errors = [abs(predicted_decode(plan, spec, profile, b) / step - 1)
               for (plan, b), step in seen.items()]
     log(f"fitted profile predicts the {len(errors)} observed steps within "
@@ -205,4 +253,5 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
     """A copy of ``profile`` fitted to this model's decode steps (module doc); every plan the
     fits use is observed in the same interleaved rounds."""
     seen = observe_interleaved(spec, params, calibration_plans(spec.n_layers), batches, devices)
-    return fit(profile, spec, seen, batches, log)
+    block_seen = observe_block(spec, params, block_plan(spec.n_layers), *BLOCK, devices)
+    return fit(profile, spec, seen, batches, log, block_seen)

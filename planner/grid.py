@@ -27,7 +27,7 @@ from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.ablate import BASELINES
-from hx.planner.hardware import hardware_profile
+from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import Prediction, predict, predict_prefill
 from hx.workload import CACHE_BUCKET, Workload, round_up
@@ -151,14 +151,17 @@ def run_grid(grid: Grid, time_limit_s: float = 2.0,
                                       policy)
                         rows.append(row)
                         try:
-                            plan = policies.build(policy, spec, devices, workload,
-                                                  profile=profile, time_limit_s=time_limit_s)
+                            with memory_sizing(machine):
+                                plan = policies.build(policy, spec, devices, workload,
+                                                      profile=profile,
+                                                      time_limit_s=time_limit_s)
+                                need = estimate(plan, spec, workload).accelerator
                         except HxError as e:
                             row.error = str(e).splitlines()[0]
                             continue
                         run = simulate_run(plan, spec, profile, scenario)
                         row.plan = plan.name
-                        row.accelerator_bytes = estimate(plan, spec, workload).accelerator
+                        row.accelerator_bytes = need
                         row.tokens_per_s, row.ttft_s, row.tpot_s = (
                             run.tokens_per_s, run.ttft_s, run.tpot_s)
                         row.utilisation = run.utilisation

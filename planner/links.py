@@ -194,6 +194,28 @@ def measure_d2h(devices: Devices, effort: Effort = FULL) -> Link:
     return _link(case, min(LINK_CAP, room(devices[ACCELERATOR]) // 2, _host_room()), effort)
 
 
+STAGED_COPIES = 8  # back-to-back weight copies of a staging probe
+STAGED_BYTES = 4 * MiB  # each: an op's weights of a small model
+
+
+def measure_staging_latency(devices: Devices, bandwidth: float, effort: Effort = FULL) -> float:
+    """Seconds each weight copy adds beyond bytes / ``bandwidth`` when a segment's weights are
+    staged: ``STAGED_COPIES`` ``device_put`` calls (pinned_host -> device memory, one array of
+    ``STAGED_BYTES`` each) issued back to back and waited for together, as
+    ``Executor._stage`` issues one per staged op. The intercept of the large-copy fit
+    (``Link.latency``) is not this: it is the difference of two large, noisy times, and a
+    copy queued behind another does not pay a call's whole fixed cost again."""
+    pinned, acc_memory = memories(devices)
+    pieces = [[jax.device_put(np.full(STAGED_BYTES // 4, i, np.float32), pinned)]
+              for i in range(STAGED_COPIES)]
+
+    def stage():
+        return [jax.device_put(piece, acc_memory) for piece in pieces]
+
+    seconds = effort.time(stage)[0].seconds
+    return max(0.0, seconds / STAGED_COPIES - STAGED_BYTES / bandwidth)
+
+
 def measure_small_transfers(devices: Devices, effort: Effort = FULL) -> tuple[float, float]:
     """Seconds of one (16, 576) float32 activation transfer (host -> accelerator,
     accelerator -> host) as ``Executor.run`` issues it: a list in one ``device_put`` to the

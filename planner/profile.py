@@ -97,6 +97,10 @@ class HardwareProfile:
       contention: 0..1, share of the shorter of an overlapped copy and computation that is
         lost when they run together (0: independent engines, as a GPU's DMA engine and SMs
         nearly are; 1: fully serialised). Measured by the profiler.
+      compute_contention: 0..1, the same between computation on the accelerator and on the
+        host at the same moment (0: separate processors, a GPU and the CPU; 1: one shared
+        set of cores, as an emulated accelerator and the host share them). Measured by the
+        profiler; 0 when not measured.
       sync_overhead: seconds between a streaming segment finishing and the executor, which
         waited for it, issuing the next weight copy and launch (fitted by ``calibrate``).
       accelerator_memory / host_memory: capacities in bytes (None = unknown).
@@ -104,8 +108,10 @@ class HardwareProfile:
       model_error: median |predicted / observed - 1| of the decode steps calibration observed
         with the fitted profile (0 when not calibrated). The planner counts plans predicted
         this close to each other as ties (``cpsat.plan_cpsat``).
-      h2d_latency / d2h_latency: seconds of fixed cost per large copy call on each link, from
-        the profiler's two-size fit (t = latency + bytes / bandwidth); 0 when not measured.
+      h2d_latency: seconds each staged weight copy adds beyond bytes / bandwidth, copies
+        issued back to back (``links.measure_staging_latency``); 0 when not measured.
+      d2h_latency: seconds of fixed cost per large copy call device -> host, from the
+        profiler's two-size fit (t = latency + bytes / bandwidth); 0 when not measured.
       round_trip: seconds of JAX's own device switch there and back, the floor under the
         executor's: a (1, 576) float32 activation computed on the accelerator, one
         ``device_put`` to the host CPU device, a tiny op there, one ``device_put`` back, a tiny
@@ -138,6 +144,7 @@ class HardwareProfile:
     disk_read_bandwidth: float = 0.0
     disk_write_bandwidth: float = 0.0
     disk_memory: int | None = None
+    compute_contention: float = 0.0
 
     def excursion_seconds(self, batch: int = 1, nbytes: int = 0) -> float:
         """Seconds the simulator adds for one accelerator -> host -> accelerator excursion of a

@@ -38,9 +38,11 @@ from hx.models.llama import attention, init_params
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.planner.calibrate import dispatch_plans, observe_interleaved, predicted_decode
 from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measure_h2d,
-                              measure_round_trip, measure_small_transfers)
+                              measure_round_trip, measure_small_transfers,
+                              measure_staging_latency)
 from hx.planner.profile import DEFAULT_PATH, DeviceProfile, HardwareProfile, load_default
-from hx.planner.rates import (LOW_DTYPE, measure_attention, measure_contention, measure_matmul,
+from hx.planner.rates import (LOW_DTYPE, measure_attention, measure_compute_contention,
+                              measure_contention, measure_matmul,
                               measure_memory_bandwidth)
 from hx.planner.timing import FULL, QUICK, MiB, Effort
 
@@ -125,6 +127,8 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             f"({link.nbytes / MiB:.0f} MiB in {link.seconds * 1e3:.1f} ms, spread "
             f"{link.spread:.0%})")
     log(f"small transfer {small_h2d * 1e6:.0f} us H2D, {small_d2h * 1e6:.0f} us D2H")
+    staging = measure_staging_latency(devices, h2d.bandwidth, effort)
+    log(f"staged weight copies: {staging * 1e6:.0f} us each beyond bytes / bandwidth")
     round_trip = measure_round_trip(devices, effort)
     log(f"bare round trip accelerator -> host op -> accelerator {round_trip * 1e6:.0f} us")
     sides = {}
@@ -143,7 +147,9 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             attention=measure_attention(device, kernel, effort.attention_slots, effort),
             launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()))
     contention = measure_contention(devices, effort)
-    log(f"copy/compute contention {contention:.2f}")
+    compute_contention = measure_compute_contention(devices, effort)
+    log(f"copy/compute contention {contention:.2f}, accelerator/host compute contention "
+        f"{compute_contention:.2f}")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     acc = devices.accelerator
     own_limit = (acc.device.memory_stats() or {}).get("bytes_limit")  # not a user's budget
@@ -153,8 +159,9 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
              f"host cpu ({os.cpu_count()} cores){', quick' if quick else ''}",
         accelerator=sides[ACCELERATOR], host=sides[HOST], h2d_bandwidth=h2d.bandwidth,
         d2h_bandwidth=d2h.bandwidth, transfer_latency=latency, contention=contention,
+        compute_contention=compute_contention,
         accelerator_memory=own_limit, host_memory=pages, emulated=acc.emulated,
-        h2d_latency=h2d.latency, d2h_latency=d2h.latency,
+        h2d_latency=staging, d2h_latency=d2h.latency,
         quick=quick, round_trip=round_trip)
     if not launch:
         return profile

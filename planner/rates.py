@@ -11,7 +11,8 @@
   product) is repeated inside one call, each repeat depending on the one before, until the
   call lasts ``Effort.memory_target_s`` / ``matmul_target_s``.
 * **attention**: the SCORE kernel each side uses, reading a full KV cache of S slots.
-* **contention**: a weight copy overlapped with an M = 1 product over as many bytes.
+* **contention**: a weight copy overlapped with an M = 1 product over as many bytes;
+* **compute contention**: M = 1 products on the accelerator and the host at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hx.devices import ACCELERATOR, Devices
+from hx.devices import ACCELERATOR, HOST, Devices
 from hx.models.llama import Step
 from hx.planner.links import host_chunks, memories, room
 from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
@@ -175,4 +176,20 @@ def measure_contention(devices: Devices, effort: Effort = FULL) -> float:
         lambda: jax.device_put(sources, acc_memory),
         lambda: (jax.device_put(sources, acc_memory), _products(x, w, 1)))
     shorter, longer = sorted((compute.seconds, copy.seconds))
+    return min(1.0, max(0.0, (both.seconds - longer) / shorter))
+
+
+def measure_compute_contention(devices: Devices, effort: Effort = FULL) -> float:
+    """Share of the shorter of two M = 1 products, one on the accelerator and one on the host
+    (each over half ``Effort.matmul_weight_bytes`` of weights), lost when both run at once:
+    (t_both - max) / min, clipped to [0, 1] (``HardwareProfile.compute_contention``)."""
+    sides = []
+    for device in (devices[ACCELERATOR], devices[HOST]):
+        w = _weights(device, jnp.float32, max(MATMUL_N, _max_columns(
+            device, jnp.float32, effort.matmul_weight_bytes) // 2), seed=2)
+        sides.append((jax.device_put(jnp.ones((1, MATMUL_N), jnp.float32), device), w))
+    (xa, wa), (xh, wh) = sides
+    acc, host, both = effort.time(lambda: _products(xa, wa, 1), lambda: _products(xh, wh, 1),
+                                  lambda: (_products(xa, wa, 1), _products(xh, wh, 1)))
+    shorter, longer = sorted((acc.seconds, host.seconds))
     return min(1.0, max(0.0, (both.seconds - longer) / shorter))

@@ -14,7 +14,9 @@ bandwidth, issued with the segment's weight copy and before it) -- and
 each resource runs its tasks one at a time in issue order, once their inputs are ready. When
 copies and computation run at the same moment they share the machine: both progress at
 1 / (1 + ``contention``) of their speed (contention 0: independent engines, as a GPU's DMA and
-SMs nearly are; 1: serialised).
+SMs nearly are; 1: serialised); when both devices compute at the same moment, each progresses
+at 1 / (1 + ``compute_contention``) (0 for a GPU beside a CPU; near 1 where the accelerator
+shares the host's cores, as an emulated one does).
 
 Durations come from ``planner.cost`` (FLOPs and bytes) and the profile's rates: a matmul op at
 M rows takes flops / matmul_rate(M); SCORE reads its KV cache at the device's attention rate
@@ -171,8 +173,12 @@ def _disk(profile: HardwareProfile, plan: ExecutionPlan) -> float:
     return profile.disk_read_bandwidth
 
 
-def run_tasks(tasks: list[Task], contention: float) -> float:
-    """Replay ``tasks`` (fills their start and end); returns the makespan in seconds."""
+def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 0.0) -> float:
+    """Replay ``tasks`` (fills their start and end); returns the makespan in seconds.
+
+    While copies and computation run at once, every running task progresses at
+    1 / (1 + ``contention``) of its speed; while both devices compute at once, each
+    computation progresses at a further 1 / (1 + ``compute_contention``)."""
     queues: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         queues.setdefault(t.resource, []).append(i)
@@ -191,13 +197,15 @@ def run_tasks(tasks: list[Task], contention: float) -> float:
         if not running:
             break
         copying = any(r in COPY_RESOURCES for r in running)
-        computing = any(r in COMPUTE_RESOURCES for r in running)
-        slow = 1.0 / (1.0 + contention) if copying and computing else 1.0
+        computing = sum(r in COMPUTE_RESOURCES for r in running)
+        shared = 1.0 / (1.0 + contention) if copying and computing else 1.0
+        both = 1.0 / (1.0 + compute_contention) if computing == 2 else 1.0
+        speed = {r: shared * (both if r in COMPUTE_RESOURCES else 1.0) for r in running}
 
-        dt = min(remaining[i] / slow for i in running.values())
+        dt = min(remaining[i] / speed[r] for r, i in running.items())
         now += dt
         for r, i in list(running.items()):
-            remaining[i] -= dt * slow
+            remaining[i] -= dt * speed[r]
             if remaining[i] <= 1e-12:
                 done[i], tasks[i].end = True, now
                 del running[r]
@@ -221,7 +229,7 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
     """
     tasks = build_tasks(plan, spec, profile, phase, batch, tokens, slots,
                         slots if context is None else context, micro_batches)
-    seconds = run_tasks(tasks, profile.contention)
+    seconds = run_tasks(tasks, profile.contention, profile.compute_contention)
     busy: dict[str, float] = {}
     for t in tasks:
         busy[t.resource] = busy.get(t.resource, 0.0) + t.end - t.start

@@ -32,7 +32,7 @@ from hx.errors import HxError
 from hx.models.spec import preset
 from hx.planner import policies
 from hx.planner.grid import Scenario, simulate_run
-from hx.planner.hardware import hardware_profile
+from hx.planner.hardware import hardware_profile, memory_sizing
 
 SETTINGS = (("opt-30b", "flexgen:20", Scenario("48x3", 48, 512, 32, 3), 7.32),
             ("opt-175b", "flexgen:0:50:kv-disk", Scenario("32x8", 32, 512, 32, 8), 0.69))
@@ -53,8 +53,9 @@ def main() -> int:
             row = {"model": spec.name, "policy": policy, "block": scenario.name,
                    "published_tok_s": published if policy == flexgen else None}
             try:
-                plan = policies.build(policy, spec, devices, scenario.workload(),
-                                      profile=profile, time_limit_s=args.time_limit)
+                with memory_sizing("t4"):
+                    plan = policies.build(policy, spec, devices, scenario.workload(),
+                                          profile=profile, time_limit_s=args.time_limit)
                 run = simulate_run(plan, spec, profile, scenario)
                 row.update(tokens_per_s=run.tokens_per_s, ttft_s=run.ttft_s, tpot_s=run.tpot_s,
                            utilisation=run.utilisation)

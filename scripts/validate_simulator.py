@@ -8,8 +8,9 @@ SmolLM2-135M (float32) on whatever accelerator ``hx.discover`` finds (this VM: t
 one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
 policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
 prediction against the median measured step (interleaved rounds). Part 2 times
-``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches (the
-work of a decode step does not depend on what the cache holds) against
+``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches
+(``hx.bench.time_block_decode``: the work of a decode step does not depend on what the cache
+holds) against
 ``simulator.predict(..., micro_batches=N)``. A row is within tolerance when predicted /
 measured is within 1 +- 0.15.
 """
@@ -20,16 +21,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 import hx
+from hx.bench import DecodeProbe, time_block_decode
 from hx.devices import discover
 from hx.executor import Executor
-from hx.models.llama import Step
 from hx.planner import policies
 from hx.planner.ablate import ablate
 from hx.planner.calibrate import probe_slots
@@ -40,30 +39,6 @@ from hx.workload import Workload
 TOLERANCE = 0.15
 CONTEXT = 128
 BLOCKS = ((8, 2), (4, 4))  # (rows per micro-batch, micro-batches)
-
-
-def time_block(executor: Executor, batch: int, micro: int, slots: int, steps: int) -> float:
-    """Median seconds of a decode step of ``micro`` micro-batches of ``batch`` rows."""
-    spec = executor.spec
-    caches = [executor.new_cache(batch, slots, micro=m) for m in range(micro)]
-    rng = np.random.default_rng(0)
-    times = []
-    try:
-        for i in range(3 + steps):
-            at = CONTEXT + i
-            tokens = [rng.integers(0, spec.vocab_size, (batch, 1), dtype=np.int32)
-                      for _ in range(micro)]
-            step = Step(np.full((batch, 1), at, np.int32), np.int32(at),
-                        np.zeros(batch, np.int32))
-            began = time.perf_counter()
-            logits, caches = executor.run_block("decode", tokens, [step] * micro, caches)
-            for out in logits:
-                out.block_until_ready()
-            if i >= 3:
-                times.append(time.perf_counter() - began)
-    finally:
-        executor.release_cache()
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -95,8 +70,10 @@ def main() -> int:
         workload = Workload(batch, CONTEXT, slots, micro)
         plan = policies.build("cpsat", spec, devices, workload, profile=profile)
         executor = Executor(spec, model.params, plan, devices)
-        measured = statistics.median(time_block(executor, batch, micro, slots, args.steps)
-                                     for _ in range(args.runs))
+        probe = DecodeProbe(spec, batch, CONTEXT)
+        measured = statistics.median(
+            statistics.median(time_block_decode(executor, probe, slots, args.steps, micro))
+            for _ in range(args.runs))
         predicted = predict(plan, spec, profile, "decode", batch, 1, slots,
                             CONTEXT + args.steps // 2, micro).seconds
         rows.append({"plan": plan.name, "policy": "cpsat (block)", "budget": min(fractions),

@@ -6,7 +6,7 @@ import pytest
 
 from hx.models.spec import PRESETS
 from hx.planner import policies
-from hx.planner.calibrate import calibration_plans, fit, predicted_decode
+from hx.planner.calibrate import BLOCK, block_plan, calibration_plans, fit, predicted_decode
 from plans import alternating, kv_host_odd
 from profiles import gpu_like
 
@@ -28,12 +28,15 @@ def test_fits_recover_the_profile_that_produced_the_steps():
     truth = dataclasses.replace(
         with_sides(gpu_like(), launch_overhead=((1, 3e-5), (16, 9e-5)),
                    compute_scale=((1, 1.3), (16, 0.8))),
-        contention=0.3, sync_overhead=4e-4, transfer_latency=2.5e-5)
+        contention=0.3, sync_overhead=4e-4, transfer_latency=2.5e-5, compute_contention=0.6)
     seen = {(p, b): predicted_decode(p, spec, truth, b)
             for p in calibration_plans(n) for b in BATCHES}
+    batch, micro = BLOCK
+    block_seen = predicted_decode(block_plan(n), spec, truth, batch, micro_batches=micro)
     start = dataclasses.replace(with_sides(truth, launch_overhead=(), compute_scale=()),
-                                contention=0.0, sync_overhead=0.0, transfer_latency=1e-3)
-    fitted = fit(start, spec, seen, BATCHES)
+                                contention=0.0, sync_overhead=0.0, transfer_latency=1e-3,
+                                compute_contention=0.0)
+    fitted = fit(start, spec, seen, BATCHES, block_seen=block_seen)
     for b in BATCHES:
         for side in ("accelerator", "host"):
             assert fitted.device(side).scale(b) == pytest.approx(truth.device(side).scale(b),
@@ -44,6 +47,7 @@ def test_fits_recover_the_profile_that_produced_the_steps():
         assert switch(fitted) == pytest.approx(switch(truth), rel=0.05)
     assert fitted.contention == pytest.approx(0.3, abs=0.1 + 1e-9)  # a step of its grid
     assert fitted.sync_overhead == pytest.approx(4e-4)
+    assert fitted.compute_contention == pytest.approx(0.6, abs=0.05 + 1e-9)
     assert fitted.model_error < 0.01
     held_out = [policies.layer_split(n, n // 3), kv_host_odd(n), alternating(n)]
     for p in held_out:

@@ -78,7 +78,8 @@ def figures(devices):
     """(name, profiler's figure as ``measure`` (FULL) obtains it, direct callables, the direct
     figure from their seconds). The direct ones, float32: one copy of six 16 MiB arrays (96
     MiB; larger arrays page-fault by turns on XLA:CPU) to device memory, and of six fresh ones
-    to the host, against the link's fitted latency + bytes / bandwidth at that size; a fresh
+    to the host, against the link's fitted latency + bytes / bandwidth at that size; twelve
+    4 MiB copies to device memory issued back to back, per copy; a fresh
     (16, 576) array each way; a (1, 576) one to the host, through a +1 there and back;
     eight in-place +1 over 128 MiB; eight (1 x 4096) @ (4096 x 8192)
     products (128 MiB of weights) or four (256 x 4096) @ (4096 x 2048), dispatched back to
@@ -101,6 +102,11 @@ def figures(devices):
            [Direct(lambda a: jax.device_put(a, host),
                    fresh(jax.device_put(pieces, device_memory)))],
            lambda d: nbytes / d[0].seconds())
+    staged = [[jax.device_put(np.full(2**20, 5.0 + i, np.float32), pinned)] for i in range(12)]
+    yield ("staged weight copy s (4 MiB, back to back)",
+           lambda: links.measure_staging_latency(devices, math.inf, FULL),
+           [Direct(lambda: [jax.device_put(piece, device_memory) for piece in staged])],
+           lambda d: d[0].seconds() / len(staged))
     small = np.ones((16, 576), np.float32)
     yield ("small transfer s (mean of both ways)",
            lambda: statistics.mean(links.measure_small_transfers(devices, FULL)),

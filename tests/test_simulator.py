@@ -10,7 +10,7 @@ from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
-from hx.planner.simulator import op_seconds, predict
+from hx.planner.simulator import Task, op_seconds, predict, run_tasks
 
 from profiles import gpu_like
 
@@ -73,6 +73,21 @@ def test_contention_and_transfers_only_slow_things_down():
              - predict(mixed, SPEC, profile, "decode", B, 1, SLOTS, CONTEXT).seconds)
     # per layer q, k, v go to the host and o comes back: two transfers on the critical path
     assert extra == pytest.approx(2 * SPEC.n_layers * (1e-3 - 1e-5), rel=0.05)
+
+
+def test_compute_contention_slows_only_overlapping_computation():
+    """Two independent computations, 2 s on the accelerator and 1 s on the host, beside a
+    0.5 s copy: each compute contention c slows both while they overlap (the host's second
+    at 1 / (1 + c) speed: done at 1 + c s), never the copy, and never a lone computation."""
+    for c in (0.0, 0.5, 1.0):
+        tasks = [Task("accelerator", "a", 2.0), Task("host", "h", 1.0), Task("H2D", "w", 0.5)]
+        makespan = run_tasks(tasks, contention=0.0, compute_contention=c)
+        assert tasks[1].end == pytest.approx(1.0 + c)
+        assert tasks[2].end == pytest.approx(0.5)
+        # the accelerator did 1 / (1 + c) s of work per second while the host ran
+        assert makespan == pytest.approx(1.0 + c + 2.0 - 1.0)
+    lone = [Task("accelerator", "a", 2.0), Task("host", "h", 1.0, deps=(0,))]
+    assert run_tasks(lone, contention=0.0, compute_contention=1.0) == pytest.approx(3.0)
 
 
 def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates():

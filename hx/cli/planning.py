@@ -90,11 +90,11 @@ def profile_command(
                     for d in (acc, host)))
     print_table(table)
     out.print(f"H2D (pinned_host -> device) {profile.h2d_bandwidth / 2**30:.1f} GiB/s + "
-              f"{profile.h2d_latency * 1e6:.0f} us per copy, D2H (device -> host) "
+              f"{profile.h2d_latency * 1e6:.0f} us per staged copy, D2H (device -> host) "
               f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s + {profile.d2h_latency * 1e6:.0f} us, "
               f"transfer latency {profile.transfer_latency * 1e6:.0f} us"
-              f"{' (fitted)' if refine else ''}, contention {profile.contention:.2f}, "
-              f"sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
+              f"{' (fitted)' if refine else ''}, contention {profile.contention:.2f} "
+              f"(compute {profile.compute_contention:.2f}), sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
     out.print(excursion_line(profile), soft_wrap=True)
 
 

@@ -18,7 +18,7 @@ from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
 from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, run_grid,
                              simulate_run, throughput_table, write_csv, write_json)
-from hx.planner.hardware import hardware_profile
+from hx.planner.hardware import LOCAL, hardware_profile, memory_sizing
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import as_timeline
 
@@ -78,10 +78,11 @@ def simulate_command(
     (scenario,) = parse_scenarios(workload)
     budget_bytes = int(budget * hw.accelerator_memory)
     devices = discover(accelerator_memory=budget_bytes, host_memory=hw.host_memory)
-    plan = policies.build(policy, spec, devices, scenario.workload(), profile=hw,
-                          time_limit_s=time_limit)
+    with memory_sizing(LOCAL if profile is not None else hardware or LOCAL):
+        plan = policies.build(policy, spec, devices, scenario.workload(), profile=hw,
+                              time_limit_s=time_limit)
+        need = estimate(plan, spec, scenario.workload())
     run = simulate_run(plan, spec, hw, scenario)
-    need = estimate(plan, spec, scenario.workload())
     table = Table(title=f"{spec.name} on {hw.name} (simulated), {scenario.name}")
     table.add_column("quantity")
     table.add_column("value", justify="right")

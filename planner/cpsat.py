@@ -47,6 +47,7 @@ from hx.workload import MIN_CHUNK, Workload
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
+PREFILL_SHARE = 0.1  # of a run's predicted time, above which plan_cpsat tries larger chunks
 REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
 
 
@@ -263,35 +264,87 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
                time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
                ) -> PlannerResult:
     """The plan minimising predicted decode time per step under the memory budgets, with the
-    largest prefill chunk under which it fits (``policies.fit_prefill_chunk``).
+    largest prefill chunk under which it fits (``policies.fit_prefill_chunk``), and with room
+    for a larger chunk when the run is faster so.
 
-    The CP-SAT model sizes a step's activations with ``memory.activation_reserve``; the plan
-    it returns is then sized exactly (``memory.estimate``). Should that exceed the budget, the
-    model is solved again with the budget lowered by the shortfall (at most ``REPLANS``
-    times), so the returned plan always fits. Arguments and errors as ``solve``.
+    The CP-SAT model sets aside a step's activations (``memory.activation_reserve``) at a
+    prefill chunk, first ``MIN_CHUNK`` tokens. When the plan found leaves the prompt in
+    several chunks and prefill is more than ``PREFILL_SHARE`` of its predicted run (prefill
+    plus ``cache_slots - prompt_tokens`` decode steps: every chunk of a streamed plan streams
+    the weights again), the model is solved again reserving the next larger chunk of
+    ``policies.CHUNKS``; the plan with the shortest predicted run is kept (FlexGen's OPT-30B
+    setting on the T4: the decode-optimal plan keeps 5 layers' KV on the GPU, leaving room for
+    32-token chunks only, 412 s of prefill instead of 157). Arguments and errors as ``solve``.
     """
+    from hx.planner.policies import CHUNKS
+
+    larger = sorted({c or workload.prompt_tokens for c in CHUNKS
+                     if (c or workload.prompt_tokens) <= workload.prompt_tokens})
+    best, best_s = None, float("inf")
+    for chunk in [c for c in larger if c >= min(MIN_CHUNK, workload.prompt_tokens)]:
+        if best is not None and (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
+            continue
+        try:
+            result = _plan_reserving(spec, profile, devices, workload, chunk, time_limit_s,
+                                     seed, tolerance)
+        except HxError:
+            if best is None:
+                raise
+            break
+        prefill_s, run_s = run_seconds(result.plan, spec, profile, workload)
+        if run_s >= best_s:
+            break
+        best, best_s = result, run_s
+        if prefill_s <= PREFILL_SHARE * run_s:
+            break
+    return best
+
+
+def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                workload: Workload) -> tuple[float, float]:
+    """(prefill, prefill + decode) predicted seconds of a run of ``workload``: the prompt in
+    the plan's chunks, then ``cache_slots - prompt_tokens`` decode steps at the decode
+    context."""
+    B, N, P, S = workload.batch, workload.micro_batches, workload.prompt_tokens, \
+        workload.cache_slots
+    prefill = predict_prefill(plan, spec, profile, B, P, S, N)
+    decode = predict(plan, spec, profile, "decode", B, 1, S, workload.decode_context, N).seconds
+    return prefill, prefill + max(S - P, 1) * decode
+
+
+def _plan_reserving(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
+                    workload: Workload, chunk: int, time_limit_s: float, seed: int,
+                    tolerance: float | None) -> PlannerResult:
+    """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
+    (``memory.estimate``) with its largest fitting prefill chunk. Should it exceed the
+    accelerator or the host budget (the host's read buffers of disk-homed data are only sized
+    there), the model is solved again with that budget lowered by the shortfall (at most
+    ``REPLANS`` times), so the returned plan always fits."""
     from hx.planner.policies import fit_prefill_chunk
 
     budget = devices
     for attempt in range(REPLANS + 1):
-        result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance)
+        result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk)
         try:
             result.plan = fit_prefill_chunk(result.plan, spec, devices, workload)
             return result
         except HxError:
-            limit = devices.accelerator.capacity
-            need = estimate(result.plan.with_prefill_chunk(MIN_CHUNK), spec,
-                            workload).accelerator
-            if limit is None or need <= limit or attempt == REPLANS:
+            need = estimate(result.plan.with_prefill_chunk(MIN_CHUNK), spec, workload)
+            over = {side: getattr(need, side) - getattr(devices, side).capacity
+                    for side in ("accelerator", "host")
+                    if getattr(devices, side).capacity is not None}
+            if attempt == REPLANS or max(over.values(), default=0) <= 0:
                 raise
-            budget = dataclasses.replace(budget, accelerator=dataclasses.replace(
-                budget.accelerator, capacity=budget.accelerator.capacity - (need - limit)))
+            budget = dataclasses.replace(budget, **{
+                side: dataclasses.replace(getattr(budget, side),
+                                          capacity=getattr(budget, side).capacity - bytes_over)
+                for side, bytes_over in over.items() if bytes_over > 0})
     raise AssertionError("unreachable")
 
 
 def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
-          time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
-          ) -> PlannerResult:
+          time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
+          prefill_chunk: int = MIN_CHUNK) -> PlannerResult:
     """The plan minimising predicted decode time per step under the memory budgets.
 
     Args:
@@ -303,6 +356,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
       time_limit_s: CP-SAT time limit; when hit, the best plan found is returned with status
         FEASIBLE and its gap.
       seed: CP-SAT random seed (one worker: the result is deterministic).
+      prefill_chunk: prefill tokens per step the activation reserve is sized at.
       tolerance: among plans predicted within this fraction of the optimum, the one with the
         fewest device switches is taken (a second solve): differences smaller than the cost
         model's error are noise, and every switch is a launch and a transfer whose cost varies
@@ -323,7 +377,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         host_need > devices.host.capacity
     costs = prune(price_patterns(spec, profile, workload, context, disk))
     heads = head_seconds(spec, profile, workload, context)
-    act = activation_reserve(spec, workload, min(workload.prompt_tokens, MIN_CHUNK))
+    act = activation_reserve(spec, workload, min(workload.prompt_tokens, prefill_chunk))
     built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
     built.model.Minimize(built.seconds)
     solver = _solver(time_limit_s, seed)

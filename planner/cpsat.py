@@ -285,7 +285,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         if best is not None and (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
             continue
         try:
-            result = _plan_reserving(spec, profile, devices, workload, chunk, time_limit_s,
+            result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
                                      seed, tolerance)
         except HxError:
             if best is None:
@@ -312,7 +312,7 @@ def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
     return prefill, prefill + max(S - P, 1) * decode
 
 
-def _plan_reserving(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
+def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                     workload: Workload, chunk: int, time_limit_s: float, seed: int,
                     tolerance: float | None) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly

@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
+from hx.devices import discover
 from hx.models.spec import preset
+from hx.planner.cpsat import plan_with_reserve, run_seconds
 from hx.planner.grid import Grid, Scenario, run_grid, simulate_run
-from hx.planner.hardware import hardware_profile
+from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner import policies
+from hx.workload import MIN_CHUNK
 from hx.planner.simulator import predict, predict_prefill
 
 SCENARIO = Scenario("16:512+32", 16, 512, 32)
@@ -27,6 +30,28 @@ def test_cpsat_throughput_never_falls_as_memory_grows():
         rates = [r.tokens_per_s or 0.0 for r in rows if r.hardware == machine]
         assert rates[-1] > 0
         assert all(b >= a * 0.99 for a, b in zip(rates, rates[1:])), (machine, rates)
+
+
+def test_cpsat_beats_flexgens_policy_in_its_opt30b_setting():
+    """Acceptance B (OPT-30B): on the T4 preset (208 GB host), 48 x 3 rows, 512 + 32 tokens,
+    CP-SAT's plan simulates to at least the tokens/s of FlexGen's published policy, and to a
+    run no slower than the plan that reserves room for ``MIN_CHUNK``-token prefill chunks
+    only (whose prefill streams the weights 16 times)."""
+    spec = preset("opt-30b").replace(dtype="float16")
+    profile = hardware_profile("t4")
+    devices = discover(accelerator_memory=profile.accelerator_memory,
+                       host_memory=profile.host_memory)
+    scenario = Scenario("48x3", 48, 512, 32, 3)
+    work = scenario.workload()
+    with memory_sizing("t4"):
+        flexgen = policies.build("flexgen:20", spec, devices, work, profile=profile)
+        cpsat = policies.build("cpsat", spec, devices, work, profile=profile, time_limit_s=5)
+        narrow = plan_with_reserve(spec, profile, devices, work, MIN_CHUNK, 5.0, 0, None).plan
+    rates = {name: simulate_run(plan, spec, profile, scenario).tokens_per_s
+             for name, plan in (("flexgen", flexgen), ("cpsat", cpsat))}
+    assert rates["cpsat"] >= rates["flexgen"], rates
+    assert run_seconds(cpsat, spec, profile, work)[1] <= run_seconds(narrow, spec, profile,
+                                                                     work)[1]
 
 
 def test_run_is_prefill_then_decode_steps():

@@ -285,8 +285,8 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         if best is not None and (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
             continue
         try:
-            result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
-                                     seed, tolerance)
+            result = plan_with_reserve(spec, profile, devices, workload, chunk,
+                                       time_limit_s, seed, tolerance)
         except HxError:
             if best is None:
                 raise
@@ -313,8 +313,8 @@ def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
 
 
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
-                    workload: Workload, chunk: int, time_limit_s: float, seed: int,
-                    tolerance: float | None) -> PlannerResult:
+                      workload: Workload, chunk: int, time_limit_s: float, seed: int,
+                      tolerance: float | None) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
     (``memory.estimate``) with its largest fitting prefill chunk. Should it exceed the
     accelerator or the host budget (the host's read buffers of disk-homed data are only sized

@@ -46,7 +46,8 @@ def test_cpsat_beats_flexgens_policy_in_its_opt30b_setting():
     with memory_sizing("t4"):
         flexgen = policies.build("flexgen:20", spec, devices, work, profile=profile)
         cpsat = policies.build("cpsat", spec, devices, work, profile=profile, time_limit_s=5)
-        narrow = plan_with_reserve(spec, profile, devices, work, MIN_CHUNK, 5.0, 0, None).plan
+        narrow = plan_with_reserve(spec, profile, devices, work, MIN_CHUNK, 5.0, 0,
+                                   None).plan
     rates = {name: simulate_run(plan, spec, profile, scenario).tokens_per_s
              for name, plan in (("flexgen", flexgen), ("cpsat", cpsat))}
     assert rates["cpsat"] >= rates["flexgen"], rates

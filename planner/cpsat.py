@@ -278,10 +278,10 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     """
     from hx.planner.policies import CHUNKS
 
-    larger = sorted({c or workload.prompt_tokens for c in CHUNKS
+    chunks = sorted({c or workload.prompt_tokens for c in CHUNKS
                      if (c or workload.prompt_tokens) <= workload.prompt_tokens})
     best, best_s = None, float("inf")
-    for chunk in [c for c in larger if c >= min(MIN_CHUNK, workload.prompt_tokens)]:
+    for chunk in chunks:
         if best is not None and (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
             continue
         try:

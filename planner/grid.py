@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from hx.devices import discover
 from hx.errors import HxError
-from hx.memory import estimate
+from hx.memory import MemoryEstimate, estimate
 from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
@@ -125,6 +125,23 @@ class GridRow:
     error: str | None = None
 
 
+def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile,
+            budget: int, workload: Workload, time_limit_s: float = 2.0
+            ) -> tuple[ExecutionPlan, MemoryEstimate]:
+    """``policy``'s plan for ``spec`` on hardware ``machine`` (a preset or ``local``; its
+    ``profile``) with ``budget`` bytes of accelerator memory and the profile's host memory, and
+    its memory estimate, both sized for that machine (``hardware.memory_sizing``).
+
+    Raises:
+      HxError: no plan of the policy fits (``policies.build``).
+    """
+    devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
+    with memory_sizing(machine):
+        plan = policies.build(policy, spec, devices, workload, profile=profile,
+                              time_limit_s=time_limit_s)
+        return plan, estimate(plan, spec, workload)
+
+
 def run_grid(grid: Grid, time_limit_s: float = 2.0,
              log: Callable[[str], None] = lambda line: None,
              keep: Callable[[GridRow, ExecutionPlan, RunPrediction], None] | None = None
@@ -143,25 +160,20 @@ def run_grid(grid: Grid, time_limit_s: float = 2.0,
             profile = hardware_profile(machine)
             for fraction in grid.budgets:
                 budget = int(fraction * profile.accelerator_memory)
-                devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
                 for scenario in grid.scenarios:
-                    workload = scenario.workload()
                     for policy in grid.policies:
                         row = GridRow(spec.name, machine, fraction, budget, scenario.name,
                                       policy)
                         rows.append(row)
                         try:
-                            with memory_sizing(machine):
-                                plan = policies.build(policy, spec, devices, workload,
-                                                      profile=profile,
-                                                      time_limit_s=time_limit_s)
-                                need = estimate(plan, spec, workload).accelerator
+                            plan, need = plan_on(policy, spec, machine, profile, budget,
+                                                 scenario.workload(), time_limit_s)
                         except HxError as e:
                             row.error = str(e).splitlines()[0]
                             continue
                         run = simulate_run(plan, spec, profile, scenario)
                         row.plan = plan.name
-                        row.accelerator_bytes = need
+                        row.accelerator_bytes = need.accelerator
                         row.tokens_per_s, row.ttft_s, row.tpot_s = (
                             run.tokens_per_s, run.ttft_s, run.tpot_s)
                         row.utilisation = run.utilisation

@@ -175,8 +175,14 @@ def measure_contention(devices: Devices, effort: Effort = FULL) -> float:
         lambda: _products(x, w, 1),
         lambda: jax.device_put(sources, acc_memory),
         lambda: (jax.device_put(sources, acc_memory), _products(x, w, 1)))
-    shorter, longer = sorted((compute.seconds, copy.seconds))
-    return min(1.0, max(0.0, (both.seconds - longer) / shorter))
+    return _lost_share(compute.seconds, copy.seconds, both.seconds)
+
+
+def _lost_share(first_s: float, second_s: float, both_s: float) -> float:
+    """Share of the shorter of two pieces of work lost when they run at once: (both - longer)
+    / shorter, clipped to [0, 1] (0: they overlap fully; 1: they serialise)."""
+    shorter, longer = sorted((first_s, second_s))
+    return min(1.0, max(0.0, (both_s - longer) / shorter))
 
 
 def measure_compute_contention(devices: Devices, effort: Effort = FULL) -> float:
@@ -191,5 +197,4 @@ def measure_compute_contention(devices: Devices, effort: Effort = FULL) -> float
     (xa, wa), (xh, wh) = sides
     acc, host, both = effort.time(lambda: _products(xa, wa, 1), lambda: _products(xh, wh, 1),
                                   lambda: (_products(xa, wa, 1), _products(xh, wh, 1)))
-    shorter, longer = sorted((acc.seconds, host.seconds))
-    return min(1.0, max(0.0, (both.seconds - longer) / shorter))
+    return _lost_share(acc.seconds, host.seconds, both.seconds)

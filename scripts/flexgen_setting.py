@@ -27,12 +27,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hx.devices import discover
 from hx.errors import HxError
 from hx.models.spec import preset
-from hx.planner import policies
-from hx.planner.grid import Scenario, simulate_run
-from hx.planner.hardware import hardware_profile, memory_sizing
+from hx.planner.grid import Scenario, plan_on, simulate_run
+from hx.planner.hardware import hardware_profile
 
 SETTINGS = (("opt-30b", "flexgen:20", Scenario("48x3", 48, 512, 32, 3), 7.32),
             ("opt-175b", "flexgen:0:50:kv-disk", Scenario("32x8", 32, 512, 32, 8), 0.69))
@@ -44,8 +42,6 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per solve")
     args = parser.parse_args()
     profile = hardware_profile("t4")
-    devices = discover(accelerator_memory=profile.accelerator_memory,
-                       host_memory=profile.host_memory)
     rows = []
     for model, flexgen, scenario, published in SETTINGS:
         spec = preset(model).replace(dtype="float16")
@@ -53,9 +49,8 @@ def main() -> int:
             row = {"model": spec.name, "policy": policy, "block": scenario.name,
                    "published_tok_s": published if policy == flexgen else None}
             try:
-                with memory_sizing("t4"):
-                    plan = policies.build(policy, spec, devices, scenario.workload(),
-                                          profile=profile, time_limit_s=args.time_limit)
+                plan, _ = plan_on(policy, spec, "t4", profile, profile.accelerator_memory,
+                                  scenario.workload(), args.time_limit)
                 run = simulate_run(plan, spec, profile, scenario)
                 row.update(tokens_per_s=run.tokens_per_s, ttft_s=run.ttft_s, tpot_s=run.tpot_s,
                            utilisation=run.utilisation)

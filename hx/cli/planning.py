@@ -94,7 +94,8 @@ def profile_command(
               f"{profile.d2h_bandwidth / 2**30:.1f} GiB/s + {profile.d2h_latency * 1e6:.0f} us, "
               f"transfer latency {profile.transfer_latency * 1e6:.0f} us"
               f"{' (fitted)' if refine else ''}, contention {profile.contention:.2f} "
-              f"(compute {profile.compute_contention:.2f}), sync overhead {profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
+              f"(compute {profile.compute_contention:.2f}), sync overhead "
+              f"{profile.sync_overhead * 1e6:.0f} us -> {output}", soft_wrap=True)
     out.print(excursion_line(profile), soft_wrap=True)
 
 

@@ -11,14 +11,13 @@ import typer
 from rich.table import Table
 
 from hx.cli.common import DtypeOption, ModelOption, ProfileOption, app, note, print_table
-from hx.devices import discover, format_bytes
+from hx.devices import format_bytes
 from hx.errors import HxError
-from hx.memory import estimate
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
-from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, run_grid,
-                             simulate_run, throughput_table, write_csv, write_json)
-from hx.planner.hardware import LOCAL, hardware_profile, memory_sizing
+from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on,
+                             run_grid, simulate_run, throughput_table, write_csv, write_json)
+from hx.planner.hardware import LOCAL, hardware_profile
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import as_timeline
 
@@ -77,11 +76,8 @@ def simulate_command(
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
     (scenario,) = parse_scenarios(workload)
     budget_bytes = int(budget * hw.accelerator_memory)
-    devices = discover(accelerator_memory=budget_bytes, host_memory=hw.host_memory)
-    with memory_sizing(LOCAL if profile is not None else hardware or LOCAL):
-        plan = policies.build(policy, spec, devices, scenario.workload(), profile=hw,
-                              time_limit_s=time_limit)
-        need = estimate(plan, spec, scenario.workload())
+    plan, need = plan_on(policy, spec, LOCAL if profile is not None else hardware or LOCAL, hw,
+                         budget_bytes, scenario.workload(), time_limit)
     run = simulate_run(plan, spec, hw, scenario)
     table = Table(title=f"{spec.name} on {hw.name} (simulated), {scenario.name}")
     table.add_column("quantity")

@@ -1,11 +1,11 @@
 """Simulated vs measured decode step on this machine: policies x budgets x batch 1/16, and blocks
 of micro-batches (throughput mode's zig-zag schedule) at two block sizes.
 
-Usage: python scripts/validate_simulator.py [--profile PATH] [--runs 3] [--steps 8]
-           [--budgets 0.25,0.5] [--json OUT.json]
+Usage: python scripts/validate_simulator.py [--model smollm2-135m] [--dtype auto]
+           [--profile PATH] [--runs 3] [--steps 8] [--budgets 0.25,0.5] [--json OUT.json]
 
-SmolLM2-135M (float32) on whatever accelerator ``hx.discover`` finds (this VM: the emulated
-one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
+A model (default SmolLM2-135M; ``llama2-7b:8L`` and other specs run by shape with random
+weights) on whatever accelerator ``hx.discover`` finds (this VM: the emulated one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
 policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
 prediction against the median measured step (interleaved rounds). Part 2 times
 ``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches
@@ -22,18 +22,18 @@ import json
 import statistics
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
-import hx
-from hx.bench import DecodeProbe, time_block_decode
-from hx.devices import discover
-from hx.executor import Executor
+from hx.models.loader import load, resolve_dtype
 from hx.planner import policies
 from hx.planner.ablate import ablate
 from hx.planner.calibrate import probe_slots
 from hx.planner.profile import load_default
 from hx.planner.simulator import predict
+from rich.console import Console
+from rich.table import Table
+
+from hx.bench import DecodeProbe, time_block_decode
+from hx.devices import discover
+from hx.executor import Executor
 from hx.workload import Workload
 
 TOLERANCE = 0.15
@@ -43,6 +43,10 @@ BLOCKS = ((8, 2), (4, 4))  # (rows per micro-batch, micro-batches)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (float32 on a CPU accelerator, bfloat16 on a GPU), float32, "
+                             "bfloat16 or float16")
     parser.add_argument("--profile", help="hardware profile (default: the saved one)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
@@ -53,7 +57,7 @@ def main() -> int:
     if profile is None:
         print("no hardware profile: run `hx profile` first", file=sys.stderr)
         return 2
-    model = hx.load()
+    model = load(args.model, resolve_dtype(args.dtype))
     spec = model.spec
     fractions = tuple(float(x) for x in args.budgets.split(","))
     rows = []

@@ -13,7 +13,10 @@ list the simulator prices and the memory estimate sizes:
 * ``wait``: block until a streaming segment has finished, then drop its staged weights;
 * ``step``/``move``: put the step inputs and the activations a segment reads on its device;
 * ``launch``: run the segment's executable (compiled ahead of time from shapes by
-  ``hx.programs``; KV caches are donated, so appends are in place);
+  ``hx.programs``; KV caches are donated, so appends are in place). In a block of several
+  micro-batches a host segment goes to the host stream (``hx.host_compute.stream``, one worker
+  thread) so its numpy attention does not hold up the next micro-batch's accelerator work;
+  its results are waited for where they are copied to the accelerator, and at the step's end;
 * ``free``: end of step.
 
 ``run_block`` runs a block of micro-batches through one such schedule (the zig-zag block
@@ -37,6 +40,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
+from hx.host_compute import stream
 from hx.memory import Accountant, check_fits
 from hx.models.llama import Cache, Step, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
@@ -262,7 +266,7 @@ class Executor:
                 acct.apply(ins, {step_key(m): tree_bytes(placed)})
             elif ins.kind == MOVE:  # everything a segment reads from elsewhere, in one call
                 dispatch = time.perf_counter()
-                moved = jax.device_put([envs[m][n] for n in ins.names],
+                moved = jax.device_put(stream.resolve([envs[m][n] for n in ins.names]),
                                        self.devices[seg.device])
                 nbytes = sum(x.nbytes for x in moved)
                 acct.apply(ins, {INPUT_KEY: nbytes})
@@ -286,14 +290,21 @@ class Executor:
                 seg_caches = tuple(caches[m][layer] for layer in seg.cache_layers)
                 compiled, temp = self._executable(phase, i, B, T, S)
                 dispatch = time.perf_counter()
-                out, seg_caches = compiled(seg_params, acts, seg_caches,
-                                           placed_steps[(seg.device, m)])
+                args = (seg_params, acts, seg_caches, placed_steps[(seg.device, m)])
+                if seg.device == HOST and N > 1:  # let the next micro-batch's work go out
+                    done = stream.submit(compiled, *args)
+                    out = {n: stream.Deferred(done, 0, n) for n in seg.writes}
+                    seg_caches = tuple(stream.Deferred(done, 1, j)
+                                       for j in range(len(seg.cache_layers)))
+                    acct.apply(ins)  # host launches allocate nothing on the accelerator
+                else:
+                    out, seg_caches = compiled(*args)
+                    acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
+                                                        for n, v in out.items()})
                 outputs.setdefault(i, []).append(out)
                 for layer, cache in zip(seg.cache_layers, seg_caches):
                     caches[m][layer] = cache
                 env.update(out)
-                acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
-                                                    for n, v in out.items()})
                 if tl is not None:
                     deps += [producer.get((n, m)) for n in seg.reads if n not in moved]
                     deps += [producer.get((("kv", layer), m)) for layer in seg.cache_layers]
@@ -307,7 +318,7 @@ class Executor:
                     producer.update({(("kv", layer), m): event for layer in seg.cache_layers})
             elif ins.kind == FREE:
                 acct.apply(ins)
-        return [env["logits"] for env in envs], caches
+        return stream.resolve(([env["logits"] for env in envs], caches))
 
     def _stage(self, phase: str, index: int) -> tuple[tuple, int | None]:
         """Issue the copy of segment ``index``'s staged weights into accelerator memory.

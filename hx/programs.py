@@ -21,6 +21,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import jax
@@ -28,27 +29,31 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.host_compute.attention import prefix_attention
-from hx.models.llama import OPS, Step, apply_op
+from hx.host_compute.attention import host_view, prefix_attention
+from hx.models.llama import OPS, Step, append_kv, apply_op
 from hx.models.spec import HOST_DTYPE, ModelSpec
 from hx.segments import Segment
 
 PROXY_MIDDLE_LAYERS = 1
 
 
-def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
-                     writes: tuple[str, ...]):
+def segment_function(spec: ModelSpec, ops: tuple[str, ...], writes: tuple[str, ...],
+                     attend: bool = True):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
-    with the caches donated. SCORE on the host uses the ``host_compute`` kernel."""
-    attend = prefix_attention if device == HOST else None
+    with the caches donated. With ``attend=False`` SCORE only appends k and v to its cache
+    (``SplitHostProgram`` attends outside XLA)."""
 
     def run(params, acts, caches, step):
         acts = dict(acts)
         caches = list(caches)
         slot = 0
         for op, p in zip(ops, params):
+            if OPS[op].uses_cache and not attend:
+                caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index)
+                slot += 1
+                continue
             if OPS[op].uses_cache:
-                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], attend)
+                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot])
                 slot += 1
             else:
                 out, _ = apply_op(spec, op, p, acts, step)
@@ -56,6 +61,68 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
         return {name: acts[name] for name in writes}, tuple(caches)
 
     return jax.jit(run, donate_argnums=(2,))
+
+
+def host_pieces(ops: tuple[str, ...], writes: tuple[str, ...]
+                ) -> list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+    """A host segment's ops cut after each SCORE: [(ops, reads, writes), ...]. A piece ending
+    in SCORE only appends k, v to the cache in XLA and writes ``q`` for the attention after
+    it, which makes ``o``. Reads and writes come from liveness, back to front: a piece writes
+    what later pieces or the segment's ``writes`` use, and reads what it uses before making."""
+    cuts = [i + 1 for i, op in enumerate(ops) if OPS[op].uses_cache]
+    spans = [(a, b) for a, b in zip([0] + cuts, cuts + [len(ops)]) if b > a]
+    pieces, live = [], set(writes)
+    for a, b in reversed(spans):
+        part = ops[a:b]
+        scores = OPS[part[-1]].uses_cache
+        out = (live - {"o"}) | ({"q"} if scores else set())
+        live = set(out)
+        for op in reversed(part):
+            made = () if OPS[op].uses_cache else OPS[op].writes
+            live = (live - set(made)) | set(OPS[op].reads)
+        pieces.insert(0, (part, tuple(sorted(live)), tuple(sorted(out))))
+    return pieces
+
+
+class SplitHostProgram:
+    """A host segment holding SCORE, run as XLA programs cut after each SCORE (which there
+    only appends k, v to the donated cache) with ``host_compute.attention.prefix_attention``
+    reading the cache in place between them. Called like a compiled segment executable.
+
+    Args:
+      pieces: [(executable, activations it reads, number of ops, attends after it)], in
+        order (``host_pieces``).
+      dtype: dtype of the attention output ``o`` (the model's activation dtype).
+      device: the host device.
+    """
+
+    def __init__(self, pieces: list[tuple[Any, int, bool]], writes: tuple[str, ...], dtype,
+                 device: jax.Device):
+        self.pieces, self.writes, self.dtype, self.device = pieces, writes, dtype, device
+
+    def __call__(self, params: tuple, acts: dict, caches: tuple, step: Step
+                 ) -> tuple[dict, tuple]:
+        acts, caches = dict(acts), list(caches)
+        first = slot = 0
+        for executable, reads, n_ops, attends in self.pieces:
+            out, new = executable(params[first:first + n_ops], {n: acts[n] for n in reads},
+                                  tuple(caches[slot:slot + attends]), step)
+            first += n_ops
+            acts.update(out)
+            if attends:
+                cache = caches[slot] = new[0]
+                slot += 1
+                o = prefix_attention(host_view(out["q"]), host_view(cache["k"]),
+                                     host_view(cache["v"]), int(step.write_index),
+                                     host_view(step.kv_start))
+                acts["o"] = jax.device_put(o.astype(self.dtype), self.device)
+        return {name: acts[name] for name in self.writes}, tuple(caches)
+
+    def memory_analysis(self) -> Any:
+        """XLA's temporaries of the largest piece (``temp_size_in_bytes``); the attention's
+        numpy scratch (a few MiB per thread) is host memory outside XLA."""
+        temp = max(int(e.memory_analysis().temp_size_in_bytes) for e, *_ in self.pieces)
+        return SimpleNamespace(temp_size_in_bytes=temp)
 
 
 def weight_dtype(spec: ModelSpec, device: str) -> str:
@@ -148,12 +215,29 @@ class Programs:
         device, ops, _, reads, writes = segment.signature
         return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
 
+    def _function(self, ops: tuple[str, ...], writes: tuple[str, ...], attend: bool):
+        key = (ops, writes, attend)
+        if key not in self._functions:
+            self._functions[key] = segment_function(self.spec, ops, writes, attend)
+        return self._functions[key]
+
     def _lower(self, segment: Segment, batch: int, tokens: int, slots: int):
+        """The segment lowered at these shapes: something with ``compile()``."""
         device, ops, _, _, writes = segment.signature
-        fkey = (device, ops, writes)
-        if fkey not in self._functions:
-            self._functions[fkey] = segment_function(self.spec, device, ops, writes)
-        return self._functions[fkey].lower(*self.abstract_args(segment, batch, tokens, slots))
+        params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
+        if device != HOST or not segment.cache_layers:
+            return self._function(ops, writes, True).lower(params, acts, caches, step)
+        where = self.shardings[HOST]
+        lowered, first, slot = [], 0, 0
+        for part, part_reads, part_writes in host_pieces(ops, writes):
+            attends = int(OPS[part[-1]].uses_cache)
+            ins = {n: jax.ShapeDtypeStruct(*activation_shape(self.spec, n, batch, tokens),
+                                           sharding=where) for n in part_reads}
+            lowered.append((self._function(part, part_writes, False).lower(
+                params[first:first + len(part)], ins, caches[slot:slot + attends], step),
+                part_reads, len(part), attends))
+            first, slot = first + len(part), slot + attends
+        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), self.devices.host.device)
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
         """The executable of ``segment`` at these shapes (compiled on first use). Segments
@@ -189,6 +273,18 @@ class Programs:
             analysis = self.compiled(short, batch, tokens, slots).memory_analysis()
             self._temps[key] = int(analysis.temp_size_in_bytes)
         return self._temps[key]
+
+
+class _SplitLowering:
+    """The lowered pieces of a ``SplitHostProgram``; ``compile()`` compiles them in order."""
+
+    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, device: jax.Device):
+        self.lowered, self.writes, self.dtype, self.device = lowered, writes, dtype, device
+
+    def compile(self) -> SplitHostProgram:
+        return SplitHostProgram([(piece.compile(), reads, n_ops, attends)
+                                 for piece, reads, n_ops, attends in self.lowered],
+                                self.writes, self.dtype, self.device)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}

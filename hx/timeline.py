@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import jax
 
+from hx.host_compute import stream
+
 ACC_COMPUTE, HOST_COMPUTE, H2D, D2H = "accelerator compute", "host compute", "H2D", "D2H"
 RESOURCES = (ACC_COMPUTE, HOST_COMPUTE, H2D, D2H)
 COMPUTE, COPY = (ACC_COMPUTE, HOST_COMPUTE), (H2D, D2H)
@@ -71,7 +73,7 @@ class Timeline:
     def _watch(q: queue.Queue) -> None:
         while True:
             event, arrays = q.get()
-            jax.block_until_ready(arrays)
+            jax.block_until_ready(stream.resolve(arrays))
             event.end = time.perf_counter()
             q.task_done()
 

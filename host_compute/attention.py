@@ -26,6 +26,8 @@ from functools import lru_cache
 import jax
 import numpy as np
 
+from hx.models.llama import Cache, Step
+
 SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
 SCORE_BYTES = 8 << 20  # float32 scores held per task: bounds the query block of a prefill
 
@@ -63,6 +65,20 @@ def host_view(array: jax.Array) -> np.ndarray:
     view = np.frombuffer(buffer, dtype=array.dtype).reshape(array.shape)
     view.flags.writeable = False
     return view
+
+
+def cache_attention(q: jax.Array, cache: Cache, step: Step) -> np.ndarray:
+    """``prefix_attention`` of XLA host arrays, read in place (``host_view``): how a host
+    segment attends (``hx.programs.SplitHostProgram``) and the profiler times it.
+
+    Args:
+      q: (B, T, H, E) queries; cache: {"k", "v"} (B, S, K, E), the new tokens written; step:
+        ``write_index`` and ``kv_start`` -- all on the host CPU device, held by the caller.
+    Returns:
+      o: (B, T, H, E) float32 numpy.
+    """
+    return prefix_attention(host_view(q), host_view(cache["k"]), host_view(cache["v"]),
+                            int(step.write_index), host_view(step.kv_start))
 
 
 def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: int,

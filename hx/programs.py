@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.host_compute.attention import host_view, prefix_attention
+from hx.host_compute.attention import cache_attention
 from hx.models.llama import OPS, Step, append_kv, apply_op
 from hx.models.spec import HOST_DTYPE, ModelSpec
 from hx.segments import Segment
@@ -86,7 +86,7 @@ def host_pieces(ops: tuple[str, ...], writes: tuple[str, ...]
 
 class SplitHostProgram:
     """A host segment holding SCORE, run as XLA programs cut after each SCORE (which there
-    only appends k, v to the donated cache) with ``host_compute.attention.prefix_attention``
+    only appends k, v to the donated cache) with ``host_compute.attention.cache_attention``
     reading the cache in place between them. Called like a compiled segment executable.
 
     Args:
@@ -112,9 +112,7 @@ class SplitHostProgram:
             if attends:
                 cache = caches[slot] = new[0]
                 slot += 1
-                o = prefix_attention(host_view(out["q"]), host_view(cache["k"]),
-                                     host_view(cache["v"]), int(step.write_index),
-                                     host_view(step.kv_start))
+                o = cache_attention(out["q"], cache, step)
                 acts["o"] = jax.device_put(o.astype(self.dtype), self.device)
         return {name: acts[name] for name in self.writes}, tuple(caches)
 

@@ -45,7 +45,9 @@ class DeviceProfile:
       memory_bandwidth: bytes/s (read + written) of an in-place elementwise pass over a buffer
         larger than the caches (gathers, elementwise work).
       attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
-        SCORE kernel reads the KV cache.
+        SCORE kernel reads a float32 KV cache.
+      attention_low: the same with a bfloat16 cache (a bf16/f16 model keeps its KV cache in
+        its dtype on both sides); empty where not measured -- ``attention`` is used then.
       launch_overhead: ((batch, seconds), ...): what the executor adds per segment it launches
         on this device -- dispatch, and the cost of switching devices, which grows with the
         batch on a 2-core host (interpolated in log batch).
@@ -59,6 +61,7 @@ class DeviceProfile:
     launch_overhead: tuple[tuple[int, float], ...]
     compute_scale: tuple[tuple[int, float], ...] = ()
     matmul_low: tuple[tuple[int, float], ...] = ()
+    attention_low: tuple[tuple[int, float], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -75,9 +78,13 @@ class DeviceProfile:
         curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
         return flops / _interpolate(curve, rows)
 
-    def attention_seconds(self, kv_bytes: float, slots: int) -> float:
-        """Seconds for SCORE to read ``kv_bytes`` of cache at ``slots`` slots."""
-        return kv_bytes / _interpolate(self.attention, slots) if kv_bytes else 0.0
+    def attention_seconds(self, kv_bytes: float, slots: int, dtype: str = "float32") -> float:
+        """Seconds for SCORE to read ``kv_bytes`` of a ``dtype`` cache at ``slots`` slots."""
+        if not kv_bytes:
+            return 0.0
+        curve = (self.attention_low if dtype in LOW_DTYPES and self.attention_low
+                 else self.attention)
+        return kv_bytes / _interpolate(curve, slots)
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,8 @@ class HardwareProfile:
                 d["compute_scale"] = tuple((int(b), float(f))
                                            for b, f in d.get("compute_scale", ()))
                 d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
-                d["matmul_low"] = tuple((int(m), float(r)) for m, r in d.get("matmul_low", ()))
+                for curve in ("matmul_low", "attention_low"):
+                    d[curve] = tuple((int(x), float(r)) for x, r in d.get(curve, ()))
                 devices[side] = DeviceProfile(**d)
             rest = {f.name: data[f.name] for f in fields(cls)
                     if f.name not in devices and f.name in data}

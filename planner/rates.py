@@ -142,21 +142,21 @@ def measure_memory_bandwidth(device: jax.Device, effort: Effort = FULL) -> float
 
 
 def measure_attention(device: jax.Device, kernel, slots: tuple[int, ...] = ATTENTION_SLOTS,
-                      effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
-    """((S, KV bytes/s), ...) of ``kernel`` reading a full cache of S slots (B=4, H=16, K=4,
-    E=64, one query per row, float32)."""
-    B, H, K, E = 4, 16, 4, 64
-    f = jax.jit(kernel)
+                      effort: Effort = FULL, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
+    """((S, KV bytes/s), ...) of ``kernel(q, cache, step)`` reading a full ``dtype`` cache
+    of S slots: B = 8 rows, H = 32 query and K = 8 KV heads of E = 128 (Llama-3-8B's
+    attention), one query per row."""
+    B, H, K, E = 8, 32, 8, 128
     rates = []
     for s in slots:
         rng = np.random.default_rng(s)
-        q = jax.device_put(rng.standard_normal((B, 1, H, E), np.float32), device)
-        cache = jax.device_put({n: rng.standard_normal((B, s, K, E), np.float32)
+        q = jax.device_put(rng.standard_normal((B, 1, H, E), np.float32).astype(dtype), device)
+        cache = jax.device_put({n: rng.standard_normal((B, s, K, E), np.float32).astype(dtype)
                                 for n in ("k", "v")}, device)
         step = jax.device_put(Step(np.zeros((B, 1), np.int32), np.int32(s - 1),
                                    np.zeros((B,), np.int32)), device)
-        seconds = effort.time(lambda: f(q, cache, step))[0].seconds
-        rates.append((s, 2 * B * s * K * E * 4 / seconds))
+        seconds = effort.time(lambda: kernel(q, cache, step))[0].seconds
+        rates.append((s, 2 * B * s * K * E * jnp.dtype(dtype).itemsize / seconds))
     return tuple(rates)
 
 

@@ -1,16 +1,17 @@
-"""SCORE on the host: attention over a host-resident KV cache in numpy, outside XLA.
+"""SCORE on the host over a large KV cache: attention in numpy, outside XLA.
 
 Decode attention on the host is bound by reading the KV cache. XLA:CPU's formulations of it
 reach a small share of memory bandwidth (Llama-2-7B decode shapes, B = 32, 544 slots, on a
 2-core VM: 4.7 GB/s in float32 and 0.73 GB/s in bfloat16 for a blocked online-softmax loop,
 1.8 / 1.0 GB/s for the whole-cache einsum; 2.4-3.2 GB/s on a 16-core H100 host). This kernel
 reads only the used prefix of each row's cache (slots ``kv_start[b] .. write_index + T - 1``),
-multiplies with BLAS through numpy (which releases the interpreter lock) and spreads (row, KV
-head group) tasks over a thread pool with one thread per core: 19-23 GB/s in float32 on the
-same VM. A half-precision cache is widened to float32 ``SLOT_CHUNK`` slots at a time into a
+multiplies with BLAS through numpy (which releases the interpreter lock) and spreads (rows, KV
+heads) tasks over a thread pool with one thread per core: 19-23 GB/s in float32 on the same
+VM. A half-precision cache is widened to float32 ``SLOT_CHUNK`` slots at a time into a
 per-task buffer, so scratch memory stays a few MiB per thread whatever the context.
 
-``host_view`` gives zero-copy numpy views of the XLA host buffers the KV caches live in (the
+Small caches stay with XLA's kernel (``xla_attention``; ``attends_in_numpy`` decides per
+compiled shape). ``host_view`` gives zero-copy numpy views of the XLA host buffers the KV caches live in (the
 caches stay XLA arrays: appends are XLA programs with the caches donated, so in place), and
 ``hx.programs`` runs a host segment holding SCORE as XLA programs split at each SCORE with this
 kernel between them.
@@ -19,6 +20,7 @@ kernel between them.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -30,6 +32,19 @@ from hx.models.llama import Cache, Step
 
 SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
 SCORE_BYTES = 8 << 20  # float32 scores held per task: bounds the query block of a prefill
+MIN_TASK_BYTES = 1 << 20  # cache bytes worth a thread (~50 us at 20 GB/s: a hand-off's cost)
+# KV bytes of one SCORE (2 B S K E x itemsize) from which a host segment attends in numpy; below
+# it XLA's blocked kernel (``xla_attention``) is as fast and keeps the step asynchronous.
+# Measured on the 2-core VM, one decode step's attention, float32: 4.7 MB XLA 1.29 ms vs numpy
+# 1.51; 12.6 MB 2.38 vs 1.40; 25 MB 5.7 vs 2.7; 151 MB 32 vs 9.6.
+NUMPY_MIN_BYTES = 8 << 20
+
+
+def attends_in_numpy(batch: int, slots: int, kv_heads: int, head_dim: int,
+                     itemsize: int) -> bool:
+    """Whether a host SCORE over a (batch, slots, kv_heads, head_dim) cache of ``itemsize``
+    bytes per element runs in numpy (``NUMPY_MIN_BYTES``) rather than in XLA."""
+    return 2 * batch * slots * kv_heads * head_dim * itemsize >= NUMPY_MIN_BYTES
 
 
 @lru_cache(maxsize=1)
@@ -37,6 +52,7 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="hx-attention")
 
 
+@lru_cache(maxsize=1)
 def threads() -> int:
     """Threads the kernel spreads its tasks over: the CPU cores this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -86,12 +102,15 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     """Causal grouped-query attention of new queries over the used prefix of a KV cache.
 
     o = softmax(q k^T / sqrt(E) + mask) v (Vaswani et al. 2017, eq. 1), in float32 with the
-    row maximum subtracted before ``exp``.
+    row maximum subtracted before ``exp``. The rows and KV heads are cut into at most one task
+    per thread, and no more than one per ``MIN_TASK_BYTES`` of cache read, so a small
+    attention runs in the calling thread.
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
       k, v: (B, S, K, E) caches, any float dtype, the new tokens already written; slots past
-        ``write_index + T - 1`` and before ``kv_start`` are never read.
+        ``write_index + T - 1`` are never read, nor those before the smallest ``kv_start`` of
+        a task's rows.
       write_index: slot of the first new token.
       kv_start: (B,) each row's first valid slot (left padding before it).
     Returns:
@@ -100,62 +119,71 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     """
     B, T, H, E = q.shape
     K = k.shape[2]
+    starts = np.asarray(kv_start).astype(np.int64)
     o = np.zeros((B, T, H, E), np.float32)
-    qs = np.asarray(q, np.float32) * np.float32(E ** -0.5)
-    groups = max(1, min(K, -(-threads() // B)))  # split heads when rows are fewer than cores
-    bounds = np.linspace(0, K, groups + 1).astype(int)
-    tasks = [(b, int(k0), int(k1)) for b in range(B)
-             for k0, k1 in zip(bounds[:-1], bounds[1:]) if k1 > k0]
+    end = int(write_index) + T
+    read = 2 * B * max(0, end - int(starts.min())) * K * E * k.itemsize
+    tasks = max(1, min(threads(), read // MIN_TASK_BYTES))
+    row_parts = min(B, tasks)
+    head_parts = max(1, min(K, tasks // row_parts))
+    rows = [B * i // row_parts for i in range(row_parts + 1)]
+    heads = [K * i // head_parts for i in range(head_parts + 1)]
+    qs = np.multiply(q, np.float32(E ** -0.5), dtype=np.float32)
+    cuts = [(b0, b1, k0, k1) for b0, b1 in itertools.pairwise(rows)
+            for k0, k1 in itertools.pairwise(heads)]
 
-    def run(task):
-        b, k0, k1 = task
-        _attend_row(qs[b], k[b], v[b], int(write_index), int(kv_start[b]), k0, k1, o[b])
+    def run(cut):
+        b0, b1, k0, k1 = cut
+        _attend(qs[b0:b1], k[b0:b1], v[b0:b1], int(write_index), starts[b0:b1], k0, k1,
+                o[b0:b1])
 
-    if len(tasks) == 1:
-        run(tasks[0])
+    if len(cuts) == 1:
+        run(cuts[0])
     else:
-        list(_pool().map(run, tasks))
+        list(_pool().map(run, cuts))
     return o
 
 
-def _attend_row(q, k, v, write_index, lo, k0, k1, out) -> None:
-    """Row attention for KV heads ``k0:k1``: q (T,H,E) float32 pre-scaled, k/v (S,K,E),
-    written into out (T,H,E)."""
-    T, H, E = q.shape
-    G = H // k.shape[1]
-    end = write_index + T
-    n = end - lo
-    if n <= 0:
-        return
+def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
+    """Attention of rows q (R, T, H, E) float32 (pre-scaled) over k, v (R, S, K, E) for KV
+    heads ``k0:k1``, written into out (R, T, H, E), row by row: each reads its slots from
+    its own start, each query's future masked."""
+    R, T, H, E = q.shape
+    G = H // k.shape[2]
     heads = k1 - k0
-    qg = q.reshape(T, -1, G, E)[:, k0:k1].transpose(1, 2, 0, 3)  # (heads, G, T, E)
-    slot = np.arange(lo, end)
-    step = max(1, SCORE_BYTES // (4 * heads * G * n))
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
-        rows = G * (t1 - t0)  # a KV head's queries, (G, T') folded into one matrix
-        qb = qg[:, :, t0:t1].reshape(heads, rows, E)
-        s = np.empty((heads, rows, n), np.float32)
-        for c0 in range(0, n, SLOT_CHUNK):
-            c1 = min(n, c0 + SLOT_CHUNK)
-            keys = _float32(k[lo + c0:lo + c1, k0:k1])  # (C, heads, E)
-            s[..., c0:c1] = np.matmul(qb, keys.transpose(1, 2, 0))
-        if t1 - t0 > 1 or t0 + write_index < end - 1:  # causal: query t sees slots <= its own
-            future = slot[None, :] > (write_index + np.arange(t0, t1))[:, None]
-            s.reshape(heads, G, t1 - t0, n)[:, :, future] = -np.inf
-        m = s.max(axis=-1, keepdims=True)
-        m[~np.isfinite(m)] = 0.0  # a query with no valid key: every score -inf, weights 0
-        np.subtract(s, m, out=s)
-        np.exp(s, out=s)
-        denom = s.sum(axis=-1, keepdims=True)  # (heads, rows, 1)
-        acc = np.zeros((heads, rows, E), np.float32)
-        for c0 in range(0, n, SLOT_CHUNK):
-            c1 = min(n, c0 + SLOT_CHUNK)
-            values = _float32(v[lo + c0:lo + c1, k0:k1])  # (C, heads, E)
-            acc += np.matmul(s[..., c0:c1], values.transpose(1, 0, 2))
-        np.divide(acc, denom, out=acc, where=denom > 0)
-        out[t0:t1].reshape(t1 - t0, -1, G, E)[:, k0:k1] = (
-            acc.reshape(heads, G, t1 - t0, E).transpose(2, 0, 1, 3))
+    end = write_index + T
+    for r in range(R):
+        lo = int(starts[r])
+        n = end - lo
+        if n <= 0:
+            continue
+        qg = q[r].reshape(T, -1, G, E)[:, k0:k1].transpose(1, 2, 0, 3)  # (heads, G, T, E)
+        step = max(1, SCORE_BYTES // (4 * heads * G * n))
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            tq = t1 - t0
+            qb = qg[:, :, t0:t1].reshape(heads, G * tq, E)  # a KV head's queries as rows
+            s = np.empty((heads, G * tq, n), np.float32)
+            for c0 in range(0, n, SLOT_CHUNK):
+                c1 = min(n, c0 + SLOT_CHUNK)
+                keys = _float32(k[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+                s[..., c0:c1] = np.matmul(qb, keys.transpose(1, 2, 0))
+            if write_index + t0 < end - 1:  # causal: query t sees slots up to its own
+                future = np.arange(lo, end)[None, :] > write_index + np.arange(t0, t1)[:, None]
+                np.copyto(s.reshape(heads, G, tq, n), -np.inf, where=future)
+            m = s.max(axis=-1, keepdims=True)
+            m[~np.isfinite(m)] = 0.0  # a query with no valid key: every score -inf, weight 0
+            np.subtract(s, m, out=s)
+            np.exp(s, out=s)
+            denom = s.sum(axis=-1, keepdims=True)  # (heads, G * T', 1)
+            acc = np.zeros((heads, G * tq, E), np.float32)
+            for c0 in range(0, n, SLOT_CHUNK):
+                c1 = min(n, c0 + SLOT_CHUNK)
+                values = _float32(v[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+                acc += np.matmul(s[..., c0:c1], values.transpose(1, 0, 2))
+            np.divide(acc, denom, out=acc, where=denom > 0)
+            out[r, t0:t1, k0 * G:k1 * G] = (acc.reshape(heads, G, tq, E)
+                                            .transpose(2, 0, 1, 3).reshape(tq, heads * G, E))
 
 
 def _float32(x: np.ndarray) -> np.ndarray:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.host_compute.attention import cache_attention
+from hx.host_compute.attention import attends_in_numpy, cache_attention
+from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import OPS, Step, append_kv, apply_op
 from hx.models.spec import HOST_DTYPE, ModelSpec
 from hx.segments import Segment
@@ -37,11 +38,13 @@ from hx.segments import Segment
 PROXY_MIDDLE_LAYERS = 1
 
 
-def segment_function(spec: ModelSpec, ops: tuple[str, ...], writes: tuple[str, ...],
-                     attend: bool = True):
+def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
+                     writes: tuple[str, ...], attend: bool = True):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
-    with the caches donated. With ``attend=False`` SCORE only appends k and v to its cache
-    (``SplitHostProgram`` attends outside XLA)."""
+    with the caches donated. SCORE on the host uses ``xla_attention.blocked_attention``; with
+    ``attend=False`` it only appends k and v to its cache (``SplitHostProgram`` attends
+    outside XLA)."""
+    kernel = blocked_attention if device == HOST else None
 
     def run(params, acts, caches, step):
         acts = dict(acts)
@@ -53,7 +56,7 @@ def segment_function(spec: ModelSpec, ops: tuple[str, ...], writes: tuple[str, .
                 slot += 1
                 continue
             if OPS[op].uses_cache:
-                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot])
+                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], kernel)
                 slot += 1
             else:
                 out, _ = apply_op(spec, op, p, acts, step)
@@ -92,13 +95,15 @@ class SplitHostProgram:
     Args:
       pieces: [(executable, activations it reads, number of ops, attends after it)], in
         order (``host_pieces``).
-      dtype: dtype of the attention output ``o`` (the model's activation dtype).
-      device: the host device.
+      writes: the segment's outputs.
+      dtype: dtype of the attention output ``o`` (the model's activation dtype); it goes on
+        as a numpy array (the next piece's executable places it; a copy to the accelerator
+        takes it as it is).
     """
 
-    def __init__(self, pieces: list[tuple[Any, int, bool]], writes: tuple[str, ...], dtype,
-                 device: jax.Device):
-        self.pieces, self.writes, self.dtype, self.device = pieces, writes, dtype, device
+    def __init__(self, pieces: list[tuple[Any, tuple[str, ...], int, int]],
+                 writes: tuple[str, ...], dtype):
+        self.pieces, self.writes, self.dtype = pieces, writes, dtype
 
     def __call__(self, params: tuple, acts: dict, caches: tuple, step: Step
                  ) -> tuple[dict, tuple]:
@@ -113,7 +118,7 @@ class SplitHostProgram:
                 cache = caches[slot] = new[0]
                 slot += 1
                 o = cache_attention(out["q"], cache, step)
-                acts["o"] = jax.device_put(o.astype(self.dtype), self.device)
+                acts["o"] = o.astype(self.dtype)  # numpy: the next piece takes it as is
         return {name: acts[name] for name in self.writes}, tuple(caches)
 
     def memory_analysis(self) -> Any:
@@ -213,29 +218,32 @@ class Programs:
         device, ops, _, reads, writes = segment.signature
         return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
 
-    def _function(self, ops: tuple[str, ...], writes: tuple[str, ...], attend: bool):
-        key = (ops, writes, attend)
+    def _function(self, device: str, ops: tuple[str, ...], writes: tuple[str, ...],
+                  attend: bool):
+        key = (device, ops, writes, attend)
         if key not in self._functions:
-            self._functions[key] = segment_function(self.spec, ops, writes, attend)
+            self._functions[key] = segment_function(self.spec, device, ops, writes, attend)
         return self._functions[key]
 
     def _lower(self, segment: Segment, batch: int, tokens: int, slots: int):
         """The segment lowered at these shapes: something with ``compile()``."""
         device, ops, _, _, writes = segment.signature
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
-        if device != HOST or not segment.cache_layers:
-            return self._function(ops, writes, True).lower(params, acts, caches, step)
+        s = self.spec
+        if device != HOST or not segment.cache_layers or not attends_in_numpy(
+                batch, slots, s.n_kv_heads, s.head_dim, jnp.dtype(s.dtype).itemsize):
+            return self._function(device, ops, writes, True).lower(params, acts, caches, step)
         where = self.shardings[HOST]
         lowered, first, slot = [], 0, 0
         for part, part_reads, part_writes in host_pieces(ops, writes):
             attends = int(OPS[part[-1]].uses_cache)
             ins = {n: jax.ShapeDtypeStruct(*activation_shape(self.spec, n, batch, tokens),
                                            sharding=where) for n in part_reads}
-            lowered.append((self._function(part, part_writes, False).lower(
+            lowered.append((self._function(HOST, part, part_writes, False).lower(
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends))
             first, slot = first + len(part), slot + attends
-        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), self.devices.host.device)
+        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype))
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
         """The executable of ``segment`` at these shapes (compiled on first use). Segments
@@ -276,13 +284,13 @@ class Programs:
 class _SplitLowering:
     """The lowered pieces of a ``SplitHostProgram``; ``compile()`` compiles them in order."""
 
-    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, device: jax.Device):
-        self.lowered, self.writes, self.dtype, self.device = lowered, writes, dtype, device
+    def __init__(self, lowered: list, writes: tuple[str, ...], dtype):
+        self.lowered, self.writes, self.dtype = lowered, writes, dtype
 
     def compile(self) -> SplitHostProgram:
         return SplitHostProgram([(piece.compile(), reads, n_ops, attends)
                                  for piece, reads, n_ops, attends in self.lowered],
-                                self.writes, self.dtype, self.device)
+                                self.writes, self.dtype)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}

@@ -82,3 +82,13 @@ def hf_tokenizer():
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def force_numpy_attention(monkeypatch) -> None:
+    """Make every host segment holding SCORE attend in numpy (``SplitHostProgram``), whatever
+    its cache size, with segment programs compiled afresh for the test."""
+    from hx import programs
+    from hx.host_compute import attention
+
+    monkeypatch.setattr(attention, "NUMPY_MIN_BYTES", 0)
+    monkeypatch.setattr(programs, "_PROGRAMS", {})

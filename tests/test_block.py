@@ -12,6 +12,7 @@ from hx.planner.simulator import predict
 from hx.schedule import LAUNCH, STAGE, WAIT, compile_schedule, dry_run
 from hx.workload import Workload
 
+from conftest import force_numpy_attention
 from plans import acceptance_plans
 from profiles import gpu_like
 
@@ -54,10 +55,15 @@ def test_block_schedule_stages_each_segment_once_for_all_micro_batches(tiny_mode
             >= dry_run(compile_schedule(plan, tiny_model.spec, phase, B, T, S, sizes)).peak
 
 
-@pytest.mark.parametrize("name", list(PLANS))
-def test_a_block_computes_what_its_micro_batches_compute_alone(tiny_model, name):
+@pytest.mark.parametrize("name, numpy_attention", [(name, False) for name in PLANS]
+                         + [("alternating", True), ("stream-all", True)])
+def test_a_block_computes_what_its_micro_batches_compute_alone(tiny_model, name,
+                                                               numpy_attention, monkeypatch):
     """Every micro-batch's logits equal a run of it alone (the same executables), and the
-    accountant's peak equals the estimate of the block's workload."""
+    accountant's peak equals the estimate of the block's workload -- also with host
+    attention in numpy, whose host segments run on the host stream in a block."""
+    if numpy_attention:
+        force_numpy_attention(monkeypatch)
     plan, spec = PLANS[name], tiny_model.spec
     need = estimate(plan, spec, Workload(B, T, S, N)).accelerator
     ex = Executor(spec, tiny_model.params, plan, discover(accelerator_memory=need))

@@ -19,6 +19,7 @@ from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, H2D, RESOURCES, Timeline
 from hx.workload import Workload
 
+from conftest import force_numpy_attention
 from plans import acceptance_plans
 
 B, T, S, DECODE_STEPS = 2, 8, 32, 4
@@ -66,8 +67,16 @@ def run_plan(model, plan, devices, timeline=None):
     return ex, out
 
 
-@pytest.mark.parametrize("name", list(PLANS))
-def test_plans_match_whole_model(tiny_model, reference, name):
+NUMPY_ATTENTION_PLANS = ("all-host", "stream-all", "alternating", "kv-host-odd")
+
+
+@pytest.mark.parametrize("name, numpy_attention", [(name, False) for name in PLANS]
+                         + [(name, True) for name in NUMPY_ATTENTION_PLANS])
+def test_plans_match_whole_model(tiny_model, reference, name, numpy_attention, monkeypatch):
+    """Every acceptance plan gives the whole model's logits, also with host attention in
+    numpy between XLA pieces (``SplitHostProgram``) instead of inside the host program."""
+    if numpy_attention:
+        force_numpy_attention(monkeypatch)
     plan = PLANS[name]
     budget = estimate(plan, tiny_model.spec, Workload(B, T, S)).accelerator
     devices = discover(accelerator_memory=budget)  # the tightest budget the plan claims
@@ -77,6 +86,10 @@ def test_plans_match_whole_model(tiny_model, reference, name):
         assert logits.devices() == {devices[plan.phase(phase).head]}
         np.testing.assert_allclose(np.asarray(logits), ref, rtol=0,
                                    atol=1e-5 * np.abs(ref).max())
+    split = {type(ex._executable(phase, i, B, 1, S)[0]).__name__
+             for phase in ("decode",) for i, seg in enumerate(ex.segments[phase])
+             if seg.device == HOST and seg.cache_layers}
+    assert split == ({"SplitHostProgram"} if numpy_attention else split - {"SplitHostProgram"})
     assert 0 < ex.accountant.peak <= budget or budget == 0
     assert ex.accountant.in_use == sum(
         n for owner, n in ex.accountant.by_owner().items() if owner == "weights")

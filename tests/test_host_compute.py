@@ -49,6 +49,7 @@ def test_chunks_and_query_blocks_match_float64(monkeypatch):
     monkeypatch.setattr(host_attention, "SLOT_CHUNK", 7)
     monkeypatch.setattr(host_attention, "SCORE_BYTES", 4 * 2 * 3 * 30)  # 3-query blocks
     monkeypatch.setattr(host_attention, "threads", lambda: 4)
+    monkeypatch.setattr(host_attention, "MIN_TASK_BYTES", 1)
     rng = np.random.default_rng(5)
     B, T, S, H, K, E, write_index = 1, 8, 40, 4, 2, 8, 21
     q = rng.standard_normal((B, T, H, E)).astype(np.float32)

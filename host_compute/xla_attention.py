@@ -1,0 +1,66 @@
+"""SCORE on the host inside XLA, for small KV caches: attention over the used prefix.
+
+The generic ``models.llama.attention`` scores every cache slot and masks the unused ones, so its
+cost grows with the cache length S. This kernel walks the cache in blocks up to the last
+written slot with an online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation
+for softmax"; the FlashAttention recurrence), so a decode step reads ``write_index + 1`` slots
+rounded up to a block, not S. It stays in the host segment's XLA program, which the executor
+dispatches without waiting; that wins while the cache is small (below
+``host_compute.attention.NUMPY_MIN_BYTES``), above which the numpy kernel of
+``host_compute.attention``, several times faster per byte, takes over.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hx.models.llama import Cache, Step
+
+BLOCK = 64  # cache slots per iteration (reduced to a divisor of S when needed)
+
+
+def blocked_attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
+    """Causal grouped-query attention of new queries over the used prefix of the cache.
+
+    Args:
+      q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
+      cache: {"k", "v"}: (B, S, K, E), the new tokens already appended.
+      step: ``write_index`` bounds the blocks visited; ``kv_start`` masks left padding.
+    Returns:
+      o: (B, T, H, E), equal to ``models.llama.attention`` for every query that has a valid
+      key; a padding query (no valid key) gets zeros.
+    """
+    B, T, H, E = q.shape
+    ck, cv = cache["k"], cache["v"]
+    S, K = ck.shape[1], ck.shape[2]
+    G = H // K
+    block = math.gcd(S, BLOCK)
+    qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * E**-0.5
+    query_slot = step.write_index + jnp.arange(T)  # (T,)
+    n_blocks = (step.write_index + T + block - 1) // block
+    floor = jnp.finfo(jnp.float32).min
+
+    def body(i, carry):
+        m, denom, acc = carry  # (B,K,G,T), (B,K,G,T), (B,K,G,T,E)
+        start = i * block
+        kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=1).astype(jnp.float32)
+        vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1).astype(jnp.float32)
+        s = jnp.einsum("btkge,bske->bkgts", qg, kb)  # (B,K,G,T,block)
+        slot = start + jnp.arange(block)
+        valid = ((slot[None, None, :] >= step.kv_start[:, None, None])
+                 & (slot[None, None, :] <= query_slot[None, :, None]))[:, None, None]  # B,1,1,T,b
+        s = jnp.where(valid, s, floor)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None]) * valid
+        correction = jnp.exp(m - m_new)
+        denom = denom * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("bkgts,bske->bkgte", p, vb)
+        return m_new, denom, acc
+
+    init = (jnp.full((B, K, G, T), floor), jnp.zeros((B, K, G, T)), jnp.zeros((B, K, G, T, E)))
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    o = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+    return jnp.einsum("bkgte->btkge", o).reshape(B, T, H, E).astype(q.dtype)

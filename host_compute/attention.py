@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from hx.models.llama import Cache, Step
@@ -152,6 +153,7 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
     G = H // k.shape[2]
     heads = k1 - k0
     end = write_index + T
+    widen = _widener(k.dtype, min(SLOT_CHUNK, end), heads, E)
     for r in range(R):
         lo = int(starts[r])
         n = end - lo
@@ -166,7 +168,7 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
             s = np.empty((heads, G * tq, n), np.float32)
             for c0 in range(0, n, SLOT_CHUNK):
                 c1 = min(n, c0 + SLOT_CHUNK)
-                keys = _float32(k[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+                keys = widen(k[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
                 s[..., c0:c1] = np.matmul(qb, keys.transpose(1, 2, 0))
             if write_index + t0 < end - 1:  # causal: query t sees slots up to its own
                 future = np.arange(lo, end)[None, :] > write_index + np.arange(t0, t1)[:, None]
@@ -179,14 +181,29 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
             acc = np.zeros((heads, G * tq, E), np.float32)
             for c0 in range(0, n, SLOT_CHUNK):
                 c1 = min(n, c0 + SLOT_CHUNK)
-                values = _float32(v[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+                values = widen(v[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
                 acc += np.matmul(s[..., c0:c1], values.transpose(1, 0, 2))
             np.divide(acc, denom, out=acc, where=denom > 0)
             out[r, t0:t1, k0 * G:k1 * G] = (acc.reshape(heads, G, tq, E)
                                             .transpose(2, 0, 1, 3).reshape(tq, heads * G, E))
 
 
-def _float32(x: np.ndarray) -> np.ndarray:
-    """``x`` as float32: itself when it already is (a strided view; BLAS reads it in place),
-    else a widened copy."""
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+def _widener(dtype: np.dtype, slots: int, heads: int, head_dim: int):
+    """A function giving a (C <= ``slots``, heads, head_dim) cache chunk as float32: the chunk
+    itself for float32 (a strided view; BLAS reads it in place); for bfloat16, its 16 bits
+    copied into the high halves of a zeroed float32 buffer reused chunk after chunk (a plain
+    uint16 copy, which releases the interpreter lock; ``ml_dtypes``' own cast holds it, so
+    threads widening at once would queue); else a float32 copy."""
+    if dtype == np.float32:
+        return lambda chunk: chunk
+    if dtype != ml_dtypes.bfloat16:
+        return lambda chunk: chunk.astype(np.float32)
+    buffer = np.zeros((slots, heads, head_dim), np.float32)
+    high = buffer.view(np.uint16).reshape(slots, heads, head_dim, 2)[..., 1]  # little-endian
+
+    def widen(chunk: np.ndarray) -> np.ndarray:
+        c = chunk.shape[0]
+        np.copyto(high[:c], chunk.view(np.uint16))
+        return buffer[:c]
+
+    return widen

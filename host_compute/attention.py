@@ -35,10 +35,13 @@ SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
 SCORE_BYTES = 8 << 20  # float32 scores held per task: bounds the query block of a prefill
 MIN_TASK_BYTES = 1 << 20  # cache bytes worth a thread (~50 us at 20 GB/s: a hand-off's cost)
 # KV bytes of one SCORE (2 B S K E x itemsize) from which a host segment attends in numpy; below
-# it XLA's blocked kernel (``xla_attention``) is as fast and keeps the step asynchronous.
-# Measured on the 2-core VM, one decode step's attention, float32: 4.7 MB XLA 1.29 ms vs numpy
-# 1.51; 12.6 MB 2.38 vs 1.40; 25 MB 5.7 vs 2.7; 151 MB 32 vs 9.6.
-NUMPY_MIN_BYTES = 8 << 20
+# it XLA's blocked kernel (``xla_attention``) is about as fast and keeps the step asynchronous
+# (numpy makes the executor wait, which cost the H100's 2 x 8 and 4 x 4 decode blocks at
+# 12-25 MB of cache 28-40 %). One decode step's attention, XLA vs numpy
+# (``scripts/bench_host_attention.py``): H100 host, 16 cores, Llama-2-7B shapes: 71 MB bf16
+# 11.2 vs 11.3 ms, 143 MB f32 14.0 vs 5.6, 285 MB bf16 64.4 vs 24.8, 570 MB f32 75.9 vs 15.6;
+# this 2-core VM, f32: 4.7 MB 1.3 vs 1.5, 25 MB 5.7 vs 2.7, 151 MB 32 vs 9.6.
+NUMPY_MIN_BYTES = 64 << 20
 
 
 def attends_in_numpy(batch: int, slots: int, kv_heads: int, head_dim: int,

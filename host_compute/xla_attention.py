@@ -7,7 +7,7 @@ for softmax"; the FlashAttention recurrence), so a decode step reads ``write_ind
 rounded up to a block, not S. It stays in the host segment's XLA program, which the executor
 dispatches without waiting; that wins while the cache is small (below
 ``host_compute.attention.NUMPY_MIN_BYTES``), above which the numpy kernel of
-``host_compute.attention``, several times faster per byte, takes over.
+``host_compute.attention``, 2.5-5x faster per byte there, takes over.
 """
 
 from __future__ import annotations

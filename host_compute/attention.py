@@ -24,11 +24,13 @@ import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Cache, Step
 
 SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
@@ -85,6 +87,24 @@ def host_view(array: jax.Array) -> np.ndarray:
     view = np.frombuffer(buffer, dtype=array.dtype).reshape(array.shape)
     view.flags.writeable = False
     return view
+
+
+def host_attention(q: jax.Array, cache: Cache, step: Step) -> Any:
+    """Host SCORE as a host segment runs it at these shapes: XLA's blocked kernel below
+    ``NUMPY_MIN_BYTES`` of cache, ``cache_attention`` from there (the profiler times this).
+
+    Returns:
+      o: (B, T, H, E), a JAX array (XLA kernel) or float32 numpy (numpy kernel).
+    """
+    B, S, K, E = cache["k"].shape
+    if attends_in_numpy(B, S, K, E, cache["k"].dtype.itemsize):
+        return cache_attention(q, cache, step)
+    return _jitted(blocked_attention)(q, cache, step)
+
+
+@lru_cache(maxsize=None)
+def _jitted(fn):
+    return jax.jit(fn)
 
 
 def cache_attention(q: jax.Array, cache: Cache, step: Step) -> np.ndarray:

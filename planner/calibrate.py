@@ -165,23 +165,17 @@ def fit_launch(profile: HardwareProfile, spec: ModelSpec,
             accelerator=dataclasses.replace(profile.accelerator, launch_overhead=points),
             host=dataclasses.replace(profile.host, launch_overhead=points))
 
-    now = [profile.accelerator.launch_seconds(b) for b in batches] + [profile.transfer_latency]
-
-    def costs(values) -> HardwareProfile:
-        return with_costs(tuple(zip(batches, values[:-1])), values[-1])
-
-    probe = 1e-4  # linearised around the current values (Gauss-Newton: ``fit`` repeats it)
+    probe = 1e-4
     rows, residuals = [], []
     for plan in dispatch_plans(spec.n_layers):
-        for batch in batches:
-            base = predicted_decode(plan, spec, costs(now), batch)
-            row = []
-            for k in range(len(now)):
-                moved = list(now)
-                moved[k] += probe
-                row.append((predicted_decode(plan, spec, costs(moved), batch) - base) / probe)
+        for i, batch in enumerate(batches):
+            base = predicted_decode(plan, spec, with_costs((), 0.0), batch)
+            row = [0.0] * (len(batches) + 1)
+            row[i] = (predicted_decode(plan, spec, with_costs(((batch, probe),), 0.0), batch)
+                      - base) / probe
+            row[-1] = (predicted_decode(plan, spec, with_costs((), probe), batch) - base) / probe
             rows.append(row)
-            residuals.append(seen[(plan, batch)] - base + float(np.dot(row, now)))
+            residuals.append(seen[(plan, batch)] - base)
     solution, _ = nnls(np.array(rows), np.array(residuals))
     points = tuple((b, float(t)) for b, t in zip(batches, solution))
     log("launch overhead per segment " + ", ".join(f"batch {b}: {t * 1e6:.0f} us"

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.host_compute.attention import cache_attention
+from hx.host_compute.attention import host_attention
 from hx.models.llama import attention, init_params
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.planner.calibrate import dispatch_plans, observe_interleaved, predicted_decode
@@ -132,7 +132,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     round_trip = measure_round_trip(devices, effort)
     log(f"bare round trip accelerator -> host op -> accelerator {round_trip * 1e6:.0f} us")
     sides = {}
-    for side, kernel in ((ACCELERATOR, jax.jit(attention)), (HOST, cache_attention)):
+    for side, kernel in ((ACCELERATOR, jax.jit(attention)), (HOST, host_attention)):
         device = devices[side]
         curves = {dtype: measure_matmul(device, dtype, effort.matmul_rows, effort)
                   for dtype in ((jnp.float32, LOW_DTYPE) if side == ACCELERATOR

@@ -4,13 +4,10 @@ The replay prices the instructions of the step's ``hx.schedule.Schedule`` -- the
 ``hx.executor.Executor.run`` carries out: the first streaming segment's weights are staged at
 once, the next one's when the previous streaming segment has finished; the activations a
 segment reads from the other side cross in one transfer (link latency + bytes / bandwidth);
-each segment costs its device's launch overhead plus its ops. The executor thread (the
-``sync`` resource) dispatches accelerator segments in issue order, ahead of their inputs: a
-segment's launch overhead runs there, overlapping copies and earlier kernels, and its
-computation starts once both its dispatch and its inputs are done; a host segment's overhead
-is paid on the host, before its ops (its program or the host stream runs both in turn).
-After waiting for a streaming segment the executor needs ``sync_overhead`` before the next
-copy and launch go out (a ``sync`` task too, so later dispatches queue behind it). Every piece of work is a task on one
+each segment costs its device's launch overhead
+(the executor's Python dispatch, taken as serial: on a 2-core host it competes with compute)
+plus its ops; after waiting for a streaming segment the executor needs ``sync_overhead`` before
+the next copy and launch go out (the ``sync`` resource). Every piece of work is a task on one
 resource -- ``accelerator`` and ``host`` compute, ``H2D`` and ``D2H`` copies, ``sync``, and
 ``disk`` reads of disk-homed weights into host memory (bytes / the profile's disk read
 bandwidth, issued with the segment's weight copy and before it) -- and
@@ -105,9 +102,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     ``stage`` an H2D copy of the staged weights (the link's per-copy latency for each staged
     op plus bytes / bandwidth), ``wait`` the sync overhead after the waited
     segment, ``move`` a transfer (latency + bytes / bandwidth) after the producers of what it
-    moves, ``launch`` its ops after its inputs, its staged weights and the last wait, and
-    after its dispatch (the launch overhead, a ``sync`` task) on the accelerator or its
-    launch overhead on the host. A block of ``micro_batches`` (zig-zag block schedule) has one
+    moves, ``launch`` the device's launch overhead plus its ops after its inputs, its staged
+    weights and the last wait. A block of ``micro_batches`` (zig-zag block schedule) has one
     move and launch per micro-batch of ``batch`` rows; a wait follows the last of them."""
     schedule = compile_schedule(plan, spec, phase, batch, tokens, slots,
                                 micro_batches=micro_batches)
@@ -155,12 +151,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                                 [synced], nbytes))
             deps += [producer.get((n, m)) for n in seg.reads]
             name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
-            overhead = profile.device(seg.device).launch_seconds(batch)
-            duration = segment_seconds(spec, profile, seg, batch, tokens, slots, context)
-            if seg.device == ACCELERATOR:  # dispatched by the executor thread, ahead of time
-                deps.append(add(SYNC, f"dispatch {name}", overhead))
-            else:  # the host stream dispatches and computes in turn
-                duration += overhead
+            duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
+                spec, profile, seg, batch, tokens, slots, context)
             launched[i] = add(seg.device, name if micro_batches == 1 else f"{name} [mb {m}]",
                               duration, deps)
             producer.update({(n, m): launched[i] for n in ins.names})

@@ -38,9 +38,10 @@ from hx.schedule import (D2H, DISK_READ, H2D, LAUNCH, MOVE, READ, STAGE, SYNC, W
                          compile_schedule)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
-from hx.workload import prefill_chunks
+from hx.workload import prefill_chunks, round_up
 
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
+HOST_ATTENTION_BLOCK = 64  # slots per block of xla_attention (numpy reads at most 63 fewer)
 
 
 @dataclass
@@ -78,7 +79,8 @@ def op_seconds(spec: ModelSpec, profile: HardwareProfile, device: str, op: str, 
 def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
     dtype = spec.dtype if device == ACCELERATOR else HOST_DTYPE  # what the op multiplies in
     if op == "SCORE":
-        read = slots if device == ACCELERATOR else min(slots, context)
+        read = slots if device == ACCELERATOR else min(
+            slots, round_up(context, HOST_ATTENTION_BLOCK))
         c = op_cost(spec, op, batch, tokens, read)
         return max(rates.attention_seconds(c.kv_read_bytes, read, spec.dtype),
                    rates.matmul_seconds(c.flops, c.rows, dtype))
@@ -145,7 +147,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                     synced if seg.streams else None]
             on_disk = [layer for layer, op in seg.ops if op == "SCORE" and plan.kv[layer] == DISK]
             if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
-                read_slots = min(slots, context)
+                read_slots = min(slots, round_up(context, HOST_ATTENTION_BLOCK))
                 nbytes = len(on_disk) * spec.kv_bytes_per_token() * batch * read_slots
                 deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
                                 [synced], nbytes))

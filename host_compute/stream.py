@@ -42,6 +42,12 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future:
     return _worker().submit(lambda: fn(*resolve(args)))
 
 
+def pending(tree: Any) -> bool:
+    """Whether ``tree`` holds a ``Deferred`` leaf (a value the stream still owes)."""
+    return any(isinstance(x, Deferred) for x in jax.tree.leaves(
+        tree, is_leaf=lambda x: isinstance(x, Deferred)))
+
+
 def resolve(tree: Any) -> Any:
     """``tree`` with every ``Deferred`` leaf replaced by its value (waiting for it)."""
     return jax.tree.map(lambda x: x.get() if isinstance(x, Deferred) else x, tree,

@@ -7,7 +7,7 @@ simulator agrees with them:
 
 1. ``compute_scale`` per device and batch: observed / predicted decode step of the one-segment
    plans all-accelerator and all-host (the model's shapes run at other rates than the
-   profiler's 1024 x 1024 products);
+   profiler's 1024 x 1024 products), at the launch fit's batches and at ``SCALE_BATCHES``;
 2. launch overhead per segment at each batch, and the activation-transfer latency:
    non-negative least squares over plans with 1 to 121 segments (SCORE alone on either side
    among them), from their observed decode steps and the simulator's sensitivity to each (on
@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -53,6 +53,11 @@ DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops o
 
 
 BLOCK = (8, 2)  # (rows per micro-batch, micro-batches) of the block step fit 4 observes
+# Batches at which only the one-segment plans are observed, for fit 1: throughput mode's
+# micro-batches lie between and beyond the launch fit's batches (1, 16), and a device's compute
+# scale is far from log-linear in batch (H100, Llama-2-7B:2L, bf16: x1.60 at batch 1, x0.22 at
+# 16, so x0.91 at 4 by interpolation: a 4 x 4 block was predicted 1.28x its measured step).
+SCALE_BATCHES = (4, 64)
 
 
 def probe_slots(context: int, steps: int) -> int:
@@ -109,31 +114,35 @@ def dispatch_plans(n_layers: int) -> list[ExecutionPlan]:
 
 
 def observe_interleaved(spec: ModelSpec, params: dict[str, Any], plans: list[ExecutionPlan],
-                        batches: tuple[int, ...], devices: Devices, rounds: int = ROUNDS
+                        batches: tuple[int, ...], devices: Devices, rounds: int = ROUNDS,
+                        also: Sequence[tuple[ExecutionPlan, int]] = ()
                         ) -> dict[tuple[ExecutionPlan, int], float]:
-    """Median decode step (seconds) of every (plan, batch) over ``rounds`` rounds that each
-    visit all of them in turn: a slow spell of the machine then hits every plan alike, and
-    the fits below compare plans observed side by side."""
+    """Median decode step (seconds) of every (plan, batch), and of the (plan, batch) pairs
+    ``also``, over ``rounds`` rounds that each visit all of them in turn: a slow spell of the
+    machine then hits every plan alike, and the fits below compare plans observed side by
+    side."""
     executors: dict = {}  # each plan compiles once
+    pairs = [(plan, b) for b in batches for plan in dict.fromkeys(plans)] + list(also)
     seen: dict[tuple[ExecutionPlan, int], list[float]] = {}
     for _ in range(rounds):
-        for b in batches:
-            for plan in dict.fromkeys(plans):
-                times = observe(spec, params, plan, b, devices, executors)
-                seen.setdefault((plan, b), []).append(statistics.median(times))
+        for plan, b in dict.fromkeys(pairs):
+            times = observe(spec, params, plan, b, devices, executors)
+            seen.setdefault((plan, b), []).append(statistics.median(times))
     return {key: statistics.median(steps) for key, steps in seen.items()}
 
 
 def fit_compute(profile: HardwareProfile, spec: ModelSpec,
-                seen: dict[tuple[ExecutionPlan, int], float], batches: tuple[int, ...],
-                log: Callable[[str], None]) -> HardwareProfile:
+                seen: dict[tuple[ExecutionPlan, int], float], log: Callable[[str], None]
+                ) -> HardwareProfile:
     """Set each device's ``compute_scale`` so the one-segment plans (all-accelerator,
-    all-host) have their observed decode step (``seen``) at each batch, given the launch
-    overhead already in ``profile`` (a step is launch + scale x compute: solved exactly)."""
+    all-host) have their observed decode step (``seen``) at every batch they were observed
+    at, given the launch overhead already in ``profile`` (a step is launch + scale x compute:
+    solved exactly)."""
     plans = {ACCELERATOR: policies.all_accelerator(spec.n_layers),
              HOST: policies.all_host(spec.n_layers)}
     sides = {}
     for side, plan in plans.items():
+        batches = sorted(b for p, b in seen if p == plan)
         def scaled(factor: float, b: int) -> HardwareProfile:
             return dataclasses.replace(profile, **{side: dataclasses.replace(
                 profile.device(side), compute_scale=((b, factor),))})
@@ -229,7 +238,7 @@ def fit(profile: HardwareProfile, spec: ModelSpec,
     (``observe_block`` of ``block_plan`` at ``BLOCK``): fits 1-5 of the module doc."""
     for i in range(FIT_PASSES):  # each fit holds the other's result fixed
         said = log if i == FIT_PASSES - 1 else (lambda message: None)
-        profile = fit_compute(profile, spec, seen, batches, said)
+        profile = fit_compute(profile, spec, seen, said)
         profile = fit_launch(profile, spec, seen, batches, said)
     profile = fit_streaming(profile, spec, seen, batches, log)
     if block_seen is not None:
@@ -248,10 +257,14 @@ def calibration_plans(n_layers: int) -> list[ExecutionPlan]:
 
 
 def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], devices: Devices,
-           batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None
-           ) -> HardwareProfile:
-    """A copy of ``profile`` fitted to this model's decode steps (module doc); every plan the
-    fits use is observed in the same interleaved rounds."""
-    seen = observe_interleaved(spec, params, calibration_plans(spec.n_layers), batches, devices)
+           batches: tuple[int, ...] = (1, 16), log: Callable[[str], None] = lambda m: None,
+           scale_batches: tuple[int, ...] = SCALE_BATCHES) -> HardwareProfile:
+    """A copy of ``profile`` fitted to this model's decode steps (module doc): every plan the
+    fits use at ``batches``, and the one-segment plans at ``scale_batches`` too, observed in
+    the same interleaved rounds."""
+    one_segment = calibration_plans(spec.n_layers)[:2]
+    seen = observe_interleaved(spec, params, calibration_plans(spec.n_layers), batches, devices,
+                               also=[(plan, b) for b in scale_batches if b not in batches
+                                     for plan in one_segment])
     block_seen = observe_block(spec, params, block_plan(spec.n_layers), *BLOCK, devices)
     return fit(profile, spec, seen, batches, log, block_seen)

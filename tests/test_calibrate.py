@@ -6,7 +6,8 @@ import pytest
 
 from hx.models.spec import PRESETS
 from hx.planner import policies
-from hx.planner.calibrate import BLOCK, block_plan, calibration_plans, fit, predicted_decode
+from hx.planner.calibrate import (BLOCK, SCALE_BATCHES, block_plan, calibration_plans, fit,
+                                  predicted_decode)
 from plans import alternating, kv_host_odd
 from profiles import gpu_like
 
@@ -22,23 +23,29 @@ def with_sides(profile, **fields):
 def test_fits_recover_the_profile_that_produced_the_steps():
     """Steps predicted under a known profile: the fits find its compute scales, the cost of a
     device switch (a launch and a transfer: only their sum is identifiable from these plans),
-    contention and sync overhead, and predict held-out plans too."""
+    contention and sync overhead, and predict held-out plans too. The compute scale at the
+    batches only the one-segment plans were seen at (``SCALE_BATCHES``) is found too, where
+    interpolating the others' would miss (truth x0.5 at batch 4 between x1.3 and x0.8)."""
     spec = PRESETS["smollm2-135m"]
     n = spec.n_layers
     truth = dataclasses.replace(
         with_sides(gpu_like(), launch_overhead=((1, 3e-5), (16, 9e-5)),
-                   compute_scale=((1, 1.3), (16, 0.8))),
+                   compute_scale=((1, 1.3), (4, 0.5), (16, 0.8), (64, 1.1))),
         contention=0.3, sync_overhead=4e-4, transfer_latency=2.5e-5, compute_contention=0.6)
     seen = {(p, b): predicted_decode(p, spec, truth, b)
-            for p in calibration_plans(n) for b in BATCHES}
+            for p in calibration_plans(n) for b in BATCHES} | {
+        (p, b): predicted_decode(p, spec, truth, b)
+        for p in calibration_plans(n)[:2] for b in SCALE_BATCHES}  # the one-segment plans
     batch, micro = BLOCK
     block_seen = predicted_decode(block_plan(n), spec, truth, batch, micro_batches=micro)
     start = dataclasses.replace(with_sides(truth, launch_overhead=(), compute_scale=()),
                                 contention=0.0, sync_overhead=0.0, transfer_latency=1e-3,
                                 compute_contention=0.0)
     fitted = fit(start, spec, seen, BATCHES, block_seen=block_seen)
-    for b in BATCHES:
+    for b in BATCHES + SCALE_BATCHES:
         for side in ("accelerator", "host"):
+            assert [x for x, _ in fitted.device(side).compute_scale] == sorted(
+                BATCHES + SCALE_BATCHES)
             assert fitted.device(side).scale(b) == pytest.approx(truth.device(side).scale(b),
                                                                  rel=0.05)
 

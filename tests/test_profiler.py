@@ -16,7 +16,7 @@ from jax.sharding import SingleDeviceSharding
 
 from conftest import TINY
 from hx.planner import links, profiler, rates, timing
-from hx.planner.calibrate import refine
+from hx.planner.calibrate import SCALE_BATCHES, refine
 from hx.planner.profile import HardwareProfile
 from hx.planner.links import fit_line
 from hx.planner.timing import FULL
@@ -199,7 +199,7 @@ def test_quick_profile_is_measured_saved_and_calibrates(devices, tmp_path, monke
 
     refined = refine(quick, TINY, profiler._random_params(TINY), devices, (1,))
     for side in (refined.accelerator, refined.host):
-        assert [b for b, _ in side.compute_scale] == [1]
+        assert [b for b, _ in side.compute_scale] == [1, *SCALE_BATCHES]
         assert all(f >= 0 for _, f in side.compute_scale + side.launch_overhead)
     # the fit is least squares over 8 plans: a broken fit misses by far more
     assert math.isfinite(refined.model_error) and 0 <= refined.model_error < 0.5

@@ -19,6 +19,11 @@ DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "profile.js
 LOW_DTYPES = ("bfloat16", "float16")  # priced with ``DeviceProfile.matmul_low``
 
 
+# (B rows, H query heads, K KV heads, E head dim) of the profiler's attention probe: one query
+# per row over S slots (``rates.measure_attention``; Llama-3-8B's attention)
+ATTENTION_PROBE = (8, 32, 8, 128)
+
+
 def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
     """Piecewise-linear in log(x) through sorted (x, y) points, constant beyond the ends."""
     xs = [p[0] for p in points]
@@ -45,7 +50,7 @@ class DeviceProfile:
       memory_bandwidth: bytes/s (read + written) of an in-place elementwise pass over a buffer
         larger than the caches (gathers, elementwise work).
       attention: ((cache slots S, KV bytes/s), ...) sorted by S: rate at which the device's
-        SCORE kernel reads a float32 KV cache.
+        SCORE kernel reads a float32 KV cache of S slots at ``ATTENTION_PROBE``'s shape.
       attention_low: the same with a bfloat16 cache (a bf16/f16 model keeps its KV cache in
         its dtype on both sides); empty where not measured -- ``attention`` is used then.
       launch_overhead: ((batch, seconds), ...): what the executor adds per segment it launches
@@ -78,13 +83,24 @@ class DeviceProfile:
         curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
         return flops / _interpolate(curve, rows)
 
-    def attention_seconds(self, kv_bytes: float, slots: int, dtype: str = "float32") -> float:
-        """Seconds for SCORE to read ``kv_bytes`` of a ``dtype`` cache at ``slots`` slots."""
+    def attention_seconds(self, kv_bytes: float, slots: float, dtype: str = "float32"
+                          ) -> float:
+        """Seconds for SCORE to read ``kv_bytes`` of a ``dtype`` cache at the rate of the
+        curve at ``slots`` (a SCORE's own S, or ``probe_slots``)."""
         if not kv_bytes:
             return 0.0
-        curve = (self.attention_low if dtype in LOW_DTYPES and self.attention_low
-                 else self.attention)
-        return kv_bytes / _interpolate(curve, slots)
+        return kv_bytes / _interpolate(self._attention_curve(dtype), slots)
+
+    def probe_slots(self, kv_bytes: float, dtype: str = "float32") -> float:
+        """S of the ``ATTENTION_PROBE`` that reads ``kv_bytes`` of the cache the attention
+        curve for ``dtype`` was measured with (bfloat16 for ``attention_low``)."""
+        B, _, K, E = ATTENTION_PROBE
+        itemsize = 2 if self._attention_curve(dtype) is self.attention_low else 4
+        return kv_bytes / (2 * B * K * E * itemsize)
+
+    def _attention_curve(self, dtype: str) -> tuple[tuple[int, float], ...]:
+        return (self.attention_low if dtype in LOW_DTYPES and self.attention_low
+                else self.attention)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.models.llama import Step
 from hx.planner.links import host_chunks, memories, room
+from hx.planner.profile import ATTENTION_PROBE
 from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
 
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
@@ -150,11 +151,11 @@ def measure_memory_bandwidth(device: jax.Device, effort: Effort = FULL) -> float
 def measure_attention(device: jax.Device, kernel, slots: tuple[int, ...] = ATTENTION_SLOTS,
                       effort: Effort = FULL, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
     """((S, KV bytes/s), ...) of ``kernel(q, cache, step)`` reading a full ``dtype`` cache
-    of S slots: B = 8 rows, H = 32 query and K = 8 KV heads of E = 128 (Llama-3-8B's
-    attention), one query per row. On the host the kernel is ``host_attention``, which
+    of S slots at ``profile.ATTENTION_PROBE``'s shape: B = 8 rows, H = 32 query and K = 8 KV
+    heads of E = 128 (Llama-3-8B's attention), one query per row. On the host the kernel is ``host_attention``, which
     switches from XLA's to numpy's at 64 MiB of cache: float32 from S = 1024, bfloat16 from
     S = 2048."""
-    B, H, K, E = 8, 32, 8, 128
+    B, H, K, E = ATTENTION_PROBE
     rates = []
     for s in slots:
         q = _uniform(device, (B, 1, H, E), dtype, 1.0, s)

@@ -20,8 +20,9 @@ shares the host's cores, as an emulated one does).
 
 Durations come from ``planner.cost`` (FLOPs and bytes) and the profile's rates: a matmul op at
 M rows takes flops / matmul_rate(M); SCORE reads its KV cache at the device's attention rate
-(all S slots on the accelerator, the used prefix on the host, as ``host_compute`` does) or is
-compute-bound, whichever is slower; EMBED moves its rows at memory bandwidth.
+(all S slots on the accelerator, at its S; the used prefix on the host, as ``host_compute``
+does, at the rate of the profiler's probe that reads as many bytes, since the host picks its
+kernel by the bytes of a call) or is compute-bound, whichever is slower; EMBED moves its rows at memory bandwidth.
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
         read = slots if device == ACCELERATOR else min(
             slots, round_up(context, HOST_ATTENTION_BLOCK))
         c = op_cost(spec, op, batch, tokens, read)
-        return max(rates.attention_seconds(c.kv_read_bytes, read, spec.dtype),
+        # the host's kernel is chosen by the bytes one call reads (numpy from 64 MiB:
+        # ``host_compute.attention``), so a host SCORE is priced at the attention probe that
+        # reads as many bytes; the accelerator's at its own S
+        at = read if device == ACCELERATOR else rates.probe_slots(c.kv_read_bytes, spec.dtype)
+        return max(rates.attention_seconds(c.kv_read_bytes, at, spec.dtype),
                    rates.matmul_seconds(c.flops, c.rows, dtype))
     c = op_cost(spec, op, batch, tokens, slots)
     if op == EMBED:

@@ -211,10 +211,10 @@ def _widener(dtype: np.dtype, slots: int, heads: int, head_dim: int):
     """A function giving a (C <= ``slots``, heads, head_dim) cache chunk as float32: the chunk
     itself for float32 (a strided view; BLAS reads it in place); else cast into a float32
     buffer reused chunk after chunk. The cast (``ml_dtypes``' loop for bfloat16) runs without
-    the interpreter lock; casting into fresh arrays instead (``astype``) mapped new pages for
-    every chunk, which 16 threads did one at a time on the H100 host. Per 256 x 32 x 128
-    chunk on this VM: 105 us, against 150 us for ``astype`` and 341 us for copying the 16
-    bits into the high halves of a zeroed buffer."""
+    the interpreter lock (2 threads: 1.7x one here); ``astype`` into fresh arrays maps new
+    pages for every chunk, the likely reason 16 threads queued on it on the H100 host. Per
+    256 x 32 x 128 chunk on this VM: 105 us, against 150 us for ``astype`` and 341 us for
+    copying the 16 bits into the high halves of a zeroed buffer."""
     if dtype == np.float32:
         return lambda chunk: chunk
     buffer = np.empty((slots, heads, head_dim), np.float32)

@@ -7,9 +7,9 @@ only the used prefix of each row's cache (slots ``kv_start[b] .. write_index + T
 multiplies with BLAS through numpy (which releases the interpreter lock) and spreads (rows, KV
 heads) tasks over a thread pool with one thread per core: 26-37 GB/s in float32 and 6-12 GB/s
 in bfloat16 on the H100 host (bf16 before the reused cast buffer below), 17-20 GB/s in float32
-and 7-11 GB/s in bfloat16 on the VM (``scripts/bench_host_attention.py``). A bfloat16 cache is widened ``SLOT_CHUNK`` slots at a
-time into a reused per-task float32 buffer, so scratch memory stays a few MiB per thread
-whatever the context.
+and 7-11 GB/s in bfloat16 on the VM (``scripts/bench_host_attention.py``). A bfloat16 cache is
+cast ``SLOT_CHUNK`` slots at a time into a reused per-task float32 buffer, so scratch memory
+stays a few MiB per thread whatever the context.
 
 Small caches stay with XLA's kernel (``xla_attention``; ``attends_in_numpy`` decides per
 compiled shape). ``host_view`` gives zero-copy numpy views of the XLA host buffers the KV

@@ -295,7 +295,7 @@ class Executor:
                 dispatch = time.perf_counter()
                 args = (seg_params, acts, seg_caches, placed_steps[(seg.device, m)])
                 if seg.device == HOST and N > 1 and (isinstance(compiled, SplitHostProgram)
-                                                     or stream.pending(args)):
+                                                     or stream.pending((acts, seg_caches))):
                     # numpy attention waits in the calling thread: let the next
                     # micro-batch's work go out meanwhile (and keep what reads its results
                     # behind it); an XLA host program is dispatched asynchronously anyway

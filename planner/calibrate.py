@@ -262,9 +262,9 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
     """A copy of ``profile`` fitted to this model's decode steps (module doc): every plan the
     fits use at ``batches``, and the one-segment plans at ``scale_batches`` too, observed in
     the same interleaved rounds."""
-    one_segment = calibration_plans(spec.n_layers)[:2]
-    seen = observe_interleaved(spec, params, calibration_plans(spec.n_layers), batches, devices,
+    plans = calibration_plans(spec.n_layers)  # the one-segment plans first
+    seen = observe_interleaved(spec, params, plans, batches, devices,
                                also=[(plan, b) for b in scale_batches if b not in batches
-                                     for plan in one_segment])
+                                     for plan in plans[:2]])
     block_seen = observe_block(spec, params, block_plan(spec.n_layers), *BLOCK, devices)
     return fit(profile, spec, seen, batches, log, block_seen)

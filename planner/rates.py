@@ -152,9 +152,9 @@ def measure_attention(device: jax.Device, kernel, slots: tuple[int, ...] = ATTEN
                       effort: Effort = FULL, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
     """((S, KV bytes/s), ...) of ``kernel(q, cache, step)`` reading a full ``dtype`` cache
     of S slots at ``profile.ATTENTION_PROBE``'s shape: B = 8 rows, H = 32 query and K = 8 KV
-    heads of E = 128 (Llama-3-8B's attention), one query per row. On the host the kernel is ``host_attention``, which
-    switches from XLA's to numpy's at 64 MiB of cache: float32 from S = 1024, bfloat16 from
-    S = 2048."""
+    heads of E = 128 (Llama-3-8B's attention), one query per row. On the host the kernel is
+    ``host_attention``, which switches from XLA's to numpy's at 64 MiB of cache: float32 from
+    S = 1024, bfloat16 from S = 2048."""
     B, H, K, E = ATTENTION_PROBE
     rates = []
     for s in slots:

@@ -22,7 +22,8 @@ Durations come from ``planner.cost`` (FLOPs and bytes) and the profile's rates: 
 M rows takes flops / matmul_rate(M); SCORE reads its KV cache at the device's attention rate
 (all S slots on the accelerator, at its S; the used prefix on the host, as ``host_compute``
 does, at the rate of the profiler's probe that reads as many bytes, since the host picks its
-kernel by the bytes of a call) or is compute-bound, whichever is slower; EMBED moves its rows at memory bandwidth.
+kernel by the bytes of a call) or is compute-bound, whichever is slower; EMBED moves its rows
+at memory bandwidth.
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ def op_seconds(spec: ModelSpec, profile: HardwareProfile, device: str, op: str, 
                                             context)
 
 
+def host_read_slots(slots: int, context: int) -> int:
+    """Cache slots a host SCORE reads at ``context`` slots in use: the used prefix, rounded up
+    to ``xla_attention``'s block (the numpy kernel reads at most 63 fewer), at most ``slots``."""
+    return min(slots, round_up(context, HOST_ATTENTION_BLOCK))
+
+
 def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
     dtype = spec.dtype if device == ACCELERATOR else HOST_DTYPE  # what the op multiplies in
     if op == "SCORE":
-        read = slots if device == ACCELERATOR else min(
-            slots, round_up(context, HOST_ATTENTION_BLOCK))
+        read = slots if device == ACCELERATOR else host_read_slots(slots, context)
         c = op_cost(spec, op, batch, tokens, read)
         # the host's kernel is chosen by the bytes one call reads (numpy from 64 MiB:
         # ``host_compute.attention``), so a host SCORE is priced at the attention probe that
@@ -152,8 +158,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                     synced if seg.streams else None]
             on_disk = [layer for layer, op in seg.ops if op == "SCORE" and plan.kv[layer] == DISK]
             if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
-                read_slots = min(slots, round_up(context, HOST_ATTENTION_BLOCK))
-                nbytes = len(on_disk) * spec.kv_bytes_per_token() * batch * read_slots
+                nbytes = (len(on_disk) * spec.kv_bytes_per_token() * batch
+                          * host_read_slots(slots, context))
                 deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
                                 [synced], nbytes))
             deps += [producer.get((n, m)) for n in seg.reads]

@@ -42,10 +42,11 @@ def test_fits_recover_the_profile_that_produced_the_steps():
                                 contention=0.0, sync_overhead=0.0, transfer_latency=1e-3,
                                 compute_contention=0.0)
     fitted = fit(start, spec, seen, BATCHES, block_seen=block_seen)
+    for side in ("accelerator", "host"):
+        assert [x for x, _ in fitted.device(side).compute_scale] == sorted(
+            BATCHES + SCALE_BATCHES)
     for b in BATCHES + SCALE_BATCHES:
         for side in ("accelerator", "host"):
-            assert [x for x, _ in fitted.device(side).compute_scale] == sorted(
-                BATCHES + SCALE_BATCHES)
             assert fitted.device(side).scale(b) == pytest.approx(truth.device(side).scale(b),
                                                                  rel=0.05)
 

@@ -291,8 +291,7 @@ class BatchJob:
                 seeds = [row_seed(sampling.seed, self.todo[i]["id"]) for i in rows]
                 limits = [self.sampling[i].max_new_tokens for i in rows]
                 if block is not None:
-                    batcher = ContinuousBatcher(engine, block.batch, block.micro_batches,
-                                                block.prompt_tokens, join_min)
+                    batcher = ContinuousBatcher.for_block(engine, block, join_min)
                     batcher.run([ids[i] for i in rows], sampling, seeds, writer(rows, stops),
                                 block.cache_slots, limits)
                     continue

@@ -12,8 +12,10 @@ prompt of L tokens joins a free row by
 
 1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache -- between
    two decode iterations. Waiting prompts of one padded length (a multiple of the chunk)
-   share a prefill, a power of two of them at a time (one compiled shape per power of two up
-   to B, and no idle rows). While rows decode, a join may wait until ``join_min`` rows are
+   share a prefill, a power of two of them at a time, at most ``join_max`` (one compiled
+   shape per power of two up to it, and no idle rows; ``join_max`` bounds the prefill's
+   activations and spare cache rows, so a block of many rows need not prefill as many at
+   once). While rows decode, a join may wait until ``join_min`` rows are
    free (or every waiting prompt has one): where weights are streamed a prefill costs a pass
    over them whatever its rows, so prompts joining one at a time would stream the weights
    once each (``planner.throughput`` picks ``join_min``);
@@ -127,37 +129,53 @@ class ContinuousBatcher:
       join_chunk: tokens per prefill step of joining prompts (default: the plan's prefill
         chunk, else ``JOIN_CHUNK``).
       join_min: free rows a join waits for while other rows decode (default 1: at once).
+      join_max: most prompts prefilled together (default B).
     Raises:
-      HxError: B or N below 1, or ``join_min`` outside 1..B·N.
+      HxError: B or N below 1, ``join_max`` outside 1..B, or ``join_min`` outside 1..B·N.
     """
 
     def __init__(self, engine: Engine, micro_batch: int, micro_batches: int = 1,
-                 join_chunk: int | None = None, join_min: int = 1):
+                 join_chunk: int | None = None, join_min: int = 1,
+                 join_max: int | None = None):
         if micro_batch < 1 or micro_batches < 1:
             raise HxError(f"a block needs at least one micro-batch of one row, got "
                           f"{micro_batches} x {micro_batch}")
+        join_max = join_max or micro_batch
+        if not 1 <= join_max <= micro_batch:
+            raise HxError(f"join_max must be from 1 to the {micro_batch} rows of a "
+                          f"micro-batch, got {join_max}")
         if not 1 <= join_min <= micro_batch * micro_batches:
             raise HxError(f"join_min must be from 1 to the block's {micro_batch * micro_batches} "
                           f"rows, got {join_min}")
-        self.engine, self.B, self.N, self.join_min = engine, micro_batch, micro_batches, join_min
+        self.engine, self.B, self.N = engine, micro_batch, micro_batches
+        self.join_min, self.join_max = join_min, join_max
         self.chunk = join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK
 
+    @classmethod
+    def for_block(cls, engine: Engine, block: Workload, join_min: int = 1
+                  ) -> "ContinuousBatcher":
+        """The batcher of a block workload (``planner.throughput.choose_block``'s): its B, N,
+        join chunk (``prompt_tokens``) and largest join group (``spare_rows``; B if none)."""
+        return cls(engine, block.batch, block.micro_batches, block.prompt_tokens, join_min,
+                   block.spare_rows or None)
+
     def workload(self, cache_slots: int) -> Workload:
-        """Shapes of a run: (B, join chunk, S, N) with B spare rows (a joining group's
-        prefill cache)."""
-        return Workload(self.B, self.chunk, cache_slots, self.N, spare_rows=self.B)
+        """Shapes of a run: (B, join chunk, S, N) with ``join_max`` spare rows (a joining
+        group's prefill cache)."""
+        return Workload(self.B, self.chunk, cache_slots, self.N, spare_rows=self.join_max)
 
     def compile(self, workload: Workload, sampling: SamplingParams) -> float:
-        """Compile decode and prefill at every power of two of rows up to B (join groups; a
-        micro-batch shrinks to them once no prompt waits) and the samplers; returns the
-        seconds it took."""
+        """Compile decode at every power of two of rows up to B (a micro-batch shrinks to
+        them once no prompt waits), prefill at every one up to ``join_max`` (join groups),
+        and the samplers; returns the seconds it took."""
         ex, start = self.engine.executor, time.perf_counter()
         B, S = workload.batch, workload.cache_slots
-        sizes = _group_sizes(B)
-        self.engine.status(f"compiling decode and prefill chunks of {self.chunk} tokens at "
-                            f"{sizes} rows, {S} KV slots")
+        sizes, groups = _group_sizes(B), _group_sizes(self.join_max)
+        self.engine.status(f"compiling decode at {sizes} rows and prefill chunks of "
+                           f"{self.chunk} tokens at {groups} rows, {S} KV slots")
         for g in sizes:
             ex.compile("decode", g, 1, S)
+        for g in groups:
             ex.compile("prefill", g, self.chunk, S)
         head = ex.devices[self.engine.plan.phase("decode").head]
         for rows in {B, *sizes}:
@@ -251,7 +269,7 @@ class ContinuousBatcher:
                     decoding = any(mb.active for mb in blocks)
                     if not free or decoding and len(free) < min(self.join_min, len(queue)):
                         break  # wait for join_min free rows
-                    group = self._next_group(queue, prompts, min(B, len(free)))
+                    group = self._next_group(queue, prompts, min(self.join_max, len(free)))
                     self._join(group, free[:len(group)], prompts, max_new, sampling, seeds, S,
                                record)
                 running = [mb for mb in blocks if mb.active]

@@ -184,8 +184,9 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
     from its compilation (``programs``, default: the process's compiler for the accelerator
     ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``);
-    both phases run the block of ``workload.micro_batches``. With spare rows (iteration-level
-    scheduling) the peak is at least ``reframe_bytes`` beyond the caches.
+    decode runs the block of ``workload.micro_batches``, prefill too unless the workload has
+    spare rows (iteration-level scheduling: prefill then runs on one join group of at most
+    ``spare_rows`` rows, and the peak is at least ``reframe_bytes`` beyond the caches).
 
     Args:
       sized: False counts XLA temporaries as 0 bytes and compiles nothing: a lower bound on
@@ -208,7 +209,10 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
         disk += sum(kv_layer for home in plan.kv if home == DISK)
         host += 2 * spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
 
-    shapes = {phase: (workload.batch, phase_tokens(plan, phase, workload), workload.cache_slots)
+    rows = {"prefill": workload.prefill_rows, "decode": workload.batch}
+    micro_batches = {"prefill": workload.prefill_micro_batches,
+                     "decode": workload.micro_batches}
+    shapes = {phase: (rows[phase], phase_tokens(plan, phase, workload), workload.cache_slots)
               for phase in PHASES}
     temp_bytes = None
     if sized:
@@ -220,7 +224,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     worst_phase = "decode"
     for phase in PHASES:
         run = dry_run(compile_schedule(plan, spec, phase, *shapes[phase], temp_bytes,
-                                       workload.micro_batches))
+                                       micro_batches[phase]))
         if run.peak > worst.peak:
             worst, worst_phase = run, phase
     if workload.spare_rows and kv_acc and reframe_bytes(spec, workload) > worst.peak:
@@ -272,7 +276,8 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
     """Accelerator bytes a planner sets aside for a step's activations and XLA temporaries
     before it knows the plan: every named activation held and copied in at once (2x their
     bytes at (B, T), per micro-batch of a block), the step inputs, and the XLA temporaries of the whole model as one
-    accelerator segment, at T = ``prefill_tokens`` and at T = 1. Planners size plans with
+    accelerator segment, for a prefill step of T = ``prefill_tokens`` (``Workload.prefill_rows``
+    rows) and a decode step of T = 1. Planners size plans with
     it; ``check_fits`` then sizes the chosen plan exactly (``cpsat.plan_cpsat`` re-plans with
     a smaller budget, and the baselines back off, in the rare case the exact size is larger).
     """
@@ -281,8 +286,11 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
 
     programs = programs or programs_for(spec)
     names = ("tokens", "x", "h", "q", "k", "v", "o", "a", "logits")
-    B, S = workload.batch, workload.cache_slots
+    S = workload.cache_slots
     whole = split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0]
-    N = workload.micro_batches  # a block holds each micro-batch's activations
+    # (rows, micro-batches, tokens) of a prefill and a decode step; a block holds each
+    # micro-batch's activations
+    steps = {(workload.prefill_rows, workload.prefill_micro_batches, prefill_tokens),
+             (workload.batch, workload.micro_batches, 1)}
     return max(N * (2 * crossing_bytes(spec, names, B, T) + step_bytes(B, T))
-               + programs.temp_bytes(whole, B, T, S) for T in {prefill_tokens, 1})
+               + programs.temp_bytes(whole, B, T, S) for B, N, T in steps)

@@ -69,7 +69,8 @@ class Workload:
       micro_batches: N micro-batches of B rows in a block (zig-zag block schedule); every
         row's KV cache is held at once.
       spare_rows: KV-cache rows held beside the block's: iteration-level scheduling prefills
-        a joining prompt into a cache row of its own before copying it into the block.
+        a group of joining prompts, at most this many, into cache rows of their own before
+        copying them into the block. With spare rows, prefill runs only on such a group.
     """
 
     batch: int
@@ -82,6 +83,16 @@ class Workload:
     def rows(self) -> int:
         """KV-cache rows held at once: B·N plus the spare rows."""
         return self.batch * self.micro_batches + self.spare_rows
+
+    @property
+    def prefill_rows(self) -> int:
+        """Rows of a prefill step: the largest join group with spare rows, else B."""
+        return self.spare_rows or self.batch
+
+    @property
+    def prefill_micro_batches(self) -> int:
+        """Micro-batches of a prefill step: a join group is prefilled alone, else N."""
+        return 1 if self.spare_rows else self.micro_batches
 
     @property
     def decode_context(self) -> int:

@@ -303,12 +303,15 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
 def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                 workload: Workload) -> tuple[float, float]:
     """(prefill, prefill + decode) predicted seconds of a run of ``workload``: the prompt in
-    the plan's chunks, then ``cache_slots - prompt_tokens`` decode steps at the decode
-    context."""
-    B, N, P, S = workload.batch, workload.micro_batches, workload.prompt_tokens, \
-        workload.cache_slots
-    prefill = predict_prefill(plan, spec, profile, B, P, S, N)
-    decode = predict(plan, spec, profile, "decode", B, 1, S, workload.decode_context, N).seconds
+    the plan's chunks (every row's: with spare rows, in join groups of ``spare_rows``), then
+    ``cache_slots - prompt_tokens`` decode steps at the decode context."""
+    P, S = workload.prompt_tokens, workload.cache_slots
+    groups = (workload.batch * workload.micro_batches
+              / (workload.prefill_rows * workload.prefill_micro_batches))
+    prefill = groups * predict_prefill(plan, spec, profile, workload.prefill_rows, P, S,
+                                       workload.prefill_micro_batches)
+    decode = predict(plan, spec, profile, "decode", workload.batch, 1, S,
+                     workload.decode_context, workload.micro_batches).seconds
     return prefill, prefill + max(S - P, 1) * decode
 
 
@@ -446,8 +449,8 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
                               plan.kv, plan.name)
 
     def prefill_s(p: ExecutionPlan) -> float:
-        return predict_prefill(p, spec, profile, workload.batch, workload.prompt_tokens,
-                               workload.cache_slots)
+        return predict_prefill(p, spec, profile, workload.prefill_rows, workload.prompt_tokens,
+                               workload.cache_slots, workload.prefill_micro_batches)
 
     try:
         offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)

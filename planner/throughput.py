@@ -3,8 +3,8 @@ the most predicted tokens/s for a batch run under the memory budgets (DESIGN §6
 
 A batch run with iteration-level scheduling (``hx.continuous``) keeps R = B·N sequences
 decoding in the zig-zag block schedule; as rows end, waiting prompts are prefilled k at a time
-(``ContinuousBatcher``'s ``join_min``: k free rows awaited, k a power of two <= B) and
-join. Per generated token the run spends a
+(``ContinuousBatcher``'s ``join_min``: k free rows awaited, k a power of two <= the largest
+join group, B or ``JOIN_ROWS``) and join. Per generated token the run spends a
 share of a decode step and a share of a join prefill (FlexGen's throughput objective, Sheng et
 al. 2023 §4, with the prefill of the prompts that join counted):
 
@@ -13,10 +13,11 @@ al. 2023 §4, with the prefill of the prompts that join counted):
 with G the mean new tokens per prompt, P the mean prompt length, and (k - 1)/2 the mean rows
 idle while a join group gathers (rows ending one at a time). Both times are predicted by
 ``planner.simulator`` from a ``HardwareProfile`` for the plan the placement policy builds at
-that block's workload (its KV caches -- every row's, plus the B spare rows a group is
-prefilled into -- counted against the budget). Larger blocks amortise each streamed weight over more rows
-until the KV cache pushes weights or attention off the accelerator; larger join groups amortise
-a prefill's pass over the streamed weights over more prompts. The search keeps the best.
+that block's workload (its KV caches -- every row's, plus the spare rows a join group is
+prefilled into -- and the group's prefill activations counted against the budget). Larger
+blocks amortise each streamed weight over more rows until the KV cache pushes weights or
+attention off the accelerator; larger join groups amortise a prefill's pass over the
+streamed weights over more prompts. The search keeps the best.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from hx.workload import Workload, round_up
 
 MAX_ROWS = 256  # most rows a block holds (B·N)
 MICRO_BATCHES = (2, 4)  # N tried beside 1 at the best number of rows
+# Largest join group tried beside B (prompts prefilled together, the spare cache rows held):
+# the prefill activations of B rows can push a block of many rows out of the budget, while
+# 32 prompts in 32-token chunks already make 1,024-token prefill steps, where an H100's bf16
+# products run at 0.4-0.8 of their peak (482 TFLOP/s at 256 rows, 617 at 512:
+# docs/measurements/h100-2026-11-23/profile-numpy-attention-llama2-7b-2L.json).
+JOIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class BlockChoice:
 
     Attributes:
       plan: the placement (fitted at ``workload``).
-      workload: (B, join chunk, S, N) with B spare rows (a join group's prefill cache).
+      workload: (B, join chunk, S, N) with spare rows for the largest join group (its
+        prefill cache).
       join_min: k, the free rows a join waits for while rows decode (prefilled together).
       tokens_per_s: predicted generated tokens per second over the run.
       step_s: predicted seconds of one decode step of the whole block.
@@ -75,9 +83,10 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
     prompts, as one micro-batch (the rate is not unimodal in R: it rises while a step
     amortises its weights over more rows, drops when R's KV cache moves to the host, and may
     rise again), then N micro-batches of R/N rows at the best R.
-    At each block every join group k (powers of two up to B) is priced; the plan is placed
-    once per block. Each block costs one placement (a
-    CP-SAT solve for ``cpsat``/``auto``).
+    At each block the largest join group (the spare rows, prefill's rows) is B and, for
+    B > ``JOIN_ROWS``, also ``JOIN_ROWS``, halved while the block does not fit; the plan is
+    placed for each (a CP-SAT solve for ``cpsat``/``auto``), and every join group k (powers
+    of two up to that cap) is priced.
 
     Args:
       prompts: prompts in the run (a block has at most this many rows).
@@ -94,19 +103,35 @@ def choose_block(spec: ModelSpec, profile: HardwareProfile, prompts: int, prompt
     padded = round_up(max(1, round(prompt_tokens)), chunk)
     context = min(cache_slots, round(prompt_tokens + new_tokens / 2))
 
-    def rate(b: int, n: int) -> BlockChoice:
-        workload = Workload(b, chunk, cache_slots, n, spare_rows=b)
+    def rate_capped(b: int, n: int, cap: int) -> BlockChoice:
+        workload = Workload(b, chunk, cache_slots, n, spare_rows=cap)
         plan = place(workload)
         step = predict(plan, spec, profile, "decode", b, 1, cache_slots, context, n).seconds
         joins = plan if plan.prefill_chunk else plan.with_prefill_chunk(chunk)
         best_k: BlockChoice | None = None
-        for k in (1 << i for i in range(b.bit_length())):
+        for k in (1 << i for i in range(cap.bit_length())):
             prefill = predict_prefill(joins, spec, profile, k, padded, cache_slots)
             per_token = step / (b * n - (k - 1) / 2) + prefill / (k * new_tokens)
             choice = BlockChoice(plan, workload, 1 / per_token, step, prefill, k)
             if best_k is None or choice.tokens_per_s > best_k.tokens_per_s:
                 best_k = choice
         return best_k
+
+    def rate(b: int, n: int) -> BlockChoice:
+        # largest join groups: B, then JOIN_ROWS and below, halving while nothing fits
+        caps = [b] + [1 << i for i in reversed(range(JOIN_ROWS.bit_length())) if 1 << i < b]
+        choices: list[BlockChoice] = []
+        for cap in caps:
+            try:
+                choices.append(rate_capped(b, n, cap))
+            except HxError as error:
+                failure = error
+                continue
+            if cap <= JOIN_ROWS:
+                break
+        if not choices:
+            raise failure
+        return max(choices, key=lambda c: c.tokens_per_s)
 
     best = rate(1, 1)  # raises when nothing fits
     for i in range(1, max(1, min(max_rows, prompts)).bit_length()):

@@ -96,8 +96,7 @@ def continuous_run(engine: Engine, block: Workload, prompts, limits, join_min: i
     """Iteration-level scheduling over ``block``, joins waiting for ``join_min`` free rows:
     (token ids per prompt, seconds without compilation)."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    batcher = ContinuousBatcher(engine, block.batch, block.micro_batches, block.prompt_tokens,
-                                join_min)
+    batcher = ContinuousBatcher.for_block(engine, block, join_min)
     began = time.perf_counter()
     done = batcher.run([prompts[i] for i in order], SamplingParams(max(limits)),
                        cache_slots=block.cache_slots, max_new_tokens=[limits[i] for i in order])

@@ -90,19 +90,45 @@ def test_sampled_rows_draw_what_they_draw_alone(tiny_model, prompts):
     assert len({tuple(t) for t in alone}) == len(prompts)
 
 
-def test_the_run_fits_its_estimate(tiny_model, prompts):
+@pytest.mark.parametrize("block", [(2, 2, None), (4, 1, 2)])
+def test_the_run_fits_its_estimate(tiny_model, prompts, block, monkeypatch):
     """Under a budget of exactly the estimate of the run's workload (caches of every row of
-    the block, a spare group, the re-framing temporary), the run completes."""
+    the block, a spare group, the re-framing temporary, prefill activations of the largest
+    join group), the run completes with the tokens each prompt gets alone, and no join
+    prefills more prompts than ``join_max``."""
+    B, N, join_max = block
     plan = PLANS["kv-host-odd"]
     engine = Engine(tiny_model, plan)
-    batcher = ContinuousBatcher(engine, 2, 2)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW)
+    alone = [engine.generate_ids([p], greedy)[0].token_ids for p in prompts]
+    batcher = ContinuousBatcher(engine, B, N, join_max=join_max)
     spec = tiny_model.spec
     slots = run_slots([len(p) for p in prompts],
                       [new_tokens(len(p), MAX_NEW, spec) for p in prompts], spec, batcher.chunk)
     need = estimate(plan, spec, batcher.workload(slots)).accelerator
     engine = Engine(tiny_model, plan, discover(accelerator_memory=need))
-    ContinuousBatcher(engine, 2, 2).run(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    groups = []
+    real = ContinuousBatcher._join
+    monkeypatch.setattr(ContinuousBatcher, "_join", lambda self, group, *rest: (
+        groups.append(len(group)), real(self, group, *rest))[1])
+    got = ContinuousBatcher(engine, B, N, join_max=join_max).run(prompts, greedy)
+    assert [c.token_ids for c in got] == alone
     assert 0 < engine.accountant.peak <= need
+    assert max(groups) == (join_max or B)
+
+
+def test_a_smaller_join_group_needs_less_memory(tiny_model):
+    """Prefill runs only on join groups: capping them at 1 row of a 4-row block sizes
+    prefill at 1 row, so a block whose peak was a 4-row prefill needs less, with 1 spare
+    cache row."""
+    plan = policies.stream_all(3).with_prefill_chunk(64)
+    spec = tiny_model.spec
+    need = {cap: estimate(plan, spec, ContinuousBatcher(Engine(tiny_model, plan), 4,
+                                                           join_max=cap).workload(128))
+            for cap in (1, 4)}
+    assert need[4].phase == "prefill"
+    assert need[1].accelerator < need[4].accelerator
+    assert ContinuousBatcher(Engine(tiny_model, plan), 4, join_max=1).workload(128).rows == 5
 
 
 def test_token_limits_per_prompt(tiny_model, prompts, monkeypatch):

@@ -130,7 +130,7 @@ def test_choose_block_serves_many_rows_per_streamed_layer():
     streams the weights whatever its rows), and it beats one row at a time (a streamed layer
     then serves one sequence) by more than 3x."""
     from hx.planner.simulator import predict_prefill
-    from hx.planner.throughput import choose_block
+    from hx.planner.throughput import JOIN_ROWS, choose_block
 
     spec = PRESETS["llama2-7b"].replace(n_layers=4)
     devices = discover(accelerator_memory=int(spec.weight_bytes * 0.4))  # two staged layers
@@ -141,13 +141,13 @@ def test_choose_block_serves_many_rows_per_streamed_layer():
 
     choice = choose_block(spec, profile, 200, 300.0, 100.0, 512, 64, place)
     w = choice.workload
-    assert w.batch * w.micro_batches > 1 and w.spare_rows == w.batch
+    assert w.batch * w.micro_batches > 1 and w.spare_rows in (w.batch, JOIN_ROWS)
     check_fits(choice.plan, spec, devices, w)
     step = predict(choice.plan, spec, profile, "decode", w.batch, 1, 512, 350,
                    w.micro_batches).seconds
     joins = choice.plan.with_prefill_chunk(choice.plan.prefill_chunk or 64)  # 64-token chunks
     k = choice.join_min
-    assert 1 < k <= w.batch
+    assert 1 < k <= w.spare_rows
     prefill = predict_prefill(joins, spec, profile, k, 320, 512)
     rows = w.batch * w.micro_batches
     assert choice.tokens_per_s == pytest.approx(1 / (step / (rows - (k - 1) / 2)
@@ -155,3 +155,33 @@ def test_choose_block_serves_many_rows_per_streamed_layer():
     one = choose_block(spec, profile, 1, 300.0, 100.0, 512, 64, place)
     assert one.workload.batch * one.workload.micro_batches == 1
     assert choice.tokens_per_s > 3 * one.tokens_per_s
+
+
+def test_choose_block_caps_join_groups_to_fit_more_rows():
+    """Where a join group of B prompts does not fit beside B rows' prefill activations, the
+    block keeps many rows and prefills fewer prompts at a time: the chosen block fits, the
+    same block with joins of B does not, and the rate beats the best block whose joins are
+    B rows (what the search could reach before join groups were capped)."""
+    from hx.planner.throughput import choose_block
+
+    spec = PRESETS["llama2-7b"].replace(n_layers=4)
+    devices = discover(accelerator_memory=int(spec.weight_bytes * 0.3))
+    profile = gpu_like()
+
+    def place(w):
+        return policies.build("stream-all", spec, devices, w)
+
+    choice = choose_block(spec, profile, 256, 300.0, 100.0, 512, 64, place)
+    w = choice.workload
+    assert w.spare_rows < w.batch
+    check_fits(choice.plan, spec, devices, w)
+    with pytest.raises(HxError, match="does not fit"):
+        place(Workload(w.batch, w.prompt_tokens, w.cache_slots, w.micro_batches, w.batch))
+
+    def uncapped(w):
+        if w.spare_rows < w.batch:
+            raise HxError("uncapped search")
+        return place(w)
+
+    assert choice.tokens_per_s > 2 * choose_block(spec, profile, 256, 300.0, 100.0, 512, 64,
+                                                  uncapped).tokens_per_s

@@ -36,8 +36,8 @@ MAX_ROWS = 256  # most rows a block holds (B·N)
 MICRO_BATCHES = (2, 4)  # N tried beside 1 at the best number of rows
 # Largest join group tried beside B (prompts prefilled together, the spare cache rows held):
 # the prefill activations of B rows can push a block of many rows out of the budget, while
-# 32 prompts in 32-token chunks already make 1,024-token prefill steps, where an H100's bf16
-# products run at 0.4-0.8 of their peak (482 TFLOP/s at 256 rows, 617 at 512:
+# 32 prompts in 32-token chunks already make 1,024-token prefill steps, past the rows where an
+# H100's bf16 products reach their peak rate (482 TFLOP/s at 256 rows, 617 at 512 and above:
 # docs/measurements/h100-2026-11-23/profile-numpy-attention-llama2-7b-2L.json).
 JOIN_ROWS = 32
 

@@ -122,13 +122,12 @@ def test_a_smaller_join_group_needs_less_memory(tiny_model):
     prefill at 1 row, so a block whose peak was a 4-row prefill needs less, with 1 spare
     cache row."""
     plan = policies.stream_all(3).with_prefill_chunk(64)
-    spec = tiny_model.spec
-    need = {cap: estimate(plan, spec, ContinuousBatcher(Engine(tiny_model, plan), 4,
-                                                           join_max=cap).workload(128))
-            for cap in (1, 4)}
+    engine = Engine(tiny_model, plan)
+    workloads = {cap: ContinuousBatcher(engine, 4, join_max=cap).workload(128) for cap in (1, 4)}
+    need = {cap: estimate(plan, tiny_model.spec, w) for cap, w in workloads.items()}
     assert need[4].phase == "prefill"
     assert need[1].accelerator < need[4].accelerator
-    assert ContinuousBatcher(Engine(tiny_model, plan), 4, join_max=1).workload(128).rows == 5
+    assert workloads[1].rows == 5
 
 
 def test_token_limits_per_prompt(tiny_model, prompts, monkeypatch):

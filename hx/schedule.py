@@ -179,19 +179,19 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                 stage(next_stream[i])
         if not on_acc:
             read(i)
+        moves = moves_of[i]
+        move_bytes = crossing_bytes(spec, moves, batch, tokens) if moves else 0
         for m in range(micro_batches):
             if (seg.device, m) not in stepped:
                 stepped.add((seg.device, m))
                 nbytes = step_bytes(batch, tokens)
                 out.append(Instruction(STEP, i, m, None, nbytes=nbytes, allocs=(
                     ((step_key(m), "activations", nbytes),) if on_acc else ())))
-            moves = moves_of[i]
             if moves:
-                nbytes = crossing_bytes(spec, moves, batch, tokens)
                 from_host_memory = moves == ("tokens",) and not on_acc
                 out.append(Instruction(
                     MOVE, i, m, None if from_host_memory else (H2D if on_acc else D2H), moves,
-                    nbytes, allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()))
+                    move_bytes, allocs=((INPUT_KEY, "activations", move_bytes),) if on_acc else ()))
             if on_acc:
                 temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
                 allocs = [(TEMP_KEY, "activations", temp)]

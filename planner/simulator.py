@@ -102,10 +102,19 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
 
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
-                    tokens: int, slots: int, context: int) -> float:
-    """Compute seconds of a segment: the sum of its ops."""
-    return sum(op_seconds(spec, profile, segment.device, op, batch, tokens, slots, context)
-               for _, op in segment.ops)
+                    tokens: int, slots: int, context: int,
+                    memo: dict[tuple[str, str], float] | None = None) -> float:
+    """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
+    seconds across the segments of one step (every layer's op has the same shapes)."""
+    memo = {} if memo is None else memo
+    total = 0.0
+    for _, op in segment.ops:
+        key = (segment.device, op)
+        if key not in memo:
+            memo[key] = op_seconds(spec, profile, segment.device, op, batch, tokens, slots,
+                                   context)
+        total += memo[key]
+    return total
 
 
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
@@ -127,6 +136,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     moved: dict[tuple[int, int], int] = {}  # (segment, micro-batch) -> its input transfer
     producer: dict[tuple[str, int], int | None] = {}  # (activation, micro) -> its task
     synced: int | None = None  # the last wait: copies and launches issued after it
+    op_memo: dict[tuple[str, str], float] = {}
+    compute: dict[int, tuple[float, str, int]] = {}  # segment -> seconds, name, disk KV layers
 
     def add(resource, name, duration, deps=(), nbytes=0) -> int:
         tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None),
@@ -156,16 +167,19 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         elif ins.kind == LAUNCH:
             deps = [staged.get(i), read.get(i), moved.get((i, m)),
                     synced if seg.streams else None]
-            on_disk = [layer for layer, op in seg.ops if op == "SCORE" and plan.kv[layer] == DISK]
+            if i not in compute:  # the same for every micro-batch
+                compute[i] = (
+                    profile.device(seg.device).launch_seconds(batch)
+                    + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo),
+                    " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops),
+                    sum(op == "SCORE" and plan.kv[layer] == DISK for layer, op in seg.ops))
+            duration, name, on_disk = compute[i]
             if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
-                nbytes = (len(on_disk) * spec.kv_bytes_per_token() * batch
+                nbytes = (on_disk * spec.kv_bytes_per_token() * batch
                           * host_read_slots(slots, context))
                 deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
                                 [synced], nbytes))
             deps += [producer.get((n, m)) for n in seg.reads]
-            name = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
-            duration = profile.device(seg.device).launch_seconds(batch) + segment_seconds(
-                spec, profile, seg, batch, tokens, slots, context)
             launched[i] = add(seg.device, name if micro_batches == 1 else f"{name} [mb {m}]",
                               duration, deps)
             producer.update({(n, m): launched[i] for n in ins.names})
@@ -191,8 +205,12 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
     1 / (1 + ``contention``) of its speed; while both devices compute at once, each
     computation progresses at a further 1 / (1 + ``compute_contention``)."""
     queues: dict[str, list[int]] = {}
+    pending = [len(t.deps) for t in tasks]  # unfinished dependencies
+    dependents: list[list[int]] = [[] for _ in tasks]
     for i, t in enumerate(tasks):
         queues.setdefault(t.resource, []).append(i)
+        for d in t.deps:
+            dependents[d].append(i)
     heads = {r: 0 for r in queues}
     remaining = [t.duration for t in tasks]
     done = [False] * len(tasks)
@@ -202,7 +220,7 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
         for r, queue in queues.items():
             if r not in running and heads[r] < len(queue):
                 i = queue[heads[r]]
-                if all(done[d] for d in tasks[i].deps):
+                if not pending[i]:
                     running[r] = i
                     tasks[i].start = now
         if not running:
@@ -219,6 +237,8 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
             remaining[i] -= dt * speed[r]
             if remaining[i] <= 1e-12:
                 done[i], tasks[i].end = True, now
+                for j in dependents[i]:
+                    pending[j] -= 1
                 del running[r]
                 heads[r] += 1
     if not all(done):

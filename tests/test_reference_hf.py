@@ -172,18 +172,13 @@ def texts(smollm_bf16):
 
 @pytest.fixture(scope="module")
 def bf16_reference(texts, hf_smollm):
-    """Logits (8, 64, V) of every position: HF in bfloat16 (the GGUF dequantized to bfloat16
-    at load, a plain dense model, SDPA attention) and, for scale, HF in float32."""
-    import os
+    """Logits (8, 64, V) of every position: HF in bfloat16 (the float32 reference cast to
+    bfloat16: the GGUF dequantized to float32, then rounded to nearest even, as loading it with
+    ``dtype=torch.bfloat16`` does and as hx's bfloat16 load does; a plain dense model, SDPA
+    attention) and, for scale, HF in float32."""
+    import copy
 
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    from hx.models.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True)).eval()
+    model = copy.deepcopy(hf_smollm).to(torch.bfloat16).eval()
     with torch.no_grad():
         bf16 = model(torch.tensor(texts)).logits.float().numpy()
         f32 = hf_smollm(torch.tensor(texts)).logits.numpy()

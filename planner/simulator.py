@@ -103,10 +103,9 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
                     tokens: int, slots: int, context: int,
-                    memo: dict[tuple[str, str], float] | None = None) -> float:
+                    memo: dict[tuple[str, str], float]) -> float:
     """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
     seconds across the segments of one step (every layer's op has the same shapes)."""
-    memo = {} if memo is None else memo
     total = 0.0
     for _, op in segment.ops:
         key = (segment.device, op)

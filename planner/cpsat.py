@@ -4,10 +4,13 @@ A layer's pattern fixes where its KV cache (and so SCORE) lives and, for each of
 weighted ops, whether the op runs on the host (weights at home there), on the accelerator with
 resident weights, or on the accelerator with weights streamed in: 2 x 3^6 = 1458 patterns. All
 layers of a model have the same shapes, so a plan is a count per pattern, plus a choice for
-HEAD. Each pattern is priced once by the simulator (the marginal decode time of one more layer
-of it) and by its memory; patterns that another beats on every count are dropped; CP-SAT then
-picks the counts (a full per-op interval model does not scale: no solution in 60 s for
-30 x 7 ops, DESIGN §6). Predicted decode time is minimised subject to:
+HEAD. Each pattern is priced by the simulator -- the marginal time of one more layer of it
+in a decode step and, for the whole-run objective, in a prefill step at the chunk the model is
+solved for -- and by its memory; patterns that another beats on every count are dropped;
+CP-SAT then picks the counts (a full per-op interval model does not scale: no solution in 60 s
+for 30 x 7 ops, DESIGN §6). Minimised: the predicted decode step (Σ n_p decode_p + HEAD) or,
+where prefill is a large part of the run, the run per decode step (Σ n_p (decode_p +
+prefill_p · prefill steps / (S - P)) + HEAD's), subject to:
 
   Σ n_p = L;  accelerator: Σ n_p (resident_p + kv_p) + HEAD + staging + activations ≤ capacity;
   host: Σ n_p host_p + EMBED + HEAD ≤ host capacity;  staging ≥ 2 m and ≥ m + HEAD if HEAD is
@@ -43,11 +46,11 @@ from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict, predict_prefill
 from hx.schedule import disk_bytes, staged_bytes
 from hx.segments import split_segments
-from hx.workload import MIN_CHUNK, Workload
+from hx.workload import MIN_CHUNK, Workload, prefill_chunks
 
 OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
-PREFILL_SHARE = 0.1  # of a run's predicted time, above which plan_cpsat tries larger chunks
+PREFILL_SHARE = 0.1  # of a run, below which plan_cpsat looks no further for a faster prefill
 REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
 
 
@@ -71,7 +74,8 @@ class Pattern:
 
 @dataclass(frozen=True)
 class PatternCost:
-    """What one layer of a pattern costs: seconds per decode step and bytes."""
+    """What one layer of a pattern costs: seconds per decode step, its prefill over a run per
+    decode step (``whole_run_costs``; 0 where not priced), and bytes."""
 
     pattern: Pattern
     seconds: float
@@ -81,6 +85,7 @@ class PatternCost:
     uses_accelerator: bool
     switches: int  # device changes along the layer's ops, into the next layer included
     disk_segment: int = 0  # largest segment's disk-homed weights, bytes (read double-buffered)
+    prefill: float = 0.0  # the run's prefill steps per decode step x the marginal prefill step
 
 
 @dataclass
@@ -90,12 +95,13 @@ class PlannerResult:
     Attributes:
       plan: the chosen plan (validated; fits the budgets).
       status: ``OPTIMAL`` or ``FEASIBLE`` (time limit hit: best plan found, not proven).
-      objective_s / bound_s: predicted decode step (model objective) and the solver's best
-        bound, in seconds; ``gap`` = (objective - bound) / objective.
+      objective_s / bound_s: the model's objective (predicted decode step or, whole-run, the
+        run per decode step: ``solve``) and the solver's best bound, in seconds; ``gap`` =
+        (objective - bound) / objective.
       solve_s: CP-SAT wall time (both solves); ``patterns``: patterns left after pruning.
       counts: layers per pattern in the solution.
-      chosen_s: predicted decode step of the plan taken (within ``tolerance`` of objective_s,
-        with the fewest device switches); ``tolerance``: the fraction used.
+      chosen_s: the same for the plan taken (within ``tolerance`` of objective_s, with the
+        fewest device switches); ``tolerance``: the fraction used.
     """
 
     plan: ExecutionPlan
@@ -119,45 +125,113 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
     return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
 
 
-@functools.lru_cache(maxsize=16)
-def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                   context: int, disk: bool = False) -> tuple[PatternCost, ...]:
-    """Simulated marginal decode time and bytes of one layer of every pattern (cached: the
-    budget does not enter, so planning at many budgets prices once). With ``disk``, every
-    pattern that streams weights has a twin streaming them from disk instead of host memory
-    (FlexGen's weights on disk: read into host memory, then copied on), and every host-KV
-    pattern a twin with its KV cache on disk."""
-    two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
-    kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
-    kv_read = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
-    weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
-    host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
-    costs = []
+def layer_patterns(disk: bool = False) -> list[Pattern]:
+    """Every layer pattern: KV on the accelerator or the host, each weighted op host, resident
+    or streamed. With ``disk``, every pattern that streams weights has a twin streaming them
+    from disk instead of host memory (FlexGen's weights on disk: read into host memory, then
+    copied on), and every host-KV pattern a twin with its KV cache on disk."""
     patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
                 for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
     if disk:
         patterns += [Pattern(p.kv, tuple(DISK if s == STREAMED else s for s in p.ops))
                      for p in patterns if STREAMED in p.ops]
         patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
-    for p in patterns:
-        pair = layer_plan(two, [p, p], HOST, "p")
-        seconds = (predict(pair, two, profile, "decode", workload.batch, 1,
-                           workload.cache_slots, context, workload.micro_batches).seconds
-                   - predict(layer_plan(one, [p], HOST, "p"), one, profile, "decode",
-                             workload.batch, 1, workload.cache_slots, context,
-                             workload.micro_batches).seconds)
+    return patterns
+
+
+def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern, phase: str,
+                     batch: int, tokens: int, slots: int, context: int, micro_batches: int
+                     ) -> float:
+    """Seconds one more layer of ``pattern`` adds to a step of ``phase``: the simulated step
+    of two such layers minus that of one (so a streamed layer's copy overlaps the layer
+    before it, as it does inside a model), at least 0. Arguments as ``simulator.predict``'s."""
+    two, one = spec.replace(n_layers=2), spec.replace(n_layers=1)
+    return max(predict(layer_plan(two, [pattern, pattern], HOST, "p"), two, profile, phase,
+                       batch, tokens, slots, context, micro_batches).seconds
+               - predict(layer_plan(one, [pattern], HOST, "p"), one, profile, phase, batch,
+                         tokens, slots, context, micro_batches).seconds, 0.0)
+
+
+def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with every weighted op of prefill on the accelerator (host-homed weights
+    staged in) and HEAD there too; SCORE stays where its KV cache lives."""
+    rows = tuple(tuple(score_device(kv) if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
+                 for kv in plan.kv)
+    return ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
+                         plan.kv, plan.name)
+
+
+@functools.lru_cache(maxsize=16)
+def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                   context: int, disk: bool = False) -> tuple[PatternCost, ...]:
+    """Simulated marginal decode time and bytes of one layer of every pattern of
+    ``layer_patterns(disk)`` (cached: the budget does not enter, so planning at many budgets
+    prices once)."""
+    two = spec.replace(n_layers=2)
+    kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
+    kv_read = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
+    host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
+    costs = []
+    for p in layer_patterns(disk):
+        seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
+                                   workload.cache_slots, context, workload.micro_batches)
         resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, p.ops) if s == RESIDENT)
         host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
                    for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
+        pair = layer_plan(two, [p, p], HOST, "p")
         segments = split_segments(pair, "decode")
         staged = [staged_bytes(spec, s) for s in segments]
         on_disk = [disk_bytes(pair, spec, s) for s in segments]
         costs.append(PatternCost(
-            p, max(seconds, 0.0), resident + (kv_bytes if p.kv == ACCELERATOR else 0),
+            p, seconds, resident + (kv_bytes if p.kv == ACCELERATOR else 0),
             max(staged), host + (kv_bytes if p.kv == HOST else 0),
             ACCELERATOR in p.devices(), _switches(p.devices()),
             max(on_disk) + (kv_read if p.kv == DISK else 0)))
     return tuple(costs)
+
+
+def prefill_steps(workload: Workload, chunk: int) -> float:
+    """Prefill steps of a run of ``workload`` in chunks of ``chunk`` tokens: ceil(P / chunk)
+    per group of prefill rows (``run_seconds``'s groups)."""
+    return _groups(workload) * len(prefill_chunks(workload.prompt_tokens, chunk))
+
+
+def _groups(workload: Workload) -> float:
+    """Prefill steps a run takes per chunk: its rows over those of one prefill step."""
+    return (workload.batch * workload.micro_batches
+            / (workload.prefill_rows * workload.prefill_micro_batches))
+
+
+def mid_prompt(workload: Workload, chunk: int) -> int:
+    """Cache slots in use at a typical prefill step of ``chunk`` tokens: the prompt half
+    done, the chunk included."""
+    return min(workload.prompt_tokens, (workload.prompt_tokens + chunk + 1) // 2)
+
+
+@functools.lru_cache(maxsize=16)
+def decode_front(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool
+                 ) -> tuple[PatternCost, ...]:
+    """The patterns no other beats in decode time and every byte count (``prune`` of
+    ``price_patterns`` at the decode context; cached)."""
+    return tuple(prune(price_patterns(spec, profile, workload, workload.decode_context, disk)))
+
+
+@functools.lru_cache(maxsize=64)
+def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                    chunk: int, disk: bool = False) -> tuple[PatternCost, ...]:
+    """The patterns of ``decode_front``, each with its prefill over a run per decode step
+    (``prefill``, seconds): its marginal prefill step at ``chunk`` tokens and mid-prompt
+    context, placed as in decode, times ``prefill_steps`` over the run's S - P decode steps.
+    A pattern another beats in decode time and every byte count is priced no further:
+    prefill makes it better only where it runs more on the accelerator, which costs bytes.
+    Cached: planning at many budgets prices once."""
+    share = prefill_steps(workload, chunk) / max(workload.cache_slots - workload.prompt_tokens, 1)
+    tokens, context = min(chunk, workload.prompt_tokens), mid_prompt(workload, chunk)
+    return tuple(dataclasses.replace(c, prefill=share * marginal_seconds(
+        spec, profile, c.pattern, "prefill", workload.prefill_rows, tokens,
+        workload.cache_slots, context, workload.prefill_micro_batches))
+        for c in decode_front(spec, profile, workload, disk))
 
 
 def _switches(devices: tuple[str, ...]) -> int:
@@ -165,9 +239,10 @@ def _switches(devices: tuple[str, ...]) -> int:
 
 
 def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
-    """Drop patterns that another is at least as good as on every count (and better on one)."""
-    m = np.array([[c.seconds, c.resident, c.segment, c.host, c.uses_accelerator, c.switches,
-                   c.disk_segment] for c in costs], dtype=float)
+    """Drop patterns that another is at least as good as on every count (and better on one):
+    time (decode step plus any priced prefill) and bytes."""
+    m = np.array([[c.seconds + c.prefill, c.resident, c.segment, c.host, c.uses_accelerator,
+                   c.switches, c.disk_segment] for c in costs], dtype=float)
     keep = []
     for i in range(len(costs)):
         no_worse = (m <= m[i]).all(axis=1)
@@ -178,17 +253,26 @@ def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
 
 
 def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                 context: int) -> dict[str, float]:
-    """Decode-step time of HEAD in each state, after a host layer (simulated difference)."""
+                 chunk: int | None = None) -> dict[str, float]:
+    """Seconds of HEAD in each state after a host layer (a one-layer simulated run, the same
+    layer whatever the state) in a decode step; with ``chunk``, over a whole run per decode
+    step as ``whole_run_costs`` prices a layer: plus ``prefill_steps`` prefill steps at
+    ``chunk`` tokens over the S - P decode steps."""
     one = spec.replace(n_layers=1)
     host_layer = Pattern(HOST, (HOST,) * len(WEIGHTED_OPS))
 
-    def run(head: str) -> float:
-        return predict(layer_plan(one, [host_layer], head, "h"), one, profile, "decode",
-                       workload.batch, 1, workload.cache_slots, context,
-                       workload.micro_batches).seconds
+    def run(head: str, phase: str, rows: int, tokens: int, context: int, micro: int) -> float:
+        return predict(layer_plan(one, [host_layer], head, "h"), one, profile, phase, rows,
+                       tokens, workload.cache_slots, context, micro).seconds
 
-    return {state: run(state) for state in OP_STATES}
+    decode = {state: run(state, "decode", workload.batch, 1, workload.decode_context,
+                         workload.micro_batches) for state in OP_STATES}
+    if chunk is None:
+        return decode
+    share = prefill_steps(workload, chunk) / max(workload.cache_slots - workload.prompt_tokens, 1)
+    return {state: decode[state] + share * run(
+        state, "prefill", workload.prefill_rows, min(chunk, workload.prompt_tokens),
+        mid_prompt(workload, chunk), workload.prefill_micro_batches) for state in OP_STATES}
 
 
 @dataclass
@@ -245,11 +329,16 @@ def _build(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, float], a
     return _Model(model, n, head, acc_bytes, seconds, switches)
 
 
+def _units(seconds: float) -> int:
+    return round(seconds / TIME_UNIT)
+
+
 def _step_units(costs: list[PatternCost], heads: dict[str, float], n: list, head: dict):
-    """Predicted decode step in TIME_UNITs: per-pattern costs times layer counts, plus the
-    head's; ``n`` and ``head`` are CP-SAT variables (a linear expression) or their values."""
-    return (sum(round(c.seconds / TIME_UNIT) * ni for c, ni in zip(costs, n))
-            + sum(round(heads[s] / TIME_UNIT) * head[s] for s in OP_STATES))
+    """The objective in TIME_UNITs: per-pattern seconds (decode step plus any priced prefill)
+    times layer counts, plus the head's; ``n`` and ``head`` are CP-SAT variables (a linear
+    expression) or their values."""
+    return (sum(_units(c.seconds + c.prefill) * ni for c, ni in zip(costs, n))
+            + sum(_units(heads[s]) * head[s] for s in OP_STATES))
 
 
 def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
@@ -263,40 +352,61 @@ def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
                time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
                ) -> PlannerResult:
-    """The plan minimising predicted decode time per step under the memory budgets, with the
-    largest prefill chunk under which it fits (``policies.fit_prefill_chunk``), and with room
-    for a larger chunk when the run is faster so.
+    """The plan with the shortest predicted run (prefill, then decode steps: ``run_seconds``)
+    of those found by two objectives, under the memory budgets, with the largest prefill
+    chunk under which it fits (``policies.fit_prefill_chunk``).
 
     The CP-SAT model sets aside a step's activations (``memory.activation_reserve``) at a
-    prefill chunk, first ``MIN_CHUNK`` tokens. When the plan found leaves the prompt in
-    several chunks and prefill is more than ``PREFILL_SHARE`` of its predicted run (prefill
-    plus ``cache_slots - prompt_tokens`` decode steps: every chunk of a streamed plan streams
-    the weights again), the model is solved again reserving the next larger chunk of
-    ``policies.CHUNKS``; the plan with the shortest predicted run is kept (FlexGen's OPT-30B
-    setting on the T4: the decode-optimal plan keeps 5 layers' KV on the GPU, leaving room for
-    32-token chunks only, 412 s of prefill instead of 157). Arguments and errors as ``solve``.
+    prefill chunk, first ``MIN_CHUNK`` tokens. Decode-only objective first (the decode step):
+    when the plan found leaves the prompt in several chunks and prefill is more than
+    ``PREFILL_SHARE`` of its predicted run (every chunk of a streamed plan streams the weights
+    again), it is solved again reserving the next larger chunk of ``policies.CHUNKS`` while
+    the run gets shorter (FlexGen's OPT-30B setting on the T4: the decode-optimal plan keeps 5
+    layers' KV on the GPU, leaving room for 32-token chunks only, 412 s of prefill instead of
+    157). If prefill is still more than ``PREFILL_SHARE`` of the best run, the whole-run
+    objective (``solve``'s ``whole_run``: a decode step plus the run's prefill per decode step)
+    is solved at each chunk up to the prompt, smallest first, until one does not fit or its
+    run is no shorter than the previous chunk's (Llama-2-70B at
+    16 x 512 + 32 on a T4: host MLP1s, best for decode, multiply 512-row products on the host
+    in prefill: 0.52 tokens/s simulated, 1.42 with the whole-run plan). Every candidate is
+    sized exactly and priced by ``run_seconds``; the shortest run is kept, so the second
+    objective never makes a plan worse. Arguments and errors as ``solve``.
     """
     from hx.planner.policies import CHUNKS
 
     chunks = sorted({c or workload.prompt_tokens for c in CHUNKS
                      if (c or workload.prompt_tokens) <= workload.prompt_tokens})
-    best, best_s = None, float("inf")
-    for chunk in chunks:
-        if best is not None and (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
+
+    def attempt(chunk: int, whole_run: bool):
+        result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
+                                   seed, tolerance, whole_run)
+        return result, run_seconds(result.plan, spec, profile, workload)
+
+    best, (prefill_s, best_s) = attempt(chunks[0], False)  # raises if nothing fits
+    for chunk in chunks[1:]:  # decode-only, larger chunks while prefill matters
+        if prefill_s <= PREFILL_SHARE * best_s:
+            break
+        if (best.plan.prefill_chunk or workload.prompt_tokens) >= chunk:
             continue
         try:
-            result = plan_with_reserve(spec, profile, devices, workload, chunk,
-                                       time_limit_s, seed, tolerance)
+            result, run = attempt(chunk, False)
         except HxError:
-            if best is None:
-                raise
             break
-        prefill_s, run_s = run_seconds(result.plan, spec, profile, workload)
-        if run_s >= best_s:
+        if run[1] >= best_s:
             break
-        best, best_s = result, run_s
-        if prefill_s <= PREFILL_SHARE * run_s:
-            break
+        best, (prefill_s, best_s) = result, run
+    if prefill_s > PREFILL_SHARE * best_s:  # whole-run objective candidates
+        previous = float("inf")
+        for chunk in chunks:
+            try:
+                result, (_, run_s) = attempt(chunk, True)
+            except HxError:
+                break
+            if run_s < best_s:
+                best, best_s = result, run_s
+            if run_s >= previous:
+                break
+            previous = run_s
     return best
 
 
@@ -306,10 +416,8 @@ def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
     the plan's chunks (every row's: with spare rows, in join groups of ``spare_rows``), then
     ``cache_slots - prompt_tokens`` decode steps at the decode context."""
     P, S = workload.prompt_tokens, workload.cache_slots
-    groups = (workload.batch * workload.micro_batches
-              / (workload.prefill_rows * workload.prefill_micro_batches))
-    prefill = groups * predict_prefill(plan, spec, profile, workload.prefill_rows, P, S,
-                                       workload.prefill_micro_batches)
+    prefill = _groups(workload) * predict_prefill(plan, spec, profile, workload.prefill_rows,
+                                                  P, S, workload.prefill_micro_batches)
     decode = predict(plan, spec, profile, "decode", workload.batch, 1, S,
                      workload.decode_context, workload.micro_batches).seconds
     return prefill, prefill + max(S - P, 1) * decode
@@ -317,7 +425,7 @@ def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
 
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       workload: Workload, chunk: int, time_limit_s: float, seed: int,
-                      tolerance: float | None) -> PlannerResult:
+                      tolerance: float | None, whole_run: bool = False) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
     (``memory.estimate``) with its largest fitting prefill chunk. Should it exceed the
     accelerator or the host budget (the host's read buffers of disk-homed data are only sized
@@ -327,7 +435,8 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
 
     budget = devices
     for attempt in range(REPLANS + 1):
-        result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk)
+        result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
+                       whole_run)
         try:
             result.plan = fit_prefill_chunk(result.plan, spec, devices, workload)
             return result
@@ -347,8 +456,9 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
 
 def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
           time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
-          prefill_chunk: int = MIN_CHUNK) -> PlannerResult:
-    """The plan minimising predicted decode time per step under the memory budgets.
+          prefill_chunk: int = MIN_CHUNK, whole_run: bool = False) -> PlannerResult:
+    """The plan minimising the predicted decode step (or, ``whole_run``, the run per decode
+    step) under the memory budgets.
 
     Args:
       spec: model shapes.
@@ -359,7 +469,11 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
       time_limit_s: CP-SAT time limit; when hit, the best plan found is returned with status
         FEASIBLE and its gap.
       seed: CP-SAT random seed (one worker: the result is deterministic).
-      prefill_chunk: prefill tokens per step the activation reserve is sized at.
+      prefill_chunk: prefill tokens per step the activation reserve is sized at (and, with
+        ``whole_run``, prefill is priced at).
+      whole_run: minimise a decode step plus the run's prefill steps at ``prefill_chunk``
+        over its S - P decode steps, prefill placed as decode (``whole_run_costs``,
+        ``head_seconds``; ``PlannerResult``'s seconds are these); else the decode step.
       tolerance: among plans predicted within this fraction of the optimum, the one with the
         fewest device switches is taken (a second solve): differences smaller than the cost
         model's error are noise, and every switch is a launch and a transfer whose cost varies
@@ -371,15 +485,18 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
       HxError: no plan fits the budgets; the message gives the smallest accelerator budget
         that admits one.
     """
-    context = workload.decode_context
     # the disk tier only when host memory cannot hold the weights and the KV cache: its twins
     # nearly triple the patterns, and CP-SAT's search time with them
     host_need = spec.weight_bytes + spec.n_layers * spec.kv_bytes_per_token() * \
         workload.rows * workload.cache_slots
     disk = bool(profile.disk_read_bandwidth) and devices.host.capacity is not None and \
         host_need > devices.host.capacity
-    costs = prune(price_patterns(spec, profile, workload, context, disk))
-    heads = head_seconds(spec, profile, workload, context)
+    if whole_run:
+        costs = prune(whole_run_costs(spec, profile, workload, prefill_chunk, disk))
+        heads = head_seconds(spec, profile, workload, prefill_chunk)
+    else:
+        costs, heads = list(decode_front(spec, profile, workload, disk)), \
+            head_seconds(spec, profile, workload)
     act = activation_reserve(spec, workload, min(workload.prompt_tokens, prefill_chunk))
     built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
     built.model.Minimize(built.seconds)
@@ -443,10 +560,7 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
     priced over all its prefill chunks at the largest chunk it fits with."""
     from hx.planner.policies import fit_prefill_chunk
 
-    rows = tuple(tuple(score_device(kv) if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
-                 for kv in plan.kv)
-    offloaded = ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
-                              plan.kv, plan.name)
+    offloaded = offloaded_prefill(plan)
 
     def prefill_s(p: ExecutionPlan) -> float:
         return predict_prefill(p, spec, profile, workload.prefill_rows, workload.prompt_tokens,

@@ -7,7 +7,7 @@ from hx.errors import HxError
 from hx.memory import check_fits
 from hx.models.spec import PRESETS
 from hx.planner import policies
-from hx.planner.cpsat import plan_cpsat
+from hx.planner.cpsat import plan_cpsat, solve
 from hx.planner.simulator import predict
 from hx.workload import Workload
 
@@ -53,15 +53,17 @@ def switches(plan) -> int:
 TOLERANCE = 0.05
 
 
+@pytest.mark.parametrize("whole_run", [False, True])
 @pytest.mark.parametrize("batch", [1, 16])
-def test_tolerance_trades_predicted_time_for_fewer_device_switches(batch):
-    """The second solve never adds switches, and stays within the tolerance of the optimum."""
+def test_tolerance_trades_predicted_time_for_fewer_device_switches(batch, whole_run):
+    """The second solve never adds switches, and stays within the tolerance of the optimum,
+    with either objective."""
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
     w = workload(spec, batch)
     for fraction in (0.2, 0.4, 0.7):
         devices = discover(accelerator_memory=int(spec.weight_bytes * fraction))
-        exact = plan_cpsat(spec, profile, devices, w)  # gpu_like: model_error 0
-        simple = plan_cpsat(spec, profile, devices, w, tolerance=TOLERANCE)
+        exact = solve(spec, profile, devices, w, whole_run=whole_run)  # gpu_like: error 0
+        simple = solve(spec, profile, devices, w, tolerance=TOLERANCE, whole_run=whole_run)
         assert exact.chosen_s == pytest.approx(exact.objective_s)
         assert simple.objective_s == pytest.approx(exact.objective_s)
         assert switches(simple.plan) <= switches(exact.plan)

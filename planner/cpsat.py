@@ -363,14 +363,15 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     again), it is solved again reserving the next larger chunk of ``policies.CHUNKS`` while
     the run gets shorter (FlexGen's OPT-30B setting on the T4: the decode-optimal plan keeps 5
     layers' KV on the GPU, leaving room for 32-token chunks only, 412 s of prefill instead of
-    157). If prefill is still more than ``PREFILL_SHARE`` of the best run, the whole-run
-    objective (``solve``'s ``whole_run``: a decode step plus the run's prefill per decode step)
-    is solved at each chunk up to the prompt, smallest first, until one does not fit or its
-    run is no shorter than the previous chunk's (Llama-2-70B at
-    16 x 512 + 32 on a T4: host MLP1s, best for decode, multiply 512-row products on the host
-    in prefill: 0.52 tokens/s simulated, 1.42 with the whole-run plan). Every candidate is
-    sized exactly and priced by ``run_seconds``; the shortest run is kept, so the second
-    objective never makes a plan worse. Arguments and errors as ``solve``.
+    157). If prefill is still more than ``PREFILL_SHARE`` of the best run (and not every
+    layer is resident with its KV cache on the accelerator), the whole-run objective
+    (``solve``'s ``whole_run``: a decode step plus the run's prefill per decode step) is
+    solved at each chunk up to the prompt, smallest first, until one does not fit or its run
+    is no shorter than the previous chunk's. Llama-2-70B at 16 x 512 + 32 on a T4: host
+    MLP1s, best for decode, multiply 512-row products on the host in prefill (0.52 tokens/s
+    simulated, 1.42 with the whole-run plan). Every candidate is sized
+    exactly and priced by ``run_seconds``; the shortest run is kept, so the second objective
+    never makes a plan worse. Arguments and errors as ``solve``.
     """
     from hx.planner.policies import CHUNKS
 
@@ -395,7 +396,10 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
         if run[1] >= best_s:
             break
         best, (prefill_s, best_s) = result, run
-    if prefill_s > PREFILL_SHARE * best_s:  # whole-run objective candidates
+    # whole-run candidates when prefill still matters, unless every layer is resident with
+    # its KV cache on the accelerator (no placement prefills faster)
+    if prefill_s > PREFILL_SHARE * best_s and any(
+            p.kv != ACCELERATOR or set(p.ops) != {RESIDENT} for p in best.counts):
         previous = float("inf")
         for chunk in chunks:
             try:
@@ -557,18 +561,21 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
                    devices: Devices, workload: Workload) -> ExecutionPlan:
     """Keep the decode placement for prefill, or run every weighted op of prefill on the
     accelerator (host weights staged in) when that is predicted faster and still fits; each
-    priced over all its prefill chunks at the largest chunk it fits with."""
+    priced over all its prefill chunks at the largest chunk it fits with. The offloaded plan
+    is sized (XLA compiles) only if its prefill in one step, the fewest weight copies, is
+    predicted faster."""
     from hx.planner.policies import fit_prefill_chunk
-
-    offloaded = offloaded_prefill(plan)
 
     def prefill_s(p: ExecutionPlan) -> float:
         return predict_prefill(p, spec, profile, workload.prefill_rows, workload.prompt_tokens,
                                workload.cache_slots, workload.prefill_micro_batches)
 
     try:
-        offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)
         plan = fit_prefill_chunk(plan, spec, devices, workload)
+        offloaded = offloaded_prefill(plan).with_prefill_chunk(None)
+        if prefill_s(offloaded) >= prefill_s(plan):
+            return plan
+        offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)
     except HxError:
         return plan
     return offloaded if prefill_s(offloaded) < prefill_s(plan) else plan

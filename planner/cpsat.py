@@ -198,7 +198,8 @@ def prefill_steps(workload: Workload, chunk: int) -> float:
 
 
 def _groups(workload: Workload) -> float:
-    """Prefill steps a run takes per chunk: its rows over those of one prefill step."""
+    """Prefill row groups of a run (each takes every chunk in turn): its rows over those of
+    one prefill step."""
     return (workload.batch * workload.micro_batches
             / (workload.prefill_rows * workload.prefill_micro_batches))
 
@@ -369,9 +370,9 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     solved at each chunk up to the prompt, smallest first, until one does not fit or its run
     is no shorter than the previous chunk's. Llama-2-70B at 16 x 512 + 32 on a T4: host
     MLP1s, best for decode, multiply 512-row products on the host in prefill (0.52 tokens/s
-    simulated, 1.42 with the whole-run plan). Every candidate is sized
-    exactly and priced by ``run_seconds``; the shortest run is kept, so the second objective
-    never makes a plan worse. Arguments and errors as ``solve``.
+    simulated, 1.42 with the whole-run plan). Every candidate is sized exactly and priced by
+    ``run_seconds``; the shortest run is kept, so the second objective never makes a plan
+    worse. Arguments and errors as ``solve``.
     """
     from hx.planner.policies import CHUNKS
 

@@ -191,10 +191,15 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     return tuple(costs)
 
 
-def prefill_steps(workload: Workload, chunk: int) -> float:
-    """Prefill steps of a run of ``workload`` in chunks of ``chunk`` tokens: ceil(P / chunk)
-    per group of prefill rows (``run_seconds``'s groups)."""
-    return _groups(workload) * len(prefill_chunks(workload.prompt_tokens, chunk))
+def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
+    """Where the whole-run objective prices prefill in chunks of ``chunk`` tokens: (prefill
+    steps of the run over its S - P decode steps, tokens of a step, cache slots in use at a
+    typical step). Steps: ceil(P / chunk) per group of prefill rows (``run_seconds``'s
+    groups); slots: the prompt half done, the chunk included."""
+    P = workload.prompt_tokens
+    steps = _groups(workload) * len(prefill_chunks(P, chunk))
+    return (steps / max(workload.cache_slots - P, 1), min(chunk, P),
+            min(P, (P + chunk + 1) // 2))
 
 
 def _groups(workload: Workload) -> float:
@@ -202,12 +207,6 @@ def _groups(workload: Workload) -> float:
     one prefill step."""
     return (workload.batch * workload.micro_batches
             / (workload.prefill_rows * workload.prefill_micro_batches))
-
-
-def mid_prompt(workload: Workload, chunk: int) -> int:
-    """Cache slots in use at a typical prefill step of ``chunk`` tokens: the prompt half
-    done, the chunk included."""
-    return min(workload.prompt_tokens, (workload.prompt_tokens + chunk + 1) // 2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -223,12 +222,12 @@ def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workloa
                     chunk: int, disk: bool = False) -> tuple[PatternCost, ...]:
     """The patterns of ``decode_front``, each with its prefill over a run per decode step
     (``prefill``, seconds): its marginal prefill step at ``chunk`` tokens and mid-prompt
-    context, placed as in decode, times ``prefill_steps`` over the run's S - P decode steps.
+    context, placed as in decode, times the run's prefill steps per decode step
+    (``prefill_point``).
     A pattern another beats in decode time and every byte count is priced no further:
     prefill makes it better only where it runs more on the accelerator, which costs bytes.
     Cached: planning at many budgets prices once."""
-    share = prefill_steps(workload, chunk) / max(workload.cache_slots - workload.prompt_tokens, 1)
-    tokens, context = min(chunk, workload.prompt_tokens), mid_prompt(workload, chunk)
+    share, tokens, context = prefill_point(workload, chunk)
     return tuple(dataclasses.replace(c, prefill=share * marginal_seconds(
         spec, profile, c.pattern, "prefill", workload.prefill_rows, tokens,
         workload.cache_slots, context, workload.prefill_micro_batches))
@@ -257,8 +256,8 @@ def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                  chunk: int | None = None) -> dict[str, float]:
     """Seconds of HEAD in each state after a host layer (a one-layer simulated run, the same
     layer whatever the state) in a decode step; with ``chunk``, over a whole run per decode
-    step as ``whole_run_costs`` prices a layer: plus ``prefill_steps`` prefill steps at
-    ``chunk`` tokens over the S - P decode steps."""
+    step as ``whole_run_costs`` prices a layer: plus the run's prefill steps at ``chunk``
+    tokens per decode step (``prefill_point``)."""
     one = spec.replace(n_layers=1)
     host_layer = Pattern(HOST, (HOST,) * len(WEIGHTED_OPS))
 
@@ -270,10 +269,10 @@ def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                          workload.micro_batches) for state in OP_STATES}
     if chunk is None:
         return decode
-    share = prefill_steps(workload, chunk) / max(workload.cache_slots - workload.prompt_tokens, 1)
-    return {state: decode[state] + share * run(
-        state, "prefill", workload.prefill_rows, min(chunk, workload.prompt_tokens),
-        mid_prompt(workload, chunk), workload.prefill_micro_batches) for state in OP_STATES}
+    share, tokens, context = prefill_point(workload, chunk)
+    return {state: decode[state] + share * run(state, "prefill", workload.prefill_rows, tokens,
+                                               context, workload.prefill_micro_batches)
+            for state in OP_STATES}
 
 
 @dataclass
@@ -573,10 +572,11 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
 
     try:
         plan = fit_prefill_chunk(plan, spec, devices, workload)
+        own = prefill_s(plan)
         offloaded = offloaded_prefill(plan).with_prefill_chunk(None)
-        if prefill_s(offloaded) >= prefill_s(plan):
+        if prefill_s(offloaded) >= own:
             return plan
         offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)
     except HxError:
         return plan
-    return offloaded if prefill_s(offloaded) < prefill_s(plan) else plan
+    return offloaded if prefill_s(offloaded) < own else plan

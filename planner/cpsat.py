@@ -342,9 +342,12 @@ def _step_units(costs: list[PatternCost], heads: dict[str, float], n: list, head
 
 
 def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
+    """One CP-SAT worker with a seed, stopped by its deterministic time (a count of work, not
+    wall-clock seconds): the same model gives the same plan however loaded the machine is
+    (a wall-clock limit ended a solve UNKNOWN when the standard grid ran beside other work)."""
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1  # deterministic for a given seed
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     return solver
 
@@ -470,9 +473,12 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
       devices: budgets (accelerator capacity; host capacity when known).
       workload: batch and cache shapes the plan must fit and is priced at (decode context:
         the middle of the cache).
-      time_limit_s: CP-SAT time limit; when hit, the best plan found is returned with status
-        FEASIBLE and its gap.
-      seed: CP-SAT random seed (one worker: the result is deterministic).
+      time_limit_s: CP-SAT's deterministic time limit (its measure of work in "deterministic
+        seconds", independent of machine load; one took 1.5-3.8 wall-clock seconds, median
+        2.1, of one core of the development machine in the standard grid's solves); when hit,
+        the best plan found is returned with status FEASIBLE and its gap.
+      seed: CP-SAT random seed (one worker, a deterministic limit: the result is
+        reproducible).
       prefill_chunk: prefill tokens per step the activation reserve is sized at (and, with
         ``whole_run``, prefill is priced at).
       whole_run: minimise a decode step plus the run's prefill steps at ``prefill_chunk``
@@ -509,7 +515,8 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     status = solver.Solve(built.model)
     solve_s = time.perf_counter() - start
     if status == cp_model.UNKNOWN:
-        raise HxError(f"CP-SAT found no plan within its time limit of {time_limit_s:g} s "
+        raise HxError(f"CP-SAT found no plan within its time limit of {time_limit_s:g} "
+                      f"deterministic s "
                       f"({len(costs)} layer patterns, status UNKNOWN: neither a plan nor a proof "
                       f"that none fits); give it more time (--time-limit)")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -526,7 +533,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         built.model.Minimize(built.switches)
         for v, x in zip(variables, values):
             built.model.AddHint(v, x)
-        simpler = _solver(max(time_limit_s - solve_s, 0.1), seed)
+        simpler = _solver(max(time_limit_s - solver.deterministic_time, 0.1), seed)
         if simpler.Solve(built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             values = [simpler.Value(v) for v in variables]
         solve_s = time.perf_counter() - start

@@ -147,8 +147,8 @@ def run_grid(grid: Grid, time_limit_s: float = 2.0,
              keep: Callable[[GridRow, ExecutionPlan, RunPrediction], None] | None = None
              ) -> list[GridRow]:
     """Plan and simulate every point of ``grid``; ``keep`` sees each feasible row with its plan
-    and prediction (e.g. for Gantt charts). CP-SAT gets ``time_limit_s`` per solve (its best
-    plan when the limit is hit).
+    and prediction (e.g. for Gantt charts). CP-SAT gets ``time_limit_s`` deterministic seconds
+    per solve (its best plan when the limit is hit; the same rows however loaded the machine).
 
     Raises:
       HxError: an unknown model, hardware preset or policy name.

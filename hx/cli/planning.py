@@ -163,7 +163,9 @@ def plan_command(
     batch: int = typer.Option(1, help="Batch the plan is sized and priced for."),
     prompt_tokens: int = typer.Option(128, help="Prompt tokens (padded) of the workload."),
     max_new_tokens: int = typer.Option(128, help="New tokens per prompt of the workload."),
-    time_limit: float = typer.Option(5.0, help="CP-SAT time limit, seconds."),
+    time_limit: float = typer.Option(
+        5.0, help="CP-SAT time limit in deterministic seconds (its measure of work, the same "
+                  "however loaded the machine is; one is about 2 s of one core)."),
     seed: int = typer.Option(0, help="CP-SAT random seed."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan JSON."),
 ) -> None:
@@ -217,7 +219,8 @@ def ablate_command(
     markdown_out: Optional[Path] = typer.Option(None, "--markdown",
                                                 help="Simulated: write the markdown table."),
     figures: Optional[Path] = typer.Option(None, help="Simulated: write PNG figures here."),
-    time_limit: float = typer.Option(2.0, help="Simulated: CP-SAT time limit per solve (s)."),
+    time_limit: float = typer.Option(
+        2.0, help="Simulated: CP-SAT time limit per solve, deterministic seconds (hx plan)."),
 ) -> None:
     """Every policy's plan at several budgets and batches: predicted vs measured decode step
     on this machine, or (--hardware) simulated runs on hardware presets."""

@@ -64,7 +64,8 @@ def simulate_command(
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}."),
     budget: float = typer.Option(1.0, help="Accelerator budget, a fraction of its memory."),
     workload: str = typer.Option("1:512+32", help="[Nx]B:PROMPT+NEW, e.g. 4x16:512+32."),
-    time_limit: float = typer.Option(5.0, help="CP-SAT time limit per solve, seconds."),
+    time_limit: float = typer.Option(
+        5.0, help="CP-SAT time limit per solve, deterministic seconds (see hx plan)."),
     trace: Optional[Path] = typer.Option(None, help="Write the simulated decode step as a "
                                                     "Chrome/Perfetto trace (as --trace of "
                                                     "hx generate)."),

@@ -2,4 +2,5 @@
 
 from hx.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned worker imports it
+    main()

@@ -19,6 +19,14 @@ Instruction kinds, in the order the executor issues them for each segment i:
   ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
   ``free``    end of step: release temporaries, inputs and held activations
 
+The next streaming segment's weights are staged when a streaming segment i is reached, ahead
+of i's input copies -- unless those inputs are ready at once (step inputs, embeddings gathered
+on the host): then the stage follows the last micro-batch's ``move``, since one H2D link
+carries both in issue order and a ready activation must not wait behind a layer's weights
+(the first streamed layer after EMBED did: its input queued behind the second layer's
+weights). An input that comes from host matmuls or attention goes behind the stage: the
+executor blocks on it, and the link would idle meanwhile.
+
 A **block** of N micro-batches (``micro_batches``) runs the zig-zag block schedule of FlexGen
 (Sheng et al. 2023, §4.2): each segment's weights are staged once and every micro-batch passes
 through the segment before the next segment starts, so one copy of a streamed layer serves N·B
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import ModelSpec
+from hx.models.spec import EMBED, ModelSpec
 from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import crossing_bytes
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
@@ -130,6 +138,18 @@ class Schedule:
 TempBytes = Callable[[Segment, int, int, int], int]
 
 
+def inputs_ready(segments: tuple[Segment, ...], i: int, names: tuple[str, ...]) -> bool:
+    """Whether segment ``i``'s inputs ``names`` are ready as soon as they are asked for: step
+    inputs, or outputs of a host segment that only gathers embeddings (no matmul or
+    attention to wait for)."""
+    for name in names:
+        producer = next((seg for seg in reversed(segments[:i]) if name in seg.writes), None)
+        if producer is not None and (producer.device != HOST
+                                     or any(op != EMBED for _, op in producer.ops)):
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=4096)
 def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
                      tokens: int, slots: int, temp_bytes: TempBytes | None = None,
@@ -171,12 +191,16 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
     held: set[tuple[str, int]] = set()
     for i, seg in enumerate(segments):
         on_acc = seg.device == ACCELERATOR
+        late = None  # the next weights, staged after this segment's input copies
         if seg.streams:
             if previous_stream is not None:  # its buffer is reused: wait for it to finish
                 out.append(Instruction(WAIT, previous_stream, resource=SYNC,
                                        frees=(staging_key(previous_stream),)))
             if next_stream[i] is not None:
-                stage(next_stream[i])
+                if moves_of[i] and inputs_ready(segments, i, moves_of[i]):
+                    late = next_stream[i]  # on the H2D link behind inputs ready at once
+                else:  # ahead of inputs the executor would block on while the link idles
+                    stage(next_stream[i])
         if not on_acc:
             read(i)
         moves = moves_of[i]
@@ -192,6 +216,8 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                 out.append(Instruction(
                     MOVE, i, m, None if from_host_memory else (H2D if on_acc else D2H), moves,
                     move_bytes, allocs=((INPUT_KEY, "activations", move_bytes),) if on_acc else ()))
+            if late is not None and m == micro_batches - 1:
+                stage(late)
             if on_acc:
                 temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
                 allocs = [(TEMP_KEY, "activations", temp)]

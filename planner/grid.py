@@ -144,47 +144,84 @@ def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile
 
 def run_grid(grid: Grid, time_limit_s: float = 2.0,
              log: Callable[[str], None] = lambda line: None,
-             keep: Callable[[GridRow, ExecutionPlan, RunPrediction], None] | None = None
-             ) -> list[GridRow]:
+             keep: Callable[[GridRow, ExecutionPlan, RunPrediction], None] | None = None,
+             workers: int = 1) -> list[GridRow]:
     """Plan and simulate every point of ``grid``; ``keep`` sees each feasible row with its plan
     and prediction (e.g. for Gantt charts). CP-SAT gets ``time_limit_s`` deterministic seconds
     per solve (its best plan when the limit is hit; the same rows however loaded the machine).
 
+    With ``workers`` > 1, the (model, hardware) parts run in that many processes (spawned),
+    largest model first; rows come back in the grid's order, equal to a serial run's, and each
+    part's log lines when it is done.
+
     Raises:
       HxError: an unknown model, hardware preset or policy name.
     """
-    rows: list[GridRow] = []
-    for model in grid.models:
-        spec = preset(model).replace(dtype=grid.dtype)
-        for machine in grid.hardware:
-            profile = hardware_profile(machine)
-            for fraction in grid.budgets:
-                budget = int(fraction * profile.accelerator_memory)
-                for scenario in grid.scenarios:
-                    for policy in grid.policies:
-                        row = GridRow(spec.name, machine, fraction, budget, scenario.name,
-                                      policy)
-                        rows.append(row)
-                        try:
-                            plan, need = plan_on(policy, spec, machine, profile, budget,
-                                                 scenario.workload(), time_limit_s)
-                        except HxError as e:
-                            row.error = str(e).splitlines()[0]
-                            continue
-                        run = simulate_run(plan, spec, profile, scenario)
-                        row.plan = plan.name
-                        row.accelerator_bytes = need.accelerator
-                        row.tokens_per_s, row.ttft_s, row.tpot_s = (
-                            run.tokens_per_s, run.ttft_s, run.tpot_s)
-                        row.utilisation = run.utilisation
-                        if keep is not None:
-                            keep(row, plan, run)
-                    best = max((r for r in rows[-len(grid.policies):] if r.tokens_per_s),
-                               key=lambda r: r.tokens_per_s, default=None)
-                    log(f"{spec.name} on {machine} at {fraction:.0%}, {scenario.name}: "
-                        + (f"best {best.policy} {best.tokens_per_s:.1f} tokens/s" if best
-                           else "nothing fits"))
+    parts = [(model, machine) for model in grid.models for machine in grid.hardware]
+    done: dict[tuple[str, str], list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]]]
+    if workers <= 1 or len(parts) == 1:
+        done = {part: run_part(grid, *part, time_limit_s, log) for part in parts}
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        largest_first = sorted(parts, key=lambda part: -preset(part[0]).weight_bytes)
+        done = {}
+        with ProcessPoolExecutor(min(workers, len(parts)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_logged_part, grid, *part, time_limit_s): part
+                       for part in largest_first}
+            for future in as_completed(futures):
+                done[futures[future]], lines = future.result()
+                for line in lines:
+                    log(line)
+    rows = []
+    for part in parts:
+        for row, plan, run in done[part]:
+            rows.append(row)
+            if keep is not None and plan is not None:
+                keep(row, plan, run)
     return rows
+
+
+def _logged_part(grid: Grid, model: str, machine: str, time_limit_s: float):
+    lines: list[str] = []
+    return run_part(grid, model, machine, time_limit_s, lines.append), lines
+
+
+def run_part(grid: Grid, model: str, machine: str, time_limit_s: float,
+             log: Callable[[str], None]
+             ) -> list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]]:
+    """The rows of ``grid`` for one model on one machine, each with its plan and simulated run
+    (None where no plan fits)."""
+    spec = preset(model).replace(dtype=grid.dtype)
+    profile = hardware_profile(machine)
+    out: list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]] = []
+    for fraction in grid.budgets:
+        budget = int(fraction * profile.accelerator_memory)
+        for scenario in grid.scenarios:
+            for policy in grid.policies:
+                row = GridRow(spec.name, machine, fraction, budget, scenario.name, policy)
+                try:
+                    plan, need = plan_on(policy, spec, machine, profile, budget,
+                                         scenario.workload(), time_limit_s)
+                except HxError as e:
+                    row.error = str(e).splitlines()[0]
+                    out.append((row, None, None))
+                    continue
+                run = simulate_run(plan, spec, profile, scenario)
+                row.plan = plan.name
+                row.accelerator_bytes = need.accelerator
+                row.tokens_per_s, row.ttft_s, row.tpot_s = (
+                    run.tokens_per_s, run.ttft_s, run.tpot_s)
+                row.utilisation = run.utilisation
+                out.append((row, plan, run))
+            best = max((r for r, _, _ in out[-len(grid.policies):] if r.tokens_per_s),
+                       key=lambda r: r.tokens_per_s, default=None)
+            log(f"{spec.name} on {machine} at {fraction:.0%}, {scenario.name}: "
+                + (f"best {best.policy} {best.tokens_per_s:.1f} tokens/s" if best
+                   else "nothing fits"))
+    return out
 
 
 def write_csv(rows: Sequence[GridRow], path: str) -> None:

@@ -2,6 +2,7 @@
 --hardware`` writing what they promise."""
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -113,11 +114,16 @@ def test_ablate_hardware_grid_writes_table_csv_json_and_figures(tmp_path):
                 "--policies", "all-accelerator,stream-all", "--budgets", "0.05,1",
                 "--workloads", "1:128+8", "--time-limit", "1", "--csv", str(tmp_path / "g.csv"),
                 "--json", str(tmp_path / "g.json"), "--markdown", str(tmp_path / "g.md"),
-                "--figures", str(tmp_path / "fig"))
+                "--figures", str(tmp_path / "fig"), "--workers", "2")
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader((tmp_path / "g.csv").open()))
     assert len(rows) == 2 * 2 * 2
-    assert len(json.loads((tmp_path / "g.json").read_text())["rows"]) == len(rows)
+    # two worker processes give the rows of a serial run, in the grid's order
+    grid = Grid(models=("llama2-7b:2L",), hardware=("t4", "h100-80gb"),
+                policies=("all-accelerator", "stream-all"), budgets=(0.05, 1.0),
+                scenarios=(Scenario("1:128+8", 1, 128, 8),))
+    serial = [dataclasses.asdict(r) for r in run_grid(grid, time_limit_s=1)]
+    assert json.loads((tmp_path / "g.json").read_text())["rows"] == serial
     # 5 % of a T4 cannot hold two resident 7B layers: all-accelerator must say so
     small = [r for r in rows if r["hardware"] == "t4" and r["budget_fraction"] == "0.05"
              and r["policy"] == "all-accelerator"]

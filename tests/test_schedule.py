@@ -11,7 +11,8 @@ from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.programs import Programs, proxy
-from hx.schedule import LAUNCH, STAGE, WAIT, compile_schedule, dry_run, staged_bytes
+from hx.schedule import (H2D, LAUNCH, MOVE, STAGE, WAIT, compile_schedule, dry_run,
+                         staged_bytes)
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
 
@@ -42,6 +43,23 @@ def test_schedule_launches_every_segment_once_after_its_weights(tiny_model, name
         assert sum(ins.nbytes for ins in schedule.instructions if ins.kind == STAGE) == sum(
             staged_bytes(spec, s) for s in schedule.segments)
         assert dry_run(schedule).peak >= 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_ready_inputs_cross_ahead_of_the_next_weights(tiny_model, micro_batches):
+    """One H2D link carries weights and activations in issue order: the first streamed
+    layer's input (embeddings gathered on the host, ready at once) goes ahead of the next
+    weights; an input from host attention goes behind them (the executor blocks on it)."""
+    spec = tiny_model.spec
+    schedule = compile_schedule(policies.stream_all(spec.n_layers), spec, "decode", 2, 1, 32,
+                                micro_batches=micro_batches)
+    link = [(ins.kind, ins.segment) for ins in schedule.instructions if ins.resource == H2D]
+    qkv0, out0, qkv1 = [i for i, seg in enumerate(schedule.segments) if seg.streams][:3]
+    assert schedule.segments[qkv0 + 1].ops == ((0, "SCORE"),)  # host attention between
+    moves_of = lambda i: [k for k, x in enumerate(link) if x == (MOVE, i)]
+    assert len(moves_of(qkv0)) == len(moves_of(out0)) == micro_batches
+    assert max(moves_of(qkv0)) < link.index((STAGE, out0))
+    assert link.index((STAGE, qkv1)) < min(moves_of(out0))
 
 
 def test_dry_run_frees_everything_it_allocates(tiny_model):

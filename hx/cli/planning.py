@@ -4,6 +4,7 @@ policies."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from itertools import groupby
 from pathlib import Path
@@ -221,6 +222,9 @@ def ablate_command(
     figures: Optional[Path] = typer.Option(None, help="Simulated: write PNG figures here."),
     time_limit: float = typer.Option(
         2.0, help="Simulated: CP-SAT time limit per solve, deterministic seconds (hx plan)."),
+    workers: int = typer.Option(
+        len(os.sched_getaffinity(0)), help="Simulated: processes the (model, machine) parts "
+                                           "run in (default: one per usable core)."),
 ) -> None:
     """Every policy's plan at several budgets and batches: predicted vs measured decode step
     on this machine, or (--hardware) simulated runs on hardware presets."""
@@ -230,7 +234,7 @@ def ablate_command(
         from hx.cli.simulate import ablate_grid, grid_from_options
 
         grid = grid_from_options(model, hardware, policy_names, budgets, workloads, dtype)
-        ablate_grid(grid, json_out, csv_out, markdown_out, figures, time_limit)
+        ablate_grid(grid, json_out, csv_out, markdown_out, figures, time_limit, workers)
         return
 
     loaded = load(model, resolve_dtype(dtype))  # auto decides without starting the backends

@@ -99,7 +99,7 @@ def simulate_command(
 
 def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
                 markdown_out: Optional[Path], figures: Optional[Path],
-                time_limit: float) -> list[GridRow]:
+                time_limit: float, workers: int = 1) -> list[GridRow]:
     """Run ``grid`` (``hx ablate --hardware``), print its table and write what was asked."""
     steps: dict[tuple, dict] = {}
 
@@ -110,7 +110,7 @@ def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
     note(f"simulating {grid.size} runs ({len(grid.models)} models x {len(grid.hardware)} "
          f"machines x {len(grid.budgets)} budgets x {len(grid.scenarios)} workloads x "
          f"{len(grid.policies)} policies)")
-    rows = run_grid(grid, time_limit, log=note, keep=keep)
+    rows = run_grid(grid, time_limit, log=note, keep=keep, workers=workers)
     table = Table(title="simulated generation throughput (tokens/s)")
     head, cells = throughput_table(rows, grid.policies, "*%s*")
     for col in head:

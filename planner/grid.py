@@ -17,6 +17,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -125,6 +127,9 @@ class GridRow:
     error: str | None = None
 
 
+Outcome = tuple[GridRow, ExecutionPlan | None, RunPrediction | None]  # a row, its plan, run
+
+
 def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile,
             budget: int, workload: Workload, time_limit_s: float = 2.0
             ) -> tuple[ExecutionPlan, MemoryEstimate]:
@@ -158,13 +163,10 @@ def run_grid(grid: Grid, time_limit_s: float = 2.0,
       HxError: an unknown model, hardware preset or policy name.
     """
     parts = [(model, machine) for model in grid.models for machine in grid.hardware]
-    done: dict[tuple[str, str], list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]]]
+    done: dict[tuple[str, str], list[Outcome]]
     if workers <= 1 or len(parts) == 1:
         done = {part: run_part(grid, *part, time_limit_s, log) for part in parts}
     else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
         largest_first = sorted(parts, key=lambda part: -preset(part[0]).weight_bytes)
         done = {}
         with ProcessPoolExecutor(min(workers, len(parts)),
@@ -184,19 +186,19 @@ def run_grid(grid: Grid, time_limit_s: float = 2.0,
     return rows
 
 
-def _logged_part(grid: Grid, model: str, machine: str, time_limit_s: float):
+def _logged_part(grid: Grid, model: str, machine: str, time_limit_s: float
+                 ) -> tuple[list[Outcome], list[str]]:
     lines: list[str] = []
     return run_part(grid, model, machine, time_limit_s, lines.append), lines
 
 
 def run_part(grid: Grid, model: str, machine: str, time_limit_s: float,
-             log: Callable[[str], None]
-             ) -> list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]]:
+             log: Callable[[str], None]) -> list[Outcome]:
     """The rows of ``grid`` for one model on one machine, each with its plan and simulated run
     (None where no plan fits)."""
     spec = preset(model).replace(dtype=grid.dtype)
     profile = hardware_profile(machine)
-    out: list[tuple[GridRow, ExecutionPlan | None, RunPrediction | None]] = []
+    out: list[Outcome] = []
     for fraction in grid.budgets:
         budget = int(fraction * profile.accelerator_memory)
         for scenario in grid.scenarios:

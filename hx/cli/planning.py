@@ -223,8 +223,8 @@ def ablate_command(
     time_limit: float = typer.Option(
         2.0, help="Simulated: CP-SAT time limit per solve, deterministic seconds (hx plan)."),
     workers: int = typer.Option(
-        len(os.sched_getaffinity(0)), help="Simulated: processes the (model, machine) parts "
-                                           "run in (default: one per usable core)."),
+        os.cpu_count() or 1, help="Simulated: processes the (model, machine) parts run in "
+                                  "(default: one per CPU core)."),
 ) -> None:
     """Every policy's plan at several budgets and batches: predicted vs measured decode step
     on this machine, or (--hardware) simulated runs on hardware presets."""

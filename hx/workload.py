@@ -71,6 +71,10 @@ class Workload:
       spare_rows: KV-cache rows held beside the block's: iteration-level scheduling prefills
         a group of joining prompts, at most this many, into cache rows of their own before
         copying them into the block. With spare rows, prefill runs only on such a group.
+      new_tokens: G, tokens each row generates (the first by prefill); None: until the cache
+        is full, S - T. The planners weigh prefill against G - 1 decode steps at the
+        mid-generation context: the cache is rounded up to ``CACHE_BUCKET`` slots, so S - T
+        can be twice G (512 + 32 tokens: 64 slots past the prompt).
     """
 
     batch: int
@@ -78,6 +82,7 @@ class Workload:
     cache_slots: int
     micro_batches: int = 1
     spare_rows: int = 0
+    new_tokens: int | None = None
 
     @property
     def rows(self) -> int:
@@ -95,10 +100,21 @@ class Workload:
         return 1 if self.spare_rows else self.micro_batches
 
     @property
+    def generated(self) -> int:
+        """G: tokens each row generates (``new_tokens``, else until the cache is full)."""
+        return self.cache_slots - self.prompt_tokens if self.new_tokens is None \
+            else self.new_tokens
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps of a run: G - 1 (prefill yields the first token), at least 0."""
+        return max(self.generated - 1, 0)
+
+    @property
     def decode_context(self) -> int:
-        """Cache slots in use at a typical decode step: mid-way from the prompt to a full
-        cache (what the planners price decode at)."""
-        return (self.prompt_tokens + self.cache_slots) // 2
+        """Cache slots in use at a typical decode step: mid-way through generation,
+        T + G/2 (what the planners price decode at)."""
+        return self.prompt_tokens + self.generated // 2
 
     @classmethod
     def for_prompts(cls, batch: int, longest_prompt: int, max_new_tokens: int,
@@ -106,4 +122,5 @@ class Workload:
         """The workload of a batch of ``batch`` prompts, the longest ``longest_prompt``
         tokens, each generating up to ``max_new_tokens``."""
         return cls(batch, padded_length(longest_prompt, spec),
-                   cache_length(longest_prompt, max_new_tokens, spec))
+                   cache_length(longest_prompt, max_new_tokens, spec),
+                   new_tokens=new_tokens(longest_prompt, max_new_tokens, spec))

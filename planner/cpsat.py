@@ -38,7 +38,7 @@ from ortools.sat.python import cp_model
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_reserve, estimate
+from hx.memory import activation_reserve, check_fits, estimate
 from hx.models.spec import HOST_DTYPE, LAYER_OPS, ModelSpec
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
@@ -52,6 +52,7 @@ OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accele
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
 PREFILL_SHARE = 0.1  # of a run, below which plan_cpsat looks no further for a faster prefill
 REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
+RECLAIM = 0.02  # of the accelerator budget: reserved activations a plan leaves unused, to reclaim
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class PlannerResult:
       counts: layers per pattern in the solution.
       chosen_s: the same for the plan taken (within ``tolerance`` of objective_s, with the
         fewest device switches); ``tolerance``: the fraction used.
+      model_bytes: accelerator bytes of the plan taken as the model counts them (the
+        activation reserve included; ``memory.estimate`` sizes the plan exactly).
     """
 
     plan: ExecutionPlan
@@ -114,6 +117,7 @@ class PlannerResult:
     counts: dict[Pattern, int]
     chosen_s: float
     tolerance: float
+    model_bytes: int
 
 
 def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
@@ -142,19 +146,24 @@ def layer_patterns(disk: bool = False) -> list[Pattern]:
 def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern, phase: str,
                      batch: int, tokens: int, slots: int, context: int, micro_batches: int
                      ) -> float:
-    """Seconds one more layer of ``pattern`` adds to a step of ``phase``: the simulated step
-    of two such layers minus that of one (so a streamed layer's copy overlaps the layer
-    before it, as it does inside a model), at least 0; HEAD resident on the accelerator, so
-    that a host HEAD's work for one micro-batch cannot hide the layers' work for the next
-    (with HEAD on the host, a resident OPT-30B layer priced at 5.6 ms of decode at 4 x 16 rows
-    on the H100 preset where a 48-layer stack takes 22.9 ms per layer). Arguments as
-    ``simulator.predict``'s."""
+    """Seconds one more layer of ``pattern`` adds to a step of ``phase`` in a stack of such
+    layers: the simulated step of three minus that of two, at least 0. HEAD is resident on
+    the accelerator, so that a host HEAD's work for one micro-batch cannot hide the layers'
+    work for the next (with HEAD on the host, a resident OPT-30B layer priced at 5.6 ms of
+    decode at 4 x 16 rows on the H100 preset where a 48-layer stack takes 22.9 ms per layer).
+    Three minus two, not two minus one: the first layer's copy and the last layer's work
+    overlap the step's ends, so a one-layer step is no steady state (OPT-30B, 4 x 16 rows, A10G
+    preset: a layer with its KV cache on the accelerator and MLP2 on the host priced at
+    122 ms by two minus one, 165 ms by three minus two and per layer of an eight-layer stack;
+    over every seventh pattern, on five rows of the standard grid, two minus one was more
+    than 2 % off the eight-layer stack's per-layer time for 2-24 % of them, by up to 81 %;
+    three minus two for at most 3 %). Arguments as ``simulator.predict``'s."""
     def step(n: int) -> float:
         shapes = spec.replace(n_layers=n)
         return predict(layer_plan(shapes, [pattern] * n, RESIDENT, "p"), shapes, profile, phase,
                        batch, tokens, slots, context, micro_batches).seconds
 
-    return max(step(2) - step(1), 0.0)
+    return max(step(3) - step(2), 0.0)
 
 
 def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
@@ -198,12 +207,12 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
 
 def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
     """Where the whole-run objective prices prefill in chunks of ``chunk`` tokens: (prefill
-    steps of the run over its S - P decode steps, tokens of a step, cache slots in use at a
-    typical step). Steps: ceil(P / chunk) per group of prefill rows (``run_seconds``'s
+    steps of the run over its decode steps (``Workload.decode_steps``), tokens of a step, cache
+    slots in use at a typical step). Steps: ceil(P / chunk) per group of prefill rows (``run_seconds``'s
     groups); slots: the prompt half done, the chunk included."""
     P = workload.prompt_tokens
     steps = _groups(workload) * len(prefill_chunks(P, chunk))
-    return (steps / max(workload.cache_slots - P, 1), min(chunk, P),
+    return (steps / max(workload.decode_steps, 1), min(chunk, P),
             min(P, (P + chunk + 1) // 2))
 
 
@@ -426,43 +435,79 @@ def run_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                 workload: Workload) -> tuple[float, float]:
     """(prefill, prefill + decode) predicted seconds of a run of ``workload``: the prompt in
     the plan's chunks (every row's: with spare rows, in join groups of ``spare_rows``), then
-    ``cache_slots - prompt_tokens`` decode steps at the decode context."""
+    ``workload.decode_steps`` decode steps at the decode context."""
     P, S = workload.prompt_tokens, workload.cache_slots
     prefill = _groups(workload) * predict_prefill(plan, spec, profile, workload.prefill_rows,
                                                   P, S, workload.prefill_micro_batches)
     decode = predict(plan, spec, profile, "decode", workload.batch, 1, S,
                      workload.decode_context, workload.micro_batches).seconds
-    return prefill, prefill + max(S - P, 1) * decode
+    return prefill, prefill + workload.decode_steps * decode
 
 
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       workload: Workload, chunk: int, time_limit_s: float, seed: int,
                       tolerance: float | None, whole_run: bool = False) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
-    (``memory.estimate``) with its largest fitting prefill chunk. Should it exceed the
-    accelerator or the host budget (the host's read buffers of disk-homed data are only sized
-    there), the model is solved again with that budget lowered by the shortfall (at most
-    ``REPLANS`` times), so the returned plan always fits."""
+    (``memory.estimate``) with its largest fitting prefill chunk.
+
+    The reserve (``memory.activation_reserve``) is an upper bound taken before the plan is
+    known -- every activation on the accelerator, twice, and the XLA temporaries of the
+    whole model as one segment -- and overstates a streamed plan's by up to 2.3 GB (OPT-30B,
+    4 x 16 rows, 128-token chunks on the A10G preset: 3.55 GB reserved, 1.29 GB needed), room
+    a plan could hold KV caches or resident weights in. When the plan's exact activations at
+    ``chunk`` fall short of the reserve by more than ``RECLAIM`` of the accelerator budget,
+    the model is solved again with the budget raised by the difference (lowered again by any
+    shortfall at ``chunk``: the room is for the chunk's activations), and that plan is taken
+    if ``run_seconds`` predicts a shorter run.
+    Should a plan exceed the accelerator or the host budget (the host's read buffers of
+    disk-homed data are only sized there), the model is solved again with that budget lowered
+    by the shortfall (at most ``REPLANS`` times), so the returned plan always fits."""
+    result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s, seed,
+                     tolerance, whole_run, MIN_CHUNK)
+    capacity = devices.accelerator.capacity
+    unused = activation_reserve(spec, workload, min(workload.prompt_tokens, chunk)) - estimate(
+        result.plan.with_prefill_chunk(chunk), spec, workload).activations
+    if capacity is None or unused <= RECLAIM * capacity:
+        return result
+    raised = dataclasses.replace(devices, accelerator=dataclasses.replace(
+        devices.accelerator, capacity=capacity + unused))
+    try:
+        roomier = _fitted(spec, profile, devices, raised, workload, chunk, time_limit_s, seed,
+                          tolerance, whole_run, chunk)
+    except HxError:
+        return result
+    runs = [run_seconds(r.plan, spec, profile, workload)[1] for r in (result, roomier)]
+    return roomier if runs[1] < runs[0] else result
+
+
+def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget: Devices,
+            workload: Workload, chunk: int, time_limit_s: float, seed: int,
+            tolerance: float | None, whole_run: bool, smallest: int) -> PlannerResult:
+    """``solve`` under ``budget``, lowered by any shortfall until the plan fits ``devices`` in
+    prefill chunks of ``smallest`` tokens or more (``plan_with_reserve``)."""
     from hx.planner.policies import fit_prefill_chunk
 
-    budget = devices
     for attempt in range(REPLANS + 1):
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
                        whole_run)
-        try:
+        smallest_plan = result.plan.with_prefill_chunk(smallest)
+        need = estimate(smallest_plan, spec, workload)
+        over = {side: getattr(need, side) - getattr(devices, side).capacity
+                for side in ("accelerator", "host")
+                if getattr(devices, side).capacity is not None}
+        if max(over.values(), default=0) <= 0:
             result.plan = fit_prefill_chunk(result.plan, spec, devices, workload)
             return result
-        except HxError:
-            need = estimate(result.plan.with_prefill_chunk(MIN_CHUNK), spec, workload)
-            over = {side: getattr(need, side) - getattr(devices, side).capacity
-                    for side in ("accelerator", "host")
-                    if getattr(devices, side).capacity is not None}
-            if attempt == REPLANS or max(over.values(), default=0) <= 0:
-                raise
-            budget = dataclasses.replace(budget, **{
-                side: dataclasses.replace(getattr(budget, side),
-                                          capacity=getattr(budget, side).capacity - bytes_over)
-                for side, bytes_over in over.items() if bytes_over > 0})
+        if attempt == REPLANS:
+            check_fits(smallest_plan, spec, devices, workload)  # raises, saying by how much
+        # below the bytes the model counted for this plan, less the shortfall: lowering a
+        # budget the plan did not fill by the shortfall alone can return the same plan
+        counted = {"accelerator": result.model_bytes}
+        budget = dataclasses.replace(budget, **{
+            side: dataclasses.replace(getattr(budget, side), capacity=min(
+                getattr(budget, side).capacity, counted.get(side, getattr(budget, side).capacity))
+                - bytes_over)
+            for side, bytes_over in over.items() if bytes_over > 0})
     raise AssertionError("unreachable")
 
 
@@ -532,6 +577,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     status_name = solver.StatusName(status)
     variables = built.n + list(built.head.values())
     values = [solver.Value(v) for v in variables]
+    model_bytes = solver.Value(built.accelerator_bytes)
     tolerance = profile.model_error if tolerance is None else tolerance
     if tolerance > 0:  # best effort: the optimum found above stands if this finds nothing
         built.model.Add(built.seconds <= round(solver.ObjectiveValue() * (1 + tolerance)))
@@ -541,6 +587,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         simpler = _solver(max(time_limit_s - solver.deterministic_time, 0.1), seed)
         if simpler.Solve(built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             values = [simpler.Value(v) for v in variables]
+            model_bytes = simpler.Value(built.accelerator_bytes)
         solve_s = time.perf_counter() - start
     n, head = values[:len(built.n)], dict(zip(built.head, values[len(built.n):]))
     chosen = _step_units(costs, heads, n, head) * TIME_UNIT
@@ -553,7 +600,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
                           workload)
     return PlannerResult(plan, status_name, objective, bound,
                          (objective - bound) / objective if objective else 0.0, solve_s,
-                         len(costs), counts, chosen, tolerance)
+                         len(costs), counts, chosen, tolerance, model_bytes)
 
 
 def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, status) -> str:

@@ -49,7 +49,8 @@ class Scenario:
     def workload(self) -> Workload:
         """The planner's ``Workload``: KV slots for the prompt and every new token."""
         slots = round_up(self.prompt_tokens + self.new_tokens, CACHE_BUCKET)
-        return Workload(self.batch, self.prompt_tokens, slots, self.micro_batches)
+        return Workload(self.batch, self.prompt_tokens, slots, self.micro_batches,
+                        new_tokens=self.new_tokens)
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,11 @@ def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                  scenario: Scenario) -> RunPrediction:
     """Prefill then decode of ``scenario`` under ``plan`` (module docstring's formula)."""
     w = scenario.workload()
-    B, N, P, G = scenario.batch, scenario.micro_batches, scenario.prompt_tokens, \
-        scenario.new_tokens
+    B, N, P = scenario.batch, scenario.micro_batches, scenario.prompt_tokens
     prefill = predict_prefill(plan, spec, profile, B, P, w.cache_slots, N)
-    decode = predict(plan, spec, profile, "decode", B, 1, w.cache_slots, P + G // 2, N)
-    total = prefill + (G - 1) * decode.seconds
-    return RunPrediction(B * N * G / total, prefill, decode.seconds,
+    decode = predict(plan, spec, profile, "decode", B, 1, w.cache_slots, w.decode_context, N)
+    total = prefill + w.decode_steps * decode.seconds
+    return RunPrediction(B * N * w.generated / total, prefill, decode.seconds,
                          {r: busy / decode.seconds for r, busy in decode.busy.items()}, decode)
 
 

@@ -90,6 +90,9 @@ def test_run_is_prefill_then_decode_steps():
     step = predict(plan, spec, profile, "decode", 4, 1, S, 136, 2).seconds
     assert run.ttft_s == prefill and run.tpot_s == step
     assert run.tokens_per_s == pytest.approx(8 * 16 / (prefill + 15 * step))
+    # the planner prices the run the grid reports: G - 1 decode steps, not the cache's S - P
+    assert run_seconds(plan, spec, profile, scenario.workload()) == \
+        pytest.approx((prefill, prefill + 15 * step))
     assert 0 < run.utilisation["H2D"] <= 1 and 0 < run.utilisation["accelerator"] <= 1
 
 

@@ -126,6 +126,47 @@ def test_minimum_feasible_budget_is_stated_and_is_feasible():
     check_fits(result.plan, spec, discover(accelerator_memory=minimum, host_memory=host), w)
 
 
+def test_reserved_activations_the_plan_leaves_unused_are_reclaimed():
+    """The activation reserve is sized before the plan is known (every activation on the
+    accelerator): at SmolLM2's shapes, 4 x 16 rows and a quarter of its weights' bytes, the
+    first plan uses a fraction of it. Solving again with the unused room gives a plan that
+    still fits and a predicted run shorter than the first plan's, never longer."""
+    from hx.planner.cpsat import _fitted, plan_with_reserve, run_seconds
+
+    spec, profile = PRESETS["smollm2-135m"], gpu_like()
+    w = Workload(16, 256, 320, 4, new_tokens=32)
+    devices = discover(accelerator_memory=int(spec.weight_bytes * 0.25))
+    first = _fitted(spec, profile, devices, devices, w, 32, 2.0, 0, None, False, 32)
+    result = plan_with_reserve(spec, profile, devices, w, 32, 2.0, 0, None)
+    check_fits(result.plan, spec, devices, w)
+    first_s, reclaimed_s = (run_seconds(r.plan, spec, profile, w)[1] for r in (first, result))
+    assert reclaimed_s < 0.9 * first_s
+
+
+def test_pattern_price_is_a_layer_of_a_deep_stack():
+    """A pattern's marginal decode seconds equal a layer's share of a deep stack of it: the
+    pattern two-minus-one layers mispriced by 26 % (``marginal_seconds``), and another."""
+    from hx.planner.cpsat import Pattern, layer_plan, marginal_seconds
+    from hx.planner.hardware import hardware_profile
+    from hx.plan import RESIDENT
+
+    spec = PRESETS["opt-30b"].replace(dtype="float16")
+    profile = hardware_profile("a10g")
+    w = Workload(16, 512, 576, 4, new_tokens=32)
+    args = (w.batch, 1, w.cache_slots, w.decode_context, w.micro_batches)
+
+    def step(pattern, n):
+        shapes = spec.replace(n_layers=n)
+        return predict(layer_plan(shapes, [pattern] * n, RESIDENT, "p"), shapes, profile,
+                       "decode", *args).seconds
+
+    for pattern in (Pattern("accelerator", ("streamed",) * 5 + ("host",)),
+                    Pattern("host", ("streamed",) * 6)):
+        deep = (step(pattern, 8) - step(pattern, 4)) / 4
+        assert marginal_seconds(spec, profile, pattern, "decode", *args) == \
+            pytest.approx(deep, rel=0.01)
+
+
 def test_choose_block_serves_many_rows_per_streamed_layer():
     """On a GPU-like profile with weights streamed, the chosen block fits, its rate is the
     formula's for the plan at that block and its join group, joins are grouped (a prefill

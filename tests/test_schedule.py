@@ -7,7 +7,7 @@ from hx.devices import ACCELERATOR, discover
 from hx.generate import Engine
 from hx.memory import estimate
 from hx.models.loader import Model
-from hx.models.spec import ModelSpec
+from hx.models.spec import PRESETS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.programs import Programs, proxy
@@ -97,6 +97,18 @@ def test_prefill_chunks_cover_the_prompt():
             chunks = prefill_chunks(T, chunk)
             assert sum(chunks) == T and all(0 < c <= (chunk or T) for c in chunks)
             assert len(set(chunks[1:])) <= 1  # one compiled shape after the first
+
+
+def test_workload_counts_the_tokens_asked_for_not_the_rounded_cache():
+    """512 + 32 tokens round up to 576 slots; the run has 31 decode steps (prefill gives the
+    first token) priced at the middle of generation, not 63 at the middle of the cache."""
+    spec = PRESETS["llama2-7b"]
+    w = Workload.for_prompts(16, 512, 32, spec)
+    assert (w.cache_slots, w.generated, w.decode_steps, w.decode_context) == (576, 32, 31, 528)
+    full = Workload(16, 512, 576)  # no generation length: until the cache is full
+    assert (full.generated, full.decode_steps, full.decode_context) == (64, 63, 544)
+    near_end = Workload.for_prompts(1, spec.context_length - 8, 32, spec)
+    assert near_end.generated == 8  # the context cuts max_new_tokens short
 
 
 def test_chunking_bounds_prefill_memory(tiny_model):

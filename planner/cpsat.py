@@ -490,13 +490,20 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
     for attempt in range(REPLANS + 1):
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
                        whole_run)
+        try:
+            fitted = fit_prefill_chunk(result.plan, spec, devices, workload)
+            if (fitted.prefill_chunk or workload.prompt_tokens) >= smallest:
+                result.plan = fitted
+                return result
+        except HxError:
+            pass
         smallest_plan = result.plan.with_prefill_chunk(smallest)
         need = estimate(smallest_plan, spec, workload)
         over = {side: getattr(need, side) - getattr(devices, side).capacity
                 for side in ("accelerator", "host")
                 if getattr(devices, side).capacity is not None}
-        if max(over.values(), default=0) <= 0:
-            result.plan = fit_prefill_chunk(result.plan, spec, devices, workload)
+        if max(over.values(), default=0) <= 0:  # fits at smallest, a larger chunk did not
+            result.plan = smallest_plan
             return result
         if attempt == REPLANS:
             check_fits(smallest_plan, spec, devices, workload)  # raises, saying by how much

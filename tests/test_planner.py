@@ -2,7 +2,7 @@
 
 import pytest
 
-from hx.devices import discover
+from hx.devices import ACCELERATOR, discover
 from hx.errors import HxError
 from hx.memory import check_fits
 from hx.models.spec import PRESETS
@@ -93,6 +93,22 @@ def test_cpsat_beats_every_baseline_in_prediction(fraction, batch):
             assert "minimum feasible budget" in str(e)
             continue
         assert best <= step(plan) * 1.05, name
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_cpsat_runs_as_fast_as_all_accelerator_where_the_model_fits(batch):
+    """EMBED is outside the pattern model; with room for its table, the plan gathers on the
+    accelerator too, and no plan is predicted faster than having everything there."""
+    from hx.planner.cpsat import run_seconds
+
+    spec, profile = PRESETS["smollm2-135m"], gpu_like()
+    w = workload(spec, batch)
+    devices = discover(accelerator_memory=int(spec.weight_bytes * 2))
+    plan = plan_cpsat(spec, profile, devices, w).plan
+    every = policies.build("all-accelerator", spec, devices, w)
+    assert plan.decode.embed == ACCELERATOR
+    assert run_seconds(plan, spec, profile, w)[1] <= \
+        run_seconds(every, spec, profile, w)[1] * (1 + 1e-9)
 
 
 def test_no_policy_returns_a_plan_that_does_not_fit():

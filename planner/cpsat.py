@@ -207,9 +207,9 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
 
 def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
     """Where the whole-run objective prices prefill in chunks of ``chunk`` tokens: (prefill
-    steps of the run over its decode steps (``Workload.decode_steps``), tokens of a step, cache
-    slots in use at a typical step). Steps: ceil(P / chunk) per group of prefill rows (``run_seconds``'s
-    groups); slots: the prompt half done, the chunk included."""
+    steps of the run over its decode steps (``Workload.decode_steps``), tokens of a step,
+    cache slots in use at a typical step). Steps: ceil(P / chunk) per group of prefill rows
+    (``run_seconds``'s groups); slots: the prompt half done, the chunk included."""
     P = workload.prompt_tokens
     steps = _groups(workload) * len(prefill_chunks(P, chunk))
     return (steps / max(workload.decode_steps, 1), min(chunk, P),
@@ -476,17 +476,19 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
     a plan could hold KV caches or resident weights in. When the plan's exact activations at
     ``chunk`` fall short of the reserve by more than ``RECLAIM`` of the accelerator budget,
     the model is solved again with the budget raised by the difference (lowered again by any
-    shortfall at ``chunk``: the room is for the chunk's activations), and that plan is taken
-    if ``run_seconds`` predicts a shorter run.
+    shortfall at ``chunk``: the room is for the chunk's activations), and that plan (with
+    that solve's objective and status) is taken if ``run_seconds`` predicts a shorter run.
     Should a plan exceed the accelerator or the host budget (the host's read buffers of
     disk-homed data are only sized there), the model is solved again with that budget lowered
     by the shortfall (at most ``REPLANS`` times), so the returned plan always fits."""
     result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s, seed,
                      tolerance, whole_run, MIN_CHUNK)
     capacity = devices.accelerator.capacity
+    if capacity is None:
+        return result
     unused = activation_reserve(spec, workload, min(workload.prompt_tokens, chunk)) - estimate(
         result.plan.with_prefill_chunk(chunk), spec, workload).activations
-    if capacity is None or unused <= RECLAIM * capacity:
+    if unused <= RECLAIM * capacity:
         return result
     raised = dataclasses.replace(devices, accelerator=dataclasses.replace(
         devices.accelerator, capacity=capacity + unused))
@@ -526,13 +528,14 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
             return result
         if attempt == REPLANS:
             check_fits(smallest_plan, spec, devices, workload)  # raises, saying by how much
-        # below the bytes the model counted for this plan, less the shortfall: lowering a
-        # budget the plan did not fill by the shortfall alone can return the same plan
-        counted = {"accelerator": result.model_bytes}
+        # the accelerator's below the bytes the model counted for this plan, less the
+        # shortfall: lowering a budget the plan did not fill by the shortfall alone can
+        # return the same plan
+        start = {side: getattr(budget, side).capacity for side in over}
+        if "accelerator" in start:
+            start["accelerator"] = min(start["accelerator"], result.model_bytes)
         budget = dataclasses.replace(budget, **{
-            side: dataclasses.replace(getattr(budget, side), capacity=min(
-                getattr(budget, side).capacity, counted.get(side, getattr(budget, side).capacity))
-                - bytes_over)
+            side: dataclasses.replace(getattr(budget, side), capacity=start[side] - bytes_over)
             for side, bytes_over in over.items() if bytes_over > 0})
     raise AssertionError("unreachable")
 

@@ -260,12 +260,13 @@ def dry_run(schedule: Schedule) -> DryRun:
     on top of resident weights and KV caches."""
     live: dict[Hashable, tuple[str, int]] = {}
     result = DryRun()
+    total = 0  # bytes live
     for ins in schedule.instructions:
         for key in ins.frees:
-            live.pop(key, None)
+            total -= live.pop(key, (None, 0))[1]
         for key, owner, nbytes in ins.allocs:
+            total += nbytes - live.get(key, (None, 0))[1]
             live[key] = (owner, nbytes)
-            total = sum(b for _, b in live.values())
             if total > result.peak:
                 by_owner: dict[str, int] = {}
                 for o, b in live.values():

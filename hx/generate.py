@@ -195,7 +195,8 @@ class Engine:
         shapes ahead of time, from shapes alone, and the sampler on zero logits; returns the
         seconds it took (0 when already done). Keeps compilation out of TTFT and decode
         rates."""
-        key = (workload, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
+        shapes = dataclasses.replace(workload, new_tokens=None)  # G changes no shape
+        key = (shapes, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
         if key in self._compiled:
             return 0.0
         self.status(f"compiling batch {workload.batch} x {workload.prompt_tokens} tokens, "

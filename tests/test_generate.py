@@ -22,6 +22,17 @@ def test_greedy_continuation_matches_float64(tiny_model):
         seq.append(tok)
 
 
+def test_a_new_generation_length_compiles_nothing_new(tiny_model):
+    """The generation length is a planning input, not a shape: 6 and 9 new tokens after a
+    5-token prompt share the padded prompt and the cache, so the second run compiles nothing."""
+    engine = Engine(tiny_model)
+    prompt = [100, 200, 300, 400, 500]
+    first = engine.generate_ids([prompt], SamplingParams(max_new_tokens=6))[0]
+    second = engine.generate_ids([prompt], SamplingParams(max_new_tokens=9))[0]
+    assert first.compile_s > 0 and second.compile_s == 0
+    assert second.token_ids[:6] == first.token_ids
+
+
 def test_batch_equals_one_by_one(tiny_model):
     engine = Engine(tiny_model, ExecutionPlan.uniform(tiny_model.spec.n_layers, ("SCORE",)))
     prompts = ["Hi", "A much longer prompt with quite a few more tokens than the first one",

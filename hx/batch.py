@@ -1,28 +1,31 @@
 """Scripted batch generation: JSONL prompts in, JSONL completions out, resumable.
 
-Input lines are ``{"id": ..., "prompt": ...}`` (``id`` defaults to the line number), with
-optional per-line ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` and
-``stop`` (a list of strings) overriding the run's settings. Each result line is written,
+Input lines are ``{"id": ..., "prompt": ...}`` (``id``, a string or an integer, defaults to
+``"line-N"``, N the line number), with optional per-line ``max_new_tokens``,
+``temperature``, ``top_k``, ``top_p``, ``seed`` and ``stop`` (a list of strings) overriding
+the run's settings; any other key is refused. Each result line is written,
 flushed and fsynced the moment its sequence ends (``Engine.generate_ids``' ``on_finish``),
 and records what produced it (model, dtype, chat template, sampling settings, a hash of the
 prompt). A rerun skips ids already in the
 output (a torn last line from a killed run is cut first) and refuses to resume over a line
 that other settings produced. Each prompt samples with a seed derived from the run's seed and
 its id (``sampling.row_seed``), so a resumed sampled run equals an uninterrupted one. One run
-at a time writes an output file (``output_lock``: an advisory lock the kernel drops when the
-process dies, so a killed run leaves none behind).
+at a time writes an output file (``output_lock``: a lock on the file itself that the kernel
+drops when the process dies, so a killed run leaves none behind).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
+import difflib
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+
+import filelock
 
 from hx.errors import HxError
 from hx.generate import Completion, Engine, check_prompts, encode_prompt
@@ -41,47 +44,81 @@ class BatchSummary:
     generated: int
 
 
-def read_prompts(path: str) -> list[dict[str, Any]]:
-    """Parse a JSONL prompt file.
+OPTIONS = {"max_new_tokens": int, "temperature": (int, float), "top_k": int,
+           "top_p": (int, float), "seed": int, "stop": list}  # per-line overrides
+KEYS = ("id", "prompt", *OPTIONS)  # every key a prompt line may have
+EXAMPLE_LINE = '{"id": "q1", "prompt": "What is the capital of France?"}'
 
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """Parse a JSONL prompt file (module doc): one JSON object per non-blank line.
+
+    A line without an ``id`` gets the id ``"line-N"`` (N its line number). Ids are strings or
+    integers, and two ids that read the same as text (``1`` and ``"1"``) are one id: they
+    would be told apart in the output only by their JSON type.
     Returns:
-      rows ``{"id", "prompt", ...}`` in file order (extra keys are kept).
+      rows ``{"id", "prompt", ...}`` in file order.
     Raises:
-      HxError: missing file, a line that is not a JSON object with a string ``prompt``,
-        or a duplicate id.
+      HxError: missing file, no prompt lines, a line that is not a JSON object with a string
+        ``prompt``, a key outside ``KEYS``, an id that is not a string or an integer, or a
+        duplicate id.
     """
     if not os.path.isfile(path):
         raise HxError(f"prompts file not found: {path}")
-    rows, seen = [], set()
+    rows, seen = [], {}  # id as text -> line number
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise HxError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise HxError(f"{path}:{number}: expected an object with a string 'prompt'")
-            row.setdefault("id", number)
-            if row["id"] in seen:
-                raise HxError(f"{path}:{number}: duplicate id {row['id']!r}")
-            seen.add(row["id"])
-            rows.append(row)
+            if line.strip():
+                row = _prompt_line(line, f"{path}:{number}")
+                row.setdefault("id", f"line-{number}")
+                if str(row["id"]) in seen:
+                    raise HxError(f"{path}:{number}: duplicate id {row['id']!r} (line "
+                                  f"{seen[str(row['id'])]} has it, as text); give each line "
+                                  "its own id")
+                seen[str(row["id"])] = number
+                rows.append(row)
+    if not rows:
+        raise HxError(f"prompts file {path} has no prompts; write one JSON object per line, "
+                      f"e.g. {EXAMPLE_LINE}")
     return rows
 
 
-OPTIONS = {"max_new_tokens": int, "temperature": (int, float), "top_k": int,
-           "top_p": (int, float), "seed": int, "stop": list}  # per-line overrides
+def _prompt_line(line: str, where: str) -> dict[str, Any]:
+    """One prompt line parsed and its keys and id checked (``read_prompts``); ``where`` is
+    ``path:line`` for messages.
+
+    Raises:
+      HxError: not a JSON object with a string ``prompt``, an unknown key (the message names
+        the close match, if any, and the keys accepted), or an id of another type than a
+        string or an integer.
+    """
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise HxError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise HxError(f"{where}: expected an object with a string 'prompt', e.g. {EXAMPLE_LINE}")
+    for key in row:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise HxError(f"{where}: unknown key {key!r}; {hint}a prompt line takes "
+                          f"{', '.join(KEYS)}")
+    if "id" in row and (isinstance(row["id"], bool) or not isinstance(row["id"], (str, int))):
+        raise HxError(f"{where}: 'id' must be a string or an integer, got {row['id']!r}")
+    return row
 
 
 def check_output_path(prompts_path: str, output_path: str) -> None:
     """Refuse, before any work, an output that cannot be written or is the input.
 
     Raises:
-      HxError: the output's folder is missing or not writable, the output exists and is not
-        writable, or it is the prompts file.
+      HxError: the output is a folder, its folder is missing or not writable, the output
+        exists and is not writable, or it is the prompts file.
     """
+    if os.path.isdir(output_path):
+        raise HxError(f"--output {output_path} is a folder; name a file in it, e.g. "
+                      f"{os.path.join(output_path, 'completions.jsonl')}")
     folder = os.path.dirname(os.path.abspath(output_path))
     if not os.path.isdir(folder):
         raise HxError(f"output folder {folder} does not exist; create it or choose another "
@@ -97,23 +134,33 @@ def check_output_path(prompts_path: str, output_path: str) -> None:
 
 @contextlib.contextmanager
 def output_lock(output_path: str) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``OUTPUT.lock`` while a run writes ``output_path``
-    (``flock``: the kernel releases it when the process ends, however it ends).
+    """Hold an exclusive lock on the output file itself while a run writes it: ``filelock``'s
+    ``flock``, which the kernel drops when the process ends, however it ends (SIGKILL
+    included), so no lock outlives its run and no file is left beside the output. The output
+    is created if missing; a run that leaves it empty removes it (a failed first run leaves
+    nothing behind).
 
     Raises:
-      HxError: another live run holds it.
+      HxError: another live run holds the lock, or the file system cannot lock the file.
     """
-    lock_path = output_path + ".lock"
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise HxError(f"another hx run is writing {output_path} (it holds {lock_path}); "
-                          "wait for it to finish or choose another --output") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    path = os.path.realpath(output_path)
+    created = not os.path.exists(path)
+    lock = filelock.FileLock(path, timeout=0, preserve_lock_file=True, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise HxError(f"another hx run is writing {output_path}; wait for it to finish or "
+                      "choose another --output") from None
+    except OSError as e:
+        raise HxError(f"cannot lock {output_path} ({e.strerror}); choose an --output on a "
+                      "local file system") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if created and os.path.getsize(path) == 0:
+                os.remove(path)  # still locked: a run waiting on it starts over (filelock)
+        lock.release()
 
 
 def prompt_hash(prompt: str) -> str:

@@ -1,6 +1,7 @@
 """JSONL batch runs: every prompt answered once, output written as produced, resumable."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -88,11 +89,37 @@ def test_results_are_on_disk_before_a_crash(engine, prompts_file, tmp_path, monk
     ('{"id": 1, "prompt": "a"}\nnot json\n', ":2: not valid JSON"),
     ('{"id": 1, "text": "a"}\n', "string 'prompt'"),
     ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "duplicate id 1"),
+    ("\n  \n", "in.jsonl has no prompts; write one JSON object per line"),
+    ('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y", "max_tokens": 3}\n',
+     r"in.jsonl:2: unknown key 'max_tokens'; did you mean 'max_new_tokens'\? a prompt line "
+     "takes id, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop$"),
+    ('{"id": "a", "prompt": "x", "colour": 3}\n', r":1: unknown key 'colour'; a prompt line"),
+    # ids are one id when they read the same as text: 1 and "1", a missing id and "line-N"
+    ('{"id": 1, "prompt": "a"}\n{"id": "1", "prompt": "b"}\n',
+     r":2: duplicate id '1' \(line 1 has it, as text\)"),
+    ('{"prompt": "a"}\n{"id": "line-1", "prompt": "b"}\n', ":2: duplicate id 'line-1'"),
+    ('{"id": 1.5, "prompt": "a"}\n', ":1: 'id' must be a string or an integer, got 1.5"),
+    ('{"id": true, "prompt": "a"}\n', "'id' must be a string or an integer"),
 ])
 def test_bad_input(engine, tmp_path, content, match):
+    """Refused with the line and what to do, and nothing written beside the input."""
     (tmp_path / "in.jsonl").write_text(content)
     with pytest.raises(HxError, match=match):
         run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), SAMPLING)
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_lines_without_an_id_are_named_by_their_line(engine, tmp_path):
+    """A line without an id is ``line-N``: never the same id as another line's ``"1"`` or
+    ``1``; a rerun resumes them all."""
+    write_rows(tmp_path / "in.jsonl", [{"prompt": "alpha"}, {"id": "1", "prompt": "beta"},
+                                       {"id": 2, "prompt": "gamma"}, {"prompt": "delta"}])
+    out = tmp_path / "o.jsonl"
+    run_batch(engine, str(tmp_path / "in.jsonl"), str(out), SAMPLING)
+    assert {r["id"]: r["prompt"] for r in read(out)} == {
+        "line-1": "alpha", "1": "beta", 2: "gamma", "line-4": "delta"}
+    again = run_batch(engine, str(tmp_path / "in.jsonl"), str(out), SAMPLING)
+    assert (again.generated, again.skipped) == (0, 4)
 
 
 def test_too_long_prompt_fails_before_any_output(engine, tmp_path):
@@ -100,7 +127,7 @@ def test_too_long_prompt_fails_before_any_output(engine, tmp_path):
                                        + json.dumps({"id": "long", "prompt": "x " * 400}) + "\n")
     with pytest.raises(HxError, match="prompt 'long' has"):
         run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "o.jsonl"), SAMPLING)
-    assert not (tmp_path / "o.jsonl").exists() or read(tmp_path / "o.jsonl") == []
+    assert os.listdir(tmp_path) == ["in.jsonl"]  # no output, no lock file
 
 
 def write_rows(path, rows):
@@ -165,6 +192,8 @@ def test_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts_file,
 
 
 def test_one_run_at_a_time_and_no_stale_lock(engine, prompts_file, tmp_path):
+    """A second writer is refused while a run (or a process) holds the output; a holder
+    killed with SIGKILL leaves no lock; no lock file is ever written beside the output."""
     out = tmp_path / "out.jsonl"
     with output_lock(str(out)):
         with pytest.raises(HxError, match="another hx run is writing"):
@@ -180,3 +209,4 @@ def test_one_run_at_a_time_and_no_stale_lock(engine, prompts_file, tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     assert run_batch(engine, str(prompts_file), str(out), SAMPLING).generated == len(PROMPTS)
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 import hx  # noqa: F401  (configures the devices before JAX starts)
+from hx.cli.console import err, out, print_table  # noqa: F401  (the commands' consoles)
 from hx.devices import Devices
 from hx.errors import HxError
 from hx.models.spec import ModelSpec
@@ -20,8 +19,6 @@ from hx.workload import Workload
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hx: heterogeneous (accelerator + host CPU) LLM inference on JAX/XLA.")
-out = Console()
-err = Console(stderr=True)
 
 AcceleratorMemoryOption = typer.Option(
     None, "--accelerator-memory",
@@ -98,9 +95,3 @@ def note(text: str) -> None:
     """A dim report line on stderr, printed as text: names, paths and messages in it are never
     read as rich markup (``[x]`` in a model name or path would vanish or raise)."""
     err.print(text, style="dim", markup=False, highlight=False, soft_wrap=True)
-
-
-def print_table(table: Table, stderr: bool = False) -> None:
-    """Print a table of numbers at full width (never truncating a column), on stdout or, for
-    reports beside data written to stdout, on stderr."""
-    Console(width=max(out.width, 140), stderr=stderr).print(table)

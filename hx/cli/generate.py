@@ -6,6 +6,7 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -77,7 +78,7 @@ def generate(
     With --prompts, each result line is appended to --output as its batch ends; an interrupted
     run resumes where it stopped. Piped, stdout carries exactly those JSONL lines; on a
     terminal, each prompt and completion."""
-    from hx.batch import check_output_path, output_lock
+    from hx.batch import check_output_path, output_lock, read_prompts
 
     if (prompt is None) == (prompts is None):
         raise HxError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
@@ -87,93 +88,181 @@ def generate(
                               top_k=top_k, top_p=top_p, seed=seed)
     lock = contextlib.nullcontext()
     if prompts is not None:  # before the model loads: fail fast, and one run per output
+        read_prompts(str(prompts))
         check_output_path(str(prompts), str(output))
         lock = output_lock(str(output))
+    options = RunOptions(model, dtype, sampling, chat, accelerator_memory, host_memory, policy,
+                         gpu_layers, host_ops, plan, profile, batch_size or 1,
+                         _block(mode, prompts is not None, batch_size, micro_batch,
+                                micro_batches), trace)
+    with lock:
+        if prompt is not None:
+            _generate_one(prompt, options)
+        else:
+            _generate_file(prompts, output, options)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The options of ``hx generate`` that shape a run, checked (see its --help).
+
+    Attributes:
+      block: (rows per micro-batch, micro-batches) in throughput mode, each None where the
+        block is to be planned; None in latency mode.
+      batch_size: prompts per static batch in latency mode.
+    """
+
+    model: Optional[str]
+    dtype: str
+    sampling: SamplingParams
+    chat: bool
+    accelerator_memory: Optional[str]
+    host_memory: Optional[str]
+    policy: Optional[str]
+    gpu_layers: Optional[int]
+    host_ops: str
+    plan: Optional[Path]
+    profile: Optional[Path]
+    batch_size: int
+    block: Optional[tuple[Optional[int], Optional[int]]]
+    trace: Optional[Path]
+
+    def place(self, spec, devices, workload: Workload, hardware):
+        """The plan these options ask for (``common.resolve_plan``)."""
+        return resolve_plan(spec, devices, workload, self.plan, self.host_ops, self.policy,
+                            self.gpu_layers, hardware)
+
+
+def _block(mode: str, prompts_file: bool, batch_size: Optional[int],
+           micro_batch: Optional[int], micro_batches: Optional[int]
+           ) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """``RunOptions.block`` from --mode and its options.
+
+    Raises:
+      HxError: an unknown mode, or options that belong to the other mode.
+    """
     if mode not in ("auto", "latency", "throughput"):
         raise HxError(f"--mode must be auto, latency or throughput, got {mode!r}")
     if mode == "auto":
-        mode = "throughput" if prompts is not None and batch_size is None else "latency"
-    if mode == "throughput" and (prompts is None or batch_size is not None):
+        mode = "throughput" if prompts_file and batch_size is None else "latency"
+    if mode == "throughput" and (not prompts_file or batch_size is not None):
         raise HxError("--mode throughput runs a --prompts file, in a block sized by "
                       "--micro-batch and --micro-batches (not --batch-size)")
     if mode == "latency" and (micro_batch or micro_batches):
         raise HxError("--micro-batch and --micro-batches belong to --mode throughput")
     if (micro_batch is None) != (micro_batches is None):
         raise HxError("give both --micro-batch and --micro-batches, or neither (planned)")
-    block = (micro_batch, micro_batches) if mode == "throughput" else None
-    with lock:
-        _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
-                  host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
-                  block, trace)
+    return (micro_batch, micro_batches) if mode == "throughput" else None
 
 
-def _generate(prompt, prompts, output, model, dtype, sampling, chat, accelerator_memory,
-              host_memory, policy, gpu_layers, host_ops, plan, profile, batch_size, block,
-              trace) -> None:
-    from hx.batch import prepare_batch
-    from hx.generate import Engine, check_prompts, encode_prompt
-    from hx.memory import check_fits
-    from hx.timeline import Timeline, median_overlap
+def _load(options: RunOptions):
+    """(devices, loaded model) for a run."""
+    devices = discover(options.accelerator_memory, options.host_memory)
+    return devices, load(options.model, resolve_dtype(options.dtype, devices))
 
-    devices = discover(accelerator_memory, host_memory)
-    loaded = load(model, resolve_dtype(dtype, devices))
-    spec = loaded.spec
-    if prompt is not None:
-        ids = encode_prompt(loaded.tokenizer, prompt, chat)
-        check_prompts([len(ids)], spec)
-        workload = Workload.for_prompts(1, len(ids), sampling.max_new_tokens, spec)
-    else:
-        job = prepare_batch(loaded, str(prompts), str(output), sampling, chat)
-        workload = job.workload(batch_size, spec)
+
+def _hardware(options: RunOptions, devices):
+    """The hardware profile a run plans with: choosing a block compares predicted tokens/s,
+    which always needs one; otherwise as the policy needs (``profiler.for_policy``)."""
     from hx.planner.profiler import for_policy, load_or_measure
 
-    # choosing a block compares predicted tokens/s: that always needs a profile
-    hardware = (load_or_measure(str(profile) if profile else None, devices, say)
-                if block is not None and block[0] is None else
-                for_policy(policy or "auto", str(profile) if profile else None, devices, say))
+    path = str(options.profile) if options.profile else None
+    if options.block is not None and options.block[0] is None:
+        return load_or_measure(path, devices, say)
+    return for_policy(options.policy or "auto", path, devices, say)
 
-    def place(workload: Workload):
-        return resolve_plan(spec, devices, workload, plan, host_ops, policy, gpu_layers,
-                            hardware)
 
-    if block is not None:
-        workload, chosen, join_min = _plan_block(job, spec, hardware, block, place)
-    else:
-        chosen = place(workload)
+def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, hardware):
+    """The engine of a run on plan ``chosen``, checked against the budget, with its header
+    line (and, when a layer split stands in for CP-SAT, why) on stderr."""
+    from hx.generate import Engine
+    from hx.memory import check_fits
+    from hx.timeline import Timeline
+
+    spec = loaded.spec
     need = check_fits(chosen, spec, devices, workload)
-    timeline = Timeline() if trace else None
-    engine = Engine(loaded, chosen, devices, timeline)
-    del loaded  # frees the loader's weight arrays: the executor holds the weights now
+    engine = Engine(loaded, chosen, devices, Timeline() if options.trace else None)
     segments = len(split_segments(chosen, "decode"))
-    note(f"{spec.name} | {describe_dtype(spec.dtype, dtype, devices)} | "
-         f"{'throughput' if block else 'latency'} mode | plan {chosen.name}, step path: segments ({segments} per decode step) | "
-         f"{devices.describe()} | needs {format_bytes(need.accelerator)} on the accelerator")
-    if hardware is None and chosen.name.startswith("layer-split") and policy is None:
+    note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | "
+         f"{'throughput' if options.block else 'latency'} mode | plan {chosen.name}, step "
+         f"path: segments ({segments} per decode step) | {devices.describe()} | needs "
+         f"{format_bytes(need.accelerator)} on the accelerator")
+    if hardware is None and chosen.name.startswith("layer-split") and options.policy is None:
         note("no hardware profile: the largest layer split that fits stands in for "
              "the CP-SAT plan; run `hx profile` once to plan with CP-SAT")
-    if prompt is not None:
-        with err.status("starting", spinner="dots") as status:
-            engine.on_status = lambda line: status.update(Text(line))
-            result = engine.generate_ids([ids], sampling)[0]
-        sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
-        sys.stdout.flush()
-        rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
-        note(f"prompt_tokens={result.prompt_tokens} "
-             f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
-             f"decode={rate} tok/s finish={result.finish_reason} "
-             f"compile={result.compile_s:.1f}s")
-        if result.finish_reason == "context":
-            say(f"stopped at the model's context of {spec.context_length} tokens: "
-                f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
+    return engine
+
+
+def _generate_one(prompt: str, options: RunOptions) -> None:
+    """``hx generate --prompt``: the completion on stdout, its figures on stderr."""
+    from hx.generate import check_prompts, encode_prompt
+
+    devices, loaded = _load(options)
+    spec, sampling = loaded.spec, options.sampling
+    ids = encode_prompt(loaded.tokenizer, prompt, options.chat)
+    check_prompts([len(ids)], spec)
+    workload = Workload.for_prompts(1, len(ids), sampling.max_new_tokens, spec)
+    hardware = _hardware(options, devices)
+    engine = _engine(loaded, options.place(spec, devices, workload, hardware), devices,
+                     workload, options, hardware)
+    del loaded  # frees the loader's weight arrays: the executor holds the weights now
+    with err.status("starting", spinner="dots") as status:
+        engine.on_status = lambda line: status.update(Text(line))
+        result = engine.generate_ids([ids], sampling)[0]
+    sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
+    sys.stdout.flush()
+    rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
+    note(f"prompt_tokens={result.prompt_tokens} "
+         f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
+         f"decode={rate} tok/s finish={result.finish_reason} "
+         f"compile={result.compile_s:.1f}s")
+    if result.finish_reason == "context":
+        say(f"stopped at the model's context of {spec.context_length} tokens: "
+            f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
+    _report_memory(engine, options.trace)
+
+
+def _generate_file(prompts: Path, output: Path, options: RunOptions) -> None:
+    """``hx generate --prompts``: the prompts not yet in ``output``, each result appended to
+    it as it ends (and echoed), then a summary; nothing to plan or run when every prompt is
+    already answered."""
+    from hx.batch import prepare_batch
+
+    devices, loaded = _load(options)
+    spec = loaded.spec
+    job = prepare_batch(loaded, str(prompts), str(output), options.sampling, options.chat)
+    if not job.todo:
+        say(f"0 generated, {job.total} already in {output}, {job.total} prompts")
+        return
+    hardware = _hardware(options, devices)
+
+    def place(workload: Workload):
+        return options.place(spec, devices, workload, hardware)
+
+    join_min = 1
+    if options.block is not None:
+        workload, chosen, join_min = _plan_block(job, spec, hardware, options.block, place)
     else:
-        _run_batch(job, engine, batch_size, output, workload if block is not None else None,
-                   join_min if block is not None else 1)
+        workload = job.workload(options.batch_size, spec)
+        chosen = place(workload)
+    engine = _engine(loaded, chosen, devices, workload, options, hardware)
+    del loaded  # frees the loader's weight arrays: the executor holds the weights now
+    _run_batch(job, engine, options.batch_size, output,
+               workload if options.block is not None else None, join_min)
+    _report_memory(engine, options.trace)
+
+
+def _report_memory(engine, trace: Optional[Path]) -> None:
+    """The accelerator memory peak by owner and, with --trace, the trace written."""
+    from hx.timeline import median_overlap
+
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
     note(f"accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
          f"{owners or 'the plan puts nothing there'}")
-    if timeline is not None:
+    if trace is not None:
+        timeline = engine.executor.timeline
         timeline.to_chrome(str(trace))
         overlap = median_overlap(timeline)
         note(f"trace: {len(timeline.events)} events -> {trace}; median decode overlap "
@@ -192,9 +281,9 @@ def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, obj
     if rows and count:
         workload = Workload(rows, JOIN_CHUNK, slots, count, spare_rows=rows)
         return workload, place(workload), 1
-    prompts = max(1, len(job.todo))
-    lengths = [len(t) for t in job.token_ids] or [1]
-    new = [p.max_new_tokens for p in job.sampling] or [1]
+    prompts = len(job.todo)  # at least one: _generate_file returns before planning none
+    lengths = [len(t) for t in job.token_ids]
+    new = [p.max_new_tokens for p in job.sampling]
     note(f"choosing a block for {prompts} prompts (mean {np.mean(lengths):.0f} prompt tokens, "
          f"up to {np.mean(new):.0f} new)")
     choice = choose_block(spec, hardware, prompts, float(np.mean(lengths)), float(np.mean(new)),

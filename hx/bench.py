@@ -22,7 +22,7 @@ from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
 from hx.models.spec import ModelSpec, numpy_dtype
 from hx.plan import ExecutionPlan
-from hx.programs import weight_dtype
+from hx.models.tensors import weight_dtype
 from hx.timeline import Timeline, median_overlap
 
 
@@ -146,7 +146,7 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
       the measurement; ``ratio`` = executor / whole-model median step time, where the
       whole-model step runs, with every weight resident, on the device that hosts most of the
       plan's decode ops (its weights in the dtype the executor holds there:
-      ``hx.programs.weight_dtype``); ``overlap`` = median ``overlap_fraction`` of the traced
+      ``models.tensors.weight_dtype``); ``overlap`` = median ``overlap_fraction`` of the traced
       steps (None when a step copies nothing).
     """
     warmup, traced_steps = WARMUP_STEPS, TRACED_STEPS

@@ -17,10 +17,12 @@ import ctypes.util
 import os
 import re
 from dataclasses import dataclass
-
-import jax
+from typing import TYPE_CHECKING
 
 from hx.errors import HxError
+
+if TYPE_CHECKING:  # JAX is imported where a device is first needed (``configure_runtime``)
+    import jax
 
 ACCELERATOR, HOST = "accelerator", "host"
 DEVICE_NAMES = (ACCELERATOR, HOST)
@@ -83,8 +85,12 @@ def pool_headroom(budget: int) -> int:
     return max(POOL_HEADROOM_MIN, int(budget * POOL_HEADROOM_FRACTION))
 
 
+_CONFIGURED = False
+
+
 def configure_runtime() -> None:
-    """Process set-up hx needs before any JAX computation.
+    """Process set-up hx needs before any JAX computation; ``discover`` and the CLI call it
+    (``import hx`` does not: importing has no side effects), and later calls do nothing.
 
     * Ask XLA for two CPU devices (the emulated accelerator is the second); a no-op once JAX's
       backends are initialised.
@@ -103,6 +109,12 @@ def configure_runtime() -> None:
       on every weight copy (measured: a 113 MB host-to-device copy at 1.8 GiB/s instead of
       10 GiB/s). A GPU's allocator pools its memory the same way.
     """
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    _CONFIGURED = True
+    import jax
+
     try:
         jax.config.update("jax_num_cpu_devices", 2)
     except RuntimeError:
@@ -184,6 +196,8 @@ def _cuda_total_memory() -> int | None:
     ``CUDA_DEVICE_ORDER`` apply, as they do to XLA), or the lowest of
     ``jax_cuda_visible_devices`` when that is set.
     """
+    import jax
+
     platforms = jax.config.jax_platforms
     if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
         return None
@@ -261,10 +275,14 @@ def discover(accelerator_memory: int | str | None = None,
         device's own limit when it reports one (a real GPU: XLA's pool limit), else no limit.
       host_memory: bytes hx may use on the host (default: no limit).
     Raises:
-      HxError: no accelerator exists and JAX was initialised with a single CPU device (import
-        hx before running any JAX computation, or set XLA_FLAGS to provide two CPU devices);
+      HxError: no accelerator exists and JAX was initialised with a single CPU device (call
+        ``discover`` or ``configure_runtime`` before running any JAX computation, or set
+        XLA_FLAGS to provide two CPU devices);
         or a size cannot be read.
     """
+    import jax
+
+    configure_runtime()
     budget = None if accelerator_memory is None else parse_bytes(accelerator_memory)
     host = None if host_memory is None else parse_bytes(host_memory)
     capped = budget is not None and not _backends_started() and _cap_pool(
@@ -280,8 +298,9 @@ def discover(accelerator_memory: int | str | None = None,
     elif len(cpus) >= 2:
         device, emulated = cpus[1], True
     else:
-        raise HxError("no accelerator and only one XLA CPU device: import hx before running "
-                      "any JAX computation so it can create a second CPU device to emulate one")
+        raise HxError("no accelerator and only one XLA CPU device: call hx.discover() (or "
+                      "hx.devices.configure_runtime()) before running any JAX computation, so "
+                      "that hx can create a second CPU device to emulate one")
     pool_limit = (device.memory_stats() or {}).get("bytes_limit")
     capacity = pool_limit if budget is None else budget
     return Devices(Accelerator(device, capacity, emulated, pool_limit), Host(cpus[0], host))

@@ -3,7 +3,7 @@
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
 device -- in the model's dtype, except that the weights of host segments are converted once,
-here, to float32 (``hx.programs.weight_dtype``: XLA:CPU multiplies float32 fastest). A
+here, to float32 (``models.tensors.weight_dtype``: XLA:CPU multiplies float32 fastest). A
 host-homed weight that an accelerator segment stages in is kept in the model's dtype too. Each
 step (``run``) carries out the instructions of the step's ``hx.schedule.Schedule`` -- the same
 list the simulator prices and the memory estimate sizes:
@@ -44,11 +44,12 @@ from jax.sharding import SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.host_compute import stream
-from hx.memory import Accountant, check_fits
-from hx.models.llama import Cache, Step, layer_key
+from hx.memory import UNSIZED, Accountant, check_fits
+from hx.models.llama import Cache, Step
+from hx.models.tensors import layer_key, weight_dtype
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.programs import SplitHostProgram, programs_for, weight_dtype
+from hx.programs import SplitHostProgram, programs_for
 from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT, Schedule,
                          act_key, compile_schedule, staging_key, step_key)
 from hx.segments import split_segments
@@ -80,8 +81,9 @@ class Executor:
       programs: the shared ``hx.programs.Programs`` its segments are compiled by.
       compilations: distinct segment executables (signature and shapes) it has used.
     Raises:
-      HxError: the plan does not match the model, or does not fit the budgets even at batch 1
-        with one token (each run's own shapes are checked by ``Engine``).
+      HxError: the plan does not match the model, or its weights and one row's KV cache do not
+        fit the budgets (each run's shapes, XLA temporaries included, are checked by
+        ``Engine.check``).
       BudgetExceeded: an allocation passes the accelerator budget (check plans with
         ``hx.memory.check_fits`` first).
     """
@@ -96,8 +98,9 @@ class Executor:
         self.spec, self.plan = spec, plan
         self.devices = devices or discover()
         self.programs = programs_for(spec, self.devices)
-        # the smallest workload, before placing any weight: does the plan fit at all?
-        check_fits(plan, spec, self.devices, Workload(1, 1, 1), self.programs)
+        # before placing any weight: do its weights and one row's KV cache fit at all? (each
+        # workload's exact check is ``Engine.check``'s; temporaries are not sized here)
+        check_fits(plan, spec, self.devices, Workload(1, 1, 1), self.programs, UNSIZED)
         self.timeline = timeline
         self.accountant = Accountant(self.devices.accelerator.capacity)
         self.compilations = 0

@@ -21,8 +21,8 @@ from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import DTYPE_BYTES, ModelSpec
 from hx.plan import DISK, PHASES, RESIDENT, ExecutionPlan
-from hx.schedule import (DryRun, Instruction, compile_schedule, disk_bytes, dry_run,
-                         step_bytes)
+from hx.models.tensors import ACTIVATIONS, activation_bytes, kv_bytes, step_bytes, weight_dtype
+from hx.schedule import DryRun, Instruction, compile_schedule, disk_bytes, dry_run
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
 
@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from hx.programs import Programs
 
 OWNERS = ("weights", "kv", "staging", "activations")
+
+# How ``estimate`` sizes XLA's temporaries (``hx.programs.Programs.temp_bytes``):
+EXACT = "exact"  # from the executables a run uses: the check before running
+PROXY = "proxy"  # from cut-down segments, extrapolated: planners sizing candidate plans
+UNSIZED = "unsized"  # as 0 bytes, compiling nothing: a lower bound to discard candidates
+SIZINGS = (EXACT, PROXY, UNSIZED)
 
 
 class BudgetExceeded(RuntimeError):
@@ -142,11 +148,9 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
     """(accelerator, host) bytes of the weight buffers the executor places for ``plan``: one
     buffer per distinct (array, home, dtype) -- resident and streamed weights in the model's
     dtype, host-homed weights in the dtype of each device whose segments use them
-    (``hx.programs.weight_dtype``: float32 for host ops, the model's dtype when an accelerator
-    segment stages them in); a tied embedding is one array for EMBED and HEAD. Disk-homed
-    weights are in neither (``disk_weight_bytes``)."""
-    from hx.programs import weight_dtype
-
+    (``models.tensors.weight_dtype``: float32 for host ops, the model's dtype when an
+    accelerator segment stages them in); a tied embedding is one array for EMBED and HEAD.
+    Disk-homed weights are in neither (``disk_weight_bytes``)."""
     held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
     for layer, op, home in plan.weights.sequence():
         dtypes = {weight_dtype(spec, plan.phase(p).get(layer, op)) for p in PHASES}
@@ -174,7 +178,7 @@ def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
-             programs: "Programs | None" = None, sized: bool = True) -> MemoryEstimate:
+             programs: "Programs | None" = None, sizing: str = PROXY) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
     Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·R·S·K·E·w
@@ -189,25 +193,31 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     ``spare_rows`` rows, and the peak is at least ``reframe_bytes`` beyond the caches).
 
     Args:
-      sized: False counts XLA temporaries as 0 bytes and compiles nothing: a lower bound on
-        the estimate, cheap enough to discard candidates in a planner's search.
+      sizing: how XLA's temporaries are sized: ``EXACT`` from the executables the run will use
+        (a run's check: the executor then peaks at exactly this estimate), ``PROXY`` from
+        cut-down segments (planners), ``UNSIZED`` as 0 bytes, compiling nothing (a lower bound,
+        cheap enough to discard candidates in a planner's search).
 
     Estimates are cached (all arguments are immutable): planners probe the same plan more
     than once.
+    Raises:
+      ValueError: an unknown ``sizing``.
     """
-    from hx.programs import programs_for, proxy
+    if sizing not in SIZINGS:
+        raise ValueError(f"sizing={sizing!r}; one of {', '.join(SIZINGS)}")
+    from hx.programs import programs_for
 
     resident, host = held_weight_bytes(plan, spec)
     disk = disk_weight_bytes(plan, spec)
     if disk:  # a segment's disk weights are read into host memory, double-buffered
         host += 2 * max(disk_bytes(plan, spec, seg) for phase in PHASES
                         for seg in split_segments(plan, phase))
-    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
+    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)
     if DISK in plan.kv:  # a layer's cache read into host memory for one micro-batch, twice
         disk += sum(kv_layer for home in plan.kv if home == DISK)
-        host += 2 * spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+        host += 2 * kv_bytes(spec, workload.batch, workload.cache_slots)
 
     rows = {"prefill": workload.prefill_rows, "decode": workload.batch}
     micro_batches = {"prefill": workload.prefill_micro_batches,
@@ -215,11 +225,13 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     shapes = {phase: (rows[phase], phase_tokens(plan, phase, workload), workload.cache_slots)
               for phase in PHASES}
     temp_bytes = None
-    if sized:
+    if sizing != UNSIZED:
         programs = programs or programs_for(spec)
-        programs.prepare([(proxy(seg), *shapes[phase]) for phase in PHASES
-                          for seg in split_segments(plan, phase) if seg.device == ACCELERATOR])
-        temp_bytes = programs.temp_bytes
+        exact = sizing == EXACT
+        programs.prepare([(sized, *shapes[phase]) for phase in PHASES
+                          for seg in split_segments(plan, phase) if seg.device == ACCELERATOR
+                          for sized in programs.sizing_segments(seg, exact)])
+        temp_bytes = functools.partial(programs.temp_bytes, exact=exact)
     worst = DryRun()
     worst_phase = "decode"
     for phase in PHASES:
@@ -238,7 +250,7 @@ def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:
     """Accelerator bytes of one micro-batch's K (or V) cache of one layer, (B, S, K, E): the
     temporary of shifting a cache along its slots (iteration-level scheduling re-frames a
     micro-batch's caches one array at a time, between steps)."""
-    return spec.kv_bytes_per_token() // 2 * workload.batch * workload.cache_slots
+    return kv_bytes(spec, workload.batch, workload.cache_slots) // 2
 
 
 def describe_batch(workload: Workload) -> str:
@@ -250,15 +262,18 @@ def describe_batch(workload: Workload) -> str:
 
 
 def check_fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
-               workload: Workload, programs: "Programs | None" = None) -> MemoryEstimate:
+               workload: Workload, programs: "Programs | None" = None,
+               sizing: str = EXACT) -> MemoryEstimate:
     """Reject a plan that does not fit the accelerator (or host) budget, before it runs.
 
+    Args:
+      sizing: as ``estimate``; ``EXACT`` (the default) before a run, ``PROXY`` in planners.
     Returns:
       the estimate, when it fits.
     Raises:
       HxError: naming the limit, the bytes needed with their breakdown, and the bytes over.
     """
-    est = estimate(plan, spec, workload, programs)
+    est = estimate(plan, spec, workload, programs, sizing)
     limits = [("accelerator", devices.accelerator.capacity, est.accelerator, est.breakdown()),
               ("host", devices.host.capacity, est.host, "weights and KV kept on the host")]
     for name, capacity, need, detail in limits:
@@ -275,22 +290,23 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
                        programs: "Programs | None" = None) -> int:
     """Accelerator bytes a planner sets aside for a step's activations and XLA temporaries
     before it knows the plan: every named activation held and copied in at once (2x their
-    bytes at (B, T), per micro-batch of a block), the step inputs, and the XLA temporaries of the whole model as one
-    accelerator segment, for a prefill step of T = ``prefill_tokens`` (``Workload.prefill_rows``
-    rows) and a decode step of T = 1. Planners size plans with
-    it; ``check_fits`` then sizes the chosen plan exactly (``cpsat.plan_cpsat`` re-plans with
-    a smaller budget, and the baselines back off, in the rare case the exact size is larger).
+    bytes at (B, T), per micro-batch of a block), the step inputs, and the XLA temporaries of
+    the whole model as one accelerator segment cut to ``hx.programs.proxy`` (not extrapolated:
+    where temporaries grow with depth -- half precision on XLA:CPU -- the growth belongs to
+    the plan's own segments), for a prefill step of T = ``prefill_tokens``
+    (``Workload.prefill_rows`` rows) and a decode step of T = 1. Planners size plans with it;
+    ``check_fits`` then sizes the chosen plan (``cpsat.plan_cpsat`` re-plans with a smaller
+    budget, and the baselines back off, in the case the plan's size is larger).
     """
-    from hx.planner.cost import crossing_bytes
-    from hx.programs import programs_for
+    from hx.programs import programs_for, proxy
 
     programs = programs or programs_for(spec)
-    names = ("tokens", "x", "h", "q", "k", "v", "o", "a", "logits")
     S = workload.cache_slots
-    whole = split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0]
+    whole = proxy(split_segments(ExecutionPlan.all_accelerator(spec.n_layers), "prefill")[0])
     # (rows, micro-batches, tokens) of a prefill and a decode step; a block holds each
     # micro-batch's activations
     steps = {(workload.prefill_rows, workload.prefill_micro_batches, prefill_tokens),
              (workload.batch, workload.micro_batches, 1)}
-    return max(N * (2 * crossing_bytes(spec, names, B, T) + step_bytes(B, T))
+    return max(N * (2 * sum(activation_bytes(spec, n, B, T) for n in ACTIVATIONS)
+                    + step_bytes(B, T))
                + programs.temp_bytes(whole, B, T, S) for B, N, T in steps)

@@ -7,12 +7,17 @@ executables; the memory estimate reads their temporary bytes from XLA's own
 ``memory_analysis()`` (DESIGN §5), so plan-time and run-time temporaries are the same numbers
 from the same compilation.
 
-A segment holding many whole layers (the all-accelerator plan is one segment of the whole
-model) is sized by a *proxy* with at most ``PROXY_MIDDLE_LAYERS`` of its middle layers: XLA
-frees a layer's buffers before the next layer starts, so temporaries do not grow with depth
-(measured on XLA:CPU at Llama-2-7B shapes: 1, 4 and 32 layers of one segment need 431, 447
-and 447 MiB at a 1000-token prefill; ``tests/test_schedule.py`` checks proxy >= whole). This
-keeps sizing a 70B plan to a few small compilations.
+Temporaries are sized two ways (``Programs.temp_bytes``). **Exactly**, from the executable the
+executor runs: what a run's check uses (``hx.memory.EXACT``), at no extra cost since the run
+compiles it anyway. **By proxy**, for planners sizing many candidate plans of models they never
+run (a 70B segment of 80 layers would take minutes to compile): a segment with many whole
+layers is sized from two cut-down copies with one and two of its middle layers, extrapolated
+linearly in the number of middle layers. On a GPU, and on XLA:CPU in float32, a layer's buffers
+are freed before the next layer starts and temporaries do not grow with depth (Llama-2-7B
+shapes, a 1000-token prefill on XLA:CPU: 1, 4 and 32 layers need 431, 447 and 447 MiB). XLA:CPU
+has no bfloat16/float16 dot and holds a float32 copy of every half-precision weight of the
+program at once (SmolLM2 bfloat16, one decode step: 127.4, 141.6, 155.8 MB for 1, 2, 3 layers,
+14.18 MB a layer, its weights in float32), which the extrapolation follows.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from jax.sharding import SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
-from hx.models.llama import OPS, Step, append_kv, apply_op
-from hx.models.spec import HOST_DTYPE, ModelSpec
+from hx.models.llama import Step, append_kv, apply_op
+from hx.models.spec import ModelSpec
+from hx.models.tensors import OPS, activation_shape, kv_shape, weight_dtype
 from hx.segments import Segment
 
 PROXY_MIDDLE_LAYERS = 1
@@ -128,27 +134,6 @@ class SplitHostProgram:
         return SimpleNamespace(temp_size_in_bytes=temp)
 
 
-def weight_dtype(spec: ModelSpec, device: str) -> str:
-    """The dtype a segment on ``device`` holds its weights in: ``HOST_DTYPE`` (float32) on the
-    host, the model's dtype on the accelerator (``models.spec.HOST_DTYPE`` says why)."""
-    return HOST_DTYPE if device == HOST else spec.dtype
-
-
-def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
-                     ) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) of a named activation (``models.llama.OPS`` names) at B=``batch``,
-    T=``tokens``: the model's dtype on either device; token ids int32, logits float32."""
-    s, B, T, dt = spec, batch, tokens, jnp.dtype(spec.dtype)
-    shapes = {"tokens": ((B, T), jnp.int32), "x": ((B, T, s.d_model), dt),
-              "h": ((B, T, s.d_model), dt),
-              "q": ((B, T, s.n_heads, s.head_dim), dt),
-              "o": ((B, T, s.n_heads, s.head_dim), dt),
-              "k": ((B, T, s.n_kv_heads, s.head_dim), dt),
-              "v": ((B, T, s.n_kv_heads, s.head_dim), dt),
-              "a": ((B, T, s.d_ff), dt), "logits": ((B, s.vocab_size), jnp.float32)}
-    return shapes[name]
-
-
 def _param_tree(spec: ModelSpec, op: str, sharding, dtype: str) -> dict:
     """Abstract parameter tree of ``op`` in ``dtype``, nested as the Flax modules nest it."""
     tree: dict = {}
@@ -157,21 +142,35 @@ def _param_tree(spec: ModelSpec, op: str, sharding, dtype: str) -> dict:
         *parents, leaf = path.split("/")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+        node[leaf] = _struct(shape, dtype, sharding)
     return tree
 
 
-def proxy(segment: Segment) -> Segment:
-    """The segment with its middle whole layers cut to ``PROXY_MIDDLE_LAYERS`` (itself when
-    it has no more): same device, reads, writes and kinds of ops, for sizing temporaries."""
+def _struct(shape: tuple[int, ...], dtype: str, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+
+def _activation_structs(spec: ModelSpec, names: tuple[str, ...], batch: int, tokens: int,
+                        sharding) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract activations ``names`` at (B, T) (``models.tensors.activation_shape``)."""
+    return {n: _struct(*activation_shape(spec, n, batch, tokens), sharding) for n in names}
+
+
+def middle_layers(segment: Segment) -> int:
+    """Layers of ``segment`` strictly between its first and last layer (whole layers)."""
     layers = [layer for layer, _ in segment.ops if layer is not None]
-    if not layers:
+    return max(0, layers[-1] - layers[0] - 1) if layers else 0
+
+
+def proxy(segment: Segment, middle: int = PROXY_MIDDLE_LAYERS) -> Segment:
+    """The segment with its middle whole layers cut to ``middle`` (itself when it has no
+    more): same device, reads, writes and kinds of ops, for sizing temporaries."""
+    if middle_layers(segment) <= middle:
         return segment
-    first, last = layers[0], layers[-1]
-    if last - first - 1 <= PROXY_MIDDLE_LAYERS:
-        return segment
+    first = next(layer for layer, _ in segment.ops if layer is not None)
+    last = next(layer for layer, _ in reversed(segment.ops) if layer is not None)
     keep = [i for i, (layer, _) in enumerate(segment.ops)
-            if layer is None or layer in (first, last) or layer <= first + PROXY_MIDDLE_LAYERS]
+            if layer is None or layer in (first, last) or layer <= first + middle]
     return Segment(segment.device, tuple(segment.ops[i] for i in keep),
                    tuple(segment.staged[i] for i in keep), segment.reads, segment.writes)
 
@@ -200,18 +199,13 @@ class Programs:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
-
-        def struct(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
-
         held = weight_dtype(s, segment.device)
         params = tuple(_param_tree(s, op, where, held) for _, op in segment.ops)
-        acts = {n: struct(*activation_shape(s, n, batch, tokens)) for n in segment.reads}
-        cache, kv = (batch, slots, s.n_kv_heads, s.head_dim), jnp.dtype(s.dtype)
-        caches = tuple({"k": struct(cache, kv), "v": struct(cache, kv)}
-                       for _ in segment.cache_layers)
-        step = Step(struct((batch, tokens), jnp.int32), struct((), jnp.int32),
-                    struct((batch,), jnp.int32))
+        acts = _activation_structs(s, segment.reads, batch, tokens, where)
+        cache = _struct(kv_shape(s, batch, slots), s.dtype, where)
+        caches = tuple({"k": cache, "v": cache} for _ in segment.cache_layers)
+        step = Step(_struct((batch, tokens), "int32", where), _struct((), "int32", where),
+                    _struct((batch,), "int32", where))
         return params, acts, caches, step
 
     def _key(self, segment: Segment, batch: int, tokens: int, slots: int) -> tuple:
@@ -237,8 +231,7 @@ class Programs:
         lowered, first, slot = [], 0, 0
         for part, part_reads, part_writes in host_pieces(ops, writes):
             attends = int(OPS[part[-1]].uses_cache)
-            ins = {n: jax.ShapeDtypeStruct(*activation_shape(self.spec, n, batch, tokens),
-                                           sharding=where) for n in part_reads}
+            ins = _activation_structs(self.spec, part_reads, batch, tokens, where)
             lowered.append((self._function(HOST, part, part_writes, False).lower(
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends))
@@ -270,13 +263,30 @@ class Programs:
                 self._compiled[key] = compiling.result()
                 self.compilations += 1
 
-    def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:
-        """XLA's temporary bytes for one run of ``segment`` (of its ``proxy`` when it holds
-        many whole layers), from ``memory_analysis()``."""
-        short = proxy(segment)
-        key = self._key(short, batch, tokens, slots)
+    def sizing_segments(self, segment: Segment, exact: bool) -> tuple[Segment, ...]:
+        """The segments ``temp_bytes`` compiles to size ``segment``: itself when ``exact`` or
+        when it has at most one middle layer, else its proxies with one and two."""
+        if exact or middle_layers(segment) <= PROXY_MIDDLE_LAYERS:
+            return (segment,)
+        return proxy(segment, PROXY_MIDDLE_LAYERS), proxy(segment, PROXY_MIDDLE_LAYERS + 1)
+
+    def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int,
+                   exact: bool = True) -> int:
+        """XLA's temporary bytes for one run of ``segment`` at (B, T, S), from
+        ``memory_analysis()``: of its own executable when ``exact`` (what the executor runs),
+        else t1 + (n - 1)·max(0, t2 - t1) for n middle layers, t1 and t2 those of its proxies
+        with one and two (``sizing_segments``; the module docstring says why linear)."""
+        sized = [self._temp(s, batch, tokens, slots)
+                 for s in self.sizing_segments(segment, exact)]
+        if len(sized) == 1:
+            return sized[0]
+        one, two = sized
+        return one + (middle_layers(segment) - 1) * max(0, two - one)
+
+    def _temp(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:
+        key = self._key(segment, batch, tokens, slots)
         if key not in self._temps:
-            analysis = self.compiled(short, batch, tokens, slots).memory_analysis()
+            analysis = self.compiled(segment, batch, tokens, slots).memory_analysis()
             self._temps[key] = int(analysis.temp_size_in_bytes)
         return self._temps[key]
 

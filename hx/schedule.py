@@ -44,7 +44,7 @@ from typing import Callable, Hashable
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import DISK, ExecutionPlan
-from hx.planner.cost import crossing_bytes
+from hx.models.tensors import activation_bytes, step_bytes
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
@@ -78,11 +78,6 @@ def disk_bytes(plan: ExecutionPlan, spec: ModelSpec, segment: Segment) -> int:
     """Bytes of the segment's weights kept on disk (read into host memory each step)."""
     return sum(spec.op_weight_bytes(op) for layer, op in segment.ops
                if plan.weights.get(layer, op) == DISK)
-
-
-def step_bytes(batch: int, tokens: int) -> int:
-    """Bytes of a ``Step`` on a device: int32 positions (B, T), write index, kv_start (B,)."""
-    return 4 * (batch * tokens + 1 + batch)
 
 
 @dataclass(frozen=True)
@@ -204,7 +199,7 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
         if not on_acc:
             read(i)
         moves = moves_of[i]
-        move_bytes = crossing_bytes(spec, moves, batch, tokens) if moves else 0
+        move_bytes = sum(activation_bytes(spec, n, batch, tokens) for n in moves) if moves else 0
         for m in range(micro_batches):
             if (seg.device, m) not in stepped:
                 stepped.add((seg.device, m))
@@ -222,7 +217,7 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
                 temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
                 allocs = [(TEMP_KEY, "activations", temp)]
                 allocs += [(act_key(n, m), "activations",
-                            crossing_bytes(spec, (n,), batch, tokens)) for n in seg.writes]
+                            activation_bytes(spec, n, batch, tokens)) for n in seg.writes]
                 held.update((n, m) for n in seg.writes)
                 out.append(Instruction(LAUNCH, i, m, ACCELERATOR, seg.writes,
                                        allocs=tuple(allocs)))

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from hx.devices import ACCELERATOR
-from hx.models.llama import OPS
+from hx.models.tensors import OPS
 from hx.plan import RESIDENT, ExecutionPlan
 
 

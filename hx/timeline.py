@@ -21,10 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import jax
-
-from hx.host_compute import stream
-
 ACC_COMPUTE, HOST_COMPUTE, H2D, D2H = "accelerator compute", "host compute", "H2D", "D2H"
 RESOURCES = (ACC_COMPUTE, HOST_COMPUTE, H2D, D2H)
 COMPUTE, COPY = (ACC_COMPUTE, HOST_COMPUTE), (H2D, D2H)
@@ -71,6 +67,10 @@ class Timeline:
 
     @staticmethod
     def _watch(q: queue.Queue) -> None:
+        import jax  # here, not at the top: the simulator's timelines import no JAX
+
+        from hx.host_compute import stream
+
         while True:
             event, arrays = q.get()
             jax.block_until_ready(stream.resolve(arrays))

@@ -18,7 +18,7 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
-from hx.models.llama import layer_key
+from hx.models.tensors import layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama",)

@@ -40,14 +40,14 @@ compute in float32 on bfloat16 activations. A float32 model computes in float32 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
+from hx.models.tensors import OPS, activation_shape, layer_key
 
 Params = Mapping[str, Any]
 Cache = dict[str, jax.Array]  # {"k": (B,S,K,E), "v": (B,S,K,E)} for one layer
@@ -299,26 +299,10 @@ class HeadOp(nn.Module):
                            preferred_element_type=jnp.float32),)
 
 
-@dataclass(frozen=True)
-class OpDef:
-    """How the executor wires an op: its module and the activations it reads and writes."""
-
-    module: type[nn.Module]
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-    uses_cache: bool = False
-
-
-OPS: dict[str, OpDef] = {
-    EMBED: OpDef(EmbedOp, ("tokens",), ("x",)),
-    "Q": OpDef(QOp, ("x",), ("h", "q")),
-    "K": OpDef(KOp, ("h",), ("k",)),
-    "V": OpDef(VOp, ("h",), ("v",)),
-    "SCORE": OpDef(ScoreOp, ("q", "k", "v"), ("o",), uses_cache=True),
-    "OUT": OpDef(OutOp, ("o", "x"), ("x",)),
-    "MLP1": OpDef(Mlp1Op, ("x",), ("a",)),
-    "MLP2": OpDef(Mlp2Op, ("a", "x"), ("x",)),
-    HEAD: OpDef(HeadOp, ("x",), ("logits",)),
+# The Flax module of each op; what it reads and writes is the op table ``models.tensors.OPS``.
+MODULES: dict[str, type[nn.Module]] = {
+    EMBED: EmbedOp, "Q": QOp, "K": KOp, "V": VOp, SCORE: ScoreOp, "OUT": OutOp,
+    "MLP1": Mlp1Op, "MLP2": Mlp2Op, HEAD: HeadOp,
 }
 
 
@@ -329,7 +313,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
 
     Args:
       spec: model shapes (static).
-      op: op id, one of ``OPS``.
+      op: op id, one of ``models.tensors.OPS``.
       params: that op's parameter tree (``params[layer][op]``).
       acts: activations by name; the op reads ``OPS[op].reads``.
       step: per-step positions and cache indices.
@@ -338,8 +322,8 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     """
-    d = OPS[op]
-    module = d.module(spec, attend) if d.uses_cache and attend else d.module(spec)
+    d, module_type = OPS[op], MODULES[op]
+    module = module_type(spec, attend) if d.uses_cache and attend else module_type(spec)
     inputs = [acts[name] for name in d.reads]
     with jax.named_scope(op):
         if d.uses_cache:
@@ -347,11 +331,6 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
         else:
             outs = module.apply({"params": params}, *inputs, step)
     return dict(zip(d.writes, outs)), cache
-
-
-def layer_key(i: int) -> str:
-    """Parameter-tree key of decoder layer ``i``."""
-    return f"layer_{i}"
 
 
 def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
@@ -401,20 +380,14 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     """
     key = jax.random.PRNGKey(seed)
     B, T = 1, 1
-    x = jnp.zeros((B, T, spec.d_model), jnp.float32)
     step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
-    dummy = {"tokens": jnp.zeros((B, T), jnp.int32), "x": x,
-             "h": x, "q": jnp.zeros((B, T, spec.n_heads, spec.head_dim)),
-             "k": jnp.zeros((B, T, spec.n_kv_heads, spec.head_dim)),
-             "v": jnp.zeros((B, T, spec.n_kv_heads, spec.head_dim)),
-             "o": jnp.zeros((B, T, spec.n_heads, spec.head_dim)),
-             "a": jnp.zeros((B, T, spec.d_ff))}
 
     def init(op, k):
         d = OPS[op]
         if d.uses_cache:
             return {}
-        return d.module(spec).init(k, *[dummy[n] for n in d.reads], step)["params"]
+        dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
+        return MODULES[op](spec).init(k, *dummy, step)["params"]
 
     keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
     params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}

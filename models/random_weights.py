@@ -31,7 +31,7 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy, aligned_empty
-from hx.models.llama import layer_key
+from hx.models.tensors import layer_key
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
 STD = 0.02

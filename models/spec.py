@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from hx.errors import HxError
 
 # The seven per-layer ops (TwinPilots Table I / FlexGen): the unit of placement everywhere in hx.
-LAYER_OPS: tuple[str, ...] = ("Q", "K", "V", "SCORE", "OUT", "MLP1", "MLP2")
+SCORE = "SCORE"  # the op that attends over the KV cache (the only op without weights)
+LAYER_OPS: tuple[str, ...] = ("Q", "K", "V", SCORE, "OUT", "MLP1", "MLP2")
 # Per-model ops outside the layer stack: token embedding lookup and final norm + LM head.
 EMBED, HEAD = "EMBED", "HEAD"
 
@@ -190,10 +191,6 @@ class ModelSpec:
         tied = self.vocab_size * self.d_model * self.dtype_bytes if self.tie_embeddings else 0
         return (self.n_layers * self.layer_weight_bytes + self.op_weight_bytes(EMBED)
                 + self.op_weight_bytes(HEAD) - tied)
-
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token per layer: 2 (K and V) x K heads x E x dtype bytes."""
-        return 2 * self.n_kv_heads * self.head_dim * self.dtype_bytes
 
 
 # Named shapes of real models, for planning models hx never loads and for random weights of

@@ -35,9 +35,6 @@ from hx.planner.calibrate import predicted_decode, probe_slots
 from hx.planner.profile import HardwareProfile
 from hx.workload import Workload
 
-BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp")
-
-
 @dataclass
 class AblationRow:
     """One policy at one budget and batch. Times in seconds; None where it does not fit."""
@@ -65,7 +62,7 @@ def same_placement(a: ExecutionPlan, b: ExecutionPlan) -> bool:
 
 def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
            fractions: tuple[float, ...], batches: tuple[int, ...],
-           policy_names: tuple[str, ...] = ("cpsat",) + BASELINES, runs: int = 3,
+           policy_names: tuple[str, ...] = ("cpsat",) + policies.BASELINES, runs: int = 3,
            steps: int = 12, context: int = 128,
            log: Callable[[str], None] = lambda m: None) -> list[AblationRow]:
     """Rows for every (fraction of weight bytes as accelerator budget, batch, policy)."""

@@ -11,8 +11,9 @@ from ortools.linear_solver import pywraplp
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_reserve, check_fits
+from hx.memory import PROXY, activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
+from hx.models.tensors import kv_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
 from hx.planner.cpsat import Pattern, layer_plan
 from hx.planner.policies import fits
@@ -55,7 +56,7 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     times = _op_times(spec, profile, workload)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)
-    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
+    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     state: dict[tuple[int | None, str], str] = {(i, op): HOST for i in range(spec.n_layers)
                                                 for op in LAYER_OPS}
     state[(None, HEAD)] = HOST
@@ -103,7 +104,8 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
 
     while not _fits(plan_of(), spec, devices, workload):  # the tally is an estimate
         if not moves:  # all on the host, and that does not fit: say why
-            check_fits(plan_of().with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
+            check_fits(plan_of().with_prefill_chunk(MIN_CHUNK), spec, devices, workload,
+                       sizing=PROXY)
         state[moves.pop()] = HOST
     return plan_of()
 
@@ -127,7 +129,7 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     L = spec.n_layers
     times = _op_times(spec, profile, workload)
     layer_w = spec.layer_weight_bytes
-    kv_layer = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
+    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     acc_compute = sum(times[ACCELERATOR][op] for op in WEIGHTED_OPS)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)
@@ -198,5 +200,5 @@ def flexgen_published(spec: ModelSpec, devices: Devices, workload: Workload,
         f":{round(cpu * 100)}" if weights_gpu + cpu < 1 - 1e-9 else "")
     name += ":kv-disk" if kv == DISK else ""
     plan = layer_plan(spec, [Pattern(kv, tuple(homes))] * spec.n_layers, head, name)
-    check_fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
+    check_fits(plan.with_prefill_chunk(MIN_CHUNK), spec, devices, workload, sizing=PROXY)
     return plan

@@ -6,16 +6,16 @@ A dense (M x N) @ (N x P) product costs 2·M·N·P FLOPs (one multiply and one a
 et al. 2020, §2.1). Elementwise work (norms, RoPE, SiLU, softmax) is a few FLOPs per element and
 is left out of matmul-bound ops. Bytes are at ``spec.dtype_bytes`` per element -- the model's
 dtype, which is that of the weights on the accelerator, of the activations on either device and
-of the KV caches; token ids are int32 and logits float32. (Ops computed on the host hold their
-weights in float32, ``models.spec.HOST_DTYPE``: ``spec.op_weight_bytes(op, HOST_DTYPE)``.)
+of the KV caches; token ids are int32 and logits float32 (``models.tensors`` sizes every tensor).
+Ops computed on the host hold their weights in float32 (``models.tensors.weight_dtype``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
-from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec
+from hx.models.tensors import kv_bytes
 
 
 @dataclass(frozen=True)
@@ -54,31 +54,12 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     weights = s.op_weight_bytes(op)
     if op == EMBED:
         return OpCost(0.0, M, 0, other_bytes=M * D * w)
-    if op == "SCORE":
+    if op == SCORE:
         return OpCost(4.0 * batch * H * tokens * slots * E, M, 0,
-                      kv_read_bytes=2 * batch * slots * K * E * w,
-                      kv_write_bytes=2 * M * K * E * w)
+                      kv_read_bytes=kv_bytes(spec, batch, slots),
+                      kv_write_bytes=kv_bytes(spec, batch, tokens))
     mlp1 = (4.0 if s.gated_mlp else 2.0) * M * D * F
     flops = {"Q": 2.0 * M * D * H * E, "K": 2.0 * M * D * K * E, "V": 2.0 * M * D * K * E,
              "OUT": 2.0 * M * H * E * D, "MLP1": mlp1, "MLP2": 2.0 * M * F * D,
              HEAD: 2.0 * batch * D * V}[op]
     return OpCost(flops, batch if op == HEAD else M, weights)
-
-
-def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int:
-    """Bytes of one named activation crossing between devices (``models.llama.OPS`` names)."""
-    s, w = spec, spec.dtype_bytes
-    per_row = {"x": s.d_model, "h": s.d_model,
-               "q": s.n_heads * s.head_dim, "o": s.n_heads * s.head_dim,
-               "k": s.n_kv_heads * s.head_dim, "v": s.n_kv_heads * s.head_dim, "a": s.d_ff}
-    if name == "logits":
-        return batch * s.vocab_size * 4
-    if name == "tokens":
-        return batch * tokens * 4
-    return batch * tokens * per_row[name] * w
-
-
-def crossing_bytes(spec: ModelSpec, reads: Iterable[str], batch: int, tokens: int) -> int:
-    """Bytes of the activations a segment reads from another device."""
-    return sum(activation_bytes(spec, name, batch, tokens) for name in reads)
-

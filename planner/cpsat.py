@@ -38,8 +38,9 @@ from ortools.sat.python import cp_model
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_reserve, check_fits, estimate
-from hx.models.spec import HOST_DTYPE, LAYER_OPS, ModelSpec
+from hx.memory import activation_reserve, estimate
+from hx.models.spec import LAYER_OPS, ModelSpec
+from hx.models.tensors import kv_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
 from hx.planner.profile import HardwareProfile
@@ -182,10 +183,11 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     ``layer_patterns(disk)`` (cached: the budget does not enter, so planning at many budgets
     prices once)."""
     two = spec.replace(n_layers=2)
-    kv_bytes = spec.kv_bytes_per_token() * workload.rows * workload.cache_slots
-    kv_read = spec.kv_bytes_per_token() * workload.batch * workload.cache_slots
+    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
+    kv_read = kv_bytes(spec, workload.batch, workload.cache_slots)
     weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
-    host_weights = {op: spec.op_weight_bytes(op, HOST_DTYPE) for op in WEIGHTED_OPS}
+    host_weights = {op: spec.op_weight_bytes(op, weight_dtype(spec, HOST))
+                    for op in WEIGHTED_OPS}
     costs = []
     for p in layer_patterns(disk):
         seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
@@ -198,8 +200,8 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
         staged = [staged_bytes(spec, s) for s in segments]
         on_disk = [disk_bytes(pair, spec, s) for s in segments]
         costs.append(PatternCost(
-            p, seconds, resident + (kv_bytes if p.kv == ACCELERATOR else 0),
-            max(staged), host + (kv_bytes if p.kv == HOST else 0),
+            p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
+            max(staged), host + (kv_layer if p.kv == HOST else 0),
             ACCELERATOR in p.devices(), _switches(p.devices()),
             max(on_disk) + (kv_read if p.kv == DISK else 0)))
     return tuple(costs)
@@ -576,8 +578,8 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     """
     # the disk tier only when host memory cannot hold the weights and the KV cache: its twins
     # nearly triple the patterns, and CP-SAT's search time with them
-    host_need = spec.weight_bytes + spec.n_layers * spec.kv_bytes_per_token() * \
-        workload.rows * workload.cache_slots
+    host_need = spec.weight_bytes + spec.n_layers * kv_bytes(spec, workload.rows,
+                                                             workload.cache_slots)
     disk = bool(profile.disk_read_bandwidth) and devices.host.capacity is not None and \
         host_need > devices.host.capacity
     if whole_run:

@@ -28,7 +28,6 @@ from hx.memory import MemoryEstimate, estimate
 from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.ablate import BASELINES
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import Prediction, predict, predict_prefill
@@ -76,7 +75,7 @@ class Grid:
 STANDARD = Grid(
     models=("llama2-7b", "llama3-8b", "opt-30b", "llama2-70b"),
     hardware=("t4", "a10g", "h100-80gb"),
-    policies=("cpsat",) + BASELINES,
+    policies=("cpsat",) + policies.BASELINES,
     budgets=(1.0,),
     scenarios=(Scenario("chat b1 512+128", 1, 512, 128),
                Scenario("batch b16 512+32", 16, 512, 32),

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from hx.errors import HxError
-from hx.programs import sizing_for_absent_accelerator
 from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
 
 GB, GiB = 10**9, 2**30
@@ -204,8 +203,13 @@ LOCAL = "local"  # the profile ``hx profile`` measured on this machine
 def memory_sizing(name: str) -> ContextManager[None]:
     """The context to plan for hardware ``name`` in: this process's own compilations for
     ``local``, ``hx.programs.sizing_for_absent_accelerator`` for a preset (its accelerator is
-    not here, so XLA:CPU's temporaries of half-precision programs are not its)."""
-    return nullcontext() if name.strip().lower() == LOCAL else sizing_for_absent_accelerator()
+    not here, so XLA:CPU's temporaries of half-precision programs are not its). Only sizing
+    compiles: the import is here so that the planner imports no JAX."""
+    if name.strip().lower() == LOCAL:
+        return nullcontext()
+    from hx.programs import sizing_for_absent_accelerator
+
+    return sizing_for_absent_accelerator()
 
 
 def hardware_profile(name: str) -> HardwareProfile:

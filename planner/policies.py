@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import check_fits, estimate
+from hx.memory import PROXY, UNSIZED, check_fits, estimate
 from hx.models.spec import EMBED, ModelSpec
 from hx.plan import DISK, ExecutionPlan, Placement
 from hx.workload import MIN_CHUNK, Workload
@@ -81,14 +81,15 @@ CHUNKS = (None, 512, 128, MIN_CHUNK)
 
 
 def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
-    """Whether ``check_fits`` accepts ``plan`` (a plan whose unsized estimate -- XLA
-    temporaries left out, nothing compiled -- already exceeds the accelerator budget is
-    refused without compiling its segments)."""
+    """Whether ``check_fits`` accepts ``plan`` with proxy-sized temporaries (a plan whose
+    unsized estimate -- XLA temporaries left out, nothing compiled -- already exceeds the
+    accelerator budget is refused without compiling its segments)."""
     capacity = devices.accelerator.capacity
-    if capacity is not None and estimate(plan, spec, workload, sized=False).accelerator > capacity:
+    unsized = estimate(plan, spec, workload, sizing=UNSIZED)
+    if capacity is not None and unsized.accelerator > capacity:
         return False
     try:
-        check_fits(plan, spec, devices, workload)
+        check_fits(plan, spec, devices, workload, sizing=PROXY)
         return True
     except HxError:
         return False
@@ -133,6 +134,8 @@ def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
             "cpsat", "auto")
 NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without one
+# the policies CP-SAT is compared with in ablations (hx ablate, the simulated grid)
+BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp")
 
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,

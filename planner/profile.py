@@ -16,6 +16,11 @@ from typing import Any
 from hx.errors import HxError
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "profile.json")
+# The quick profile a command measures when it needs one and none is saved
+# (``profiler.load_or_measure``) is kept apart from DEFAULT_PATH, which only ``hx profile``
+# writes: commands that use a profile only when one is saved (``load_default``: ``hx generate``
+# with the auto policy) never plan on a quick one.
+QUICK_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "quick-profile.json")
 LOW_DTYPES = ("bfloat16", "float16")  # priced with ``DeviceProfile.matmul_low``
 
 
@@ -235,7 +240,8 @@ class HardwareProfile:
 
 
 def load_default(path: str | None = None) -> HardwareProfile | None:
-    """The profile at ``path``; without one, the one ``hx profile`` saved by default, if any.
+    """The profile at ``path``; without one, the one ``hx profile`` saved by default, if any
+    (never a quick one: ``QUICK_PATH``).
 
     Raises:
       HxError: ``path`` given but missing or malformed.

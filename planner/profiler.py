@@ -40,7 +40,7 @@ from hx.planner.calibrate import dispatch_plans, observe_interleaved, predicted_
 from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measure_h2d,
                               measure_round_trip, measure_small_transfers,
                               measure_staging_latency)
-from hx.planner.profile import DEFAULT_PATH, DeviceProfile, HardwareProfile, load_default
+from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
 from hx.planner.rates import (LOW_DTYPE, measure_attention, measure_compute_contention,
                               measure_contention, measure_matmul,
                               measure_memory_bandwidth)
@@ -196,23 +196,30 @@ def for_policy(policy: str | None, path: str | None, devices: Devices,
 def load_or_measure(path: str | None, devices: Devices,
                     log: Callable[[str], None] = lambda message: None) -> HardwareProfile:
     """The profile at ``path``; without one, the one ``hx profile`` saved (``DEFAULT_PATH``);
-    without that, a ``quick`` one measured now and saved there, with one line to ``log`` that
-    says so and how to measure a full one.
+    without that, the quick one an earlier command measured (``QUICK_PATH``), else a ``quick``
+    one measured now and saved there -- never at ``DEFAULT_PATH``, so that no command which
+    uses a profile only when one is saved plans on it. Using a quick profile, says so in one
+    line to ``log``, with where it is and how to measure a full one.
 
     Raises:
-      HxError: ``path`` given but missing or malformed.
+      HxError: ``path`` given but missing or malformed, or a malformed ``QUICK_PATH``.
     """
     profile = load_default(path)
     if profile is not None:
         return profile
+    full = "run `hx profile` for a full, calibrated one"
+    if os.path.isfile(QUICK_PATH):
+        log(f"no hardware profile: using the quick one an earlier command measured "
+            f"({QUICK_PATH}); {full}")
+        return HardwareProfile.load(QUICK_PATH)
     start = time.perf_counter()
     profile = quick(devices)
     seconds = time.perf_counter() - start
     try:
-        profile.save(DEFAULT_PATH)
-        where = f"saved to {DEFAULT_PATH}"
+        profile.save(QUICK_PATH)
+        where = (f"kept in {QUICK_PATH} for commands that need a profile; a plain "
+                 f"`hx generate` does not use it")
     except OSError as e:
         where = f"not saved ({e.strerror})"
-    log(f"no hardware profile: measured a quick one in {seconds:.0f} s ({where}); run "
-        f"`hx profile` for a full, calibrated one")
+    log(f"no hardware profile: measured a quick one in {seconds:.0f} s ({where}); {full}")
     return profile

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import EMBED, HOST_DTYPE, ModelSpec
+from hx.models.spec import EMBED, ModelSpec
+from hx.models.tensors import kv_bytes, weight_dtype
 from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
@@ -85,7 +86,7 @@ def host_read_slots(slots: int, context: int) -> int:
 
 
 def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
-    dtype = spec.dtype if device == ACCELERATOR else HOST_DTYPE  # what the op multiplies in
+    dtype = weight_dtype(spec, device)  # what the op multiplies in
     if op == "SCORE":
         read = slots if device == ACCELERATOR else host_read_slots(slots, context)
         c = op_cost(spec, op, batch, tokens, read)
@@ -174,8 +175,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                     sum(op == "SCORE" and plan.kv[layer] == DISK for layer, op in seg.ops))
             duration, name, on_disk = compute[i]
             if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
-                nbytes = (on_disk * spec.kv_bytes_per_token() * batch
-                          * host_read_slots(slots, context))
+                nbytes = on_disk * kv_bytes(spec, batch, host_read_slots(slots, context))
                 deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
                                 [synced], nbytes))
             deps += [producer.get((n, m)) for n in seg.reads]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import hx  # noqa: F401  first: gives JAX two CPU devices (accelerator is emulated)
+from hx.devices import configure_runtime
 
-import pytest
+configure_runtime()  # before any JAX computation: two CPU devices (the emulated accelerator)
 
-from hx.devices import discover
-from hx.models.gguf_loader import open_gguf, read_metadata
-from hx.models.llama import init_params
-from hx.models.loader import Model, default_model_path
-from hx.models.spec import ModelSpec
-from hx.models.tokenizer import Tokenizer
+import pytest  # noqa: E402
+
+from hx.devices import discover  # noqa: E402
+from hx.models.gguf_loader import open_gguf, read_metadata  # noqa: E402
+from hx.models.llama import init_params  # noqa: E402
+from hx.models.loader import Model, default_model_path  # noqa: E402
+from hx.models.spec import ModelSpec  # noqa: E402
+from hx.models.tokenizer import Tokenizer  # noqa: E402
 
 # GQA (4 query heads over 2 KV heads), tied embeddings, SmolLM2's vocabulary so the real
 # tokenizer serves it.

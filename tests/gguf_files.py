@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from hx.models.llama import layer_key
+from hx.models.tensors import layer_key
 
 QUANTIZED = {"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q8_0,
              "blk.1.ffn_gate.weight": gguf.GGMLQuantizationType.Q4_1}

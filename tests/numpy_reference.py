@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hx.models.llama import layer_key
+from hx.models.tensors import layer_key
 
 
 def _rms(x, scale, eps):

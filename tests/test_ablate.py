@@ -2,7 +2,8 @@
 not fit (tiny model, a GPU-like profile for the predictions)."""
 
 from conftest import TINY
-from hx.planner.ablate import BASELINES, ablate
+from hx.planner.ablate import ablate
+from hx.planner.policies import BASELINES
 from hx.planner.calibrate import predicted_decode
 from hx.planner import policies
 from profiles import gpu_like

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from hx.executor import op_params
-from hx.models.llama import OPS, Step, apply_op, init_params
+from hx.models.llama import Step, apply_op, init_params
+from hx.models.tensors import OPS
 from hx.models.spec import PRESETS
-from hx.planner.cost import activation_bytes, op_cost
+from hx.models.tensors import activation_bytes
+from hx.planner.cost import op_cost
 
 SPEC = PRESETS["smollm2-135m"].replace(n_layers=1)
 

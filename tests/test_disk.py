@@ -36,13 +36,13 @@ def test_disk_reads_are_the_plans_disk_bytes():
     read = sum(t.nbytes for t in step.tasks if t.resource == "disk")
     weights = sum(SPEC.op_weight_bytes(op) for _, op, home in plan.weights.sequence()
                   if home == DISK)
-    kv = SPEC.n_layers * WORKLOAD.micro_batches * SPEC.kv_bytes_per_token() * \
-        WORKLOAD.batch * context
+    kv_token = 2 * SPEC.n_kv_heads * SPEC.head_dim * SPEC.dtype_bytes  # K and V, per layer
+    kv = SPEC.n_layers * WORKLOAD.micro_batches * kv_token * WORKLOAD.batch * context
     assert read == weights + kv
     assert step.seconds >= read / t4.disk_read_bandwidth
     need = estimate(plan, SPEC, WORKLOAD)
-    assert need.disk == weights + SPEC.n_layers * SPEC.kv_bytes_per_token() * \
-        WORKLOAD.rows * WORKLOAD.cache_slots
+    assert need.disk == weights + SPEC.n_layers * kv_token * WORKLOAD.rows * \
+        WORKLOAD.cache_slots
 
 
 def test_disk_plans_round_trip_and_are_not_executed():

@@ -14,9 +14,8 @@ from hx.memory import estimate
 from hx.models.llama import Step
 from hx.models.loader import Model, default_dtype, load, load_spec, resolve_dtype
 from hx.models.spec import HOST_DTYPE, ModelSpec, numpy_dtype
+from hx.models.tensors import activation_bytes, activation_shape, kv_bytes, weight_dtype
 from hx.planner import policies
-from hx.planner.cost import activation_bytes
-from hx.programs import activation_shape, weight_dtype
 from hx.workload import Workload
 
 from numpy_reference import logits_np
@@ -57,7 +56,7 @@ def test_spec_follows_its_dtype():
     half = spec.replace(dtype="bfloat16")
     assert (spec.dtype, spec.dtype_bytes, half.dtype_bytes) == ("float32", 4, 2)
     assert 2 * half.weight_bytes == spec.weight_bytes
-    assert 2 * half.kv_bytes_per_token() == spec.kv_bytes_per_token()
+    assert 2 * kv_bytes(half, 3, 5) == kv_bytes(spec, 3, 5) == 2 * 3 * 5 * 2 * 16 * 4
     assert half.op_weight_bytes("MLP1", HOST_DTYPE) == spec.op_weight_bytes("MLP1")
     assert activation_bytes(half, "x", 2, 3) == 2 * 3 * 64 * 2
     assert activation_bytes(half, "logits", 2, 3) == 2 * 1000 * 4  # logits stay float32
@@ -105,7 +104,7 @@ def test_weights_caches_and_activations_in_their_dtypes(tiny_bf16, devices):
     caches = ex.new_cache(B, S)
     for cache in caches:
         assert cache["k"].dtype == numpy_dtype("bfloat16")
-        assert tree_bytes(cache) == spec.kv_bytes_per_token() * B * S
+        assert tree_bytes(cache) == kv_bytes(spec, B, S)
     tokens = np.zeros((B, 4), np.int32)
     step = Step(np.tile(np.arange(4, dtype=np.int32), (B, 1)), np.int32(0), np.zeros(B, np.int32))
     logits, _ = ex.run("prefill", tokens, step, caches)
@@ -113,7 +112,7 @@ def test_weights_caches_and_activations_in_their_dtypes(tiny_bf16, devices):
     ex.release_cache()
     for name in ("x", "q", "k", "a", "logits"):
         shape, dtype = activation_shape(spec, name, B, 4)
-        assert np.prod(shape) * np.dtype(dtype).itemsize == activation_bytes(spec, name, B, 4)
+        assert np.prod(shape) * np.dtype(numpy_dtype(dtype)).itemsize == activation_bytes(spec, name, B, 4)
 
 
 @pytest.mark.parametrize("name", ["all-accelerator", "stream-all", "kv-host-odd", "alternating",
@@ -214,5 +213,5 @@ def test_host_estimate_counts_the_buffers_the_executor_holds(tiny_bf16, devices,
     off_accelerator = sum(b.nbytes for b in buffers.values()
                           if b.sharding.memory_kind != "device"
                           or b.devices() != {devices[ACCELERATOR]})
-    host_kv = spec.kv_bytes_per_token() * sum(home == HOST for home in plan.kv)  # B = S = 1
+    host_kv = kv_bytes(spec, 1, 1) * sum(home == HOST for home in plan.kv)  # B = S = 1
     assert estimate(plan, spec, Workload(1, 1, 1)).host - host_kv == off_accelerator

@@ -119,7 +119,7 @@ def test_bytes_moved_in_a_step_are_the_plans(micro_batches):
     the host SCORE, its OUT residual -- the executor does not hold a copied-in activation
     across a host excursion) and each layer's attention output o; D2H carries each layer's q,
     k and v -- counted from the plan, not the schedule."""
-    from hx.planner.cost import activation_bytes
+    from hx.models.tensors import activation_bytes
 
     profile = gpu_like()
     plan = policies.stream_all(SPEC.n_layers)

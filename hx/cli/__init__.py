@@ -17,11 +17,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before XLA first logs
 
 from hx.cli import bench, generate, planning, simulate  # noqa: E402,F401  (register the commands)
 from hx.cli.common import app, err  # noqa: E402
+from hx.cli.console import widen_piped_help  # noqa: E402
+from hx.devices import configure_runtime  # noqa: E402
 from hx.errors import HxError  # noqa: E402
 
 
 def main() -> None:
-    """Console-script entry point: run the app, turning ``HxError`` into exit status 2."""
+    """Console-script entry point: configure the runtime (``hx.devices.configure_runtime``)
+    before any command computes with JAX and the help's width when piped
+    (``console.widen_piped_help``), then run the app, turning ``HxError`` into exit status
+    2."""
+    configure_runtime()
+    widen_piped_help()
     try:
         app()
     except HxError as e:

@@ -1,0 +1,120 @@
+"""Every tensor hx holds, with its shape, dtype and bytes: the one table of bytes.
+
+The executor, the Schedule (``hx.schedule``), the memory estimate (``hx.memory``), CP-SAT's
+constraint coefficients, the baselines and the simulator all size tensors here, so they cannot
+disagree. It imports neither JAX nor Flax: a planner sizes a 70B model it never loads.
+
+Axis letters (as in ``models/llama.py``): B rows, T new tokens per row, S KV-cache slots,
+D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary.
+
+* **Weights**: ``ModelSpec.op_weight_shapes`` gives each op's tensors; ``weight_dtype`` the
+  dtype a device holds them in; ``layer_key`` names a layer in the parameter tree.
+* **KV cache**: per layer a K and a V array of (B, S, K, E) in the model's dtype
+  (``kv_shape``, ``kv_bytes``).
+* **Activations** between ops: ``ACTIVATIONS`` maps each name of the op table (``OPS``) to its
+  axes and dtype; ``activation_shape`` and ``activation_bytes`` read it.
+* **Step inputs**: int32 positions (B, T), a write index and row starts (B,) (``step_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from hx.devices import HOST
+from hx.models.spec import EMBED, HEAD, HOST_DTYPE, SCORE, ModelSpec
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """How an op is wired: the activations it reads and writes (``ACTIVATIONS`` names), and
+    whether it reads and appends to its layer's KV cache."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    uses_cache: bool = False
+
+
+# The op table: what each of the nine ops (models/llama.py) reads and writes.
+OPS: dict[str, OpDef] = {
+    EMBED: OpDef(("tokens",), ("x",)),
+    "Q": OpDef(("x",), ("h", "q")),
+    "K": OpDef(("h",), ("k",)),
+    "V": OpDef(("h",), ("v",)),
+    SCORE: OpDef(("q", "k", "v"), ("o",), uses_cache=True),
+    "OUT": OpDef(("o", "x"), ("x",)),
+    "MLP1": OpDef(("x",), ("a",)),
+    "MLP2": OpDef(("a", "x"), ("x",)),
+    HEAD: OpDef(("x",), ("logits",)),
+}
+
+MODEL_DTYPE = "model"  # an activation held in the model's dtype (``ModelSpec.dtype``)
+
+# Activations: name -> (axes, dtype). x is the residual stream, h the normed input of K and V,
+# q/k/v/o attention's projections and output, a the MLP's inner activation; logits score only
+# each row's last position.
+ACTIVATIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tokens": (("B", "T"), "int32"),
+    "x": (("B", "T", "D"), MODEL_DTYPE),
+    "h": (("B", "T", "D"), MODEL_DTYPE),
+    "q": (("B", "T", "H", "E"), MODEL_DTYPE),
+    "o": (("B", "T", "H", "E"), MODEL_DTYPE),
+    "k": (("B", "T", "K", "E"), MODEL_DTYPE),
+    "v": (("B", "T", "K", "E"), MODEL_DTYPE),
+    "a": (("B", "T", "F"), MODEL_DTYPE),
+    "logits": (("B", "V"), "float32"),
+}
+
+_ITEM_BYTES = {"int32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def axis_sizes(spec: ModelSpec, batch: int, tokens: int) -> dict[str, int]:
+    """Size of each axis letter at B = ``batch`` rows and T = ``tokens`` new tokens."""
+    return {"B": batch, "T": tokens, "D": spec.d_model, "H": spec.n_heads,
+            "K": spec.n_kv_heads, "E": spec.head_dim, "F": spec.d_ff, "V": spec.vocab_size}
+
+
+def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
+                     ) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of activation ``name`` at B = ``batch``, T = ``tokens``: the model's
+    dtype on either device; token ids int32, logits float32.
+
+    Raises:
+      KeyError: ``name`` is not in ``ACTIVATIONS``.
+    """
+    axes, dtype = ACTIVATIONS[name]
+    sizes = axis_sizes(spec, batch, tokens)
+    return tuple(sizes[a] for a in axes), spec.dtype if dtype == MODEL_DTYPE else dtype
+
+
+def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int:
+    """Bytes of activation ``name`` at B = ``batch``, T = ``tokens``."""
+    shape, dtype = activation_shape(spec, name, batch, tokens)
+    return math.prod(shape) * _ITEM_BYTES[dtype]
+
+
+def kv_shape(spec: ModelSpec, rows: int, slots: int) -> tuple[int, int, int, int]:
+    """Shape (B, S, K, E) of one layer's K array (and of its V array): ``rows`` rows of
+    ``slots`` cache slots, in the model's dtype."""
+    return rows, slots, spec.n_kv_heads, spec.head_dim
+
+
+def kv_bytes(spec: ModelSpec, rows: int, slots: int) -> int:
+    """Bytes of one layer's KV cache, K and V: 2·B·S·K·E elements of the model's dtype."""
+    return 2 * math.prod(kv_shape(spec, rows, slots)) * spec.dtype_bytes
+
+
+def step_bytes(batch: int, tokens: int) -> int:
+    """Bytes of a step's inputs on a device: int32 positions (B, T), the write index and the
+    row starts (B,)."""
+    return 4 * (batch * tokens + 1 + batch)
+
+
+def weight_dtype(spec: ModelSpec, device: str) -> str:
+    """The dtype a segment on ``device`` holds its weights in: ``HOST_DTYPE`` (float32) on the
+    host, the model's dtype on the accelerator (``models.spec.HOST_DTYPE`` says why)."""
+    return HOST_DTYPE if device == HOST else spec.dtype
+
+
+def layer_key(i: int) -> str:
+    """Parameter-tree key of decoder layer ``i``."""
+    return f"layer_{i}"

@@ -1,33 +1,24 @@
-"""Iteration-level scheduling of many prompts over a block of micro-batches.
+"""Throughput mode (iteration-level scheduling over a block of micro-batches) and the runner
+that carries out ``hx.scheduler``'s decisions, for it and for static batches.
 
 Orca (Yu et al., OSDI 2022) schedules per iteration instead of per batch: a sequence leaves the
 batch the step it ends and a waiting prompt takes its place at the next iteration, so short
-answers do not wait for long ones and no step computes rows that are done. ``ContinuousBatcher``
-does this over a block of N micro-batches of B rows (the zig-zag block schedule of
-``Executor.run_block``: each streamed layer serves all N·B rows once per step).
+answers do not wait for long ones and no step computes rows that are done.
+``ContinuousBatcher`` sizes, checks and compiles such a run over a block of N micro-batches of
+B rows (the zig-zag block schedule of ``Executor.run_block``: each streamed layer serves all
+N·B rows once per step). ``hx.scheduler.schedule`` decides each step -- who joins, in which
+prefill chunks, who leaves, which micro-batches shrink or are reframed (its docstring gives the
+rules) -- and ``BlockRunner`` carries the decisions out on the executor:
 
-Every step of the executor writes one cache slot shared by a micro-batch's rows (its
-``frontier``: ``Step.write_index``); rows differ in where they start (``Step.kv_start``). A
-prompt of L tokens joins a free row by
+* a ``Join`` is prefilled, a power of two of prompts of one padded length together, into a
+  spare cache of as many rows; the receiving micro-batches are reframed where needed and each
+  prompt's cache row is copied into its row, rolled so that its last token sits just before the
+  frontier (a static batch is prefilled straight into its micro-batch's caches);
+* a ``Decode`` shrinks micro-batches (their live cache rows gathered, layer by layer), reframes
+  others (caches rolled along their slots, layer by layer), then steps each block of
+  micro-batches of equal rows and samples every row.
 
-1. a prefill of its own, in chunks of ``join_chunk`` tokens, into a spare cache -- between
-   two decode iterations. Waiting prompts of one padded length (a multiple of the chunk)
-   share a prefill, a power of two of them at a time, at most ``join_max`` (one compiled
-   shape per power of two up to it, and no idle rows; ``join_max`` bounds the prefill's
-   activations and spare cache rows, so a block of many rows need not prefill as many at
-   once). While rows decode, a join may wait until ``join_min`` rows are
-   free (or every waiting prompt has one): where weights are streamed a prefill costs a pass
-   over them whatever its rows, so prompts joining one at a time would stream the weights
-   once each (``planner.throughput`` picks ``join_min``);
-2. copying its cache row into the micro-batch, shifted so that its last prompt token sits just
-   before the frontier (its first L slots before it; ``kv_start`` = frontier - L). A frontier
-   smaller than L first shifts the micro-batch's caches right.
-
-When a micro-batch's frontier reaches the last slot, its caches are shifted left by the
-smallest ``kv_start`` of its rows (slots no row attends to any more). A row's RoPE positions
-count from its own first token, so shifts change no result: each row computes what it would
-alone, up to float rounding of the batched products. A cache of S slots >= L + max_new_tokens
-of every prompt always leaves room (the row that starts at slot 0 has then finished).
+Each row computes what it would alone, up to float rounding of the batched products.
 """
 
 from __future__ import annotations
@@ -35,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -44,18 +34,20 @@ import numpy as np
 
 from hx.devices import ACCELERATOR
 from hx.errors import HxError
-from hx.generate import Completion, Engine, check_prompts, run_prefill
+from hx.generate import Engine, check_prompts, left_pad, prefill_in_chunks
 from hx.memory import reframe_bytes
 from hx.models.llama import Cache, Step
 from hx.models.spec import ModelSpec
 from hx.sampling import SamplingParams, sample
+from hx.scheduler import (BatchState, BlockConfig, Completion, Decode, Join, MicroBatch,
+                          Reframe, Request, Row, Shrink, complete, schedule)
 from hx.workload import CACHE_BUCKET, Workload, new_tokens, round_up
 
 JOIN_CHUNK = 64  # tokens per prefill step of a joining prompt, unless the plan sets a chunk
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _shift(cache: jax.Array, slots: jax.Array) -> jax.Array:
+def _roll(cache: jax.Array, slots: jax.Array) -> jax.Array:
     """``cache`` (B, S, K, E) rolled by ``slots`` along S (positive: towards the end)."""
     return jnp.roll(cache, slots, axis=1)
 
@@ -72,36 +64,6 @@ def _insert(cache: jax.Array, joined: jax.Array, source: jax.Array, row: jax.Arr
 def _take(cache: jax.Array, rows: jax.Array) -> jax.Array:
     """Rows ``rows`` of ``cache`` (B, S, K, E)."""
     return cache[rows]
-
-
-@dataclass
-class _Row:
-    """A prompt being answered in one row of a micro-batch."""
-
-    prompt: int  # index into the prompts
-    max_new: int
-    started: float  # its prefill began (seconds, perf_counter)
-    tokens: list[int] = field(default_factory=list)
-    sampled: int = 0  # tokens drawn so far: the PRNG step of the next
-    first: float = 0.0
-    end: float = 0.0
-    stopped: bool = False
-
-
-@dataclass
-class _MicroBatch:
-    """B rows sharing one frontier (the cache slot the next decode step writes)."""
-
-    name: int
-    caches: list[Cache]
-    kv_start: np.ndarray  # (B,) int32; an empty row starts past the end (attends nothing)
-    frontier: int
-    rows: list[_Row | None]
-    last: np.ndarray  # (B,) int32 token each row feeds next
-
-    @property
-    def active(self) -> list[int]:
-        return [r for r, row in enumerate(self.rows) if row is not None]
 
 
 def run_slots(lengths: Sequence[int], max_new_tokens: Sequence[int], spec: ModelSpec,
@@ -164,6 +126,12 @@ class ContinuousBatcher:
         group's prefill cache)."""
         return Workload(self.B, self.chunk, cache_slots, self.N, spare_rows=self.join_max)
 
+    def config(self, cache_slots: int) -> BlockConfig:
+        """The scheduler's view of a run with S = ``cache_slots``: joins padded to and
+        prefilled in chunks of the join chunk."""
+        return BlockConfig(self.B, self.N, cache_slots, self.chunk, self.chunk, self.join_min,
+                           self.join_max)
+
     def compile(self, workload: Workload, sampling: SamplingParams) -> float:
         """Compile decode at every power of two of rows up to B (a micro-batch shrinks to
         them once no prompt waits), prefill at every one up to ``join_max`` (join groups),
@@ -208,209 +176,188 @@ class ContinuousBatcher:
           HxError: an empty prompt or one longer than the context, or a plan that does not
             fit the memory budget at this run's shapes.
         """
-        engine, ex, spec = self.engine, self.engine.executor, self.engine.model.spec
+        spec = self.engine.model.spec
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]
         check_prompts(lengths, spec)
         asked = list(max_new_tokens or [sampling.max_new_tokens] * len(prompts))
-        max_new = [new_tokens(L, n, spec) for L, n in zip(lengths, asked)]
-        least = run_slots(lengths, max_new, spec, self.chunk)
+        limits = [new_tokens(L, n, spec) for L, n in zip(lengths, asked)]
+        least = run_slots(lengths, limits, spec, self.chunk)
         if cache_slots is not None and cache_slots < least:
             raise HxError(f"KV cache of {cache_slots} slots is too small for these prompts "
                           f"and their new tokens ({least} needed)")
         workload = self.workload(cache_slots or least)
-        engine.check(workload)
+        self.engine.check(workload)
         compile_s = self.compile(workload, sampling)
-        tok = engine.model.tokenizer
-        stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
-        seeds = list(seeds) if seeds is not None else [sampling.seed] * len(prompts)
-        results: list[Completion | None] = [None] * len(prompts)
-        B, S = self.B, workload.cache_slots
+        runner = BlockRunner(self.engine, self.config(workload.cache_slots), sampling,
+                             compile_s, on_finish)
+        return runner.run(prompts, limits, asked, seeds or [sampling.seed] * len(prompts))
 
-        def finish(row: _Row) -> None:
-            after_first = len(row.tokens) - 1 + (1 if row.stopped else 0)
-            elapsed = row.end - row.first
-            results[row.prompt] = Completion(
-                prompt_tokens=lengths[row.prompt], token_ids=row.tokens,
-                text=tok.decode(row.tokens),
-                finish_reason=("stop" if row.stopped else "context"
-                               if row.max_new < asked[row.prompt] else "length"),
-                ttft_s=row.first - row.started,
-                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
-                compile_s=compile_s)
-            if on_finish is not None:
-                on_finish(row.prompt, results[row.prompt])
 
-        def record(mb: _MicroBatch, r: int, token: int, now: float) -> None:
-            """A row's new token; frees the row when it ends."""
-            row = mb.rows[r]
-            row.sampled += 1
-            row.end = now
-            if token in stop:
-                row.stopped = True
-            else:
-                row.tokens.append(token)
-            mb.last[r] = token
-            if row.stopped or row.sampled >= row.max_new:
-                mb.rows[r] = None
-                mb.kv_start[r] = S
-                finish(row)
+class BlockRunner:
+    """Carries out ``hx.scheduler.schedule``'s decisions for one run on an engine's executor:
+    it holds each micro-batch's KV caches, runs prefill and decode steps, samples, and turns
+    each row that ends into its ``Completion``.
 
-        queue = list(range(len(prompts)))
-        shown = ""
-        blocks = [_MicroBatch(m, ex.new_cache(B, S, micro=m), np.full(B, S, np.int32), 0,
-                              [None] * B, np.zeros(B, np.int32)) for m in range(self.N)]
+    Args:
+      engine: the ``Engine`` to run on (checked and compiled for ``config``'s shapes).
+      config: the block and its policy (``refill``: iteration-level; else a static batch).
+      sampling: sampling rules (one for all rows; a row's seed is its own).
+      compile_s: seconds spent compiling, reported in each ``Completion``.
+      on_finish: called with (prompt index, its ``Completion``) the moment a row ends.
+    """
+
+    def __init__(self, engine: Engine, config: BlockConfig, sampling: SamplingParams,
+                 compile_s: float = 0.0,
+                 on_finish: Callable[[int, Completion], None] | None = None):
+        self.engine, self.config, self.sampling = engine, config, sampling
+        self.compile_s, self.on_finish = compile_s, on_finish
+        self.prompts: Sequence[Sequence[int]] = []
+        self.caches: list[list[Cache]] = []  # per micro-batch, per layer
+        self.results: list[Completion | None] = []
+        self._shown = ""
+
+    def run(self, prompts: Sequence[Sequence[int]], limits: Sequence[int],
+            asked: Sequence[int], seeds: Sequence[int]) -> list[Completion]:
+        """Answer ``prompts`` (token ids), each with its token limit (``limits``: capped by
+        the context; ``asked``: as asked) and sampling seed; returns their completions in
+        order. The stop tokens are EOS and the sampling's ``stop_ids``."""
+        eos = self.engine.model.tokenizer.eos_id
+        stop = frozenset(self.sampling.stop_ids) | frozenset([] if eos is None else [eos])
+        requests = [Request(i, len(p), n, a, stop, s)
+                    for i, (p, n, a, s) in enumerate(zip(prompts, limits, asked, seeds))]
+        state = BatchState.start(self.config, requests)
+        ex, B, S = self.engine.executor, self.config.rows, self.config.cache_slots
+        self.prompts, self.results = prompts, [None] * len(prompts)
+        self.caches = [ex.new_cache(B, S, micro=m) for m in range(self.config.micro_batches)]
         try:
-            while queue or any(mb.active for mb in blocks):
-                while queue:  # fill free rows (a prompt may end at its first token)
-                    free = [(mb, r) for mb in blocks for r in range(len(mb.rows))
-                            if mb.rows[r] is None]
-                    decoding = any(mb.active for mb in blocks)
-                    if not free or decoding and len(free) < min(self.join_min, len(queue)):
-                        break  # wait for join_min free rows
-                    group = self._next_group(queue, prompts, min(self.join_max, len(free)))
-                    self._join(group, free[:len(group)], prompts, max_new, sampling, seeds, S,
-                               record)
-                running = [mb for mb in blocks if mb.active]
-                if not running:
-                    continue
-                line = (f"decoding {sum(len(mb.active) for mb in running)} rows, "
-                        f"{len(queue)} prompts waiting")
-                if line != shown:
-                    engine.status(line)
-                    shown = line
-                for mb in running:
-                    rows = 1 << (len(mb.active) - 1).bit_length()
-                    if not queue and rows < len(mb.rows):  # no prompt will fill empty rows
-                        self._shrink(mb, rows)
-                    if mb.frontier == S:  # the last slot is written: drop what no row reads
-                        unread = int(mb.kv_start[mb.active].min())
-                        if unread == 0:  # a row would have outlived the cache: a bug
-                            raise RuntimeError(f"no free slot in a {S}-slot KV cache")
-                        self._reframe(mb, -unread)
-                shapes: dict[int, list[_MicroBatch]] = {}  # a block step per row count
-                for mb in running:
-                    shapes.setdefault(len(mb.rows), []).append(mb)
-                for group in shapes.values():
-                    self._decode(group, S, sampling, seeds, record)
+            while (step := schedule(state)) is not None:
+                state = (self._join(state, step) if isinstance(step, Join)
+                         else self._decode(state, step))
         finally:
             ex.release_cache()
-        return results
+        return self.results
 
-    def _decode(self, group: list[_MicroBatch], S: int, sampling: SamplingParams,
-                seeds: list[int], record: Callable) -> None:
-        """One decode step of micro-batches of equal rows, as a block; records each row's
-        token."""
-        steps = []
-        for mb in group:
-            positions = np.where(mb.kv_start < S, mb.frontier - mb.kv_start, 0)
-            steps.append(Step(positions[:, None].astype(np.int32), np.int32(mb.frontier),
-                              mb.kv_start.copy()))
+    def _join(self, state: BatchState, join: Join) -> BatchState:
+        """Prefill ``join``'s prompts, sample their first tokens and put each in its row."""
+        ex, engine = self.engine.executor, self.engine
+        started = time.perf_counter()
+        G, T, m = len(join.requests), join.padded, join.places[0][0]
+        tokens, step = left_pad([self.prompts[q.index] for q in join.requests], T,
+                                engine.model.tokenizer.eos_id or 0)
+        caches = (self.caches[m] if join.in_place
+                  else ex.new_cache(G, self.config.cache_slots, micro="join"))
+        try:
+            logits, caches = prefill_in_chunks(
+                ex, tokens, step, caches, join.chunks,
+                lambda i, n: engine.status(f"prefill of {G} prompt(s) x {T} tokens, "
+                                           f"chunk {i}/{n}"))
+            first = np.asarray(sample(logits, self.sampling, 0, [q.seed for q in join.requests]))
+            after, ended = state.joined(join, first.tolist(), started, time.perf_counter())
+            if join.in_place:
+                self.caches[m] = caches
+            else:
+                self._place(state, after, join, caches)
+        finally:
+            if not join.in_place:
+                ex.release_cache("join")
+        self._finish(ended)
+        return after
+
+    def _place(self, before: BatchState, after: BatchState, join: Join,
+               joined: list[Cache]) -> None:
+        """Reframe the micro-batches receiving ``join``'s prompts, then copy row j of the
+        ``joined`` caches into each prompt's row, rolled so its last token sits just before
+        the frontier."""
+        for reframe in join.reframes:
+            self._reframe(before.micro_batches[reframe.micro_batch], reframe)
+        for j, (m, r) in enumerate(join.places):
+            shift = np.int32(after.micro_batches[m].frontier - join.padded)
+            self.caches[m] = [{name: _insert(cache[name], part[name], np.int32(j), np.int32(r),
+                                             shift) for name in cache}
+                              for cache, part in zip(self.caches[m], joined)]
+
+    def _decode(self, state: BatchState, decode: Decode) -> BatchState:
+        """Carry out ``decode``'s shrinks and reframes, then step each of its blocks."""
+        self._show(state)
+        for shrink in decode.shrinks:
+            self._shrink(state.micro_batches[shrink.micro_batch], shrink)
+            state = state.shrunk(shrink)
+        for reframe in decode.reframes:
+            self._reframe(state.micro_batches[reframe.micro_batch], reframe)
+            state = state.reframed(reframe)
+        for block in decode.blocks:
+            state = self._step(state, block)
+        return state
+
+    def _step(self, state: BatchState, block: tuple[int, ...]) -> BatchState:
+        """One decode step of micro-batches ``block`` (equal rows) as a block; samples and
+        records each live row's token."""
+        S, batches = self.config.cache_slots, [state.micro_batches[m] for m in block]
+        steps = [Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
+                      np.array(mb.kv_starts(S), np.int32)) for mb in batches]
+        tokens = [np.array([[0 if row is None else row.last] for row in mb.rows], np.int32)
+                  for mb in batches]
         logits, caches = self.engine.executor.run_block(
-            "decode", [mb.last[:, None] for mb in group], steps, [mb.caches for mb in group])
-        for mb, out, cache in zip(group, logits, caches):
-            mb.caches, mb.frontier = cache, mb.frontier + 1
-            rows = [mb.rows[r] for r in range(len(mb.rows))]
-            new = np.asarray(sample(out, sampling, [row.sampled if row else 0 for row in rows],
-                                    [seeds[row.prompt] if row else 0 for row in rows]))
-            now = time.perf_counter()
-            for r in mb.active:
-                record(mb, r, int(new[r]), now)
+            "decode", tokens, steps, [self.caches[m] for m in block])
+        for m, mb, out, cache in zip(block, batches, logits, caches):
+            self.caches[m] = cache
+            new = np.asarray(sample(out, self.sampling,
+                                    [0 if row is None else row.drawn for row in mb.rows],
+                                    [0 if row is None else row.request.seed for row in mb.rows]))
+            state, ended = state.decoded(m, new.tolist(), time.perf_counter())
+            self._finish(ended)
+        return state
 
-    def _shrink(self, mb: _MicroBatch, rows: int) -> None:
-        """Keep ``rows`` rows of micro-batch ``mb`` (its rows in use first): once no prompt
-        waits, steps stop computing rows that have ended."""
-        ex = self.engine.executor
-        keep = mb.active
-        keep += [r for r in range(len(mb.rows)) if r not in keep][:rows - len(keep)]
-        index = jnp.asarray(keep, jnp.int32)
+    def _finish(self, ended: list[Row]) -> None:
+        """Build each ended row's ``Completion`` and hand it to ``on_finish``."""
+        for row in ended:
+            result = complete(row, self.engine.model.tokenizer.decode, self.compile_s)
+            self.results[row.request.index] = result
+            if self.on_finish is not None:
+                self.on_finish(row.request.index, result)
+
+    def _show(self, state: BatchState) -> None:
+        """Report the rows decoding and the prompts waiting when they change."""
+        line = (f"decoding {sum(len(mb.live) for mb in state.micro_batches)} rows, "
+                f"{len(state.waiting)} prompts waiting")
+        if line != self._shown:
+            self.engine.status(line)
+            self._shown = line
+
+    def _shrink(self, mb: MicroBatch, shrink: Shrink) -> None:
+        """Gather rows ``shrink.keep`` of a micro-batch's caches: once no prompt waits, steps
+        stop computing rows that have ended."""
+        m, index = shrink.micro_batch, jnp.asarray(shrink.keep, jnp.int32)
         # layer by layer, each old cache dropped as its copy is made: beside the caches, at most
         # a K and a V array of ``rows`` <= B/2 rows, one (B, S, K, E) array's bytes
-        with self._cache_temporary(mb):
-            for layer, cache in enumerate(mb.caches):
-                mb.caches[layer] = {name: _take(c, index) for name, c in cache.items()}
-        ex.account_cache(mb.caches, mb.name)
-        mb.rows = [mb.rows[r] for r in keep]
-        mb.kv_start, mb.last = mb.kv_start[keep], mb.last[keep]
+        with self._cache_temporary(len(mb.rows)):
+            for layer, cache in enumerate(self.caches[m]):
+                self.caches[m][layer] = {name: _take(c, index) for name, c in cache.items()}
+        self.engine.executor.account_cache(self.caches[m], m)
 
-    def _next_group(self, queue: list[int], prompts: Sequence[Sequence[int]], most: int
-                    ) -> list[int]:
-        """Take from ``queue`` the next prompts to prefill together: the first waiting prompt
-        and others of the same padded length (a multiple of the chunk: no prompt pads more
-        than a chunk), as many as the largest power of two <= ``most`` allows (one compiled
-        shape per power of two, no idle rows)."""
-        padded = lambda p: round_up(len(prompts[p]), self.chunk)  # noqa: E731
-        same = [p for p in queue if padded(p) == padded(queue[0])][:most]
-        group = same[:1 << (len(same).bit_length() - 1)]
-        chosen = set(group)
-        queue[:] = [p for p in queue if p not in chosen]
-        return group
-
-    def _join(self, group: list[int], places: list[tuple[_MicroBatch, int]],
-              prompts: Sequence[Sequence[int]], max_new: list[int], sampling: SamplingParams,
-              seeds: list[int], S: int, record: Callable) -> None:
-        """Prefill ``group`` (prompts of one padded length, a power of two of them) together
-        and move each into its place."""
-        engine, ex = self.engine, self.engine.executor
-        started = time.perf_counter()
-        G = len(group)
-        T = round_up(len(prompts[group[0]]), self.chunk)
-        tokens = np.full((G, T), engine.model.tokenizer.eos_id or 0, np.int32)
-        kv_start = np.zeros(G, np.int32)
-        for j, p in enumerate(group):
-            tokens[j, T - len(prompts[p]):] = prompts[p]
-            kv_start[j] = T - len(prompts[p])
-        positions = np.maximum(np.arange(T, dtype=np.int32)[None, :] - kv_start[:, None], 0)
-        joined = ex.new_cache(G, S, micro="join")
-        try:
-            logits, joined = run_prefill(
-                ex, tokens, Step(positions, np.int32(0), kv_start), joined, self.chunk,
-                lambda i, n: engine.status(f"prefill of {len(group)} joining prompt(s), "
-                                            f"chunk {i}/{n}"))
-            first = np.asarray(sample(logits, sampling, 0, [seeds[p] for p in group]))
-            now = time.perf_counter()
-            for mb in {id(mb): mb for mb, _ in places}.values():  # one shift per micro-batch
-                need = max(len(prompts[p]) for p, (m, _) in zip(group, places) if m is mb)
-                if mb.frontier < need:
-                    self._reframe(mb, need - mb.frontier)
-            for j, (p, (mb, r)) in enumerate(zip(group, places)):
-                L = len(prompts[p])
-                shift = np.int32(mb.frontier - T)
-                mb.caches = [{name: _insert(cache[name], part[name], np.int32(j), np.int32(r),
-                                            shift) for name in cache}
-                             for cache, part in zip(mb.caches, joined)]
-                mb.kv_start[r] = mb.frontier - L
-                mb.rows[r] = _Row(p, max_new[p], started, first=now)
-                record(mb, r, int(first[j]), now)
-        finally:
-            ex.release_cache("join")
+    def _reframe(self, mb: MicroBatch, reframe: Reframe) -> None:
+        """Roll a micro-batch's caches by ``reframe.slots`` along their slots; with no row in
+        it, nothing reads them and only its frontier moves (in the state)."""
+        if all(row is None for row in mb.rows):
+            return
+        m, slots = reframe.micro_batch, np.int32(reframe.slots)
+        with self._cache_temporary(len(mb.rows)):
+            self.caches[m] = [{name: _roll(c, slots) for name, c in cache.items()}
+                              for cache in self.caches[m]]
 
     @contextlib.contextmanager
-    def _cache_temporary(self, mb: _MicroBatch) -> Iterator[None]:
-        """Account, while the body rewrites ``mb``'s caches one array at a time, the
-        accelerator bytes of one of its (B, S, K, E) arrays (``memory.reframe_bytes``; none
-        when every KV cache is on the host)."""
-        acct = self.engine.accountant
-        temp = reframe_bytes(self.engine.model.spec, Workload(
-            len(mb.rows), self.chunk, mb.caches[0]["k"].shape[1]))
-        acct.allocate("activations", ("reframe",),
-                      temp if ACCELERATOR in self.engine.plan.kv else 0)
+    def _cache_temporary(self, rows: int) -> Iterator[None]:
+        """Account, while the body rewrites a micro-batch's caches one array at a time, the
+        accelerator bytes of one of its (rows, S, K, E) arrays (``memory.reframe_bytes``;
+        none when every KV cache is on the host)."""
+        engine = self.engine
+        temp = reframe_bytes(engine.model.spec,
+                             Workload(rows, self.config.pad, self.config.cache_slots))
+        engine.accountant.allocate("activations", ("reframe",),
+                                   temp if ACCELERATOR in engine.plan.kv else 0)
         try:
             yield
         finally:
-            acct.free(("reframe",))
-
-    def _reframe(self, mb: _MicroBatch, slots: int) -> None:
-        """Shift micro-batch ``mb``'s caches by ``slots`` (negative: towards slot 0); with no
-        row in use only its frontier moves (no row reads the caches)."""
-        if not mb.active:
-            mb.frontier += slots
-            return
-        shift = np.int32(slots)
-        with self._cache_temporary(mb):
-            mb.caches = [{name: _shift(c, shift) for name, c in cache.items()}
-                         for cache in mb.caches]
-        active = mb.active
-        mb.kv_start[active] += slots
-        mb.frontier += slots
+            engine.accountant.free(("reframe",))

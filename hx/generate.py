@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jax
@@ -27,35 +26,9 @@ from hx.models.spec import ModelSpec
 from hx.models.tokenizer import Tokenizer
 from hx.plan import ExecutionPlan
 from hx.sampling import SamplingParams, sample
+from hx.scheduler import BlockConfig, Completion
 from hx.timeline import Timeline
 from hx.workload import Workload, new_tokens, padded_length, prefill_chunks
-
-@dataclass
-class Completion:
-    """One prompt's result.
-
-    Attributes:
-      prompt_tokens: prompt length in tokens.
-      token_ids: generated ids, without the stop token.
-      text: ``token_ids`` decoded.
-      finish_reason: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens reached) or
-        ``"context"`` (cut short of max_new_tokens: the batch's longest prompt and the new
-        tokens filled the model's context).
-      ttft_s: seconds from the start of the batch to its first token (prefill + first sample).
-      decode_tok_s: this row's tokens after the first, per second of decode; None when the
-        first token already ended it.
-      compile_s: seconds spent before the timed run compiling (and running once) the batch's
-        prefill and decode shapes; 0 when they were already compiled. Not part of ttft_s.
-    """
-
-    prompt_tokens: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    ttft_s: float
-    decode_tok_s: float | None
-    compile_s: float = 0.0
-
 
 def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str] | None = None
                   ) -> None:
@@ -78,20 +51,28 @@ def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list
                 chunk: int | None, on_chunk: Callable[[int, int], None] | None = None
                 ) -> tuple:
     """Run a left-padded prompt batch through ``executor`` in chunks of at most ``chunk``
-    tokens (``hx.workload.prefill_chunks``; None: one step). Each chunk writes its keys and
-    values at its own cache slots and attends over every slot written before it, so the
-    logits equal an unchunked prefill's.
+    tokens (``hx.workload.prefill_chunks``; None: one step): ``prefill_in_chunks``."""
+    return prefill_in_chunks(executor, tokens, step, caches,
+                             prefill_chunks(tokens.shape[1], chunk), on_chunk)
+
+
+def prefill_in_chunks(executor: Executor, tokens: np.ndarray, step: Step, caches: list,
+                      chunks: Sequence[int], on_chunk: Callable[[int, int], None] | None = None
+                      ) -> tuple:
+    """Run a left-padded prompt batch through ``executor`` in steps of ``chunks`` tokens. Each
+    chunk writes its keys and values at its own cache slots and attends over every slot
+    written before it, so the logits equal an unchunked prefill's.
 
     Args:
       tokens: (B, T) int32 prompt tokens; step: the prefill ``Step`` of all T tokens.
       caches: per-layer KV caches (consumed).
+      chunks: tokens per step, summing to T.
       on_chunk: called with (chunk index from 1, number of chunks) before each chunk runs.
     Returns:
       (logits (B, V) of the last position, updated caches).
     """
     start = int(step.write_index)
     logits = None
-    chunks = prefill_chunks(tokens.shape[1], chunk)
     for index, c in enumerate(chunks, 1):
         if on_chunk is not None:
             on_chunk(index, len(chunks))
@@ -101,6 +82,19 @@ def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list
             Step(step.positions[:, part], np.int32(start), step.kv_start), caches)
         start += c
     return logits, caches
+
+
+def left_pad(prompts: Sequence[Sequence[int]], padded: int, pad_id: int) -> tuple[np.ndarray, Step]:
+    """Prompts left-padded to ``padded`` tokens with ``pad_id``, and their prefill ``Step``
+    written from slot 0: (tokens (G, T) int32, Step with positions (G, T) counting from each
+    prompt's first token (0 over its padding) and kv_start (G,) = T - its length)."""
+    tokens = np.full((len(prompts), padded), pad_id, np.int32)
+    kv_start = np.zeros(len(prompts), np.int32)
+    for r, ids in enumerate(prompts):
+        tokens[r, padded - len(ids):] = ids
+        kv_start[r] = padded - len(ids)
+    positions = np.maximum(np.arange(padded, dtype=np.int32)[None, :] - kv_start[:, None], 0)
+    return tokens, Step(positions, np.int32(0), kv_start)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list[int]:
@@ -179,7 +173,8 @@ class Engine:
             not fit the memory budget.
         """
         lengths = self._check(prompts)
-        tokens, step = self._left_pad(prompts, lengths)
+        tokens, step = left_pad(prompts, padded_length(int(lengths.max()), self.model.spec),
+                                self.model.tokenizer.eos_id or 0)
         B, T = tokens.shape
         self.check(Workload(B, T, T))
         try:
@@ -218,17 +213,6 @@ class Engine:
         check_prompts(lengths, self.model.spec)
         return lengths
 
-    def _left_pad(self, prompts: Sequence[Sequence[int]], lengths: np.ndarray
-                  ) -> tuple[np.ndarray, Step]:
-        """(tokens (B,T) int32 left-padded to ``padded_length``, prefill ``Step``)."""
-        T = padded_length(int(lengths.max()), self.model.spec)
-        tokens = np.full((len(prompts), T), self.model.tokenizer.eos_id or 0, dtype=np.int32)
-        for r, ids in enumerate(prompts):
-            tokens[r, T - len(ids):] = ids
-        kv_start = (T - lengths).astype(np.int32)
-        positions = np.maximum(np.arange(T, dtype=np.int32)[None, :] - kv_start[:, None], 0)
-        return tokens, Step(positions, np.int32(0), kv_start)
-
     def generate_ids(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams = SamplingParams(),
                      cache_slots: int | None = None, seeds: Sequence[int] | None = None,
@@ -250,14 +234,14 @@ class Engine:
           HxError: an empty prompt, one that does not fit the context, a too-small cache, or a
             plan that does not fit the memory budget.
         """
-        spec, tok = self.model.spec, self.model.tokenizer
+        from hx.continuous import BlockRunner  # hx.continuous imports this module
+
+        spec = self.model.spec
         lengths = self._check(prompts)
-        tokens, prefill_step = self._left_pad(prompts, lengths)
-        B, T = tokens.shape
-        longest = int(lengths.max())
+        B, longest = len(prompts), int(lengths.max())
+        T = padded_length(longest, spec)
         asked = list(max_new_tokens or [sampling.max_new_tokens] * B)
         max_new = new_tokens(longest, max(asked), spec)  # rows share slots: the longest caps
-        limits = [min(n, max_new) for n in asked]
         workload = Workload.for_prompts(B, longest, max(asked), spec)
         if cache_slots is not None:
             if cache_slots < T + max_new - 1:
@@ -265,56 +249,9 @@ class Engine:
                               f"prompt and {max_new} new tokens")
             workload = Workload(B, T, cache_slots)
         self.check(workload)
-        stop = set(sampling.stop_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
         compile_s = self._compile(workload, sampling)
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        stopped = [False] * B
-        results: list[Completion | None] = [None] * B
-
-        def complete(r: int, now: float) -> None:
-            after_first = len(outputs[r]) - 1 + (1 if stopped[r] else 0)
-            elapsed = now - first
-            results[r] = Completion(
-                prompt_tokens=int(lengths[r]), token_ids=outputs[r], text=tok.decode(outputs[r]),
-                finish_reason=("stop" if stopped[r] else
-                               "context" if limits[r] < asked[r] else "length"),
-                ttft_s=first - start,
-                decode_tok_s=after_first / elapsed if after_first > 0 and elapsed > 0 else None,
-                compile_s=compile_s)
-            if on_finish is not None:
-                on_finish(r, results[r])
-
-        def record(new: np.ndarray, drawn: int, now: float) -> None:
-            """Each running row's ``drawn``-th token; a row ends at a stop or its limit."""
-            for r in range(B):
-                if results[r] is not None:
-                    continue
-                if int(new[r]) in stop:
-                    stopped[r] = True
-                else:
-                    outputs[r].append(int(new[r]))
-                if stopped[r] or drawn == limits[r]:
-                    complete(r, now)
-
-        start = time.perf_counter()
-        try:
-            caches = self.executor.new_cache(B, workload.cache_slots)
-            logits, caches = run_prefill(
-                self.executor, tokens, prefill_step, caches, self.plan.prefill_chunk,
-                lambda i, n: self.status(f"prefill {B} x {T} tokens, chunk {i}/{n}"))
-            last = np.asarray(sample(logits, sampling, 0, seeds))
-            first = time.perf_counter()
-            record(last, 1, first)
-            self.status(f"decoding {B} x up to {max(limits)} tokens")
-            kv_start = prefill_step.kv_start
-            for i in range(1, max(limits)):
-                if all(r is not None for r in results):
-                    break
-                step = Step(positions=(lengths + i - 1)[:, None].astype(np.int32),
-                            write_index=np.int32(T + i - 1), kv_start=kv_start)
-                logits, caches = self.executor.run("decode", last[:, None], step, caches)
-                last = np.asarray(sample(logits, sampling, i, seeds))
-                record(last, i + 1, time.perf_counter())
-        finally:
-            self.executor.release_cache()
-        return results
+        config = BlockConfig(B, 1, workload.cache_slots, pad=T, chunk=self.plan.prefill_chunk,
+                             refill=False)
+        runner = BlockRunner(self, config, sampling, compile_s, on_finish)
+        return runner.run(prompts, [min(n, max_new) for n in asked], asked,
+                          seeds or [sampling.seed] * B)

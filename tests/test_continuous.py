@@ -4,6 +4,7 @@ the step they free, caches are re-framed both ways, and memory stays within the 
 import numpy as np
 import pytest
 
+from hx import continuous, scheduler
 from hx.continuous import ContinuousBatcher, run_slots
 from hx.devices import discover
 from hx.generate import Engine
@@ -35,16 +36,21 @@ def stops(tiny_model, prompts):
     return tuple(sorted({runs[0][3], runs[1][9], runs[2][16]}))
 
 
-def spy_reframes(monkeypatch):
-    shifts = []
-    real = ContinuousBatcher._reframe
+def spy_decisions(monkeypatch):
+    """Every decision ``hx.scheduler.schedule`` hands the runner, in order."""
+    decisions = []
 
-    def spy(self, mb, slots):
-        shifts.append(slots)
-        return real(self, mb, slots)
+    def spy(state):
+        decisions.append(scheduler.schedule(state))
+        return decisions[-1]
 
-    monkeypatch.setattr(ContinuousBatcher, "_reframe", spy)
-    return shifts
+    monkeypatch.setattr(continuous, "schedule", spy)
+    return decisions
+
+
+def joins(decisions):
+    """Prompts per join prefill."""
+    return [len(d.requests) for d in decisions if isinstance(d, scheduler.Join)]
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -55,7 +61,7 @@ def test_each_prompt_gets_what_it_gets_alone(tiny_model, prompts, stops, name, m
     alone = [engine.generate_ids([p], greedy)[0] for p in prompts]
     lengths = {len(c.token_ids) for c in alone}
     assert len(lengths) >= 3  # rows end at different steps
-    shifts = spy_reframes(monkeypatch)
+    decisions = spy_decisions(monkeypatch)
     finished = []
     real_block = engine.executor.run_block
     rows_per_step = []  # (micro-batches, rows) of each decode step
@@ -71,7 +77,8 @@ def test_each_prompt_gets_what_it_gets_alone(tiny_model, prompts, stops, name, m
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in alone]
     assert sorted(finished) == list(range(len(prompts)))
-    assert min(shifts) < 0 < max(shifts)  # caches shifted towards both ends
+    shifts = [r.slots for d in decisions if d is not None for r in d.reframes]
+    assert min(shifts) < 0 < max(shifts)  # caches reframed towards both ends
     # a row that ends is refilled at once, and once no prompt waits micro-batches shrink to
     # their rows in use: no step computes a row that has ended
     decoded = sum(len(c.token_ids) + (c.finish_reason == "stop") - 1 for c in alone)
@@ -107,14 +114,11 @@ def test_the_run_fits_its_estimate(tiny_model, prompts, block, monkeypatch):
                       [new_tokens(len(p), MAX_NEW, spec) for p in prompts], spec, batcher.chunk)
     need = estimate(plan, spec, batcher.workload(slots)).accelerator
     engine = Engine(tiny_model, plan, discover(accelerator_memory=need))
-    groups = []
-    real = ContinuousBatcher._join
-    monkeypatch.setattr(ContinuousBatcher, "_join", lambda self, group, *rest: (
-        groups.append(len(group)), real(self, group, *rest))[1])
+    decisions = spy_decisions(monkeypatch)
     got = ContinuousBatcher(engine, B, N, join_max=join_max).run(prompts, greedy)
     assert [c.token_ids for c in got] == alone
     assert 0 < engine.accountant.peak <= need
-    assert max(groups) == (join_max or B)
+    assert max(joins(decisions)) == (join_max or B)
 
 
 def test_a_smaller_join_group_needs_less_memory(tiny_model):
@@ -140,14 +144,14 @@ def test_token_limits_per_prompt(tiny_model, prompts, monkeypatch):
     alone = [engine.generate_ids([p], SamplingParams(max_new_tokens=n))[0].token_ids
              for p, n in zip(prompts, limits)]
     static = engine.generate_ids(prompts, greedy, max_new_tokens=limits)
-    joins = {1: [], 3: []}
-    real = ContinuousBatcher._join
-    monkeypatch.setattr(ContinuousBatcher, "_join", lambda self, group, *rest: (
-        joins[self.join_min].append(len(group)), real(self, group, *rest))[1])
-    continuous = {k: ContinuousBatcher(engine, 4, join_min=k).run(
-        prompts, greedy, max_new_tokens=limits) for k in joins}
-    for got in (static, *continuous.values()):
+    groups, refilled = {}, {}
+    for k in (1, 3):
+        decisions = spy_decisions(monkeypatch)
+        refilled[k] = ContinuousBatcher(engine, 4, join_min=k).run(
+            prompts, greedy, max_new_tokens=limits)
+        groups[k] = joins(decisions)
+    for got in (static, *refilled.values()):
         assert [c.token_ids for c in got] == alone
         assert {c.finish_reason for c in got} == {"length"}
-    assert sum(joins[1]) == sum(joins[3]) == len(prompts)
-    assert len(joins[3]) < len(joins[1])
+    assert sum(groups[1]) == sum(groups[3]) == len(prompts)
+    assert len(groups[3]) < len(groups[1])

@@ -80,7 +80,7 @@ def test_a_row_is_reported_the_moment_it_stops(tiny_model, monkeypatch):
     free = engine.generate_ids(prompts, SamplingParams(max_new_tokens=6))
     stop = next(t for t in free[0].token_ids[1:] if t not in free[1].token_ids)
     cut = free[0].token_ids.index(stop)
-    real, decodes = engine.executor.run, []
+    real, decodes = engine.executor.run_block, []
 
     def crash_late(phase, *args):
         decodes.append(phase)
@@ -88,7 +88,7 @@ def test_a_row_is_reported_the_moment_it_stops(tiny_model, monkeypatch):
             raise KeyboardInterrupt
         return real(phase, *args)
 
-    monkeypatch.setattr(engine.executor, "run", crash_late)
+    monkeypatch.setattr(engine.executor, "run_block", crash_late)
     seen = []
     with pytest.raises(KeyboardInterrupt):
         engine.generate_ids(prompts, SamplingParams(max_new_tokens=6, stop_ids=(stop,)),

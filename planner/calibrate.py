@@ -115,17 +115,21 @@ def dispatch_plans(n_layers: int) -> list[ExecutionPlan]:
 
 def observe_interleaved(spec: ModelSpec, params: dict[str, Any], plans: list[ExecutionPlan],
                         batches: tuple[int, ...], devices: Devices, rounds: int = ROUNDS,
-                        also: Sequence[tuple[ExecutionPlan, int]] = ()
+                        also: Sequence[tuple[ExecutionPlan, int]] = (),
+                        log: Callable[[str], None] = lambda message: None
                         ) -> dict[tuple[ExecutionPlan, int], float]:
     """Median decode step (seconds) of every (plan, batch), and of the (plan, batch) pairs
     ``also``, over ``rounds`` rounds that each visit all of them in turn: a slow spell of the
     machine then hits every plan alike, and the fits below compare plans observed side by
-    side."""
+    side. ``log`` gets a line as each round starts."""
     executors: dict = {}  # each plan compiles once
-    pairs = [(plan, b) for b in batches for plan in dict.fromkeys(plans)] + list(also)
+    pairs = list(dict.fromkeys([(plan, b) for b in batches for plan in dict.fromkeys(plans)]
+                               + list(also)))
     seen: dict[tuple[ExecutionPlan, int], list[float]] = {}
-    for _ in range(rounds):
-        for plan, b in dict.fromkeys(pairs):
+    for r in range(rounds):
+        log(f"round {r + 1} of {rounds}: {len(pairs)} (plan, batch) decode probes"
+            + (" (each plan compiles on its first)" if r == 0 else ""))
+        for plan, b in pairs:
             times = observe(spec, params, plan, b, devices, executors)
             seen.setdefault((plan, b), []).append(statistics.median(times))
     return {key: statistics.median(steps) for key, steps in seen.items()}
@@ -261,10 +265,15 @@ def refine(profile: HardwareProfile, spec: ModelSpec, params: dict[str, Any], de
            scale_batches: tuple[int, ...] = SCALE_BATCHES) -> HardwareProfile:
     """A copy of ``profile`` fitted to this model's decode steps (module doc): every plan the
     fits use at ``batches``, and the one-segment plans at ``scale_batches`` too, observed in
-    the same interleaved rounds."""
+    the same interleaved rounds. ``log`` gets a line as each stage (and round) starts and
+    each fit's result."""
     plans = calibration_plans(spec.n_layers)  # the one-segment plans first
+    log(f"{spec.name}: timing decode steps under {len(plans)} plans, {ROUNDS} interleaved "
+        "rounds")
     seen = observe_interleaved(spec, params, plans, batches, devices,
                                also=[(plan, b) for b in scale_batches if b not in batches
-                                     for plan in plans[:2]])
+                                     for plan in plans[:2]], log=log)
+    log(f"{spec.name}: timing a block step ({BLOCK[1]} micro-batches x {BLOCK[0]} rows)")
     block_seen = observe_block(spec, params, block_plan(spec.n_layers), *BLOCK, devices)
+    log("fitting the profile to the observed steps")
     return fit(profile, spec, seen, batches, log, block_seen)

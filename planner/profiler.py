@@ -74,6 +74,7 @@ def fit_launch_overhead(profile: HardwareProfile, devices: Devices,
     its device switch is the launch."""
     every = dispatch_plans(TINY.n_layers)
     chosen = [every[i] for i in plans]
+    log(f"launch overhead: timing a tiny model's decode steps under {len(chosen)} plans")
     seen = observe_interleaved(TINY, _random_params(TINY), chosen, (1,), devices, rounds=1)
     probe = 1e-4
 
@@ -112,11 +113,13 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     """Measure every figure of a ``HardwareProfile`` on ``devices`` (module doc).
 
     Args:
-      log: called with a short line as each measurement finishes.
+      log: called with a short line as each stage of measurements starts and as each
+        measurement finishes.
       launch: fit the launch overhead to a tiny model's decode steps (``fit_launch_overhead``);
         leave it out when ``calibrate.refine`` follows, as it fits it to the model.
       effort: ``FULL`` (``hx profile``) or ``QUICK``.
     """
+    log("timing copies between the devices: H2D, D2H, small and staged copies, round trip")
     h2d, d2h = measure_h2d(devices, effort), measure_d2h(devices, effort)
     small_h2d, small_d2h = measure_small_transfers(devices, effort)
     small_bytes = math.prod(SMALL_SHAPE) * 4
@@ -134,6 +137,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     sides = {}
     for side, kernel in ((ACCELERATOR, jax.jit(attention)), (HOST, host_attention)):
         device = devices[side]
+        log(f"{side}: timing matmul, memory and attention rates")
         curves = {dtype: measure_matmul(device, dtype, effort.matmul_rows, effort)
                   for dtype in ((jnp.float32, LOW_DTYPE) if side == ACCELERATOR
                                 else (jnp.float32,))}
@@ -148,6 +152,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
                                             LOW_DTYPE),
             launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()))
+    log("timing copy/compute and accelerator/host compute contention")
     contention = measure_contention(devices, effort)
     compute_contention = measure_compute_contention(devices, effort)
     log(f"copy/compute contention {contention:.2f}, accelerator/host compute contention "

@@ -1,10 +1,12 @@
 """The ``hx`` command: bad input gives one line on stderr and exit status 2, no traceback."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 
+import pytest
 
 from hx.models.loader import default_model_path
 
@@ -12,8 +14,11 @@ from gguf_files import write_gguf
 
 
 def hx(*args, cwd=None):
+    """``hx ARGS`` piped (stdout and stderr captured), with no width given by the environment:
+    what a script or CI log gets."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
     return subprocess.run([sys.executable, "-m", "hx", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+                          cwd=cwd, timeout=300, env=env)
 
 
 def assert_clean_error(result, *phrases):
@@ -54,6 +59,50 @@ def test_usage_errors(tmp_path):
     assert_clean_error(hx("generate", "--prompts", str(tmp_path / "p.jsonl")), "needs --output")
 
 
+@pytest.mark.parametrize("content, phrases", [
+    ("", ("has no prompts", "write one JSON object per line")),
+    ('{"id": "a", "prompt": "hi", "max_tokens": 3}\n',
+     ("p.jsonl:1: unknown key 'max_tokens'", "did you mean 'max_new_tokens'?")),
+    ('{"prompt": "hi"}\n{"id": "line-1", "prompt": "yo"}\n', ("p.jsonl:2: duplicate id",)),
+])
+def test_bad_prompts_file_is_refused_before_the_model_loads(tmp_path, content, phrases):
+    """The model named does not exist: a run that loaded it first would say so instead."""
+    (tmp_path / "p.jsonl").write_text(content)
+    result = hx("generate", "-m", str(tmp_path / "nope.gguf"), "--prompts",
+                str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "o.jsonl"))
+    assert_clean_error(result, *phrases)
+    assert os.listdir(tmp_path) == ["p.jsonl"]
+
+
+def test_output_folder_is_refused_and_nothing_is_left(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    (tmp_path / "out").mkdir()
+    result = hx("generate", "--prompts", str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "out"))
+    assert_clean_error(result, f"--output {tmp_path / 'out'} is a folder",
+                       str(tmp_path / "out" / "completions.jsonl"))
+    assert sorted(os.listdir(tmp_path)) == ["out", "p.jsonl"]
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_piped_help_and_tables_are_not_cut():
+    """Piped, rich would squeeze help and tables to 80 columns, cutting words with "…"."""
+    result = hx("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "[default: all-accelerator,all-host,stream-all,host:SCORE+MLP1]" in result.stdout
+    assert "…" not in result.stdout
+    code = ("from rich.table import Table\n"
+            "from hx.cli.console import print_table\n"
+            "t = Table(title='t')\n"
+            "for i in range(8):\n"
+            "    t.add_column(f'column {i}')\n"
+            "t.add_row(*['SmolLM2-135M-Instruct'] * 8)\n"
+            "print_table(t)\nprint_table(t, stderr=True)\n")
+    table = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    for text in (table.stdout, table.stderr):
+        assert text.count("SmolLM2-135M-Instruct") == 8 and "…" not in text, text
+
+
 TRICKY = ["a b c", "[INST] hello [/INST]", "[b]bold?[/b] [a-z]+ 😀", "[red]x"]
 
 
@@ -90,7 +139,10 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
     assert ("EMULATED" in result.stderr) == devices.emulated
     again = hx(*args)
     assert again.returncode == 0 and f"0 generated, {len(TRICKY)} already" in again.stderr
-    assert again.stdout == ""
+    assert again.stdout == "" and "choosing a block" not in again.stderr  # nothing to plan
+    assert "tokens/s (generated / wall)" in result.stderr  # the summary table, on stderr
+    assert "…" not in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["gpu.json", "o.jsonl", "p.jsonl", "tiny.gguf"]
     with output_lock(str(out)):
         assert_clean_error(hx(*args), "another hx run is writing", str(out))
     assert_clean_error(hx(*args[:5], "-o", str(tmp_path / "missing" / "o.jsonl")),
@@ -126,7 +178,13 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
     result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "24GB", "--batch", "16",
                 "--profile", str(tmp_path / "gpu.json"), "-o", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr
-    assert "CP-SAT OPTIMAL" in result.stdout and "predicted decode step" in result.stdout
+    assert "CP-SAT OPTIMAL" in result.stdout
+    # the objective says what it measures, beside the simulator's step and run per decode step
+    assert re.search(r"objective [\d.]+ ms = the planner's own price of the run per decode step",
+                     result.stdout)
+    assert re.search(r"predicted \(the simulator, whole plan\): decode step [\d.]+ ms .*; run "
+                     r"\(prefill, then \d+ decode steps\) [\d.]+ s = [\d.]+ ms per decode step",
+                     result.stdout)
     assert "[gpu-like test profile]" in result.stdout  # bracketed names are text, not markup
     assert json.loads((tmp_path / "plan.json").read_text())["name"] == "cpsat"
     result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "1GB",

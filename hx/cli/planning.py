@@ -12,10 +12,11 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, note, out, plan_by_name,
+                           ProfileOption, app, describe_dtype, err, note, out, plan_by_name,
                            print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
@@ -25,6 +26,7 @@ from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
+from hx.planner.cpsat import run_seconds
 from hx.planner.simulator import predict, predict_prefill
 from hx.segments import split_segments
 from hx.workload import Workload
@@ -37,8 +39,9 @@ def _batches(text: str) -> tuple[int, ...]:
 def profile_for(path: Optional[Path], devices: Devices, policy: Optional[str] = None
                 ) -> Optional[HardwareProfile]:
     """``--profile FILE``, else the saved default; where neither exists and a profile is
-    needed (``policy`` prices ops with one, or no policy is named), a quick one measured now
-    (<= 20 s, saved as the default; one line on stderr says so)."""
+    needed (``policy`` prices ops with one, or no policy is named), a quick one
+    (``profiler.load_or_measure``: measured now in <= 20 s or earlier, kept apart from the
+    default; one line on stderr says so)."""
     from hx.planner.profiler import for_policy, load_or_measure
 
     where = str(path) if path else None
@@ -55,21 +58,27 @@ def profile_command(
     refine: bool = typer.Option(True, help="Fit the profile to the model's own decode steps."),
     batches: str = typer.Option("1,16", help="Batches the refinement observes."),
 ) -> None:
-    """Measure the accelerator, host and link rates (and fit them to a model), ~2 minutes."""
+    """Measure the accelerator, host and link rates (and fit them to a model): about 3.5
+    minutes on a 2-core VM; a line on stderr as each stage starts."""
     from hx.planner.calibrate import refine as refine_profile
     from hx.planner.profiler import excursion_line, measure
 
-    start = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
+                  TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        start = time.perf_counter()
 
-    def log(message: str) -> None:
-        note(f"{time.perf_counter() - start:6.1f} s  {message}")
+        def log(message: str) -> None:  # a line above the spinner, which shows the stage
+            note(f"{time.perf_counter() - start:6.1f} s  {message}")
+            progress.update(task, description=message)
 
-    devices = discover()
-    profile = measure(devices, log, launch=not refine)
-    if refine:
-        loaded = load(model)
-        profile = refine_profile(profile, loaded.spec, loaded.params, devices,
-                                 _batches(batches), log)
+        devices = discover()
+        profile = measure(devices, log, launch=not refine)
+        if refine:
+            log(f"loading {model or 'the default model'} to fit the profile to its steps")
+            loaded = load(model)
+            profile = refine_profile(profile, loaded.spec, loaded.params, devices,
+                                     _batches(batches), log)
     profile.save(str(output))
     table = Table(title=f"hardware profile: {profile.name}"
                         + (" (EMULATED accelerator)" if profile.emulated else ""))
@@ -132,7 +141,7 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
     out.print(f"EMBED on {plan.decode.embed}, HEAD on {plan.decode.head} "
               f"({plan.weights.head}); prefill "
               f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}, "
-              f"{chunking}")
+              f"{chunking}", soft_wrap=True)
     out.print(f"accelerator: {format_bytes(need.accelerator)} ({need.breakdown()} bytes); "
               f"host: {format_bytes(need.host)}; streamed per decode step: "
               f"{format_bytes(streamed)}", soft_wrap=True)
@@ -143,9 +152,13 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         prefill = predict_prefill(plan, spec, profile, workload.batch, workload.prompt_tokens,
                                   slots)
         busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
-        out.print(f"predicted decode step {decode.seconds * 1e3:.2f} ms "
-                  f"({workload.batch / decode.seconds:.1f} tokens/s; busy: {busy}); "
-                  f"prefill {prefill * 1e3:.1f} ms "
+        _, run = run_seconds(plan, spec, profile, workload)
+        steps = workload.decode_steps
+        out.print(f"predicted (the simulator, whole plan): decode step "
+                  f"{decode.seconds * 1e3:.2f} ms ({workload.batch / decode.seconds:.1f} "
+                  f"tokens/s; busy: {busy}); prefill {prefill * 1e3:.1f} ms; run (prefill, then "
+                  f"{steps} decode steps) {run:.2f} s = {run / steps * 1e3:.2f} ms per decode "
+                  "step "
                   + escape(f"[{profile.name}{', EMULATED' if profile.emulated else ''}]"),
                   soft_wrap=True)
 
@@ -182,11 +195,15 @@ def plan_command(
         result = plan_cpsat(spec, hardware, devices, workload, time_limit, seed)
         plan = result.plan
         proven = "" if result.status == "OPTIMAL" else " (time limit: NOT proven optimal)"
-        out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms, "
-                  f"best bound {result.bound_s * 1e3:.3f} ms, gap {result.gap:.2%}; chosen plan "
+        out.print(f"CP-SAT {result.status}{proven}: objective {result.objective_s * 1e3:.3f} ms "
+                  f"= the planner's own price of the run per decode step (each layer's "
+                  f"placement pattern priced alone and summed: a decode step, plus the run's "
+                  f"prefill spread over its decode steps where prefill weighs), best bound "
+                  f"{result.bound_s * 1e3:.3f} ms, gap {result.gap:.2%}; plan taken "
                   f"{result.chosen_s * 1e3:.3f} ms (fewest device switches within "
                   f"{result.tolerance:.1%}, the profile's model error); solved in "
-                  f"{result.solve_s:.3f} s over {result.patterns} layer patterns", soft_wrap=True)
+                  f"{result.solve_s:.3f} s over {result.patterns} layer patterns. The "
+                  f"simulator's prediction of the whole plan follows.", soft_wrap=True)
     else:
         plan = plan_by_name(policy, spec, devices, workload, hardware)
     describe_plan(plan, spec, hardware, workload)

@@ -169,11 +169,17 @@ def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
                if home == DISK)
 
 
-def phase_tokens(plan: ExecutionPlan, phase: str, workload: Workload) -> int:
-    """New tokens per row in one step of ``phase``: the largest prefill chunk, or 1."""
-    if phase == "decode":
-        return 1
-    return max(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk))
+def step_shapes(plan: ExecutionPlan, workload: Workload) -> list[tuple[str, int, int, int]]:
+    """(phase, B rows, T new tokens, N micro-batches) of every step shape a run of
+    ``workload`` under ``plan`` takes: prefill at each chunk size (``plan.prefill_chunk``) and
+    decode at T = 1, at each row count of ``Workload.step_rows``. XLA's temporaries need not
+    fall with the rows: on XLA:CPU a half-precision matrix-vector product (one row) holds a
+    float32 copy of its weight where two rows do not (SmolLM2's bfloat16 HEAD: 113 MB at one
+    row)."""
+    chunks = sorted(set(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk)))
+    return ([("prefill", B, T, workload.prefill_micro_batches)
+             for B in workload.step_rows("prefill") for T in chunks]
+            + [("decode", B, 1, workload.micro_batches) for B in workload.step_rows("decode")])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -181,16 +187,16 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
              programs: "Programs | None" = None, sizing: str = PROXY) -> MemoryEstimate:
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
-    Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator 2·R·S·K·E·w
-    bytes per layer (R = ``workload.rows``: B·N rows of a block plus spare rows; w bytes per
-    element of the model's dtype). On top,
-    the peak of a dry run (``hx.schedule.dry_run``) of each phase's schedule: staged weights,
-    step inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
-    from its compilation (``programs``, default: the process's compiler for the accelerator
-    ``hx.discover`` finds). Prefill is sized at its largest chunk (``plan.prefill_chunk``);
-    decode runs the block of ``workload.micro_batches``, prefill too unless the workload has
-    spare rows (iteration-level scheduling: prefill then runs on one join group of at most
-    ``spare_rows`` rows, and the peak is at least ``reframe_bytes`` beyond the caches).
+    Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator
+    ``models.tensors.kv_bytes`` per layer at R = ``workload.rows`` rows (B·N rows of a block
+    plus spare rows). On top, the highest peak of a dry run (``hx.schedule.dry_run``) of the
+    schedule of every step shape the run takes (``step_shapes``): staged weights, step
+    inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
+    (``programs``, default: the process's compiler for the accelerator ``hx.discover``
+    finds). Decode runs the block of ``workload.micro_batches``, prefill too unless the
+    workload has spare rows (iteration-level scheduling: prefill then runs on one join group
+    of at most ``spare_rows`` rows, and the peak is at least ``reframe_bytes`` beyond the
+    caches).
 
     Args:
       sizing: how XLA's temporaries are sized: ``EXACT`` from the executables the run will use
@@ -219,24 +225,19 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
         disk += sum(kv_layer for home in plan.kv if home == DISK)
         host += 2 * kv_bytes(spec, workload.batch, workload.cache_slots)
 
-    rows = {"prefill": workload.prefill_rows, "decode": workload.batch}
-    micro_batches = {"prefill": workload.prefill_micro_batches,
-                     "decode": workload.micro_batches}
-    shapes = {phase: (rows[phase], phase_tokens(plan, phase, workload), workload.cache_slots)
-              for phase in PHASES}
+    S, steps = workload.cache_slots, step_shapes(plan, workload)
     temp_bytes = None
     if sizing != UNSIZED:
         programs = programs or programs_for(spec)
         exact = sizing == EXACT
-        programs.prepare([(sized, *shapes[phase]) for phase in PHASES
+        programs.prepare([(sized, B, T, S) for phase, B, T, _ in steps
                           for seg in split_segments(plan, phase) if seg.device == ACCELERATOR
                           for sized in programs.sizing_segments(seg, exact)])
         temp_bytes = functools.partial(programs.temp_bytes, exact=exact)
     worst = DryRun()
     worst_phase = "decode"
-    for phase in PHASES:
-        run = dry_run(compile_schedule(plan, spec, phase, *shapes[phase], temp_bytes,
-                                       micro_batches[phase]))
+    for phase, B, T, N in steps:
+        run = dry_run(compile_schedule(plan, spec, phase, B, T, S, temp_bytes, N))
         if run.peak > worst.peak:
             worst, worst_phase = run, phase
     if workload.spare_rows and kv_acc and reframe_bytes(spec, workload) > worst.peak:

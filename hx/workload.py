@@ -40,6 +40,13 @@ def cache_length(longest_prompt: int, max_new_tokens: int, spec: ModelSpec) -> i
     return round_up(padded_length(longest_prompt, spec) + new, CACHE_BUCKET)
 
 
+def powers_of_two(rows: int) -> list[int]:
+    """1, 2, 4, ... up to ``rows``: the row counts iteration-level scheduling runs steps at (a
+    joining group is prefilled at one, a micro-batch shrinks to one once no prompt waits), so
+    few shapes compile."""
+    return [1 << k for k in range(rows.bit_length()) if 1 << k <= rows]
+
+
 def prefill_chunks(prompt_tokens: int, chunk: int | None) -> list[int]:
     """Tokens per prefill step when a prompt of ``prompt_tokens`` (padded) tokens is prefilled
     in chunks of at most ``chunk`` tokens (None: one step). The first chunk takes the
@@ -98,6 +105,12 @@ class Workload:
     def prefill_micro_batches(self) -> int:
         """Micro-batches of a prefill step: a join group is prefilled alone, else N."""
         return 1 if self.spare_rows else self.micro_batches
+
+    def step_rows(self, phase: str) -> list[int]:
+        """Row counts the steps of ``phase`` run at: ``prefill_rows`` or B; with spare rows
+        (iteration-level scheduling) every power of two up to them (``powers_of_two``)."""
+        rows = self.prefill_rows if phase == "prefill" else self.batch
+        return powers_of_two(rows) if self.spare_rows else [rows]
 
     @property
     def generated(self) -> int:

@@ -8,6 +8,7 @@ configure_runtime()  # before any JAX computation: two CPU devices (the emulated
 
 import pytest  # noqa: E402
 
+import hx  # noqa: E402
 from hx.devices import discover  # noqa: E402
 from hx.models.gguf_loader import open_gguf, read_metadata  # noqa: E402
 from hx.models.llama import init_params  # noqa: E402

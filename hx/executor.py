@@ -249,19 +249,20 @@ class Executor:
         schedule = self.schedule(phase, B, T, S, N)
         segments, params = self.segments[phase], self._params[phase]
         envs: list[dict[str, Any]] = [{"tokens": t} for t in tokens]
-        producer: dict[Any, int | None] = {}  # (name or ("kv", layer), micro) -> event
+        events: dict[int, int | None] = {}  # instruction index -> its timeline event
         placed_steps: dict[tuple[str, int], Step] = {}
-        inputs: dict[tuple[int, int], tuple[dict[str, Any], int | None]] = {}
-        staged: dict[int, tuple[tuple, int | None]] = {}
+        inputs: dict[tuple[int, int], dict[str, Any]] = {}  # (segment, micro) -> moved
+        staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
         outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
         caches = [list(c) for c in caches]
 
-        for ins in schedule.instructions:
+        for index, ins in enumerate(schedule.instructions):
             i, m = ins.segment, ins.micro
+            deps = [events.get(d) for d in ins.deps]
             seg = segments[i] if i is not None else None
             if ins.kind == STAGE:
-                staged[i] = self._stage(phase, i)
-                acct.apply(ins, {staging_key(i): tree_bytes(staged[i][0])})
+                staged[i], events[index] = self._stage(phase, i)
+                acct.apply(ins, {staging_key(i): tree_bytes(staged[i])})
             elif ins.kind == WAIT:  # the staged buffer is reused: the segment must be done
                 jax.block_until_ready(outputs[i])
                 staged.pop(i)
@@ -276,21 +277,17 @@ class Executor:
                                        self.devices[seg.device])
                 nbytes = sum(x.nbytes for x in moved)
                 acct.apply(ins, {INPUT_KEY: nbytes})
-                event = None
                 if tl is not None and ins.resource is not None:
-                    event = tl.record(H2D if ins.resource == "H2D" else D2H,
-                                      " ".join(ins.names), moved,
-                                      [producer.get((n, m)) for n in ins.names],
-                                      dispatch=dispatch, bytes=nbytes)
-                inputs[(i, m)] = (dict(zip(ins.names, moved)), event)
+                    events[index] = tl.record(H2D if ins.resource == "H2D" else D2H,
+                                              " ".join(ins.names), moved, deps,
+                                              dispatch=dispatch, bytes=nbytes)
+                inputs[(i, m)] = dict(zip(ins.names, moved))
             elif ins.kind == LAUNCH:
-                moved, move_event = inputs.pop((i, m), ({}, None))
-                seg_params, deps = params[i], [move_event]
+                moved = inputs.pop((i, m), {})
+                seg_params = params[i]
                 if seg.streams:
-                    trees, weight_event = staged[i]
                     seg_params = tuple(t if t is not None else p
-                                       for p, t in zip(params[i], trees))
-                    deps.append(weight_event)
+                                       for p, t in zip(params[i], staged[i]))
                 env = envs[m]
                 acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
                 seg_caches = tuple(caches[m][layer] for layer in seg.cache_layers)
@@ -316,16 +313,13 @@ class Executor:
                     caches[m][layer] = cache
                 env.update(out)
                 if tl is not None:
-                    deps += [producer.get((n, m)) for n in seg.reads if n not in moved]
-                    deps += [producer.get((("kv", layer), m)) for layer in seg.cache_layers]
                     ops = " ".join(op if layer is None else f"{op}{layer}"
                                    for layer, op in seg.ops)
                     layers = sorted({layer for layer, _ in seg.ops if layer is not None})
-                    event = tl.record(ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
-                                      ops if N == 1 else f"{ops} [mb {m}]", (out, seg_caches),
-                                      deps, dispatch=dispatch, segment=i, layers=layers)
-                    producer.update({(name, m): event for name in out})
-                    producer.update({(("kv", layer), m): event for layer in seg.cache_layers})
+                    events[index] = tl.record(
+                        ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
+                        ops if N == 1 else f"{ops} [mb {m}]", (out, seg_caches), deps,
+                        dispatch=dispatch, segment=i, layers=layers)
             elif ins.kind == FREE:
                 acct.apply(ins)
         return stream.resolve(([env["logits"] for env in envs], caches))

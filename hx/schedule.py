@@ -1,6 +1,6 @@
 """The step as data: a plan's phase at a workload's shapes compiled into instructions.
 
-One ``Schedule`` describes one executor step (DESIGN §5): which weights are staged when, what
+One ``Schedule`` describes one executor step (docs/architecture.md, "The Schedule"): which weights are staged when, what
 is waited for, which activations cross devices, which segment is launched, what is freed -- each
 instruction with the accelerator bytes it allocates and frees per owner and the resource it
 occupies. Three readers interpret the same list, so they cannot disagree:
@@ -18,6 +18,11 @@ Instruction kinds, in the order the executor issues them for each segment i:
   ``move``    copy the activations segment i reads from the other device (H2D or D2H)
   ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
   ``free``    end of step: release temporaries, inputs and held activations
+
+and, for plans with a disk tier (planned and simulated, not yet executed), ``read`` (a
+segment's disk-homed weights into host memory, before its stage or launch) and ``kv read`` (a
+micro-batch's disk-homed KV caches, before its launch). Every instruction lists the earlier
+instructions it depends on (``Instruction.deps``): data-flow edges are recorded here, once.
 
 The next streaming segment's weights are staged when a streaming segment i is reached, ahead
 of i's input copies -- unless those inputs are ready at once (step inputs, embeddings gathered
@@ -37,18 +42,20 @@ micro-batch's SCORE while the accelerator runs the next segment of the micro-bat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
+from hx.models.tensors import activation_bytes, kv_bytes, step_bytes
 from hx.plan import DISK, ExecutionPlan
-from hx.models.tensors import activation_bytes, step_bytes
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
-READ, DISK_READ = "read", "disk"  # a disk -> host memory read of disk-homed weights
+READ, KV_READ = "read", "kv read"  # disk -> host memory: disk-homed weights, KV caches
+DISK_READ = "disk"  # the resource both occupy
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
 INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
 
@@ -85,9 +92,10 @@ class Instruction:
     """One thing the executor does in a step.
 
     Attributes:
-      kind: ``wait``, ``stage``, ``step``, ``move``, ``launch``, ``free``, or ``read`` (the
-        segment's disk-homed weights read into host memory; ``resource`` ``disk``: planned
-        and simulated, never executed).
+      kind: ``wait``, ``stage``, ``step``, ``move``, ``launch``, ``free``, ``read`` (the
+        segment's disk-homed weights read into host memory) or ``kv read`` (a micro-batch's
+        KV caches of the segment's disk-homed layers read into host memory); reads occupy
+        the ``disk`` resource and are planned and simulated, not executed.
       segment: index of the segment it concerns (None for ``free``).
       micro: the micro-batch a ``step``, ``move`` or ``launch`` is for (0 for the others).
       resource: what it occupies: ``H2D``/``D2H`` (copies), ``accelerator``/``host``
@@ -97,6 +105,10 @@ class Instruction:
       nbytes: bytes copied (``stage``, ``move``).
       frees: accountant keys released first.
       allocs: (key, owner, bytes) allocated on the accelerator after the frees.
+      deps: indices of the earlier instructions it must follow: the launches that produced
+        what it moves or reads, its segment's stage, disk reads and input copy, and the
+        stream's last wait (the step's data-flow edges; the executor's timeline and the
+        simulator both take them from here).
     """
 
     kind: str
@@ -107,6 +119,7 @@ class Instruction:
     nbytes: int = 0
     frees: tuple[Hashable, ...] = ()
     allocs: tuple[tuple[Hashable, str, int], ...] = ()
+    deps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,78 +176,143 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
     Schedules are cached (all arguments are immutable): the simulator prices the same step
     once per prefill chunk and per candidate plan.
     """
-    segments = split_segments(plan, phase)
-    moves_of, next_stream = crossings(segments), next_streaming(segments)
-    first = first_streaming(segments)
-    out: list[Instruction] = []
+    build = _Builder(plan, spec, split_segments(plan, phase), batch, tokens, slots,
+                     temp_bytes, micro_batches)
+    for i in range(len(build.segments)):
+        build.segment(i)
+    build.finish()
+    return Schedule(phase, build.segments, tuple(build.out), batch, tokens, slots,
+                    micro_batches)
 
-    def read(j: int) -> None:
-        nbytes = disk_bytes(plan, spec, segments[j])
+
+class _Builder:
+    """The instruction list of one step as ``compile_schedule`` issues it, with each
+    instruction's dependencies: the one record of who produced what in a step."""
+
+    def __init__(self, plan: ExecutionPlan, spec: ModelSpec, segments: tuple[Segment, ...],
+                 batch: int, tokens: int, slots: int, temp_bytes: TempBytes | None,
+                 micro_batches: int):
+        self.plan, self.spec, self.segments = plan, spec, segments
+        self.B, self.T, self.S, self.N, self.temp_bytes = (batch, tokens, slots,
+                                                           micro_batches, temp_bytes)
+        self.moves_of, self.next_stream = crossings(segments), next_streaming(segments)
+        self.out: list[Instruction] = []
+        self.producer: dict[tuple[str, int], int] = {}  # (activation, micro) -> its launch
+        self.last: dict[tuple[str, int], int] = {}  # (kind, segment) -> latest such
+        self.synced: int | None = None  # the latest wait
+        self.previous_stream: int | None = None
+        self.stepped: set[tuple[str, int]] = set()
+        self.held: set[tuple[str, int]] = set()
+        first = first_streaming(segments)
+        if first is not None:
+            self.stage(first)
+
+    def add(self, ins: Instruction, deps: list[int | None]) -> int:
+        """Append ``ins`` with the dependencies that exist; returns its index."""
+        index = len(self.out)
+        deps = tuple(dict.fromkeys(d for d in deps if d is not None))
+        self.out.append(dataclasses.replace(ins, deps=deps))
+        self.last[(ins.kind, ins.segment)] = index
+        return index
+
+    def read(self, j: int) -> None:
+        """Segment ``j``'s disk-homed weights into host memory, if it has any."""
+        nbytes = disk_bytes(self.plan, self.spec, self.segments[j])
         if nbytes:
-            out.append(Instruction(READ, j, resource=DISK_READ, nbytes=nbytes))
+            self.add(Instruction(READ, j, resource=DISK_READ, nbytes=nbytes), [self.synced])
 
-    def stage(j: int) -> None:
-        read(j)
-        nbytes = staged_bytes(spec, segments[j])
-        out.append(Instruction(STAGE, j, resource=H2D, nbytes=nbytes,
-                               allocs=((staging_key(j), "staging", nbytes),)))
+    def stage(self, j: int) -> None:
+        self.read(j)
+        nbytes = staged_bytes(self.spec, self.segments[j])
+        self.add(Instruction(STAGE, j, resource=H2D, nbytes=nbytes,
+                             allocs=((staging_key(j), "staging", nbytes),)),
+                 [self.synced, self.last.get((READ, j))])
 
-    if first is not None:
-        stage(first)
-    previous_stream: int | None = None
-    stepped: set[tuple[str, int]] = set()
-    held: set[tuple[str, int]] = set()
-    for i, seg in enumerate(segments):
-        on_acc = seg.device == ACCELERATOR
-        late = None  # the next weights, staged after this segment's input copies
+    def wait(self, i: int) -> None:
+        """Block until streaming segment ``i`` is done; its staged buffer is reused."""
+        self.synced = self.add(Instruction(WAIT, i, resource=SYNC, frees=(staging_key(i),)),
+                               [self.last[(LAUNCH, i)]])
+
+    def segment(self, i: int) -> None:
+        """Everything segment ``i`` issues: the stream's wait and next stage, then per
+        micro-batch its step inputs, input copies and launch."""
+        seg, late = self.segments[i], None  # late: the next weights, after i's input copies
         if seg.streams:
-            if previous_stream is not None:  # its buffer is reused: wait for it to finish
-                out.append(Instruction(WAIT, previous_stream, resource=SYNC,
-                                       frees=(staging_key(previous_stream),)))
-            if next_stream[i] is not None:
-                if moves_of[i] and inputs_ready(segments, i, moves_of[i]):
-                    late = next_stream[i]  # on the H2D link behind inputs ready at once
+            if self.previous_stream is not None:
+                self.wait(self.previous_stream)
+            j = self.next_stream[i]
+            if j is not None:
+                if self.moves_of[i] and inputs_ready(self.segments, i, self.moves_of[i]):
+                    late = j  # on the H2D link behind inputs ready at once
                 else:  # ahead of inputs the executor would block on while the link idles
-                    stage(next_stream[i])
-        if not on_acc:
-            read(i)
-        moves = moves_of[i]
-        move_bytes = sum(activation_bytes(spec, n, batch, tokens) for n in moves) if moves else 0
-        for m in range(micro_batches):
-            if (seg.device, m) not in stepped:
-                stepped.add((seg.device, m))
-                nbytes = step_bytes(batch, tokens)
-                out.append(Instruction(STEP, i, m, None, nbytes=nbytes, allocs=(
-                    ((step_key(m), "activations", nbytes),) if on_acc else ())))
-            if moves:
-                from_host_memory = moves == ("tokens",) and not on_acc
-                out.append(Instruction(
-                    MOVE, i, m, None if from_host_memory else (H2D if on_acc else D2H), moves,
-                    move_bytes, allocs=((INPUT_KEY, "activations", move_bytes),) if on_acc else ()))
-            if late is not None and m == micro_batches - 1:
-                stage(late)
-            if on_acc:
-                temp = temp_bytes(seg, batch, tokens, slots) if temp_bytes else 0
-                allocs = [(TEMP_KEY, "activations", temp)]
-                allocs += [(act_key(n, m), "activations",
-                            activation_bytes(spec, n, batch, tokens)) for n in seg.writes]
-                held.update((n, m) for n in seg.writes)
-                out.append(Instruction(LAUNCH, i, m, ACCELERATOR, seg.writes,
-                                       allocs=tuple(allocs)))
-            else:
-                dropped = tuple(act_key(n, m) for n in seg.writes if (n, m) in held)
-                held.difference_update((n, m) for n in seg.writes)
-                out.append(Instruction(LAUNCH, i, m, HOST, seg.writes, frees=dropped))
+                    self.stage(j)
+        if seg.device != ACCELERATOR:
+            self.read(i)
+        for m in range(self.N):
+            self.step_inputs(i, m)
+            self.move(i, m)
+            if late is not None and m == self.N - 1:
+                self.stage(late)
+            self.launch(i, m)
         if seg.streams:
-            previous_stream = i
-    frees: list[Hashable] = []
-    if previous_stream is not None:
-        out.append(Instruction(WAIT, previous_stream, resource=SYNC,
-                               frees=(staging_key(previous_stream),)))
-    frees += [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(micro_batches)]
-    frees += [act_key(n, m) for n, m in sorted(held)]
-    out.append(Instruction(FREE, None, frees=tuple(frees)))
-    return Schedule(phase, segments, tuple(out), batch, tokens, slots, micro_batches)
+            self.previous_stream = i
+
+    def step_inputs(self, i: int, m: int) -> None:
+        device = self.segments[i].device
+        if (device, m) in self.stepped:
+            return
+        self.stepped.add((device, m))
+        nbytes = step_bytes(self.B, self.T)
+        self.add(Instruction(STEP, i, m, None, nbytes=nbytes, allocs=(
+            ((step_key(m), "activations", nbytes),) if device == ACCELERATOR else ())), [])
+
+    def move(self, i: int, m: int) -> None:
+        moves = self.moves_of[i]
+        if not moves:
+            return
+        on_acc = self.segments[i].device == ACCELERATOR
+        nbytes = sum(activation_bytes(self.spec, n, self.B, self.T) for n in moves)
+        resource = None if moves == ("tokens",) and not on_acc else (H2D if on_acc else D2H)
+        self.add(Instruction(MOVE, i, m, resource, moves, nbytes,
+                             allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()),
+                 [self.producer.get((n, m)) for n in moves])
+
+    def kv_read(self, i: int, m: int) -> int | None:
+        """Micro-batch ``m``'s KV caches of segment ``i``'s disk-homed layers into host
+        memory (all S slots; the simulator prices the prefix in use)."""
+        layers = sum(self.plan.kv[layer] == DISK for layer in self.segments[i].cache_layers)
+        if not layers:
+            return None
+        nbytes = layers * kv_bytes(self.spec, self.B, self.S)
+        return self.add(Instruction(KV_READ, i, m, DISK_READ, ("kv",), nbytes), [self.synced])
+
+    def launch(self, i: int, m: int) -> None:
+        seg = self.segments[i]
+        deps = [self.last.get((STAGE, i)), self.last.get((READ, i)),
+                self.last.get((MOVE, i)) if self.moves_of[i] else None,
+                self.synced if seg.streams else None, self.kv_read(i, m)]
+        deps += [self.producer.get((n, m)) for n in seg.reads]
+        if seg.device == ACCELERATOR:
+            temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
+            allocs = [(TEMP_KEY, "activations", temp)]
+            allocs += [(act_key(n, m), "activations",
+                        activation_bytes(self.spec, n, self.B, self.T)) for n in seg.writes]
+            self.held.update((n, m) for n in seg.writes)
+            ins = Instruction(LAUNCH, i, m, ACCELERATOR, seg.writes, allocs=tuple(allocs))
+        else:
+            dropped = tuple(act_key(n, m) for n in seg.writes if (n, m) in self.held)
+            self.held.difference_update((n, m) for n in seg.writes)
+            ins = Instruction(LAUNCH, i, m, HOST, seg.writes, frees=dropped)
+        index = self.add(ins, deps)
+        self.producer.update({(n, m): index for n in seg.writes})
+
+    def finish(self) -> None:
+        """The last stream's wait, then the end of the step: free what the step allocated."""
+        if self.previous_stream is not None:
+            self.wait(self.previous_stream)
+        frees: list[Hashable] = [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(self.N)]
+        frees += [act_key(n, m) for n, m in sorted(self.held)]
+        self.add(Instruction(FREE, None, frees=tuple(frees)), [])
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ortools.sat.python import cp_model
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
-from hx.memory import activation_reserve, estimate
+from hx.memory import PROXY, activation_reserve, check_fits, estimate
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.models.tensors import kv_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
@@ -529,7 +529,7 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
             result.plan = smallest_plan
             return result
         if attempt == REPLANS:
-            check_fits(smallest_plan, spec, devices, workload)  # raises, saying by how much
+            check_fits(smallest_plan, spec, devices, workload, sizing=PROXY)  # raises: by how much
         # the accelerator's below the bytes the model counted for this plan, less the
         # shortfall: lowering a budget the plan did not fill by the shortfall alone can
         # return the same plan

@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
-from hx.models.tensors import kv_bytes, weight_dtype
-from hx.plan import DISK, ExecutionPlan
+from hx.models.tensors import weight_dtype
+from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
-from hx.schedule import (D2H, DISK_READ, H2D, LAUNCH, MOVE, READ, STAGE, SYNC, WAIT,
-                         compile_schedule)
+from hx.schedule import D2H, H2D, KV_READ, LAUNCH, MOVE, READ, STAGE, WAIT, compile_schedule
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import prefill_chunks, round_up
@@ -120,68 +119,51 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
                 batch: int, tokens: int, slots: int, context: int, micro_batches: int = 1
                 ) -> list[Task]:
-    """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order:
-    ``stage`` an H2D copy of the staged weights (the link's per-copy latency for each staged
-    op plus bytes / bandwidth), ``wait`` the sync overhead after the waited
-    segment, ``move`` a transfer (latency + bytes / bandwidth) after the producers of what it
-    moves, ``launch`` the device's launch overhead plus its ops after its inputs, its staged
-    weights and the last wait. A block of ``micro_batches`` (zig-zag block schedule) has one
-    move and launch per micro-batch of ``batch`` rows; a wait follows the last of them."""
+    """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order,
+    after the tasks of the instructions it depends on (``Instruction.deps``): ``read`` and
+    ``kv read`` bytes / the disk's read bandwidth (a KV read only the slots in use,
+    ``host_read_slots``), ``stage`` an H2D copy of the staged weights (the link's per-copy
+    latency for each staged op plus bytes / bandwidth), ``wait`` the sync overhead, ``move`` a
+    transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
+    ops (``segment_seconds``). A block of ``micro_batches`` (zig-zag block schedule) has one
+    move and launch per micro-batch of ``batch`` rows."""
     schedule = compile_schedule(plan, spec, phase, batch, tokens, slots,
                                 micro_batches=micro_batches)
     tasks: list[Task] = []
-    launched: dict[int, int] = {}  # segment -> its latest compute task
-    staged: dict[int, int] = {}  # segment -> its weight copy
-    read: dict[int, int] = {}  # segment -> its disk read
-    moved: dict[tuple[int, int], int] = {}  # (segment, micro-batch) -> its input transfer
-    producer: dict[tuple[str, int], int | None] = {}  # (activation, micro) -> its task
-    synced: int | None = None  # the last wait: copies and launches issued after it
+    task_of: dict[int, int] = {}  # instruction index -> its task
     op_memo: dict[tuple[str, str], float] = {}
-    compute: dict[int, tuple[float, str, int]] = {}  # segment -> seconds, name, disk KV layers
+    compute: dict[int, tuple[float, str]] = {}  # segment -> seconds and name
 
-    def add(resource, name, duration, deps=(), nbytes=0) -> int:
-        tasks.append(Task(resource, name, duration, tuple(d for d in deps if d is not None),
-                          nbytes=nbytes))
-        return len(tasks) - 1
-
-    for ins in schedule.instructions:
-        i, m = ins.segment, ins.micro
+    for index, ins in enumerate(schedule.instructions):
         if ins.resource is None:
             continue
-        seg = schedule.segments[i]
+        i, seg, nbytes = ins.segment, schedule.segments[ins.segment], ins.nbytes
         if ins.kind == READ:
-            read[i] = add(DISK_READ, f"read {i}", ins.nbytes / _disk(profile, plan),
-                          [synced], ins.nbytes)
-        elif ins.kind == STAGE:
-            copies = sum(seg.staged)  # the executor issues one device_put per staged op
-            staged[i] = add(H2D, f"weights {i}",
-                            copies * profile.h2d_latency + ins.nbytes / profile.h2d_bandwidth,
-                            [synced, read.get(i)], ins.nbytes)
+            name, duration = f"read {i}", nbytes / _disk(profile, plan)
+        elif ins.kind == KV_READ:  # the prefix of the caches in use
+            nbytes = nbytes * host_read_slots(slots, context) // slots
+            name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
+        elif ins.kind == STAGE:  # the executor issues one device_put per staged op
+            name = f"weights {i}"
+            duration = sum(seg.staged) * profile.h2d_latency + nbytes / profile.h2d_bandwidth
         elif ins.kind == WAIT:
-            synced = add(SYNC, f"wait {i}", profile.sync_overhead, [launched[i]])
+            name, duration = f"wait {i}", profile.sync_overhead
         elif ins.kind == MOVE:
             bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
-            moved[(i, m)] = add(ins.resource, " ".join(ins.names),
-                                profile.transfer_latency + ins.nbytes / bandwidth,
-                                [producer.get((n, m)) for n in ins.names], ins.nbytes)
-        elif ins.kind == LAUNCH:
-            deps = [staged.get(i), read.get(i), moved.get((i, m)),
-                    synced if seg.streams else None]
-            if i not in compute:  # the same for every micro-batch
+            name = " ".join(ins.names)
+            duration = profile.transfer_latency + nbytes / bandwidth
+        else:  # LAUNCH, the same for every micro-batch
+            if i not in compute:
                 compute[i] = (
                     profile.device(seg.device).launch_seconds(batch)
                     + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo),
-                    " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops),
-                    sum(op == "SCORE" and plan.kv[layer] == DISK for layer, op in seg.ops))
-            duration, name, on_disk = compute[i]
-            if on_disk:  # the layers' KV caches read from disk, the used prefix, per micro-batch
-                nbytes = on_disk * kv_bytes(spec, batch, host_read_slots(slots, context))
-                deps.append(add(DISK_READ, f"read KV {i}", nbytes / _disk(profile, plan),
-                                [synced], nbytes))
-            deps += [producer.get((n, m)) for n in seg.reads]
-            launched[i] = add(seg.device, name if micro_batches == 1 else f"{name} [mb {m}]",
-                              duration, deps)
-            producer.update({(n, m): launched[i] for n in ins.names})
+                    " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops))
+            duration, name = compute[i]
+            name = name if micro_batches == 1 else f"{name} [mb {ins.micro}]"
+        deps = tuple(task_of[d] for d in ins.deps if d in task_of)
+        task_of[index] = len(tasks)
+        tasks.append(Task(ins.resource, name, duration, deps, nbytes=nbytes if ins.kind not in (
+            WAIT, LAUNCH) else 0))
     return tasks
 
 

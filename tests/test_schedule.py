@@ -149,3 +149,35 @@ def test_accelerator_peak_of_a_run_equals_the_estimate(tiny_model):
         assert ex.accountant.peak == need, plan.name
         if any(s.device == ACCELERATOR for s in ex.segments["decode"]):
             assert need > 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_instructions_carry_their_data_flow_edges(tiny_model, micro_batches):
+    """Every copy depends on the launches that wrote what it copies, every launch on the
+    launches that wrote what it reads (through a copy or not), on its segment's staged
+    weights and on the stream's last wait, and every wait on the last launch of its
+    segment: the edges the executor's timeline and the simulator take from the Schedule."""
+    for plan in PLANS.values():
+        for phase in ("prefill", "decode"):
+            schedule = compile_schedule(plan, tiny_model.spec, phase, 2, 4, 64, None,
+                                        micro_batches)
+            wrote: dict[tuple[str, int], int] = {}
+            last_launch, stage, wait = {}, {}, None
+            for k, ins in enumerate(schedule.instructions):
+                assert all(d < k for d in ins.deps)
+                m = ins.micro
+                if ins.kind == MOVE:
+                    assert set(ins.deps) == {wrote[(n, m)] for n in ins.names if (n, m) in wrote}
+                elif ins.kind == LAUNCH:
+                    seg = schedule.segments[ins.segment]
+                    assert {wrote[(n, m)] for n in seg.reads if (n, m) in wrote} <= set(ins.deps)
+                    if seg.streams:
+                        assert stage[ins.segment] in ins.deps
+                        assert wait is None or wait in ins.deps
+                    wrote.update({(n, m): k for n in seg.writes})
+                    last_launch[ins.segment] = k
+                elif ins.kind == STAGE:
+                    stage[ins.segment] = k
+                elif ins.kind == WAIT:
+                    assert ins.deps == (last_launch[ins.segment],)
+                    wait = k

@@ -4,6 +4,11 @@ threads.
 Usage: python scripts/bench_peers.py [--batches 1,8,32] [--prompt-tokens 64] [--new-tokens 32]
            [--rounds 3] [--llama-python PYTHON] [--json out/bench_peers.json]
 
+Takes about 5-10 minutes with the defaults on the 2-core development VM (estimated from
+``--batches 1 --rounds 1``: 74 s beside other work, of which about 50 s loading and compiling;
+each round times three engines at each batch, the batch-32 runs generating 32x the tokens);
+``--llama-python`` adds the llama.cpp rows.
+
 SmolLM2-135M-Instruct from its GGUF, float32, greedy: hx (the plan ``auto`` picks without a
 budget: all-accelerator) as one static batch (``Engine.generate_ids``, latency mode) and with
 iteration-level scheduling over one micro-batch of the batch's rows (throughput mode), and
@@ -36,6 +41,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import hx
+from hx.cli.console import print_table
 from hx.continuous import ContinuousBatcher
 from hx.generate import Engine
 from hx.models.loader import default_model_path
@@ -126,12 +132,12 @@ def main() -> int:
     for r in rows:
         table.add_row(*(str(r[c]) if c == "batch" else f"{r[c]:.2f}" if "/" in c
                         else f"{r[c]:.1f}" for c in columns))
-    Console().print(table)
+    print_table(table)
     if llama:
         Console().print(f"batch-1 decode: hx {llama['hx_decode_tok_s']:.1f} tok/s, llama.cpp F32 "
                         f"{llama['llama_cpp_decode_tok_s']:.1f} tok/s, ratio "
                         f"{llama['ratio']:.2f} (same {llama['same_tokens']} of "
-                        f"{args.new_tokens} greedy tokens)", markup=False)
+                        f"{args.new_tokens} greedy tokens)", markup=False, soft_wrap=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"threads": threads, "rows": rows,

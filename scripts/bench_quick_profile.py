@@ -2,6 +2,9 @@
 
 Usage: python scripts/bench_quick_profile.py [--runs 3] [--json OUT.json]
 
+Takes about 20 s per run on the 2-core development VM (18 s for ``--runs 1``: a fresh
+process and the quick profile), about a minute with the default three runs.
+
 A command that needs a profile and finds none saved measures a quick one
 (``planner.profiler.quick``) before it starts; this times that measurement ``--runs`` times,
 each in a fresh Python process (as a user's first command meets it: nothing compiled yet) on
@@ -18,8 +21,9 @@ import statistics
 import subprocess
 import sys
 
-from rich.console import Console
 from rich.table import Table
+
+from hx.cli.console import print_table
 
 TARGET_S = 20.0
 ONE_RUN = """
@@ -51,7 +55,7 @@ def main() -> None:
     for i, s in enumerate(seconds, 1):
         table.add_row(str(i), f"{s:.1f}")
     table.add_row("median", f"{median:.1f} ({median / TARGET_S:.2f} of the {TARGET_S:.0f} s target)")
-    Console().print(table)
+    print_table(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "seconds": seconds, "median_s": median,

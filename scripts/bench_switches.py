@@ -3,6 +3,8 @@
 Usage: python scripts/bench_switches.py [-m smollm2-135m] [--batches 1,16] [--context 512]
                                         [--json out/switches.json]
 
+Takes about 15 s on the 2-core development VM (13 s measured, defaults).
+
 Three measurements on the devices ``hx.discover`` finds (say which; an emulated accelerator is
 a second XLA CPU device, and its figures are not GPU figures):
 
@@ -48,6 +50,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import hx
+from hx.cli.console import print_table
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import PRESETS, ModelSpec
 from hx.planner import profiler
@@ -207,10 +210,11 @@ def main() -> None:
         r["minus_accelerator_s"] = None if extra == "-" else r["seconds"] - base
         table.add_row(r["case"], str(r["batch"]), f"{r['seconds'] * 1e6:.0f}", extra,
                       f"{r['spread']:.0%}")
-    console.print(table)
+    print_table(table)
     console.print(f"executor: {per_switch * 1e6:.0f} us per device switch (tiny model, R^2 "
                   f"{r2:.2f}), {2 * per_switch * 1e6:.0f} us per excursion = "
-                  f"{2 * per_switch / floor:.2f}x the bare round trip ({floor * 1e6:.0f} us)")
+                  f"{2 * per_switch / floor:.2f}x the bare round trip ({floor * 1e6:.0f} us)",
+                  soft_wrap=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({

@@ -4,6 +4,11 @@ Usage: python scripts/bench_throughput.py [--rounds 3] [--budget 0.25] [--prompt
            [--new-tokens 64] [--mixed 48] [--mixed-batch 8] [--only B|C] [--model NAME]
            [--dtype float32] [--throughput-only] [--json OUT.json]
 
+Takes about an hour with the defaults on the 2-core development VM (estimated, not run in
+full here: a 5-round C on 2026-11-22 decoded 6781 tokens per side per round at 19-27
+tokens/s, about 10 minutes a round, and B's latency side answers its 64 prompts one at a
+time); ``--only B``, ``--rounds 1`` or ``--throughput-only`` shorten it.
+
 SmolLM2-135M-Instruct (its GGUF; ``--model`` takes any ``hx.load`` name, a preset's random
 weights get random token ids), float32, greedy, on whatever accelerator ``hx.discover``
 finds (this VM: the emulated one), two comparisons, each round running both sides back to back
@@ -39,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 import hx
+from hx.cli.console import print_table
 from hx.continuous import JOIN_CHUNK, ContinuousBatcher, run_slots
 from hx.devices import discover
 from hx.generate import Engine
@@ -225,10 +231,10 @@ def main() -> int:
                           f"{r['ratio']:.2f}" if k == 1 else "",
                           str(r["identical_outputs"]) if k == 1 else "")
     console = Console()
-    console.print(table)
+    print_table(table)
     for key, r in results.items():
         console.print(f"{key}: {r['devices']}" + (f"; {r['block']}" if "block" in r else ""),
-                      markup=False)
+                      markup=False, soft_wrap=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -2,6 +2,8 @@
 
 Usage: PYTHON_WITH_LLAMA_CPP scripts/llama_cpp_decode.py MODEL.gguf PROMPT_IDS_JSON NEW THREADS
 
+Takes seconds (one prefill and NEW decode steps at batch 1).
+
 Runs under any interpreter that has ``llama_cpp`` (hx need not be installed there): prefill of
 the given token ids with ``Llama.eval``, then ``NEW - 1`` decode steps, each the argmax of the
 last logits fed back with ``Llama.eval``. Prints {"prefill_s", "decode_s", "decode_tok_s",

@@ -4,6 +4,10 @@ of micro-batches (throughput mode's zig-zag schedule) at two block sizes.
 Usage: python scripts/validate_simulator.py [--model smollm2-135m] [--dtype auto]
            [--profile PATH] [--runs 3] [--steps 8] [--budgets 0.25,0.5] [--json OUT.json]
 
+Takes about 4-5 minutes with the defaults on the 2-core development VM (``hx profile``
+then this took 7 min 43 s together on 2026-11-24); an 8-layer Llama-2-7B shape took over
+7 minutes on an H100.
+
 A model (default SmolLM2-135M; ``llama2-7b:8L`` and other specs run by shape with random
 weights) on whatever accelerator ``hx.discover`` finds (this VM: the emulated one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
 policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
@@ -22,13 +26,13 @@ import json
 import statistics
 import sys
 
+from hx.cli.console import print_table
 from hx.models.loader import load, resolve_dtype
 from hx.planner import policies
 from hx.planner.ablate import ablate
 from hx.planner.calibrate import probe_slots
 from hx.planner.profile import load_default
 from hx.planner.simulator import predict
-from rich.console import Console
 from rich.table import Table
 
 from hx.bench import DecodeProbe, time_block_decode
@@ -97,7 +101,7 @@ def main() -> int:
         table.add_row(r["policy"], r["plan"], f"{r['budget']:.0%}", r["block"],
                       f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
                       f"{ratio:.2f}", "yes" if r["within"] else "no")
-    Console().print(table)
+    print_table(table)
     print(f"{sum(r['within'] for r in rows)} of {len(rows)} within {TOLERANCE:.0%}")
     if args.json:
         with open(args.json, "w") as f:

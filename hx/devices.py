@@ -1,4 +1,5 @@
-"""The two devices hx places work on: the accelerator and the host (DESIGN §3).
+"""The two devices hx places work on: the accelerator and the host (docs/architecture.md, "Devices
+and memory").
 
 ``Accelerator`` is the first non-CPU JAX device when one exists. On a machine without one, hx
 emulates it: the process is given two XLA CPU devices and device 1 plays the accelerator, with

@@ -1,4 +1,5 @@
-"""Executor: runs a model segment by segment where an ``ExecutionPlan`` says (DESIGN §5).
+"""Executor: runs a model segment by segment where an ``ExecutionPlan`` says (docs/architecture.md,
+"The executor").
 
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU

@@ -1,6 +1,7 @@
 """``ExecutionPlan``: where each op runs, where its weights live, where each KV cache lives.
 
-A plan is plain data (DESIGN §4): it prints, compares, round-trips through JSON and is checked
+A plan is plain data (docs/architecture.md, "Plans"): it prints, compares, round-trips through JSON
+and is checked
 against a ``ModelSpec`` without running anything; the executor interprets it. Three tables:
 
 * placement per phase (``prefill``, ``decode``): the device of EMBED, of each layer's seven ops,
@@ -36,13 +37,13 @@ from typing import Any, ClassVar, Iterable, Iterator
 
 from hx.devices import ACCELERATOR, DEVICE_NAMES, HOST
 from hx.errors import HxError
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
 
 PHASES = ("prefill", "decode")
 KV_HOMES = (*DEVICE_NAMES, "disk")
 RESIDENT, STREAMED, DISK = "resident", "streamed", "disk"
 WEIGHT_HOMES = (RESIDENT, STREAMED, HOST, DISK)
-WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != "SCORE")  # SCORE owns no weights
+WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != SCORE)  # SCORE owns no weights
 
 
 def score_device(kv_home: str) -> str:
@@ -147,7 +148,7 @@ class WeightHomes(OpTable):
 
     def get(self, layer: int | None, op: str) -> str | None:
         """Home of ``op``'s weights, or None for SCORE (it owns none)."""
-        return None if op == "SCORE" else super().get(layer, op)
+        return None if op == SCORE else super().get(layer, op)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class ExecutionPlan:
                              for op in WEIGHTED_OPS) for i in range(len(decode.layers)))
         weights = WeightHomes(acc_home if decode.embed == ACCELERATOR else HOST, layers,
                               acc_home if decode.head == ACCELERATOR else HOST)
-        kv = tuple(decode.get(i, "SCORE") for i in range(len(decode.layers)))
+        kv = tuple(decode.get(i, SCORE) for i in range(len(decode.layers)))
         return cls(prefill, decode, weights, kv, name)
 
     @classmethod
@@ -244,7 +245,7 @@ class ExecutionPlan:
                           f"{spec.n_layers} layers")
         for phase in PHASES:
             for layer, op, device in self.phase(phase).sequence():
-                if op == "SCORE" and device != score_device(self.kv[layer]):
+                if op == SCORE and device != score_device(self.kv[layer]):
                     raise HxError(f"plan {self.name!r}: {phase} SCORE of layer {layer} runs on "
                                   f"the {device} but its KV cache lives on the "
                                   f"{self.kv[layer]}; SCORE must run where its KV cache is")

@@ -4,7 +4,8 @@ A segment (``hx.segments``) runs as one XLA program on its device. ``Programs`` 
 compiles it from ``jax.ShapeDtypeStruct`` arguments -- nothing is allocated or executed -- and
 caches the executable per (signature, batch, new tokens, cache slots). The executor runs these
 executables; the memory estimate reads their temporary bytes from XLA's own
-``memory_analysis()`` (DESIGN §5), so plan-time and run-time temporaries are the same numbers
+``memory_analysis()`` (docs/architecture.md, "Memory: the accountant and the dry run"), so
+plan-time and run-time temporaries are the same numbers
 from the same compilation.
 
 Temporaries are sized two ways (``Programs.temp_bytes``). **Exactly**, from the executable the

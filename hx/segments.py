@@ -1,4 +1,5 @@
-"""Split a phase of a plan into segments: runs of consecutive ops on one device (DESIGN §5).
+"""Split a phase of a plan into segments: runs of consecutive ops on one device
+(docs/architecture.md, "Segments").
 
 A segment is the unit the executor compiles, launches, streams weights for and records in the
 timeline. Segments end where the device changes. An accelerator segment whose weights are copied

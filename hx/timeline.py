@@ -1,4 +1,5 @@
-"""Timeline of segments and transfers, written as a Chrome / Perfetto trace (DESIGN §5).
+"""Timeline of segments and transfers, written as a Chrome / Perfetto trace (docs/architecture.md,
+"The executor").
 
 JAX dispatch is asynchronous, so an event's end is observed, not assumed: each resource has a
 watcher thread that waits (``block_until_ready``) on the event's output arrays in dispatch

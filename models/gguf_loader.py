@@ -19,7 +19,7 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
 from hx.models.tensors import layer_key
-from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
+from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -173,7 +173,7 @@ def load_gguf(path: str, dtype: str = "float32") -> GGUFContents:
                   "wq": {"kernel": kernel(wq, (D, H, E))}},
             "K": {"wk": {"kernel": kernel(wk, (D, K, E))}},
             "V": {"wv": {"kernel": kernel(tensor(b + "attn_v.weight", (K * E, D)), (D, K, E))}},
-            "SCORE": {},
+            SCORE: {},
             "OUT": {"wo": {"kernel": kernel(tensor(b + "attn_output.weight", (D, H * E)),
                                             (H, E, D))}},
             "MLP1": {"ffn_norm": {"scale": vector(b + "ffn_norm.weight", (D,))},

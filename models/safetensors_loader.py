@@ -17,7 +17,7 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
 from hx.models.tensors import layer_key
-from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
+from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -96,7 +96,7 @@ def load_safetensors_dir(directory: str, dtype: str = "float32"
                   "wq": {"kernel": kernel(b + "self_attn.q_proj.weight", (D, H, E))}},
             "K": {"wk": {"kernel": kernel(b + "self_attn.k_proj.weight", (D, K, E))}},
             "V": {"wv": {"kernel": kernel(b + "self_attn.v_proj.weight", (D, K, E))}},
-            "SCORE": {},
+            SCORE: {},
             "OUT": {"wo": {"kernel": kernel(b + "self_attn.o_proj.weight", (H, E, D))}},
             "MLP1": {"ffn_norm": {"scale": vector(b + "post_attention_layernorm.weight")},
                      "w_gate": {"kernel": kernel(b + "mlp.gate_proj.weight", (D, F))},

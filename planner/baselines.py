@@ -12,7 +12,7 @@ from ortools.linear_solver import pywraplp
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, activation_reserve, check_fits
-from hx.models.spec import HEAD, LAYER_OPS, ModelSpec
+from hx.models.spec import HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
 from hx.planner.cpsat import Pattern, layer_plan
@@ -74,8 +74,8 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
         for (layer, op), current in state.items():
             if current != HOST:
                 continue
-            size = kv_layer if op == "SCORE" else spec.op_weight_bytes(op)
-            for home in ((RESIDENT,) if op == "SCORE" else (RESIDENT, STREAMED)):
+            size = kv_layer if op == SCORE else spec.op_weight_bytes(op)
+            for home in ((RESIDENT,) if op == SCORE else (RESIDENT, STREAMED)):
                 needed = (resident + size + 2 * peak if home == RESIDENT
                           else resident + 2 * max(peak, streamed[layer] + size)) + act
                 fits = capacity is None or needed <= capacity
@@ -98,7 +98,7 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
         acc_load += acc_cost(key[1], home)
 
     def plan_of() -> ExecutionPlan:
-        return layer_plan(spec, [Pattern(ACCELERATOR if state[(i, "SCORE")] != HOST else HOST,
+        return layer_plan(spec, [Pattern(ACCELERATOR if state[(i, SCORE)] != HOST else HOST,
                                          tuple(state[(i, op)] for op in WEIGHTED_OPS))
                                  for i in range(spec.n_layers)], state[(None, HEAD)], "min-max")
 
@@ -142,8 +142,8 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     c = solver.NumVar(0, 1, "c")
     t = solver.NumVar(0, solver.infinity(), "T")
     solver.Add(t >= (1 - w) * layer_w / profile.h2d_bandwidth)
-    solver.Add(t >= acc_compute + c * times[ACCELERATOR]["SCORE"])
-    solver.Add(t >= (1 - c) * times[HOST]["SCORE"])
+    solver.Add(t >= acc_compute + c * times[ACCELERATOR][SCORE])
+    solver.Add(t >= (1 - c) * times[HOST][SCORE])
     if capacity is not None:
         solver.Add(w * L * layer_w + c * L * kv_layer + 2 * layer_w + act <= capacity)
     solver.Minimize(t)
@@ -176,7 +176,8 @@ def flexgen_published(spec: ModelSpec, devices: Devices, workload: Workload,
     every layer's weight bytes resident on the accelerator, ``weights_cpu`` (default: the
     rest) streamed from host memory and the rest streamed from disk (OPT-175B: 0 / 50 / 50),
     the KV cache on the host (``kv``: or on disk, as OPT-175B's ``--percent ... 0 0`` puts it)
-    with attention computed on the host, the activations moving through host memory. FlexGen assigns each weight tensor of a layer wholly to one tier by the
+    with attention computed on the host, the activations moving through host memory. FlexGen
+    assigns each weight tensor of a layer wholly to one tier by the
     midpoint of its cumulative byte range (``init_weight_list``); here the unit is an op, in
     the layer's order. HEAD is resident when ``weights_gpu`` is 1, else streamed; EMBED stays
     on the host. The block (GPU batch x micro-batches) is the workload's.

@@ -38,7 +38,7 @@ from scipy.optimize import nnls
 from hx.bench import DecodeProbe, time_block_decode, time_decode
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.executor import Executor
-from hx.models.spec import ModelSpec
+from hx.models.spec import SCORE, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import HardwareProfile
@@ -48,7 +48,7 @@ from hx.workload import CACHE_BUCKET, round_up
 CONTEXT, STEPS = 128, 12
 FIT_PASSES = 3  # alternations of fit_compute and fit_launch (they converge in a few)
 ROUNDS = 3  # interleaved observations of each plan (median used)
-DISPATCH_PLANS = ((), ("SCORE",), ("SCORE", "MLP1"), ("K", "OUT"),  # host ops of each plan
+DISPATCH_PLANS = ((), (SCORE,), (SCORE, "MLP1"), ("K", "OUT"),  # host ops of each plan
                   ("EMBED", "Q", "K", "V", "OUT", "MLP1", "MLP2", "HEAD"))
 
 

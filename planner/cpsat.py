@@ -1,4 +1,4 @@
-"""CP-SAT placement: how many layers take each placement pattern (DESIGN §6).
+"""CP-SAT placement: how many layers take each placement pattern (docs/architecture.md, "Planner").
 
 A layer's pattern fixes where its KV cache (and so SCORE) lives and, for each of its six
 weighted ops, whether the op runs on the host (weights at home there), on the accelerator with
@@ -8,7 +8,8 @@ HEAD. Each pattern is priced by the simulator -- the marginal time of one more l
 in a decode step and, for the whole-run objective, in a prefill step at the chunk the model is
 solved for -- and by its memory; patterns that another beats on every count are dropped;
 CP-SAT then picks the counts (a full per-op interval model does not scale: no solution in 60 s
-for 30 x 7 ops, DESIGN §6). Minimised: the predicted decode step (Σ n_p decode_p + HEAD) or,
+for 30 x 7 ops: docs/measurements/log.md, "Planner"). Minimised: the predicted decode step (Σ n_p
+decode_p + HEAD) or,
 where prefill is a large part of the run, the run per decode step (Σ n_p (decode_p +
 prefill_p · prefill steps / (S - P)) + HEAD's), subject to:
 
@@ -39,7 +40,7 @@ from ortools.sat.python import cp_model
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, activation_reserve, check_fits, estimate
-from hx.models.spec import LAYER_OPS, ModelSpec
+from hx.models.spec import LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
@@ -66,7 +67,7 @@ class Pattern:
     def devices(self) -> tuple[str, ...]:
         """Device of each op of ``LAYER_OPS``."""
         state = dict(zip(WEIGHTED_OPS, self.ops))
-        return tuple(score_device(self.kv) if op == "SCORE" else
+        return tuple(score_device(self.kv) if op == SCORE else
                      (HOST if state[op] == HOST else ACCELERATOR) for op in LAYER_OPS)
 
     def homes(self) -> tuple[str, ...]:
@@ -170,7 +171,7 @@ def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern
 def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
     """``plan`` with every weighted op of prefill on the accelerator (host-homed weights
     staged in) and HEAD there too; SCORE stays where its KV cache lives."""
-    rows = tuple(tuple(score_device(kv) if op == "SCORE" else ACCELERATOR for op in LAYER_OPS)
+    rows = tuple(tuple(score_device(kv) if op == SCORE else ACCELERATOR for op in LAYER_OPS)
                  for kv in plan.kv)
     return ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
                          plan.kv, plan.name)

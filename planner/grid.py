@@ -1,5 +1,6 @@
 """Simulated ablation grid: models x hardware x placement policies x budgets x workloads, each
-run priced by ``planner.simulator`` on a hardware preset (DESIGN §6), at scales this machine
+run priced by ``planner.simulator`` on a hardware preset (docs/architecture.md, "Planner"), at
+scales this machine
 cannot run (``planner.ablate`` measures plans on this machine instead).
 
 A run of a workload (B rows per micro-batch, N micro-batches, P prompt tokens, G new tokens)

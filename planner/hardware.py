@@ -1,5 +1,5 @@
 """Hardware presets: ``HardwareProfile``s of machines hx plans and simulates for without running
-on them (DESIGN §6; the seeds' FlexGen T4 and A10G settings, and newer GPUs).
+on them (docs/architecture.md, "Planner"; the seeds' FlexGen T4 and A10G settings, and newer GPUs).
 
 A preset is built from datasheet figures (memory, memory bandwidth, dense FP32 and BF16
 matmul peaks), the host (cores, memory), the PCIe link as measured on that generation, and an

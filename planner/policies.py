@@ -1,4 +1,5 @@
-"""Placement policies as plan builders (DESIGN §6): each returns an ``ExecutionPlan``.
+"""Placement policies as plan builders (docs/architecture.md, "Planner"): each returns an
+``ExecutionPlan``.
 
 Fixed policies live here; ``baselines`` adds the cost-model-driven ones (min-max,
 flexgen-lp) and ``cpsat`` the planner; ``build`` names them all. EMBED (a row lookup in a
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, UNSIZED, check_fits, estimate
-from hx.models.spec import EMBED, ModelSpec
+from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.plan import DISK, ExecutionPlan, Placement
 from hx.workload import MIN_CHUNK, Workload
 
@@ -37,7 +38,7 @@ def stream_all(n_layers: int) -> ExecutionPlan:
     streamed in from host memory layer by layer, except SCORE, which runs on the host over a
     host-resident KV cache (so only q, the new k/v and the attention output cross)."""
     placement = Placement.uniform(
-        n_layers, lambda op: HOST if op in ("SCORE", EMBED) else ACCELERATOR)
+        n_layers, lambda op: HOST if op in (SCORE, EMBED) else ACCELERATOR)
     return ExecutionPlan.from_placement(placement, name="stream-all", streamed=True)
 
 

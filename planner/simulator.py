@@ -1,4 +1,5 @@
-"""Discrete-event replay of one executor step of a plan on a ``HardwareProfile`` (DESIGN §6).
+"""Discrete-event replay of one executor step of a plan on a ``HardwareProfile``
+(docs/architecture.md, "Planner").
 
 The replay prices the instructions of the step's ``hx.schedule.Schedule`` -- the list
 ``hx.executor.Executor.run`` carries out: the first streaming segment's weights are staged at
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import EMBED, ModelSpec
+from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.models.tensors import weight_dtype
 from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
@@ -86,7 +87,7 @@ def host_read_slots(slots: int, context: int) -> int:
 
 def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float:
     dtype = weight_dtype(spec, device)  # what the op multiplies in
-    if op == "SCORE":
+    if op == SCORE:
         read = slots if device == ACCELERATOR else host_read_slots(slots, context)
         c = op_cost(spec, op, batch, tokens, read)
         # the host's kernel is chosen by the bytes one call reads (numpy from 64 MiB:

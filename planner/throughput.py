@@ -1,5 +1,6 @@
 """Throughput planning: the block (N micro-batches of B rows), join group and placement with
-the most predicted tokens/s for a batch run under the memory budgets (DESIGN §6).
+the most predicted tokens/s for a batch run under the memory budgets (docs/architecture.md,
+"Planner").
 
 A batch run with iteration-level scheduling (``hx.continuous``) keeps R = B·N sequences
 decoding in the zig-zag block schedule; as rows end, waiting prompts are prefilled k at a time

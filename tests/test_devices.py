@@ -1,4 +1,5 @@
-"""Process set-up for real GPUs (DESIGN §3): XLA's allocator does not preallocate, its pool is
+"""Process set-up for real GPUs (docs/architecture.md, "Devices and memory"): XLA's allocator does
+not preallocate, its pool is
 capped at the first budget plus headroom, and float32 matmuls are float32 on every backend. The
 assertions hold on the emulated accelerator and on a GPU alike."""
 

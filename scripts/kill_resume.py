@@ -3,6 +3,11 @@
 Usage: python scripts/kill_resume.py [--prompts 200] [--kills 2] [--max-new-tokens 16]
                                      [--json out/kill_resume.json] [-- extra hx options]
 
+Takes roughly 15-30 minutes with the defaults on the 2-core development VM (estimated:
+``--prompts 24 --kills 1`` took 7 min 13 s beside other work, 70-93 s per uninterrupted run,
+most of it loading and planning; the defaults answer 8x the prompts and add a kill per
+sampling, each sampling running hx once uninterrupted and ``--kills`` + 1 more times).
+
 Writes PROMPTS mixed-length prompts, runs ``hx generate --prompts`` once uninterrupted, then
 again killing it with SIGKILL at KILLS random moments (each the moment the output holds a
 random number of further lines, uniform between one and 80 % of the prompts still to answer:
@@ -24,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
+
+from hx.cli.console import print_table
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls count "
          "stars above the quiet river and [bracketed] words stay as they are").split()
@@ -105,7 +111,7 @@ def main() -> int:
         table.add_column(col.replace("_", " "), justify="right")
     for r in rows:
         table.add_row(*(str(v) for v in r.values()))
-    Console().print(table)
+    print_table(table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -12,10 +12,10 @@ rules) -- and ``BlockRunner`` carries the decisions out on the executor:
 
 * a ``Join`` is prefilled, a power of two of prompts of one padded length together, into a
   spare cache of as many rows; the receiving micro-batches are reframed where needed and each
-  prompt's cache row is copied into its row, rolled so that its last token sits just before the
-  frontier (a static batch is prefilled straight into its micro-batch's caches);
+  prompt's cache row is copied into its row, reframed so that its last token sits just before
+  the frontier (a static batch is prefilled straight into its micro-batch's caches);
 * a ``Decode`` shrinks micro-batches (their live cache rows gathered, layer by layer), reframes
-  others (caches rolled along their slots, layer by layer), then steps each block of
+  reframes others (their caches rolled along the slots, layer by layer), then steps each block of
   micro-batches of equal rows and samples every row.
 
 Each row computes what it would alone, up to float rounding of the batched products.
@@ -47,8 +47,9 @@ JOIN_CHUNK = 64  # tokens per prefill step of a joining prompt, unless the plan 
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _roll(cache: jax.Array, slots: jax.Array) -> jax.Array:
-    """``cache`` (B, S, K, E) rolled by ``slots`` along S (positive: towards the end)."""
+def _reframe_array(cache: jax.Array, slots: jax.Array) -> jax.Array:
+    """``cache`` (B, S, K, E) reframed by ``slots``: rolled along S (positive: towards the
+    end)."""
     return jnp.roll(cache, slots, axis=1)
 
 
@@ -56,7 +57,7 @@ def _roll(cache: jax.Array, slots: jax.Array) -> jax.Array:
 def _insert(cache: jax.Array, joined: jax.Array, source: jax.Array, row: jax.Array,
             slots: jax.Array) -> jax.Array:
     """``cache`` (B, S, K, E) with row ``row`` replaced by row ``source`` of ``joined``
-    (G, S, K, E) rolled by ``slots`` along S."""
+    (G, S, K, E) reframed by ``slots`` (rolled along S)."""
     return cache.at[row].set(jnp.roll(joined[source], slots, axis=0))
 
 
@@ -192,7 +193,7 @@ class ContinuousBatcher:
         compile_s = self.compile(workload, sampling)
         runner = BlockRunner(self.engine, self.config(workload.cache_slots), sampling,
                              compile_s, on_finish)
-        return runner.run(prompts, limits, asked, seeds or [sampling.seed] * len(prompts))
+        return runner.run(prompts, limits, asked, seeds)
 
 
 class BlockRunner:
@@ -219,12 +220,15 @@ class BlockRunner:
         self._shown = ""
 
     def run(self, prompts: Sequence[Sequence[int]], limits: Sequence[int],
-            asked: Sequence[int], seeds: Sequence[int]) -> list[Completion]:
+            asked: Sequence[int], seeds: Sequence[int] | None = None) -> list[Completion]:
         """Answer ``prompts`` (token ids), each with its token limit (``limits``: capped by
-        the context; ``asked``: as asked) and sampling seed; returns their completions in
-        order. The stop tokens are EOS and the sampling's ``stop_ids``."""
+        the context; ``asked``: as asked) and sampling seed (default: the sampling's);
+        returns their completions in order. The stop tokens are EOS and the sampling's
+        ``stop_ids``."""
         eos = self.engine.model.tokenizer.eos_id
         stop = frozenset(self.sampling.stop_ids) | frozenset([] if eos is None else [eos])
+        if seeds is None:
+            seeds = [self.sampling.seed] * len(prompts)
         requests = [Request(i, len(p), n, a, stop, s)
                     for i, (p, n, a, s) in enumerate(zip(prompts, limits, asked, seeds))]
         state = BatchState.start(self.config, requests)
@@ -232,9 +236,9 @@ class BlockRunner:
         self.prompts, self.results = prompts, [None] * len(prompts)
         self.caches = [ex.new_cache(B, S, micro=m) for m in range(self.config.micro_batches)]
         try:
-            while (step := schedule(state)) is not None:
-                state = (self._join(state, step) if isinstance(step, Join)
-                         else self._decode(state, step))
+            while (decision := schedule(state)) is not None:
+                state = (self._join(state, decision) if isinstance(decision, Join)
+                         else self._decode(state, decision))
         finally:
             ex.release_cache()
         return self.results
@@ -268,14 +272,14 @@ class BlockRunner:
     def _place(self, before: BatchState, after: BatchState, join: Join,
                joined: list[Cache]) -> None:
         """Reframe the micro-batches receiving ``join``'s prompts, then copy row j of the
-        ``joined`` caches into each prompt's row, rolled so its last token sits just before
+        ``joined`` caches into each prompt's row, reframed so its last token sits just before
         the frontier."""
         for reframe in join.reframes:
             self._reframe(before.micro_batches[reframe.micro_batch], reframe)
         for j, (m, r) in enumerate(join.places):
-            shift = np.int32(after.micro_batches[m].frontier - join.padded)
+            slots = np.int32(after.micro_batches[m].frontier - join.padded)
             self.caches[m] = [{name: _insert(cache[name], part[name], np.int32(j), np.int32(r),
-                                             shift) for name in cache}
+                                             slots) for name in cache}
                               for cache, part in zip(self.caches[m], joined)]
 
     def _decode(self, state: BatchState, decode: Decode) -> BatchState:
@@ -338,13 +342,13 @@ class BlockRunner:
         self.engine.executor.account_cache(self.caches[m], m)
 
     def _reframe(self, mb: MicroBatch, reframe: Reframe) -> None:
-        """Roll a micro-batch's caches by ``reframe.slots`` along their slots; with no row in
+        """Reframe a micro-batch's caches by ``reframe.slots`` (``_reframe_array``); with no row in
         it, nothing reads them and only its frontier moves (in the state)."""
         if all(row is None for row in mb.rows):
             return
         m, slots = reframe.micro_batch, np.int32(reframe.slots)
         with self._cache_temporary(len(mb.rows)):
-            self.caches[m] = [{name: _roll(c, slots) for name, c in cache.items()}
+            self.caches[m] = [{name: _reframe_array(c, slots) for name, c in cache.items()}
                               for cache in self.caches[m]]
 
     @contextlib.contextmanager

@@ -4,7 +4,9 @@ Prompts of different lengths are left-padded to a common length T (rounded up to
 ``PREFILL_BUCKET`` so few prefill shapes get compiled); each row's padding is masked out of
 attention through ``Step.kv_start`` and its RoPE positions start at 0 at its first real token.
 Decode then writes every row's new token into the same cache slot, so one compiled decode step
-serves the whole batch.
+serves the whole batch. ``Engine.generate_ids`` runs such a static batch as the ``refill=False``
+policy of ``hx.scheduler`` (every prompt joins at once; a row that ends idles until the last
+ends), carried out by ``hx.continuous.BlockRunner`` as throughput mode is.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class Engine:
                      cache_slots: int | None = None, seeds: Sequence[int] | None = None,
                      on_finish: Callable[[int, Completion], None] | None = None,
                      max_new_tokens: Sequence[int] | None = None) -> list[Completion]:
-        """Generate from token ids, as one (static) batch: it runs until its last row ends.
+        """Generate from token ids, as one (static) batch: it runs until its last row ends
+        (``hx.scheduler``'s static policy, carried out by ``hx.continuous.BlockRunner``).
 
         Args:
           prompts: B prompts of token ids (lengths may differ).
@@ -253,5 +256,4 @@ class Engine:
         config = BlockConfig(B, 1, workload.cache_slots, pad=T, chunk=self.plan.prefill_chunk,
                              refill=False)
         runner = BlockRunner(self, config, sampling, compile_s, on_finish)
-        return runner.run(prompts, [min(n, max_new) for n in asked], asked,
-                          seeds or [sampling.seed] * B)
+        return runner.run(prompts, [min(n, max_new) for n in asked], asked, seeds)

@@ -1,5 +1,5 @@
 """Iteration-level scheduling: each prompt's tokens equal a run of it alone, rows are refilled
-the step they free, caches are re-framed both ways, and memory stays within the estimate."""
+the step they free, caches are reframed both ways, and memory stays within the estimate."""
 
 import numpy as np
 import pytest
@@ -77,8 +77,8 @@ def test_each_prompt_gets_what_it_gets_alone(tiny_model, prompts, stops, name, m
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in alone]
     assert sorted(finished) == list(range(len(prompts)))
-    shifts = [r.slots for d in decisions if d is not None for r in d.reframes]
-    assert min(shifts) < 0 < max(shifts)  # caches reframed towards both ends
+    reframes = [r.slots for d in decisions if d is not None for r in d.reframes]
+    assert min(reframes) < 0 < max(reframes)  # caches reframed towards both ends
     # a row that ends is refilled at once, and once no prompt waits micro-batches shrink to
     # their rows in use: no step computes a row that has ended
     decoded = sum(len(c.token_ids) + (c.finish_reason == "stop") - 1 for c in alone)
@@ -100,7 +100,7 @@ def test_sampled_rows_draw_what_they_draw_alone(tiny_model, prompts):
 @pytest.mark.parametrize("block", [(2, 2, None), (4, 1, 2)])
 def test_the_run_fits_its_estimate(tiny_model, prompts, block, monkeypatch):
     """Under a budget of exactly the estimate of the run's workload (caches of every row of
-    the block, a spare group, the re-framing temporary, prefill activations of the largest
+    the block, a spare group, the reframing temporary, prefill activations of the largest
     join group), the run completes with the tokens each prompt gets alone, and no join
     prefills more prompts than ``join_max``."""
     B, N, join_max = block

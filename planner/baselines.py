@@ -15,7 +15,7 @@ from hx.memory import PROXY, activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
-from hx.planner.cpsat import Pattern, layer_plan
+from hx.planner.patterns import Pattern, layer_plan
 from hx.planner.policies import fits
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import op_seconds

@@ -31,7 +31,7 @@ from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner.profile import HardwareProfile
-from hx.planner.simulator import Prediction, predict, predict_prefill
+from hx.planner.simulator import RunPrediction, predict_run
 from hx.workload import CACHE_BUCKET, Workload, round_up
 
 
@@ -83,28 +83,11 @@ STANDARD = Grid(
                Scenario("offline 4x16 512+32", 16, 512, 32, micro_batches=4)))
 
 
-@dataclass
-class RunPrediction:
-    """A simulated run. Seconds, tokens/s; ``utilisation``: resource -> busy share of a decode
-    step."""
-
-    tokens_per_s: float
-    ttft_s: float
-    tpot_s: float
-    utilisation: dict[str, float]
-    decode: Prediction = field(repr=False)
-
-
 def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                  scenario: Scenario) -> RunPrediction:
-    """Prefill then decode of ``scenario`` under ``plan`` (module docstring's formula)."""
-    w = scenario.workload()
-    B, N, P = scenario.batch, scenario.micro_batches, scenario.prompt_tokens
-    prefill = predict_prefill(plan, spec, profile, B, P, w.cache_slots, N)
-    decode = predict(plan, spec, profile, "decode", B, 1, w.cache_slots, w.decode_context, N)
-    total = prefill + w.decode_steps * decode.seconds
-    return RunPrediction(B * N * w.generated / total, prefill, decode.seconds,
-                         {r: busy / decode.seconds for r, busy in decode.busy.items()}, decode)
+    """Prefill then decode of ``scenario`` under ``plan`` (``simulator.predict_run``: the
+    module docstring's formula)."""
+    return predict_run(plan, spec, profile, scenario.workload())
 
 
 @dataclass

@@ -151,7 +151,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     on disk (``baselines.flexgen_published``). ``min-max``,
     ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
     seconds per solve with its best plan. ``auto`` is all-accelerator when that fits, else the
-    CP-SAT plan or stream-all, whichever ``cpsat.run_seconds`` predicts the shorter run
+    CP-SAT plan or stream-all, whichever ``simulator.predict_run`` predicts the shorter run
     (without a profile: the largest layer split): CP-SAT sets activations aside before it
     knows the plan, with the temporaries of SCORE on the accelerator counted, so at large
     batches it can miss streaming plans that attend on the host and fit when sized exactly
@@ -199,12 +199,12 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
         if profile is None:
             return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
                                      devices, workload)
-        from hx.planner.cpsat import run_seconds
+        from hx.planner.simulator import predict_run
 
         candidates = [fit_prefill_chunk(planners["cpsat"](), spec, devices, workload)]
         if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
             candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
-        return min(candidates, key=lambda p: run_seconds(p, spec, profile, workload)[1])
+        return min(candidates, key=lambda p: predict_run(p, spec, profile, workload).total_s)
     else:
         raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
     try:

@@ -41,7 +41,7 @@ from hx.errors import HxError
 from hx.schedule import D2H, H2D, KV_READ, LAUNCH, MOVE, READ, STAGE, WAIT, compile_schedule
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
-from hx.workload import prefill_chunks, round_up
+from hx.workload import Workload, prefill_chunks, round_up
 
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
 HOST_ATTENTION_BLOCK = 64  # slots per block of xla_attention (numpy reads at most 63 fewer)
@@ -260,6 +260,52 @@ def predict_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfi
         seconds += predict(plan, spec, profile, "prefill", batch, chunk, slots, done,
                            micro_batches).seconds
     return seconds
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """A simulated run of a workload: its prefill, then its decode steps.
+
+    Attributes:
+      tokens_per_s: generated tokens of every row over the run's seconds (FlexGen's
+        generation throughput, Sheng et al. 2023 §6): B·N·G / (t_prefill + (G - 1)·t_decode).
+      ttft_s: the prefill (every row's, in the plan's chunks), seconds.
+      tpot_s: one decode step of the block at the mid-generation context, seconds.
+      total_s: the run, seconds.
+      utilisation: resource -> busy share of the decode step's makespan.
+      decode: the decode step's prediction (its tasks).
+    """
+
+    tokens_per_s: float
+    ttft_s: float
+    tpot_s: float
+    total_s: float
+    utilisation: dict[str, float]
+    decode: Prediction = field(repr=False)
+
+
+def prefill_groups(workload: Workload) -> float:
+    """Prefill row groups of a run (each takes every chunk in turn): its rows over those of
+    one prefill step (1 without spare rows; with them, join groups of ``spare_rows``)."""
+    return (workload.batch * workload.micro_batches
+            / (workload.prefill_rows * workload.prefill_micro_batches))
+
+
+def predict_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                workload: Workload) -> RunPrediction:
+    """The run of ``workload`` under ``plan``: every row's prompt in the plan's chunks
+    (``prefill_groups`` groups of ``Workload.prefill_rows`` rows), then
+    ``Workload.decode_steps`` decode steps at ``Workload.decode_context``. CP-SAT, the
+    policies and the ablation grid all price a run here."""
+    P, S = workload.prompt_tokens, workload.cache_slots
+    prefill = prefill_groups(workload) * predict_prefill(
+        plan, spec, profile, workload.prefill_rows, P, S, workload.prefill_micro_batches)
+    decode = predict(plan, spec, profile, "decode", workload.batch, 1, S,
+                     workload.decode_context, workload.micro_batches)
+    total = prefill + workload.decode_steps * decode.seconds
+    rows = workload.batch * workload.micro_batches
+    return RunPrediction(rows * workload.generated / total, prefill, decode.seconds, total,
+                         {r: busy / decode.seconds for r, busy in decode.busy.items()}, decode)
 
 
 TRACK = {ACCELERATOR: ACC_COMPUTE, HOST: HOST_COMPUTE, H2D: "H2D", D2H: "D2H"}

@@ -11,12 +11,12 @@ import pytest
 
 from hx.devices import discover
 from hx.models.spec import preset
-from hx.planner.cpsat import plan_with_reserve, run_seconds
+from hx.planner.cpsat import plan_with_reserve
 from hx.planner.grid import Grid, Scenario, plan_on, run_grid, simulate_run
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner import policies
 from hx.workload import MIN_CHUNK
-from hx.planner.simulator import predict, predict_prefill
+from hx.planner.simulator import predict, predict_prefill, predict_run
 
 SCENARIO = Scenario("16:512+32", 16, 512, 32)
 
@@ -52,8 +52,8 @@ def test_cpsat_beats_flexgens_policy_in_its_opt30b_setting():
     rates = {name: simulate_run(plan, spec, profile, scenario).tokens_per_s
              for name, plan in (("flexgen", flexgen), ("cpsat", cpsat))}
     assert rates["cpsat"] >= rates["flexgen"], rates
-    assert run_seconds(cpsat, spec, profile, work)[1] <= run_seconds(narrow, spec, profile,
-                                                                     work)[1]
+    assert predict_run(cpsat, spec, profile, work).total_s <= \
+        predict_run(narrow, spec, profile, work).total_s
 
 
 def test_cpsat_prices_the_whole_run():
@@ -89,10 +89,9 @@ def test_run_is_prefill_then_decode_steps():
     prefill = predict_prefill(plan, spec, profile, 4, 128, S, 2)
     step = predict(plan, spec, profile, "decode", 4, 1, S, 136, 2).seconds
     assert run.ttft_s == prefill and run.tpot_s == step
+    # G - 1 decode steps, not the cache's S - P
+    assert run.total_s == pytest.approx(prefill + 15 * step)
     assert run.tokens_per_s == pytest.approx(8 * 16 / (prefill + 15 * step))
-    # the planner prices the run the grid reports: G - 1 decode steps, not the cache's S - P
-    assert run_seconds(plan, spec, profile, scenario.workload()) == \
-        pytest.approx((prefill, prefill + 15 * step))
     assert 0 < run.utilisation["H2D"] <= 1 and 0 < run.utilisation["accelerator"] <= 1
 
 

@@ -99,7 +99,7 @@ def test_cpsat_beats_every_baseline_in_prediction(fraction, batch):
 def test_cpsat_runs_as_fast_as_all_accelerator_where_the_model_fits(batch):
     """EMBED is outside the pattern model; with room for its table, the plan gathers on the
     accelerator too, and no plan is predicted faster than having everything there."""
-    from hx.planner.cpsat import run_seconds
+    from hx.planner.simulator import predict_run
 
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
     w = workload(spec, batch)
@@ -107,8 +107,8 @@ def test_cpsat_runs_as_fast_as_all_accelerator_where_the_model_fits(batch):
     plan = plan_cpsat(spec, profile, devices, w).plan
     every = policies.build("all-accelerator", spec, devices, w)
     assert plan.decode.embed == ACCELERATOR
-    assert run_seconds(plan, spec, profile, w)[1] <= \
-        run_seconds(every, spec, profile, w)[1] * (1 + 1e-9)
+    assert predict_run(plan, spec, profile, w).total_s <= \
+        predict_run(every, spec, profile, w).total_s * (1 + 1e-9)
 
 
 def test_no_policy_returns_a_plan_that_does_not_fit():
@@ -147,7 +147,8 @@ def test_reserved_activations_the_plan_leaves_unused_are_reclaimed():
     accelerator): at SmolLM2's shapes, 4 x 16 rows and a quarter of its weights' bytes, the
     first plan uses a fraction of it. Solving again with the unused room gives a plan that
     still fits and a predicted run shorter than the first plan's, never longer."""
-    from hx.planner.cpsat import _fitted, plan_with_reserve, run_seconds
+    from hx.planner.cpsat import _fitted, plan_with_reserve
+    from hx.planner.simulator import predict_run
 
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
     w = Workload(16, 256, 320, 4, new_tokens=32)
@@ -155,14 +156,15 @@ def test_reserved_activations_the_plan_leaves_unused_are_reclaimed():
     first = _fitted(spec, profile, devices, devices, w, 32, 2.0, 0, None, False, 32)
     result = plan_with_reserve(spec, profile, devices, w, 32, 2.0, 0, None)
     check_fits(result.plan, spec, devices, w)
-    first_s, reclaimed_s = (run_seconds(r.plan, spec, profile, w)[1] for r in (first, result))
+    first_s, reclaimed_s = (predict_run(r.plan, spec, profile, w).total_s
+                            for r in (first, result))
     assert reclaimed_s < 0.9 * first_s
 
 
 def test_pattern_price_is_a_layer_of_a_deep_stack():
     """A pattern's marginal decode seconds equal a layer's share of a deep stack of it: the
     pattern two-minus-one layers mispriced by 26 % (``marginal_seconds``), and another."""
-    from hx.planner.cpsat import Pattern, layer_plan, marginal_seconds
+    from hx.planner.patterns import Pattern, layer_plan, marginal_seconds
     from hx.planner.hardware import hardware_profile
     from hx.plan import RESIDENT
 

@@ -26,8 +26,7 @@ from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
-from hx.planner.cpsat import run_seconds
-from hx.planner.simulator import predict, predict_prefill
+from hx.planner.simulator import predict, predict_prefill, predict_run
 from hx.segments import split_segments
 from hx.workload import Workload
 
@@ -152,7 +151,7 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
         prefill = predict_prefill(plan, spec, profile, workload.batch, workload.prompt_tokens,
                                   slots)
         busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
-        _, run = run_seconds(plan, spec, profile, workload)
+        run = predict_run(plan, spec, profile, workload).total_s
         steps = workload.decode_steps
         out.print(f"predicted (the simulator, whole plan): decode step "
                   f"{decode.seconds * 1e3:.2f} ms ({workload.batch / decode.seconds:.1f} "

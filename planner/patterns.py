@@ -1,0 +1,231 @@
+"""Layer placement patterns, priced: what one more layer of each pattern costs in time and
+bytes, for the CP-SAT model (``planner.cpsat_model``) to count.
+
+A layer's pattern fixes where its KV cache (and so SCORE) lives and, for each of its six
+weighted ops, whether the op runs on the host (weights at home there), on the accelerator with
+resident weights, or on the accelerator with weights streamed in: 2 x 3^6 = 1458 patterns (with
+the disk tier, twins streaming from disk and keeping the KV cache there). All layers of a model
+have the same shapes, so a plan is a count per pattern, plus a choice for HEAD. Each pattern is
+priced by the simulator -- the marginal time of one more layer of it in a decode step and, for
+the whole-run objective, in a prefill step at the chunk the model is solved for -- and by its
+memory (``models.tensors`` sizes); patterns that another beats on every count are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from hx.devices import ACCELERATOR, HOST
+from hx.models.spec import LAYER_OPS, SCORE, ModelSpec
+from hx.models.tensors import kv_bytes, weight_dtype
+from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
+                     WeightHomes, score_device)
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import predict, prefill_groups
+from hx.schedule import disk_bytes, staged_bytes
+from hx.segments import split_segments
+from hx.workload import Workload, prefill_chunks
+
+OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accelerator
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Placement of one layer: KV home and the state of each weighted op."""
+
+    kv: str
+    ops: tuple[str, ...]  # per WEIGHTED_OPS: host, resident or streamed
+
+    def devices(self) -> tuple[str, ...]:
+        """Device of each op of ``LAYER_OPS``."""
+        state = dict(zip(WEIGHTED_OPS, self.ops))
+        return tuple(score_device(self.kv) if op == SCORE else
+                     (HOST if state[op] == HOST else ACCELERATOR) for op in LAYER_OPS)
+
+    def homes(self) -> tuple[str, ...]:
+        """Weight home of each op of ``WEIGHTED_OPS``."""
+        return self.ops
+
+
+@dataclass(frozen=True)
+class PatternCost:
+    """What one layer of a pattern costs: seconds per decode step, its prefill over a run per
+    decode step (``whole_run_costs``; 0 where not priced), and bytes."""
+
+    pattern: Pattern
+    seconds: float
+    resident: int  # accelerator bytes: resident weights + KV
+    segment: int  # largest staged segment, bytes
+    host: int  # host bytes: host and streamed weights + KV
+    uses_accelerator: bool
+    switches: int  # device changes along the layer's ops, into the next layer included
+    disk_segment: int = 0  # largest segment's disk-homed weights, bytes (read double-buffered)
+    prefill: float = 0.0  # the run's prefill steps per decode step x the marginal prefill step
+
+
+def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
+               ) -> ExecutionPlan:
+    """The plan of layers laid out with ``patterns`` (one per layer) and HEAD's state."""
+    placement = Placement(HOST, tuple(p.devices() for p in patterns),
+                          HOST if head == HOST else ACCELERATOR)
+    weights = WeightHomes(HOST, tuple(p.homes() for p in patterns), head)
+    return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
+
+
+def layer_patterns(disk: bool = False) -> list[Pattern]:
+    """Every layer pattern: KV on the accelerator or the host, each weighted op host, resident
+    or streamed. With ``disk``, every pattern that streams weights has a twin streaming them
+    from disk instead of host memory (FlexGen's weights on disk: read into host memory, then
+    copied on), and every host-KV pattern a twin with its KV cache on disk."""
+    patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
+                for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
+    if disk:
+        patterns += [Pattern(p.kv, tuple(DISK if s == STREAMED else s for s in p.ops))
+                     for p in patterns if STREAMED in p.ops]
+        patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
+    return patterns
+
+
+def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern, phase: str,
+                     batch: int, tokens: int, slots: int, context: int, micro_batches: int
+                     ) -> float:
+    """Seconds one more layer of ``pattern`` adds to a step of ``phase`` in a stack of such
+    layers: the simulated step of three minus that of two, at least 0. HEAD is resident on
+    the accelerator, so that a host HEAD's work for one micro-batch cannot hide the layers'
+    work for the next (with HEAD on the host, a resident OPT-30B layer priced at 5.6 ms of
+    decode at 4 x 16 rows on the H100 preset where a 48-layer stack takes 22.9 ms per layer).
+    Three minus two, not two minus one: the first layer's copy and the last layer's work
+    overlap the step's ends, so a one-layer step is no steady state (OPT-30B, 4 x 16 rows, A10G
+    preset: a layer with its KV cache on the accelerator and MLP2 on the host priced at
+    122 ms by two minus one, 165 ms by three minus two and per layer of an eight-layer stack;
+    over every seventh pattern, on five rows of the standard grid, two minus one was more
+    than 2 % off the eight-layer stack's per-layer time for 2-24 % of them, by up to 81 %;
+    three minus two for at most 3 %). Arguments as ``simulator.predict``'s."""
+    def step(n: int) -> float:
+        shapes = spec.replace(n_layers=n)
+        return predict(layer_plan(shapes, [pattern] * n, RESIDENT, "p"), shapes, profile, phase,
+                       batch, tokens, slots, context, micro_batches).seconds
+
+    return max(step(3) - step(2), 0.0)
+
+
+def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with every weighted op of prefill on the accelerator (host-homed weights
+    staged in) and HEAD there too; SCORE stays where its KV cache lives."""
+    rows = tuple(tuple(score_device(kv) if op == SCORE else ACCELERATOR for op in LAYER_OPS)
+                 for kv in plan.kv)
+    return ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
+                         plan.kv, plan.name)
+
+
+@functools.lru_cache(maxsize=16)
+def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                   context: int, disk: bool = False) -> tuple[PatternCost, ...]:
+    """Simulated marginal decode time and bytes of one layer of every pattern of
+    ``layer_patterns(disk)`` (cached: the budget does not enter, so planning at many budgets
+    prices once)."""
+    two = spec.replace(n_layers=2)
+    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
+    kv_read = kv_bytes(spec, workload.batch, workload.cache_slots)
+    weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
+    host_weights = {op: spec.op_weight_bytes(op, weight_dtype(spec, HOST))
+                    for op in WEIGHTED_OPS}
+    costs = []
+    for p in layer_patterns(disk):
+        seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
+                                   workload.cache_slots, context, workload.micro_batches)
+        resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, p.ops) if s == RESIDENT)
+        host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
+                   for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
+        pair = layer_plan(two, [p, p], HOST, "p")
+        segments = split_segments(pair, "decode")
+        staged = [staged_bytes(spec, s) for s in segments]
+        on_disk = [disk_bytes(pair, spec, s) for s in segments]
+        costs.append(PatternCost(
+            p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
+            max(staged), host + (kv_layer if p.kv == HOST else 0),
+            ACCELERATOR in p.devices(), _switches(p.devices()),
+            max(on_disk) + (kv_read if p.kv == DISK else 0)))
+    return tuple(costs)
+
+
+def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
+    """Where the whole-run objective prices prefill in chunks of ``chunk`` tokens: (prefill
+    steps of the run over its decode steps (``Workload.decode_steps``), tokens of a step,
+    cache slots in use at a typical step). Steps: ceil(P / chunk) per group of prefill rows
+    (``simulator.prefill_groups``); slots: the prompt half done, the chunk included."""
+    P = workload.prompt_tokens
+    steps = prefill_groups(workload) * len(prefill_chunks(P, chunk))
+    return (steps / max(workload.decode_steps, 1), min(chunk, P),
+            min(P, (P + chunk + 1) // 2))
+
+
+@functools.lru_cache(maxsize=16)
+def decode_front(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool
+                 ) -> tuple[PatternCost, ...]:
+    """The patterns no other beats in decode time and every byte count (``prune`` of
+    ``price_patterns`` at the decode context; cached)."""
+    return tuple(prune(price_patterns(spec, profile, workload, workload.decode_context, disk)))
+
+
+@functools.lru_cache(maxsize=64)
+def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                    chunk: int, disk: bool = False) -> tuple[PatternCost, ...]:
+    """The patterns of ``decode_front``, each with its prefill over a run per decode step
+    (``prefill``, seconds): its marginal prefill step at ``chunk`` tokens and mid-prompt
+    context, placed as in decode, times the run's prefill steps per decode step
+    (``prefill_point``).
+    A pattern another beats in decode time and every byte count is priced no further:
+    prefill makes it better only where it runs more on the accelerator, which costs bytes.
+    Cached: planning at many budgets prices once."""
+    share, tokens, context = prefill_point(workload, chunk)
+    return tuple(dataclasses.replace(c, prefill=share * marginal_seconds(
+        spec, profile, c.pattern, "prefill", workload.prefill_rows, tokens,
+        workload.cache_slots, context, workload.prefill_micro_batches))
+        for c in decode_front(spec, profile, workload, disk))
+
+
+def _switches(devices: tuple[str, ...]) -> int:
+    return sum(a != b for a, b in zip(devices, devices[1:] + devices[:1]))
+
+
+def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
+    """Drop patterns that another is at least as good as on every count (and better on one):
+    time (decode step plus any priced prefill) and bytes."""
+    m = np.array([[c.seconds + c.prefill, c.resident, c.segment, c.host, c.uses_accelerator,
+                   c.switches, c.disk_segment] for c in costs], dtype=float)
+    keep = []
+    for i in range(len(costs)):
+        no_worse = (m <= m[i]).all(axis=1)
+        better = (m < m[i]).any(axis=1)
+        if not (no_worse & better).any():
+            keep.append(costs[i])
+    return keep
+
+
+def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                 chunk: int | None = None) -> dict[str, float]:
+    """Seconds of HEAD in each state after a host layer (a one-layer simulated run, the same
+    layer whatever the state) in a decode step; with ``chunk``, over a whole run per decode
+    step as ``whole_run_costs`` prices a layer: plus the run's prefill steps at ``chunk``
+    tokens per decode step (``prefill_point``)."""
+    one = spec.replace(n_layers=1)
+    host_layer = Pattern(HOST, (HOST,) * len(WEIGHTED_OPS))
+
+    def run(head: str, phase: str, rows: int, tokens: int, context: int, micro: int) -> float:
+        return predict(layer_plan(one, [host_layer], head, "h"), one, profile, phase, rows,
+                       tokens, workload.cache_slots, context, micro).seconds
+
+    decode = {state: run(state, "decode", workload.batch, 1, workload.decode_context,
+                         workload.micro_batches) for state in OP_STATES}
+    if chunk is None:
+        return decode
+    share, tokens, context = prefill_point(workload, chunk)
+    return {state: decode[state] + share * run(state, "prefill", workload.prefill_rows, tokens,
+                                               context, workload.prefill_micro_batches)
+            for state in OP_STATES}

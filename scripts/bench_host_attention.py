@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import hx  # noqa: F401  (sets up the devices before JAX starts)
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
 import jax
 import numpy as np
 from rich.table import Table

@@ -40,7 +40,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-import hx
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
+import hx  # noqa: E402
 from hx.cli.console import print_table
 from hx.continuous import ContinuousBatcher
 from hx.generate import Engine

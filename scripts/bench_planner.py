@@ -19,7 +19,11 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-import hx
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
+import hx  # noqa: E402
 from hx.cli.console import print_table
 from hx.models.spec import PRESETS
 from hx.planner.cpsat import plan_cpsat

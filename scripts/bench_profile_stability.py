@@ -31,7 +31,10 @@ import sys
 import time
 from unittest import mock
 
-import hx  # noqa: F401  (sets up the devices before JAX starts)
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
 import jax
 import jax.numpy as jnp
 import numpy as np

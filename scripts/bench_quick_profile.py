@@ -28,7 +28,11 @@ from hx.cli.console import print_table
 TARGET_S = 20.0
 ONE_RUN = """
 import json, time
-import hx
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
+import hx  # noqa: E402
 from hx.devices import discover
 from hx.planner import profiler
 devices = discover()

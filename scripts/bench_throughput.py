@@ -43,7 +43,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-import hx
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
+import hx  # noqa: E402
 from hx.cli.console import print_table
 from hx.continuous import JOIN_CHUNK, ContinuousBatcher, run_slots
 from hx.devices import discover

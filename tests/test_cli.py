@@ -197,23 +197,35 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
     assert "plan cpsat" in result.stderr
 
 
-def killed_twice_then_finished(args, out, kills=(3, 7)):
-    """Run ``hx *args`` writing ``out``; SIGKILL it once ``out`` has each of ``kills`` lines
-    (unless it finishes first), then run it to the end. Returns how many runs were killed."""
-    import signal
-    import time
+# Runs ``hx`` and SIGKILLs itself right after its LINES-th output line is fsynced: a kill at
+# a fixed point of the run, whatever the machine's speed.
+KILLED_AFTER = """
+import os, signal, sys
+fsync, lines = os.fsync, [0]
+def fsync_then_die(fd):
+    fsync(fd)
+    lines[0] += 1
+    if lines[0] == {lines}:
+        os.kill(os.getpid(), signal.SIGKILL)
+os.fsync = fsync_then_die
+sys.argv = ["hx", *{args!r}]
+from hx.cli import main
+main()
+"""
 
-    killed = 0
+
+def killed_twice_then_finished(args, out, kills=(3, 4)):
+    """Run ``hx *args`` writing ``out`` and SIGKILL it after each of ``kills`` new lines,
+    then run it to the end. Returns how many runs were killed (and left those lines)."""
+    import signal
+
+    killed, written = 0, 0
     for lines in kills:
-        run = subprocess.Popen([sys.executable, "-m", "hx", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-        while run.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= lines:
-                run.send_signal(signal.SIGKILL)
-                killed += run.wait() == -signal.SIGKILL
-                break
-            time.sleep(0.02)
-        run.wait()
+        run = subprocess.run([sys.executable, "-c", KILLED_AFTER.format(lines=lines, args=args)],
+                             capture_output=True, text=True)
+        written += lines
+        killed += run.returncode == -signal.SIGKILL and \
+            out.read_bytes().count(b"\n") == written
     result = hx(*args)
     assert result.returncode == 0, result.stderr
     return killed

@@ -6,8 +6,9 @@ At construction every op's weights go to their home: ``resident`` into accelerat
 device -- in the model's dtype, except that the weights of host segments are converted once,
 here, to float32 (``models.tensors.weight_dtype``: XLA:CPU multiplies float32 fastest). A
 host-homed weight that an accelerator segment stages in is kept in the model's dtype too. Each
-step (``run``) carries out the instructions of the step's ``hx.schedule.Schedule`` -- the same
-list the simulator prices and the memory estimate sizes:
+step (``run``) interprets the instructions of the step's ``hx.schedule.Schedule`` -- the same
+list, with the same dependency edges, the simulator prices and the memory estimate sizes -- one
+handler per instruction kind (``_BlockStep``):
 
 * ``stage``: ``device_put`` a streaming segment's weights into accelerator memory, issued before
   the segment ahead of it is launched (prefetch depth 1, double buffer);
@@ -51,8 +52,9 @@ from hx.models.tensors import layer_key, weight_dtype
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
-from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT, Schedule,
-                         act_key, compile_schedule, staging_key, step_key)
+from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT,
+                         Instruction, Schedule, act_key, compile_schedule, staging_key,
+                         step_key)
 from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
@@ -236,7 +238,6 @@ class Executor:
           ValueError: micro-batches of different shapes.
           BudgetExceeded: an allocation passes the accelerator budget (a bug).
         """
-        tl, acct = self.timeline, self.accountant
         N = len(tokens)
         B, T = np.shape(tokens[0])
         S = caches[0][0]["k"].shape[1]
@@ -245,101 +246,126 @@ class Executor:
                 caches) != N:
             raise ValueError("a block's micro-batches need one step and one cache list each, "
                              "all of the same (B, T) and (B, S)")
-        if tl is not None:
-            tl.begin_step(phase)
-        schedule = self.schedule(phase, B, T, S, N)
-        segments, params = self.segments[phase], self._params[phase]
-        envs: list[dict[str, Any]] = [{"tokens": t} for t in tokens]
-        events: dict[int, int | None] = {}  # instruction index -> its timeline event
-        placed_steps: dict[tuple[str, int], Step] = {}
-        inputs: dict[tuple[int, int], dict[str, Any]] = {}  # (segment, micro) -> moved
-        staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
-        outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
-        caches = [list(c) for c in caches]
-
-        for index, ins in enumerate(schedule.instructions):
-            i, m = ins.segment, ins.micro
-            deps = [events.get(d) for d in ins.deps]
-            seg = segments[i] if i is not None else None
-            if ins.kind == STAGE:
-                staged[i], events[index] = self._stage(phase, i)
-                acct.apply(ins, {staging_key(i): tree_bytes(staged[i])})
-            elif ins.kind == WAIT:  # the staged buffer is reused: the segment must be done
-                jax.block_until_ready(outputs[i])
-                staged.pop(i)
-                acct.apply(ins)
-            elif ins.kind == STEP:
-                placed = jax.device_put(steps[m], self.devices[seg.device])
-                placed_steps[(seg.device, m)] = placed
-                acct.apply(ins, {step_key(m): tree_bytes(placed)})
-            elif ins.kind == MOVE:  # everything a segment reads from elsewhere, in one call
-                dispatch = time.perf_counter()
-                moved = jax.device_put(stream.resolve([envs[m][n] for n in ins.names]),
-                                       self.devices[seg.device])
-                nbytes = sum(x.nbytes for x in moved)
-                acct.apply(ins, {INPUT_KEY: nbytes})
-                if tl is not None and ins.resource is not None:
-                    events[index] = tl.record(H2D if ins.resource == "H2D" else D2H,
-                                              " ".join(ins.names), moved, deps,
-                                              dispatch=dispatch, bytes=nbytes)
-                inputs[(i, m)] = dict(zip(ins.names, moved))
-            elif ins.kind == LAUNCH:
-                moved = inputs.pop((i, m), {})
-                seg_params = params[i]
-                if seg.streams:
-                    seg_params = tuple(t if t is not None else p
-                                       for p, t in zip(params[i], staged[i]))
-                env = envs[m]
-                acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
-                seg_caches = tuple(caches[m][layer] for layer in seg.cache_layers)
-                compiled, temp = self._executable(phase, i, B, T, S)
-                dispatch = time.perf_counter()
-                args = (seg_params, acts, seg_caches, placed_steps[(seg.device, m)])
-                if seg.device == HOST and N > 1 and (isinstance(compiled, SplitHostProgram)
-                                                     or stream.pending((acts, seg_caches))):
-                    # numpy attention waits in the calling thread: let the next
-                    # micro-batch's work go out meanwhile (and keep what reads its results
-                    # behind it); an XLA host program is dispatched asynchronously anyway
-                    done = stream.submit(compiled, *args)
-                    out = {n: stream.Deferred(done, 0, n) for n in seg.writes}
-                    seg_caches = tuple(stream.Deferred(done, 1, j)
-                                       for j in range(len(seg.cache_layers)))
-                    acct.apply(ins)  # host launches allocate nothing on the accelerator
-                else:
-                    out, seg_caches = compiled(*args)
-                    acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
-                                                        for n, v in out.items()})
-                outputs.setdefault(i, []).append(out)
-                for layer, cache in zip(seg.cache_layers, seg_caches):
-                    caches[m][layer] = cache
-                env.update(out)
-                if tl is not None:
-                    ops = " ".join(op if layer is None else f"{op}{layer}"
-                                   for layer, op in seg.ops)
-                    layers = sorted({layer for layer, _ in seg.ops if layer is not None})
-                    events[index] = tl.record(
-                        ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
-                        ops if N == 1 else f"{ops} [mb {m}]", (out, seg_caches), deps,
-                        dispatch=dispatch, segment=i, layers=layers)
-            elif ins.kind == FREE:
-                acct.apply(ins)
-        return stream.resolve(([env["logits"] for env in envs], caches))
-
-    def _stage(self, phase: str, index: int) -> tuple[tuple, int | None]:
-        """Issue the copy of segment ``index``'s staged weights into accelerator memory.
-
-        Returns ((staged tree or None per op), timeline event id or None).
-        """
-        seg, sources = self.segments[phase][index], self._params[phase][index]
-        dispatch = time.perf_counter()
-        trees = tuple(jax.device_put(p, self._acc_memory) if staged else None
-                      for p, staged in zip(sources, seg.staged))
-        event = None
         if self.timeline is not None:
-            ops = " ".join(f"{op}{layer if layer is not None else ''}"
-                           for (layer, op), st in zip(seg.ops, seg.staged) if st)
-            layers = sorted({layer for (layer, _), st in zip(seg.ops, seg.staged)
-                             if st and layer is not None})
-            event = self.timeline.record(H2D, f"weights {ops}", trees, dispatch=dispatch,
-                                         bytes=tree_bytes(trees), layers=layers)
-        return trees, event
+            self.timeline.begin_step(phase)
+        return _BlockStep(self, phase, self.schedule(phase, B, T, S, N), tokens, steps,
+                          caches).run()
+
+
+class _BlockStep:
+    """One step of a block being carried out: one handler per instruction kind, sharing the
+    step's state; the accountant applies every instruction's allocations (with the real
+    sizes), the timeline records copies and launches with the Schedule's edges."""
+
+    def __init__(self, executor: Executor, phase: str, schedule: Schedule,
+                 tokens: Sequence[np.ndarray | jax.Array], steps: Sequence[Step],
+                 caches: Sequence[list[Cache]]):
+        self.ex, self.phase, self.schedule, self.steps = executor, phase, schedule, steps
+        self.acct, self.tl = executor.accountant, executor.timeline
+        self.segments, self.params = executor.segments[phase], executor._params[phase]
+        self.envs: list[dict[str, Any]] = [{"tokens": t} for t in tokens]
+        self.caches = [list(c) for c in caches]
+        self.events: dict[int, int | None] = {}  # instruction index -> its timeline event
+        self.placed_steps: dict[tuple[str, int], Step] = {}
+        self.inputs: dict[tuple[int, int], dict[str, Any]] = {}  # (segment, micro) -> moved
+        self.staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
+        self.outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
+
+    def run(self) -> tuple[list[jax.Array], list[list[Cache]]]:
+        """Carry out every instruction in order; (N logits, N cache lists)."""
+        handlers = {STAGE: self.stage, WAIT: self.wait, STEP: self.step, MOVE: self.move,
+                    LAUNCH: self.launch, FREE: self.free}
+        for index, ins in enumerate(self.schedule.instructions):
+            handlers[ins.kind](index, ins)
+        return stream.resolve(([env["logits"] for env in self.envs], self.caches))
+
+    def record(self, index: int, ins: Instruction, track: str, name: str, arrays: Any,
+               dispatch: float, **meta) -> None:
+        """Put instruction ``index`` on the timeline (when there is one), after the events of
+        the instructions it depends on."""
+        if self.tl is not None:
+            self.events[index] = self.tl.record(
+                track, name, arrays, [self.events.get(d) for d in ins.deps],
+                dispatch=dispatch, **meta)
+
+    def stage(self, index: int, ins: Instruction) -> None:
+        """Copy a streaming segment's weights into accelerator memory (H2D)."""
+        seg = self.segments[ins.segment]
+        dispatch = time.perf_counter()
+        trees = tuple(jax.device_put(p, self.ex._acc_memory) if staged else None
+                      for p, staged in zip(self.params[ins.segment], seg.staged))
+        self.staged[ins.segment] = trees
+        self.acct.apply(ins, {staging_key(ins.segment): tree_bytes(trees)})
+        ops = " ".join(f"{op}{layer if layer is not None else ''}"
+                       for (layer, op), st in zip(seg.ops, seg.staged) if st)
+        layers = sorted({layer for (layer, _), st in zip(seg.ops, seg.staged)
+                         if st and layer is not None})
+        self.record(index, ins, H2D, f"weights {ops}", trees, dispatch,
+                    bytes=tree_bytes(trees), layers=layers)
+
+    def wait(self, index: int, ins: Instruction) -> None:
+        """The staged buffer is reused: the segment must be done with it."""
+        jax.block_until_ready(self.outputs[ins.segment])
+        self.staged.pop(ins.segment)
+        self.acct.apply(ins)
+
+    def step(self, index: int, ins: Instruction) -> None:
+        """Put micro-batch ``ins.micro``'s step inputs on the segment's device."""
+        device = self.segments[ins.segment].device
+        placed = jax.device_put(self.steps[ins.micro], self.ex.devices[device])
+        self.placed_steps[(device, ins.micro)] = placed
+        self.acct.apply(ins, {step_key(ins.micro): tree_bytes(placed)})
+
+    def move(self, index: int, ins: Instruction) -> None:
+        """Everything a segment reads from elsewhere, in one call."""
+        i, m = ins.segment, ins.micro
+        dispatch = time.perf_counter()
+        moved = jax.device_put(stream.resolve([self.envs[m][n] for n in ins.names]),
+                               self.ex.devices[self.segments[i].device])
+        nbytes = sum(x.nbytes for x in moved)
+        self.acct.apply(ins, {INPUT_KEY: nbytes})
+        if ins.resource is not None:
+            self.record(index, ins, H2D if ins.resource == "H2D" else D2H,
+                        " ".join(ins.names), moved, dispatch, bytes=nbytes)
+        self.inputs[(i, m)] = dict(zip(ins.names, moved))
+
+    def launch(self, index: int, ins: Instruction) -> None:
+        """Run a segment for one micro-batch; its outputs join the micro-batch's activations
+        and its caches replace the layers' (donated)."""
+        i, m = ins.segment, ins.micro
+        seg, env = self.segments[i], self.envs[m]
+        moved = self.inputs.pop((i, m), {})
+        params = self.params[i] if not seg.streams else tuple(
+            t if t is not None else p for p, t in zip(self.params[i], self.staged[i]))
+        acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
+        caches = tuple(self.caches[m][layer] for layer in seg.cache_layers)
+        B, T = self.schedule.batch, self.schedule.tokens
+        compiled, temp = self.ex._executable(self.phase, i, B, T, self.schedule.slots)
+        dispatch = time.perf_counter()
+        args = (params, acts, caches, self.placed_steps[(seg.device, m)])
+        if seg.device == HOST and self.schedule.micro_batches > 1 and (
+                isinstance(compiled, SplitHostProgram) or stream.pending((acts, caches))):
+            # numpy attention waits in the calling thread: let the next micro-batch's work go
+            # out meanwhile (and keep what reads its results behind it); an XLA host program
+            # is dispatched asynchronously anyway
+            done = stream.submit(compiled, *args)
+            out = {n: stream.Deferred(done, 0, n) for n in seg.writes}
+            caches = tuple(stream.Deferred(done, 1, j) for j in range(len(seg.cache_layers)))
+            self.acct.apply(ins)  # host launches allocate nothing on the accelerator
+        else:
+            out, caches = compiled(*args)
+            self.acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
+                                                     for n, v in out.items()})
+        self.outputs.setdefault(i, []).append(out)
+        for layer, cache in zip(seg.cache_layers, caches):
+            self.caches[m][layer] = cache
+        env.update(out)
+        ops = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
+        self.record(index, ins, ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
+                    ops if self.schedule.micro_batches == 1 else f"{ops} [mb {m}]",
+                    (out, caches), dispatch, segment=i,
+                    layers=sorted({layer for layer, _ in seg.ops if layer is not None}))
+
+    def free(self, index: int, ins: Instruction) -> None:
+        """End of step: release temporaries, inputs and held activations."""
+        self.acct.apply(ins)

@@ -183,28 +183,9 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     elif policy in planners:
         plan = planners[policy]()
     elif policy.startswith("flexgen:"):
-        shares = policy.split(":")[1:]
-        kv = DISK if shares[-1:] == ["kv-disk"] else HOST
-        shares = shares[:-1] if kv == DISK else shares
-        if not 1 <= len(shares) <= 2 or not all(s.isdigit() for s in shares):
-            raise HxError(f"bad policy {policy!r}: write flexgen:GPU[:CPU][:kv-disk], the "
-                          f"percent of weights FlexGen keeps on the GPU (and in CPU memory; "
-                          f"the rest on disk), e.g. flexgen:20 or flexgen:0:50:kv-disk")
-        plan = baselines.flexgen_published(spec, devices, workload, int(shares[0]) / 100,
-                                           int(shares[1]) / 100 if len(shares) == 2 else None,
-                                           kv)
+        plan = baselines.flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
     elif policy == "auto":
-        if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
-            return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
-        if profile is None:
-            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
-                                     devices, workload)
-        from hx.planner.simulator import predict_run
-
-        candidates = [fit_prefill_chunk(planners["cpsat"](), spec, devices, workload)]
-        if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
-            candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
-        return min(candidates, key=lambda p: predict_run(p, spec, profile, workload).total_s)
+        return _auto(spec, devices, workload, profile, planners["cpsat"])
     else:
         raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
     try:
@@ -219,3 +200,39 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
                       f"slots: the minimum feasible budget for it is {need.accelerator} bytes "
                       f"({need.breakdown()}, prefill in chunks of {MIN_CHUNK} tokens), over by "
                       f"{need.accelerator - capacity}") from e
+
+
+def _flexgen_shares(policy: str) -> tuple[float, float | None, str]:
+    """(GPU share, CPU share or None, KV home) of ``flexgen:GPU[:CPU][:kv-disk]``.
+
+    Raises:
+      HxError: a malformed policy name.
+    """
+    shares = policy.split(":")[1:]
+    kv = DISK if shares[-1:] == ["kv-disk"] else HOST
+    shares = shares[:-1] if kv == DISK else shares
+    if not 1 <= len(shares) <= 2 or not all(s.isdigit() for s in shares):
+        raise HxError(f"bad policy {policy!r}: write flexgen:GPU[:CPU][:kv-disk], the "
+                      f"percent of weights FlexGen keeps on the GPU (and in CPU memory; "
+                      f"the rest on disk), e.g. flexgen:20 or flexgen:0:50:kv-disk")
+    return int(shares[0]) / 100, int(shares[1]) / 100 if len(shares) == 2 else None, kv
+
+
+def _auto(spec: ModelSpec, devices: Devices, workload: Workload,
+          profile: "HardwareProfile | None", cpsat) -> ExecutionPlan:
+    """``auto`` (``build``'s docstring): all-accelerator where it fits, else the shorter run
+    of CP-SAT's plan (``cpsat``: the planner to call) and stream-all, or without a profile the
+    largest layer split."""
+    n = spec.n_layers
+    if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+        return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
+    if profile is None:
+        return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec, devices,
+                                 workload)
+    from hx.planner.simulator import predict_run
+
+    candidates = [fit_prefill_chunk(cpsat(), spec, devices, workload)]
+    if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+        candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
+    return min(candidates, key=lambda p: predict_run(p, spec, profile, workload).total_s)
+

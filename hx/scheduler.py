@@ -370,8 +370,7 @@ def _decode(state: BatchState) -> Decode | None:
             continue
         rows = 1 << (len(live) - 1).bit_length()
         if config.refill and not state.waiting and rows < len(mb.rows):
-            idle = tuple(r for r in range(len(mb.rows)) if r not in live)
-            shrinks.append(Shrink(m, live + idle[:rows - len(live)]))
+            shrinks.append(Shrink(m, live + mb.free[:rows - len(live)]))
         else:
             rows = len(mb.rows)
         if mb.frontier == config.cache_slots:

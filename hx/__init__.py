@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Completion": "hx.generate", "Engine": "hx.generate",
+    "Completion": "hx.scheduler", "Engine": "hx.generate",
     "Devices": "hx.devices", "discover": "hx.devices",
     "ExecutionPlan": "hx.plan", "HxError": "hx.errors",
     "Model": "hx.models.loader", "load": "hx.models.loader",
@@ -52,11 +52,12 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from hx.devices import Devices, discover
     from hx.errors import HxError
-    from hx.generate import Completion, Engine
+    from hx.generate import Engine
     from hx.models.loader import Model, load
     from hx.models.spec import ModelSpec
     from hx.plan import ExecutionPlan
     from hx.planner import policies
     from hx.sampling import SamplingParams
+    from hx.scheduler import Completion
     from hx.timeline import Timeline
     from hx.workload import Workload

@@ -41,7 +41,7 @@ from hx.models.spec import ModelSpec
 from hx.sampling import SamplingParams, sample
 from hx.scheduler import (BatchState, BlockConfig, Completion, Decode, Join, MicroBatch,
                           Reframe, Request, Row, Shrink, complete, schedule)
-from hx.workload import CACHE_BUCKET, Workload, new_tokens, round_up
+from hx.workload import CACHE_BUCKET, Workload, new_tokens, powers_of_two, round_up
 
 JOIN_CHUNK = 64  # tokens per prefill step of a joining prompt, unless the plan sets a chunk
 
@@ -75,11 +75,6 @@ def run_slots(lengths: Sequence[int], max_new_tokens: Sequence[int], spec: Model
     need = max(max(L + new_tokens(L, n, spec), round_up(L, chunk))
                for L, n in zip(lengths, max_new_tokens))
     return round_up(need, CACHE_BUCKET)
-
-
-def _group_sizes(rows: int) -> list[int]:
-    """Row counts a joining group is prefilled at: the powers of two up to ``rows``."""
-    return [1 << k for k in range(rows.bit_length()) if 1 << k <= rows]
 
 
 class ContinuousBatcher:
@@ -139,7 +134,7 @@ class ContinuousBatcher:
         and the samplers; returns the seconds it took."""
         ex, start = self.engine.executor, time.perf_counter()
         B, S = workload.batch, workload.cache_slots
-        sizes, groups = _group_sizes(B), _group_sizes(self.join_max)
+        sizes, groups = powers_of_two(B), powers_of_two(self.join_max)
         self.engine.status(f"compiling decode at {sizes} rows and prefill chunks of "
                            f"{self.chunk} tokens at {groups} rows, {S} KV slots")
         for g in sizes:

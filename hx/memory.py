@@ -169,14 +169,18 @@ def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
                if home == DISK)
 
 
-def step_shapes(plan: ExecutionPlan, workload: Workload) -> list[tuple[str, int, int, int]]:
+def step_shapes(plan: ExecutionPlan, workload: Workload, every_chunk: bool = True
+                ) -> list[tuple[str, int, int, int]]:
     """(phase, B rows, T new tokens, N micro-batches) of every step shape a run of
-    ``workload`` under ``plan`` takes: prefill at each chunk size (``plan.prefill_chunk``) and
-    decode at T = 1, at each row count of ``Workload.step_rows``. XLA's temporaries need not
-    fall with the rows: on XLA:CPU a half-precision matrix-vector product (one row) holds a
-    float32 copy of its weight where two rows do not (SmolLM2's bfloat16 HEAD: 113 MB at one
-    row)."""
+    ``workload`` under ``plan`` takes: prefill at each chunk size (``plan.prefill_chunk``;
+    the largest only unless ``every_chunk``) and decode at T = 1, at each row count of
+    ``Workload.step_rows``. XLA's temporaries need not fall with the rows: on XLA:CPU a
+    half-precision matrix-vector product (one row) holds a float32 copy of its weight where
+    two rows do not (SmolLM2's bfloat16 HEAD: 113 MB at one row). A prefill chunk is a
+    multiple of 16 tokens (``PREFILL_BUCKET``), never a matrix-vector product, and its bytes
+    grow with its tokens: planners size the largest."""
     chunks = sorted(set(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk)))
+    chunks = chunks if every_chunk else chunks[-1:]
     return ([("prefill", B, T, workload.prefill_micro_batches)
              for B in workload.step_rows("prefill") for T in chunks]
             + [("decode", B, 1, workload.micro_batches) for B in workload.step_rows("decode")])
@@ -225,7 +229,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
         disk += sum(kv_layer for home in plan.kv if home == DISK)
         host += 2 * kv_bytes(spec, workload.batch, workload.cache_slots)
 
-    S, steps = workload.cache_slots, step_shapes(plan, workload)
+    S, steps = workload.cache_slots, step_shapes(plan, workload, every_chunk=sizing == EXACT)
     temp_bytes = None
     if sizing != UNSIZED:
         programs = programs or programs_for(spec)

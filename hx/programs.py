@@ -12,8 +12,10 @@ Temporaries are sized two ways (``Programs.temp_bytes``). **Exactly**, from the 
 executor runs: what a run's check uses (``hx.memory.EXACT``), at no extra cost since the run
 compiles it anyway. **By proxy**, for planners sizing many candidate plans of models they never
 run (a 70B segment of 80 layers would take minutes to compile): a segment with many whole
-layers is sized from two cut-down copies with one and two of its middle layers, extrapolated
-linearly in the number of middle layers. On a GPU, and on XLA:CPU in float32, a layer's buffers
+layers is sized by a cut-down copy with one of its middle layers, plus what each further middle
+layer adds (``layer_growth``). The middle layers of any segment are whole layers on its device
+with resident weights, all alike, so the growth is measured once per device and shapes: the
+whole model as one segment with two middle layers minus with one. On a GPU, and on XLA:CPU in float32, a layer's buffers
 are freed before the next layer starts and temporaries do not grow with depth (Llama-2-7B
 shapes, a 1000-token prefill on XLA:CPU: 1, 4 and 32 layers need 431, 447 and 447 MiB). XLA:CPU
 has no bfloat16/float16 dot and holds a float32 copy of every half-precision weight of the
@@ -38,9 +40,10 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Step, append_kv, apply_op
-from hx.models.spec import ModelSpec
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 from hx.models.tensors import OPS, activation_shape, kv_shape, weight_dtype
-from hx.segments import Segment
+from hx.plan import ExecutionPlan
+from hx.segments import Segment, split_segments
 
 PROXY_MIDDLE_LAYERS = 1
 
@@ -266,23 +269,32 @@ class Programs:
 
     def sizing_segments(self, segment: Segment, exact: bool) -> tuple[Segment, ...]:
         """The segments ``temp_bytes`` compiles to size ``segment``: itself when ``exact`` or
-        when it has at most one middle layer, else its proxies with one and two."""
+        when it has at most one middle layer, else its proxy and the two that measure
+        ``layer_growth``."""
         if exact or middle_layers(segment) <= PROXY_MIDDLE_LAYERS:
             return (segment,)
-        return proxy(segment, PROXY_MIDDLE_LAYERS), proxy(segment, PROXY_MIDDLE_LAYERS + 1)
+        return (proxy(segment), *_growth_probes(segment.device))
 
     def temp_bytes(self, segment: Segment, batch: int, tokens: int, slots: int,
                    exact: bool = True) -> int:
         """XLA's temporary bytes for one run of ``segment`` at (B, T, S), from
         ``memory_analysis()``: of its own executable when ``exact`` (what the executor runs),
-        else t1 + (n - 1)·max(0, t2 - t1) for n middle layers, t1 and t2 those of its proxies
-        with one and two (``sizing_segments``; the module docstring says why linear)."""
-        sized = [self._temp(s, batch, tokens, slots)
-                 for s in self.sizing_segments(segment, exact)]
-        if len(sized) == 1:
-            return sized[0]
-        one, two = sized
-        return one + (middle_layers(segment) - 1) * max(0, two - one)
+        else of its ``proxy`` plus ``layer_growth`` for each further middle layer (the module
+        docstring says why linear)."""
+        n = middle_layers(segment)
+        if exact or n <= PROXY_MIDDLE_LAYERS:
+            return self._temp(segment, batch, tokens, slots)
+        return (self._temp(proxy(segment), batch, tokens, slots)
+                + (n - PROXY_MIDDLE_LAYERS) * self.layer_growth(segment.device, batch, tokens,
+                                                                slots))
+
+    def layer_growth(self, device: str, batch: int, tokens: int, slots: int) -> int:
+        """XLA temporary bytes one more whole middle layer adds to a segment on ``device`` at
+        (B, T, S), at least 0: the whole model as one segment, with two middle layers minus
+        with one (0 on a GPU and in float32; on XLA:CPU in half precision, a layer's weights
+        in float32 where its products are matrix-vector ones)."""
+        one, two = (self._temp(s, batch, tokens, slots) for s in _growth_probes(device))
+        return max(0, two - one)
 
     def _temp(self, segment: Segment, batch: int, tokens: int, slots: int) -> int:
         key = self._key(segment, batch, tokens, slots)
@@ -290,6 +302,14 @@ class Programs:
             analysis = self.compiled(segment, batch, tokens, slots).memory_analysis()
             self._temps[key] = int(analysis.temp_size_in_bytes)
         return self._temps[key]
+
+
+def _growth_probes(device: str) -> tuple[Segment, Segment]:
+    """The whole model on ``device`` as one segment, cut to one and to two middle layers."""
+    host_ops = () if device == ACCELERATOR else (EMBED, *LAYER_OPS, HEAD)
+    whole = split_segments(ExecutionPlan.uniform(PROXY_MIDDLE_LAYERS + 3, host_ops),
+                           "decode")[0]
+    return proxy(whole, PROXY_MIDDLE_LAYERS), proxy(whole, PROXY_MIDDLE_LAYERS + 1)
 
 
 class _SplitLowering:

@@ -111,7 +111,7 @@ def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
     chunks = [c for c in CHUNKS if c is None or c < workload.prompt_tokens]
     if fits(plan.with_prefill_chunk(chunks[0]), spec, devices, workload):
         return plan.with_prefill_chunk(chunks[0])  # the common case: one size, one compile
-    check_fits(plan.with_prefill_chunk(chunks[-1]), spec, devices, workload)  # else raises
+    check_fits(plan.with_prefill_chunk(chunks[-1]), spec, devices, workload, sizing=PROXY)  # raises
     fitting, failing = len(chunks) - 1, 0  # indices into chunks (largest first)
     while fitting - failing > 1:
         middle = (fitting + failing) // 2

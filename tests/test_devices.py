@@ -28,12 +28,12 @@ def python(code: str, **env: str) -> str:
 
 
 def test_allocator_does_not_preallocate_unless_the_user_says_so():
-    show = f"import os, hx; print(os.environ.get({PREALLOCATE_ENV!r}))"
+    show = f"import os, hx; hx.discover(); print(os.environ.get({PREALLOCATE_ENV!r}))"
     assert python(show) == "false"
     assert python(show, **{PREALLOCATE_ENV: "true"}) == "true"
 
 
-def test_matmul_precision_is_highest_after_import():
+def test_matmul_precision_is_highest_once_the_runtime_is_configured():
     assert jax.config.jax_default_matmul_precision == "highest"
 
 

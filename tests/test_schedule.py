@@ -120,17 +120,17 @@ def test_chunking_bounds_prefill_memory(tiny_model):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_proxy_sizing_follows_a_deep_segment(devices, dtype):
-    """Sizing by proxies (one and two middle layers, extrapolated) gives the temporaries of the
-    whole 8-layer segment within 1 %, whether they grow with depth (half precision on XLA:CPU:
-    float32 copies of every weight) or not; exact sizing is the executable's own figure."""
+    """Sizing by proxy (one middle layer, plus the measured growth of each further one) gives
+    the temporaries of the whole 8-layer segment within 1 %, whether they grow with depth (half
+    precision on XLA:CPU: float32 copies of every weight) or not; exact sizing is the
+    executable's own figure."""
     spec = ModelSpec(name="deep", n_layers=8, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
                      d_ff=704, vocab_size=1024, context_length=512, dtype=dtype)
     programs = Programs(spec, devices)
     whole = split_segments(ExecutionPlan.all_accelerator(8), "prefill")[0]
     short = proxy(whole)
     assert len({layer for layer, _ in short.ops if layer is not None}) == 3 < 8
-    assert [len(s.ops) for s in programs.sizing_segments(whole, exact=False)] == [
-        len(short.ops), len(short.ops) + 7]  # a proxy with one more whole layer
+    assert programs.sizing_segments(whole, exact=False)[0] == short
     for B, T, S in ((1, 1, 256), (2, 128, 256)):
         full = programs.compiled(whole, B, T, S).memory_analysis().temp_size_in_bytes
         assert programs.temp_bytes(whole, B, T, S, exact=True) == full

@@ -1,33 +1,37 @@
-"""Weight streaming on SmolLM2: the next layer's copies overlap the current layer's compute."""
+"""Weight streaming on SmolLM2: the next streamed segment's weights are copied ahead of the
+current segment's compute (prefetch depth 1), and a segment's compute depends on its own
+weights' copy in the trace. Properties of the issue order and the Schedule's edges, which hold
+whatever the machine's load (observed start and end times do not: a watcher thread stamps an
+end when it gets the interpreter back); how much copy time the compute hides is measured by ``hx bench`` (its
+``overlap`` column)."""
 
 from hx.devices import discover
 from hx.generate import Engine
 from hx.planner import policies
 from hx.sampling import SamplingParams
-from hx.timeline import COMPUTE, H2D, Timeline, median_overlap
+from hx.timeline import ACC_COMPUTE, H2D, Timeline
 
 
-def test_stream_all_overlaps_next_layer_copy_with_compute(smollm, tmp_path):
+def test_stream_all_copies_the_next_segment_ahead_of_this_segments_compute(smollm, tmp_path):
     timeline = Timeline()
-    engine = Engine(smollm, policies.stream_all(smollm.spec.n_layers),
+    L = smollm.spec.n_layers
+    engine = Engine(smollm, policies.stream_all(L),
                     discover(accelerator_memory=smollm.spec.weight_bytes // 4), timeline)
     engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=6))
     timeline.wait()
     steps = timeline.steps("decode")
     assert len(steps) == 5
-    overlapping_layers = []
-    for events in steps:
-        copies = [e for e in events if e.resource == H2D and e.name.startswith("weights")]
-        compute = [e for e in events if e.resource in COMPUTE]  # accelerator or host
-        hits = set()
-        for c in compute:
-            for w in copies:
-                nxt = [layer + 1 for layer in c.args["layers"]]
-                if set(w.args["layers"]) & set(nxt) and w.start < c.end and c.start < w.end:
-                    hits.update(c.args["layers"])
-        overlapping_layers.append(len(hits))
-    # a decode step shows layer i+1's weights in flight while layer i computes (on the
-    # accelerator, or its SCORE on the host) for at least half of the layers
-    assert max(overlapping_layers) >= smollm.spec.n_layers // 2, overlapping_layers
-    assert median_overlap(timeline) > 0.2
+    for events in steps:  # stream-all: every accelerator segment streams its weights
+        copies = sorted((e for e in events if e.resource == H2D
+                         and e.name.startswith("weights")), key=lambda e: e.dispatch)
+        computes = sorted((e for e in events if e.resource == ACC_COMPUTE),
+                          key=lambda e: e.dispatch)
+        assert len(copies) == len(computes) == 2 * L + 1  # Q K V and OUT MLP per layer, HEAD
+        assert sorted(layer for c in copies for layer in c.args["layers"]) == sorted(
+            2 * list(range(L)))
+        for j, compute in enumerate(computes):
+            own = copies[j]
+            assert own.id in compute.deps, compute.name  # the Schedule's edge, on the trace
+            if j + 1 < len(copies):
+                assert copies[j + 1].dispatch < compute.dispatch, compute.name
     timeline.to_chrome(str(tmp_path / "stream-all.json"))

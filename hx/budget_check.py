@@ -118,6 +118,8 @@ def check_run(model: Model, mode: str, policy: str, fraction: float,
                           detail=str(e))
     except HxError as e:
         return CheckedRun(**cell, outcome="refused", detail=f"run check: {e}")
+    finally:  # the wrapper refers to the engine: leave no cycle keeping its weights alive
+        del engine.check
     need = max(checks, key=lambda c: c.accelerator)
     peak = engine.accountant.peak
     return CheckedRun(**cell, outcome="exact" if peak == need.accelerator else (

@@ -153,7 +153,8 @@ class Engine:
         Raises:
           HxError: naming the limit and the bytes over.
         """
-        return check_fits(self.plan, self.model.spec, self.executor.devices, workload)
+        return check_fits(self.plan, self.model.spec, self.executor.devices, workload,
+                          self.executor.programs)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams = SamplingParams(),
                  chat: bool = False, cache_slots: int | None = None) -> list[Completion]:

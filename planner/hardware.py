@@ -14,7 +14,9 @@ curves are those **measured on an H100 80GB HBM3 machine** (``hx profile``, 2026
 * accelerator attention (KV bytes/s) and memory bandwidth: the H100's x the bandwidth ratio;
 * host matmul: the measured 16-core host's rate x (cores / 16), but not above the rate its
   memory bandwidth allows at M rows (2·M FLOPs per float32 weight read), nor below the
-  measured rate; host memory bandwidth and hx's host attention kernel (one core) as measured;
+  measured rate; host memory bandwidth and hx's host attention kernel as measured there, or,
+  where the host sheet gives them (the T4), its memory bandwidth and one core's host SCORE rate
+  (measured on the development VM) x its cores, at most that bandwidth (``HostSheet``);
 * per-launch overhead and the activation-transfer latency: as measured (hx's own dispatch).
 
 Figures marked UNSOURCED in ``docs/hardware-sources.md`` are not used: where one is missing
@@ -57,11 +59,22 @@ class GpuSheet:
 
 @dataclass(frozen=True)
 class HostSheet:
-    """The host: ``cores`` physical cores, ``memory`` bytes; ``source`` cites both."""
+    """The host: ``cores`` physical cores, ``memory`` bytes; ``source`` cites both.
+
+    Optional host rates, each cited in ``source`` (``docs/hardware-sources.md``); where absent
+    the measured reference host's stand in:
+      memory_bandwidth: bytes/s of the host's memory (read + written).
+      attention_per_core / attention_low_per_core: KV bytes/s one core's share of hx's host
+        SCORE kernel (``host_compute.attention``, one thread per core) reads of a float32 /
+        16-bit cache; the preset's curve is that times ``cores``, at most ``memory_bandwidth``.
+    """
 
     cores: int
     memory: int
     source: str
+    memory_bandwidth: float | None = None
+    attention_per_core: float | None = None
+    attention_low_per_core: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,8 +138,17 @@ PRESETS: dict[str, Preset] = {
                  "NVIDIA T4 datasheet via sysrqmts.com: 16 GB GDDR6, 320 GB/s, 8.1 TFLOP/s "
                  "FP32, 65 TFLOP/s FP16 mixed (no sparsity on Turing; bf16 priced as fp16); "
                  + _PCIE3),
-        HostSheet(16, 208 * GB, "FlexGen paper Table 1: 208 GB DRAM; 32 vCPU (16 cores) from "
-                                "n1-highmem-32, the GCP type with 208 GB"),
+        HostSheet(16, 208 * GB,
+                  "FlexGen paper Table 1: 208 GB DRAM, Intel Xeon @ 2.00GHz; 32 vCPU (16 cores, "
+                  "2 vCPUs per core: GCP CPU platforms) from n1-highmem-32, the GCP type with "
+                  "208 GB; N1 at 2.0 GHz is Skylake (2.7 GHz all-core turbo): six DDR4-2666 "
+                  "channels per socket, 6 x 21.3 GB/s = 128 GB/s peak (Kingston, Purley "
+                  "platform); host SCORE per core as measured on the development VM (hx's numpy "
+                  "kernel, one thread, OPT-30B decode shapes, 2026-11-24): 9.0 GB/s of a float32 "
+                  "cache, 0.72 GB/s of a float16 one (numpy's float16 cast), x 16 cores; Turing "
+                  "has no bfloat16, so the 16-bit curve is float16's",
+                  memory_bandwidth=6 * 21.33 * GB, attention_per_core=9.0 * GB,
+                  attention_low_per_core=0.72 * GB),
         DiskSheet(2 * GB, 1 * GB, 1500 * GB,
                   "FlexGen paper §6: 1.5 TB NVMe, read about 2 GB/s, write about 1 GB/s")),
     "a10g": Preset(
@@ -166,6 +188,19 @@ def _scaled(curve: tuple[tuple[int, float], ...], factor: float, cap: float
     return tuple((m, min(rate * factor, cap)) for m, rate in curve)
 
 
+def _host_attention(host: HostSheet, per_core: float | None,
+                    measured: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """The host SCORE curve of ``host``: ``per_core`` x its cores, at most its memory
+    bandwidth, at every S (one thread per core, each reading its rows' cache), or the
+    reference host's ``measured`` curve where the sheet gives no per-core rate."""
+    if per_core is None:
+        return measured
+    rate = per_core * host.cores
+    if host.memory_bandwidth:
+        rate = min(rate, host.memory_bandwidth)
+    return tuple((s, rate) for s, _ in REFERENCE.host.attention)
+
+
 def build(preset: Preset) -> HardwareProfile:
     """The ``HardwareProfile`` of ``preset`` (module docstring: how its rates are scaled
     from the measured H100 machine)."""
@@ -183,9 +218,11 @@ def build(preset: Preset) -> HardwareProfile:
     host_matmul = tuple(
         (m, max(rate, min(rate * cores, m / 2 * ref.host.memory_bandwidth)))
         for m, rate in ref.host.matmul)
-    host_profile = DeviceProfile(matmul=host_matmul, memory_bandwidth=ref.host.memory_bandwidth,
-                                 attention=ref.host.attention,
-                                 launch_overhead=ref.host.launch_overhead)
+    host_profile = DeviceProfile(
+        matmul=host_matmul, memory_bandwidth=host.memory_bandwidth or ref.host.memory_bandwidth,
+        attention=_host_attention(host, host.attention_per_core, ref.host.attention),
+        attention_low=_host_attention(host, host.attention_low_per_core, ref.host.attention_low),
+        launch_overhead=ref.host.launch_overhead)
     disk = preset.disk
     return HardwareProfile(
         name=preset.name, accelerator=accelerator, host=host_profile,

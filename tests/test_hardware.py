@@ -52,3 +52,38 @@ def test_streamed_decode_ranks_machines_by_their_links():
         streamed = spec.n_layers * spec.layer_weight_bytes
         assert seconds[name] >= streamed / profile.h2d_bandwidth
     assert seconds["t4"] > seconds["a100-40gb"] > seconds["h100-80gb"]
+
+
+def test_t4_host_attention_is_per_core_rate_times_cores():
+    """The T4 host's SCORE curves: one core's measured rate x 16 cores, at most the host's
+    memory bandwidth (docs/hardware-sources.md, "FlexGen's T4 setting"); float16 below it
+    (numpy's cast), float32 at it. Presets without per-core rates keep the measured host's."""
+    sheet, host = PRESETS["t4"].host, hardware_profile("t4").host
+    assert host.memory_bandwidth == sheet.memory_bandwidth == pytest.approx(128e9, rel=0.01)
+    assert {r for _, r in host.attention_low} == {sheet.attention_low_per_core * 16}
+    assert {r for _, r in host.attention} == {sheet.memory_bandwidth}  # 9.0 x 16 > 128 GB/s
+    assert host.attention_low[0][1] < host.attention[0][1]
+    a100 = hardware_profile("a100-40gb").host
+    assert a100.attention == REFERENCE.host.attention and a100.attention_low == ()
+    assert a100.memory_bandwidth == REFERENCE.host.memory_bandwidth
+
+
+def test_flexgen_homes_follow_flexgens_weight_split():
+    """FlexGen homes each tensor per sub-layer (attention, MLP) by its midpoint, disk first:
+    OPT-30B at 20/80 keeps only OUT on the GPU; OPT-175B at 0/50 puts Q, K and fc1 (half of
+    every layer's bytes) on disk."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from flexgen_setting import flexgen_homes
+
+    from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS
+    homes = dict(zip(WEIGHTED_OPS, flexgen_homes(MODELS["opt-30b"], 20, 80)))
+    assert homes == {"Q": STREAMED, "K": STREAMED, "V": STREAMED, "OUT": RESIDENT,
+                     "MLP1": STREAMED, "MLP2": STREAMED}
+    spec = MODELS["opt-175b"]
+    homes = dict(zip(WEIGHTED_OPS, flexgen_homes(spec, 0, 50)))
+    assert [op for op, h in homes.items() if h == DISK] == ["Q", "K", "MLP1"]
+    on_disk = sum(spec.op_weight_bytes(op) for op, h in homes.items() if h == DISK)
+    assert on_disk / spec.layer_weight_bytes == pytest.approx(0.5, rel=0.01)

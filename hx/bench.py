@@ -16,13 +16,12 @@ import jax
 import numpy as np
 
 from hx.devices import Devices
-from hx.executor import Executor
+from hx.executor import Executor, held_params
 from hx.generate import run_prefill
 from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
-from hx.models.spec import ModelSpec, numpy_dtype
+from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
-from hx.models.tensors import weight_dtype
 from hx.timeline import Timeline, median_overlap
 
 
@@ -145,8 +144,8 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     Returns:
       the measurement; ``ratio`` = executor / whole-model median step time, where the
       whole-model step runs, with every weight resident, on the device that hosts most of the
-      plan's decode ops (its weights in the dtype the executor holds there:
-      ``models.tensors.weight_dtype``); ``overlap`` = median ``overlap_fraction`` of the traced
+      plan's decode ops (its weights as the executor holds them there:
+      ``executor.held_params``); ``overlap`` = median ``overlap_fraction`` of the traced
       steps (None when a step copies nothing).
     """
     warmup, traced_steps = WARMUP_STEPS, TRACED_STEPS
@@ -161,9 +160,7 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
     ref_name = _majority_device(plan)
     ref_device = devices[ref_name]
-    held = numpy_dtype(weight_dtype(spec, ref_name))
-    ref_params = jax.device_put(jax.tree.map(lambda a: a.astype(held, copy=False), params),
-                                ref_device)
+    ref_params = jax.device_put(held_params(spec, params, ref_name), ref_device)
     ref_step = jax.jit(forward, static_argnums=0, donate_argnums=(4,))
     ref_caches = jax.device_put(executor.new_cache(batch, slots), ref_device)
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),

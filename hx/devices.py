@@ -63,6 +63,35 @@ POOL_HEADROOM_MIN = 2**30  # bytes
 POOL_HEADROOM_FRACTION = 0.10
 
 
+HOST_HEADROOM_MIN = 2**30  # bytes
+HOST_HEADROOM_FRACTION = 0.10
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the host can give now without swapping (``MemAvailable`` of
+    /proc/meminfo: free memory plus the page cache and slabs the kernel can reclaim), or None
+    where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_host_memory() -> int | None:
+    """The host budget when none is given: the memory available now (``available_host_memory``)
+    minus a headroom of max(1 GiB, 10 %) for what hx does not count (the Python process, JAX's
+    runtime, compiled programs, the page cache of mapped files); None where the available memory
+    is unknown."""
+    available = available_host_memory()
+    if available is None:
+        return None
+    return max(0, available - max(HOST_HEADROOM_MIN, int(HOST_HEADROOM_FRACTION * available)))
+
+
 def pool_headroom(budget: int) -> int:
     """Bytes XLA's GPU pool may hold beyond an accelerator budget of ``budget`` bytes:
     max(1 GiB, 10 % of the budget).
@@ -185,7 +214,10 @@ class Devices:
             acc += f" (XLA pool <= {format_bytes(self.accelerator.pool_limit)})"
         if self.emulated:
             acc += " (EMULATED accelerator: a second XLA CPU device, not a GPU)"
-        return f"accelerator={acc} host={self.host.device.platform}:{self.host.device.id}"
+        host = f"{self.host.device.platform}:{self.host.device.id}"
+        if self.host.capacity is not None:
+            host += f" budget {format_bytes(self.host.capacity)}"
+        return f"accelerator={acc} host={host}"
 
 
 def _cuda_total_memory() -> int | None:
@@ -274,7 +306,9 @@ def discover(accelerator_memory: int | str | None = None,
     Args:
       accelerator_memory: bytes (or a size string) hx may use on the accelerator. Default: the
         device's own limit when it reports one (a real GPU: XLA's pool limit), else no limit.
-      host_memory: bytes hx may use on the host (default: no limit).
+      host_memory: bytes hx may use on the host: its weights (float32 copies for host compute
+        included), host KV caches and disk read buffers. Default: ``default_host_memory()``,
+        the memory available now minus max(1 GiB, 10 %).
     Raises:
       HxError: no accelerator exists and JAX was initialised with a single CPU device (call
         ``discover`` or ``configure_runtime`` before running any JAX computation, or set
@@ -285,7 +319,7 @@ def discover(accelerator_memory: int | str | None = None,
 
     configure_runtime()
     budget = None if accelerator_memory is None else parse_bytes(accelerator_memory)
-    host = None if host_memory is None else parse_bytes(host_memory)
+    host = default_host_memory() if host_memory is None else parse_bytes(host_memory)
     capped = budget is not None and not _backends_started() and _cap_pool(
         budget + pool_headroom(budget))
     try:

@@ -4,8 +4,11 @@
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
 device -- in the model's dtype, except that the weights of host segments are converted once,
-here, to float32 (``models.tensors.weight_dtype``: XLA:CPU multiplies float32 fastest). A
-host-homed weight that an accelerator segment stages in is kept in the model's dtype too. Each
+here, to float32 (``models.tensors.held_weights``: XLA:CPU multiplies float32 fastest). A
+host-homed weight that an accelerator segment stages in is kept in the model's dtype too.
+Compressed matrices (``models.formats``) are placed as they are held -- codes, scales and
+offsets -- and decompressed inside each program right before use, so streaming moves their
+compressed bytes. Each
 step (``run``) interprets the instructions of the step's ``hx.schedule.Schedule`` -- the same
 list, with the same dependency edges, the simulator prices and the memory estimate sizes -- one
 handler per instruction kind (``_BlockStep``):
@@ -48,7 +51,8 @@ from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.llama import Cache, Step
-from hx.models.tensors import layer_key, weight_dtype
+from hx.models.mapped import is_mapped, release
+from hx.models.tensors import held_weights, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
@@ -63,6 +67,29 @@ from hx.workload import Workload
 def op_params(params: dict[str, Any], layer: int | None, op: str) -> Any:
     """The parameter subtree owned by ``op`` of ``layer`` (None for EMBED/HEAD)."""
     return params[op] if op in (EMBED, HEAD) else params[layer_key(layer)][op]
+
+
+def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[str, Any]:
+    """The whole parameter tree as ``device`` holds it (``models.tensors.held_weights``: dense
+    tensors converted to its dtype, compressed arrays as they are); a tied embedding stays one
+    array."""
+    converted: dict[tuple[int, str], Any] = {}
+
+    def op_tree(op: str, tree: Any) -> Any:
+        held = held_weights(spec, op, device)
+
+        def cast(path, leaf):
+            want = numpy_dtype(held["/".join(k.key for k in path)][1])
+            key = (id(leaf), want.name)
+            if key not in converted:
+                converted[key] = leaf if leaf.dtype == want else leaf.astype(want)
+            return converted[key]
+
+        return jax.tree_util.tree_map_with_path(cast, tree)
+
+    return {key: (op_tree(key, tree) if key in (EMBED, HEAD)
+                  else {op: op_tree(op, t) for op, t in tree.items()})
+            for key, tree in params.items()}
 
 
 def tree_bytes(tree: Any) -> int:
@@ -115,24 +142,28 @@ class Executor:
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
 
-        def place(tree, home, dtype):
-            def put(leaf):
-                key = (id(leaf), home, dtype)
+        def place(tree, op, home, device):
+            held = held_weights(spec, op, device)
+
+            def put(path, leaf):
+                want = numpy_dtype(held["/".join(k.key for k in path)][1])
+                key = (id(leaf), home, want.name)
                 if key not in placed:  # a tied embedding is one buffer per home and dtype
-                    want = numpy_dtype(dtype)
-                    held = leaf if leaf.dtype == want else leaf.astype(want)
-                    placed[key] = jax.device_put(held, self._homes[home])
+                    placed[key] = jax.device_put(
+                        leaf if leaf.dtype == want else leaf.astype(want), self._homes[home])
+                    if is_mapped(leaf):  # once the placed buffer holds it, drop the file's pages
+                        placed[key].block_until_ready()
+                        release(leaf)
                     if home == RESIDENT:
                         self.accountant.allocate("weights", ("weights", key),
                                                  placed[key].nbytes)
                 return placed[key]
 
-            return jax.tree.map(put, tree)
+            return jax.tree_util.tree_map_with_path(put, tree)
 
         self._params = {
-            phase: [tuple(place(op_params(params, layer, op),
-                                plan.weights.get(layer, op) or HOST,
-                                weight_dtype(spec, seg.device))
+            phase: [tuple(place(op_params(params, layer, op), op,
+                                plan.weights.get(layer, op) or HOST, seg.device)
                           for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()}
         self._schedules: dict[tuple, Schedule] = {}

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
-from hx.models.spec import DTYPE_BYTES, ModelSpec
+from hx.models.spec import ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, ExecutionPlan
-from hx.models.tensors import ACTIVATIONS, activation_bytes, kv_bytes, step_bytes, weight_dtype
+from hx.models.tensors import ACTIVATIONS, activation_bytes, held_weights, kv_bytes, step_bytes
 from hx.schedule import DryRun, Instruction, compile_schedule, disk_bytes, dry_run
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
@@ -146,19 +146,18 @@ class MemoryEstimate:
 
 def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
     """(accelerator, host) bytes of the weight buffers the executor places for ``plan``: one
-    buffer per distinct (array, home, dtype) -- resident and streamed weights in the model's
-    dtype, host-homed weights in the dtype of each device whose segments use them
-    (``models.tensors.weight_dtype``: float32 for host ops, the model's dtype when an
-    accelerator segment stages them in); a tied embedding is one array for EMBED and HEAD.
-    Disk-homed weights are in neither (``disk_weight_bytes``)."""
+    buffer per distinct (array, home, dtype) -- each op's arrays as the devices whose
+    segments use it hold them (``models.tensors.held_weights``: dense tensors in float32 for
+    host ops and in the model's dtype when an accelerator segment stages them in; compressed
+    matrices as their codes, scales and offsets either way); a tied embedding is one array
+    for EMBED and HEAD. Disk-homed weights are in neither (``disk_weight_bytes``)."""
     held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
     for layer, op, home in plan.weights.sequence():
-        dtypes = {weight_dtype(spec, plan.phase(p).get(layer, op)) for p in PHASES}
-        for path, shape in spec.op_weight_shapes(op).items():
-            array = "embedding" if path == "embedding" and spec.tie_embeddings else (layer, op,
-                                                                                   path)
-            for dtype in dtypes:
-                held[(array, home, dtype)] = math.prod(shape) * DTYPE_BYTES[dtype]
+        for device in {plan.phase(p).get(layer, op) for p in PHASES}:
+            for path, (shape, dtype) in held_weights(spec, op, device).items():
+                tied = path.split("/")[0] == "embedding" and spec.tie_embeddings
+                array = path if tied else (layer, op, path)
+                held[(array, home, dtype)] = math.prod(shape) * numpy_dtype(dtype).itemsize
     resident = sum(b for (_, home, _), b in held.items() if home == RESIDENT)
     return resident, sum(b for (_, home, _), b in held.items() if home not in (RESIDENT, DISK))
 

@@ -41,7 +41,7 @@ from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Step, append_kv, apply_op
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
-from hx.models.tensors import OPS, activation_shape, kv_shape, weight_dtype
+from hx.models.tensors import OPS, activation_shape, held_weights, kv_shape, weight_dtype
 from hx.plan import ExecutionPlan
 from hx.segments import Segment, split_segments
 
@@ -55,6 +55,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     ``attend=False`` it only appends k and v to its cache (``SplitHostProgram`` attends
     outside XLA)."""
     kernel = blocked_attention if device == HOST else None
+    held = weight_dtype(spec, device)
 
     def run(params, acts, caches, step):
         acts = dict(acts)
@@ -69,7 +70,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                 out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], kernel)
                 slot += 1
             else:
-                out, _ = apply_op(spec, op, p, acts, step)
+                out, _ = apply_op(spec, op, p, acts, step, held=held)
             acts.update(out)
         return {name: acts[name] for name in writes}, tuple(caches)
 
@@ -138,10 +139,11 @@ class SplitHostProgram:
         return SimpleNamespace(temp_size_in_bytes=temp)
 
 
-def _param_tree(spec: ModelSpec, op: str, sharding, dtype: str) -> dict:
-    """Abstract parameter tree of ``op`` in ``dtype``, nested as the Flax modules nest it."""
+def _param_tree(spec: ModelSpec, op: str, device: str, sharding) -> dict:
+    """Abstract parameter tree of ``op`` as a segment on ``device`` holds it
+    (``models.tensors.held_weights``), nested as the Flax modules nest it."""
     tree: dict = {}
-    for path, shape in spec.op_weight_shapes(op).items():
+    for path, (shape, dtype) in held_weights(spec, op, device).items():
         node = tree
         *parents, leaf = path.split("/")
         for p in parents:
@@ -203,8 +205,7 @@ class Programs:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
-        held = weight_dtype(s, segment.device)
-        params = tuple(_param_tree(s, op, where, held) for _, op in segment.ops)
+        params = tuple(_param_tree(s, op, segment.device, where) for _, op in segment.ops)
         acts = _activation_structs(s, segment.reads, batch, tokens, where)
         cache = _struct(kv_shape(s, batch, slots), s.dtype, where)
         caches = tuple({"k": cache, "v": cache} for _ in segment.cache_layers)

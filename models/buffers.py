@@ -30,3 +30,9 @@ def aligned_copy(array: np.ndarray) -> np.ndarray:
     out = aligned_empty(array.shape, array.dtype)
     out[...] = array
     return out
+
+
+def is_aligned(array: np.ndarray) -> bool:
+    """Whether XLA:CPU can use ``array`` in place: C-contiguous, data at a multiple of
+    ``ALIGNMENT``."""
+    return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0

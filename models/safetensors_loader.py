@@ -1,8 +1,14 @@
 """Load a Hugging Face Llama checkpoint folder (config.json + *.safetensors) into hx's tree.
 
-Tensors are read as numpy arrays (bfloat16 ones as ``ml_dtypes.bfloat16``) and converted to the
-dtype asked for only when they differ: a bfloat16 checkpoint loaded as bfloat16 stays bit for bit
-what the file holds.
+The files -- one, or shards listed by ``model.safetensors.index.json`` -- are memory-mapped
+(``models.mapped``) and each tensor is a view of its file: hx's ops take the checkpoint's
+(out, in) layout, so a checkpoint loaded in its own dtype costs no copy at all (a bfloat16
+checkpoint loaded as bfloat16 is bit for bit the file). A tensor converted to another dtype or
+compressed (``weights``) is made once, tensor by tensor, and its mapped pages released.
+
+The safetensors format (huggingface/safetensors, "Format"): an 8-byte little-endian header
+length N, N bytes of JSON mapping each tensor name to its dtype, shape and [begin, end) byte
+offsets from the end of the header, then the data.
 """
 
 from __future__ import annotations
@@ -10,14 +16,19 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from typing import Any
 
 import numpy as np
 
 from hx.errors import HxError
-from hx.models.buffers import aligned_copy
+from hx.models.formats import DENSE, held_tensor
+from hx.models.mapped import map_file
 from hx.models.tensors import layer_key
 from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+INDEX = "model.safetensors.index.json"
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -49,61 +60,160 @@ def spec_from_config(config: dict[str, Any], directory: str) -> ModelSpec:
         raise HxError(f"{directory}/config.json lacks {e.args[0]!r}") from None
 
 
-def load_safetensors_dir(directory: str, dtype: str = "float32"
-                        ) -> tuple[ModelSpec, dict[str, Any]]:
-    """Read spec and parameters in ``dtype`` (``spec.dtype``) from a Hugging Face Llama
-    folder.
+def _shard_files(directory: str) -> list[str]:
+    """The safetensors files of a folder: the shards its index names, else every file.
 
-    Hugging Face stores each projection as (out, in); hx's Flax kernels are (in, out...).
     Raises:
-      HxError: missing config or weights, unsupported model type, missing tensor.
+      HxError: no weights, an unreadable index, or a shard it names is missing.
     """
-    from safetensors import safe_open
-
-    config_path = os.path.join(directory, "config.json")
+    index = os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise HxError(f"{index} is not a safetensors index ({e}); re-download it") from None
+        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        if missing:
+            raise HxError(f"{directory}: shards named by {INDEX} are missing: "
+                          f"{', '.join(missing)}; download them")
+        return [os.path.join(directory, n) for n in names]
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not os.path.isfile(config_path) or not files:
+    if not files:
         raise HxError(f"{directory}: expected config.json and *.safetensors files")
-    with open(config_path) as f:
-        spec = spec_from_config(json.load(f), directory).replace(dtype=dtype)
-    want = numpy_dtype(dtype)
+    return files
 
+
+def map_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a read-only view of its mapping, in the file's
+    dtype and shape.
+
+    Raises:
+      HxError: the file is truncated or corrupt, or holds a dtype hx does not load.
+    """
+    data = map_file(path)
+
+    def corrupt(why: str) -> HxError:
+        return HxError(f"{path} is not a readable safetensors file ({why}); re-download it")
+
+    if data.size < 8:
+        raise corrupt("shorter than its header")
+    (length,) = struct.unpack("<Q", data[:8].tobytes())
+    if 8 + length > data.size:
+        raise corrupt(f"a header of {length} bytes runs past the end of the file")
+    try:
+        header = json.loads(data[8:8 + length].tobytes())
+    except ValueError as e:
+        raise corrupt(f"its header is not JSON: {e}") from None
+    tensors, start = {}, 8 + length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry.get("dtype") not in _DTYPES:
+            raise HxError(f"{path}: tensor {name} is {entry.get('dtype')}; hx loads "
+                          f"{', '.join(_DTYPES)} checkpoints")
+        begin, end = (start + o for o in entry["data_offsets"])
+        dtype = numpy_dtype(_DTYPES[entry["dtype"]])
+        shape = tuple(entry["shape"])
+        if end > data.size or end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise corrupt(f"tensor {name} ends at byte {end} of {data.size}, or its size does "
+                          "not match its shape")
+        tensors[name] = data[begin:end].view(dtype).reshape(shape)
+    return tensors
+
+
+def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = DENSE
+                         ) -> tuple[ModelSpec, dict[str, Any]]:
+    """Spec and parameters of a Hugging Face Llama folder, mapped (module docstring).
+
+    Args:
+      dtype: the dtype of dense tensors (``spec.dtype``); a tensor already in it is the
+        file's own bytes.
+      weights: ``dense`` or a compressed format (``models.formats.FORMATS``) for the
+        projection matrices and embedding tables (``spec.weight_format``,
+        ``spec.embedding_format``).
+    Raises:
+      HxError: missing config, weights or shards, a corrupt file, an unsupported model type or
+        dtype, a missing tensor or one of the wrong size.
+    """
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise HxError(f"{directory}: expected config.json and *.safetensors files")
+    files = _shard_files(directory)
+    with open(config_path) as f:
+        spec = spec_from_config(json.load(f), directory).replace(
+            dtype=dtype, weight_format=weights, embedding_format=weights)
     tensors: dict[str, np.ndarray] = {}
     for path in files:
-        with safe_open(path, framework="np") as sf:  # numpy, bfloat16 included
-            for name in sf.keys():
-                tensors[name] = np.asarray(sf.get_tensor(name)).astype(want, copy=False)
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise HxError(f"{directory}: tensor {name} is missing")
-        return tensors[name]
-
+        tensors.update(map_safetensors(path))
+    want = numpy_dtype(dtype)
     D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
 
-    def kernel(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return aligned_copy(get(name).T).reshape(shape)
+    def get(name: str, shape: tuple[int, ...], fmt: str = DENSE):
+        if name not in tensors:
+            raise HxError(f"{directory}: tensor {name} is missing")
+        return held_tensor(tensors[name], shape, want, fmt)
 
-    def vector(name: str) -> np.ndarray:
-        return aligned_copy(get(name))
+    def kernel(name: str, shape: tuple[int, ...]):
+        return get(name, shape, spec.weight_format)
 
-    embedding = vector("model.embed_tokens.weight")
+    embedding = get("model.embed_tokens.weight", (spec.vocab_size, D), spec.embedding_format)
     params: dict[str, Any] = {EMBED: {"embedding": embedding}}
     for i in range(spec.n_layers):
         b = f"model.layers.{i}."
         params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": vector(b + "input_layernorm.weight")},
-                  "wq": {"kernel": kernel(b + "self_attn.q_proj.weight", (D, H, E))}},
-            "K": {"wk": {"kernel": kernel(b + "self_attn.k_proj.weight", (D, K, E))}},
-            "V": {"wv": {"kernel": kernel(b + "self_attn.v_proj.weight", (D, K, E))}},
+            "Q": {"attn_norm": {"scale": get(b + "input_layernorm.weight", (D,))},
+                  "wq": {"kernel": kernel(b + "self_attn.q_proj.weight", (H, E, D))}},
+            "K": {"wk": {"kernel": kernel(b + "self_attn.k_proj.weight", (K, E, D))}},
+            "V": {"wv": {"kernel": kernel(b + "self_attn.v_proj.weight", (K, E, D))}},
             SCORE: {},
-            "OUT": {"wo": {"kernel": kernel(b + "self_attn.o_proj.weight", (H, E, D))}},
-            "MLP1": {"ffn_norm": {"scale": vector(b + "post_attention_layernorm.weight")},
-                     "w_gate": {"kernel": kernel(b + "mlp.gate_proj.weight", (D, F))},
-                     "w_up": {"kernel": kernel(b + "mlp.up_proj.weight", (D, F))}},
-            "MLP2": {"w_down": {"kernel": kernel(b + "mlp.down_proj.weight", (F, D))}},
+            "OUT": {"wo": {"kernel": kernel(b + "self_attn.o_proj.weight", (D, H, E))}},
+            "MLP1": {"ffn_norm": {"scale": get(b + "post_attention_layernorm.weight", (D,))},
+                     "w_gate": {"kernel": kernel(b + "mlp.gate_proj.weight", (F, D))},
+                     "w_up": {"kernel": kernel(b + "mlp.up_proj.weight", (F, D))}},
+            "MLP2": {"w_down": {"kernel": kernel(b + "mlp.down_proj.weight", (D, F))}},
         }
-    head_table = embedding if spec.tie_embeddings else vector("lm_head.weight")
-    params[HEAD] = {"final_norm": {"scale": vector("model.norm.weight")},
+    head_table = embedding if spec.tie_embeddings else get(
+        "lm_head.weight", (spec.vocab_size, D), spec.embedding_format)
+    params[HEAD] = {"final_norm": {"scale": get("model.norm.weight", (D,))},
                     "embedding": head_table}
     return spec, params
+
+
+def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.ndarray]:
+    """The inverse of ``load_safetensors_dir`` for dense trees: Hugging Face names -> (out, in)
+    arrays of the decoder layers ``layers`` (plus the embedding when they hold the first, the
+    final norm and LM head when they hold the last), for writing a checkpoint a shard at a
+    time (``scripts/write_checkpoint.py``)."""
+    t = {}
+    if 0 in layers:
+        t["model.embed_tokens.weight"] = params["EMBED"]["embedding"]
+    for i in layers:
+        L, b = params[layer_key(i)], f"model.layers.{i}."
+        t[b + "input_layernorm.weight"] = L["Q"]["attn_norm"]["scale"]
+        for name, op, key in (("self_attn.q_proj", "Q", "wq"), ("self_attn.k_proj", "K", "wk"),
+                              ("self_attn.v_proj", "V", "wv")):
+            w = L[op][key]["kernel"]
+            t[b + name + ".weight"] = w.reshape(-1, w.shape[-1])
+        wo = L["OUT"]["wo"]["kernel"]
+        t[b + "self_attn.o_proj.weight"] = wo.reshape(wo.shape[0], -1)
+        t[b + "post_attention_layernorm.weight"] = L["MLP1"]["ffn_norm"]["scale"]
+        t[b + "mlp.gate_proj.weight"] = L["MLP1"]["w_gate"]["kernel"]
+        t[b + "mlp.up_proj.weight"] = L["MLP1"]["w_up"]["kernel"]
+        t[b + "mlp.down_proj.weight"] = L["MLP2"]["w_down"]["kernel"]
+    if spec.n_layers - 1 in layers:
+        t["model.norm.weight"] = params["HEAD"]["final_norm"]["scale"]
+        t["lm_head.weight"] = params["HEAD"]["embedding"]
+    return {k: np.ascontiguousarray(v) for k, v in t.items()}
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    """``config.json`` of a ``LlamaForCausalLM`` of ``spec``'s shapes (untied)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": spec.d_model, "intermediate_size": spec.d_ff,
+            "num_hidden_layers": spec.n_layers, "num_attention_heads": spec.n_heads,
+            "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size, "max_position_embeddings": spec.context_length,
+            "rope_theta": spec.rope_theta, "rms_norm_eps": spec.norm_eps,
+            "tie_word_embeddings": False, "torch_dtype": spec.dtype,
+            "_name_or_path": f"random {spec.name} shapes"}

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from dataclasses import dataclass
 
 from hx.errors import HxError
+from hx.models.formats import DENSE, get_format
 
 # The seven per-layer ops (TwinPilots Table I / FlexGen): the unit of placement everywhere in hx.
 SCORE = "SCORE"  # the op that attends over the KV cache (the only op without weights)
@@ -32,14 +34,15 @@ HOST_DTYPE = "float32"
 
 
 def numpy_dtype(dtype: str):
-    """The numpy dtype of a ``DTYPE_BYTES`` name (bfloat16 is ``ml_dtypes.bfloat16``, the type
-    JAX itself uses; numpy has none of its own)."""
+    """The numpy dtype of a ``DTYPE_BYTES`` name, or of any numpy dtype name (``uint8``,
+    ``float16``; bfloat16 is ``ml_dtypes.bfloat16``, the type JAX itself uses: numpy has none
+    of its own)."""
+    import numpy as np
+
     if dtype == "bfloat16":
         import ml_dtypes
 
-        return ml_dtypes.bfloat16
-    import numpy as np
-
+        return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(dtype)
 
 
@@ -67,6 +70,11 @@ class ModelSpec:
         are held in ``HOST_DTYPE``.
       qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
         as Qwen2 does; Llama and Mistral have none.
+      weight_format: how the projection matrices (the ``kernel`` of every Q, K, V, OUT, MLP1
+        and MLP2 matrix) are held: ``dense`` (in ``dtype``) or a compressed format of
+        ``models.formats.FORMATS`` (``int8``, ``int4``, ``q8_0``, ``q4_0``, ``q4_1``),
+        decompressed inside each program right before its product.
+      embedding_format: the same for the embedding tables (EMBED's, and HEAD's when untied).
       architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
         Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
         (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
@@ -89,6 +97,8 @@ class ModelSpec:
     dtype: str = "float32"
     qkv_bias: bool = False
     architecture: str = "llama"
+    weight_format: str = DENSE
+    embedding_format: str = DENSE
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -103,6 +113,8 @@ class ModelSpec:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r}; hx runs models in "
                              f"{', '.join(DTYPE_BYTES)}")
+        for name in (self.weight_format, self.embedding_format):
+            get_format(name)  # raises on an unknown format
 
     @property
     def dtype_bytes(self) -> int:
@@ -114,8 +126,10 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
     def op_weight_shapes(self, op: str) -> dict[str, tuple[int, ...]]:
-        """Shapes of the weight tensors owned by ``op``, keyed by parameter path.
+        """Logical shapes of the weight tensors owned by ``op``, keyed by parameter path.
 
+        Matrices are in the checkpoint's (out..., in) layout: the contracted axis last (a
+        Hugging Face or GGUF tensor taken as it is, grouped along that axis when compressed).
         The paths match the Flax parameter tree of that op (see ``models/llama.py``). ``HEAD``
         always lists ``embedding``: for a tied model it is the ``EMBED`` matrix itself, which
         costs memory twice only where the two ops sit on different devices. With ``qkv_bias``
@@ -130,13 +144,13 @@ class ModelSpec:
                             self.d_ff, self.vocab_size)
         shapes = {
             EMBED: {"embedding": (V, D)},
-            "Q": {"attn_norm/scale": (D,), "wq/kernel": (D, H, E)},
-            "K": {"wk/kernel": (D, K, E)},
-            "V": {"wv/kernel": (D, K, E)},
+            "Q": {"attn_norm/scale": (D,), "wq/kernel": (H, E, D)},
+            "K": {"wk/kernel": (K, E, D)},
+            "V": {"wv/kernel": (K, E, D)},
             SCORE: {},
-            "OUT": {"wo/kernel": (H, E, D)},
-            "MLP1": {"ffn_norm/scale": (D,), "w_gate/kernel": (D, F), "w_up/kernel": (D, F)},
-            "MLP2": {"w_down/kernel": (F, D)},
+            "OUT": {"wo/kernel": (D, H, E)},
+            "MLP1": {"ffn_norm/scale": (D,), "w_gate/kernel": (F, D), "w_up/kernel": (F, D)},
+            "MLP2": {"w_down/kernel": (D, F)},
             HEAD: {"final_norm/scale": (D,), "embedding": (V, D)},
         }
         if self.qkv_bias:
@@ -149,14 +163,14 @@ class ModelSpec:
         return {
             EMBED: {"embed_tokens": (V, D), "embed_positions": (self.context_length + 2, D)},
             "Q": {"self_attn_layer_norm/scale": (D,), "self_attn_layer_norm/bias": (D,),
-                  "q_proj/kernel": (D, H * E), "q_proj/bias": (H * E,)},
-            "K": {"k_proj/kernel": (D, H * E), "k_proj/bias": (H * E,)},
-            "V": {"v_proj/kernel": (D, H * E), "v_proj/bias": (H * E,)},
+                  "q_proj/kernel": (H * E, D), "q_proj/bias": (H * E,)},
+            "K": {"k_proj/kernel": (H * E, D), "k_proj/bias": (H * E,)},
+            "V": {"v_proj/kernel": (H * E, D), "v_proj/bias": (H * E,)},
             SCORE: {},
-            "OUT": {"out_proj/kernel": (H * E, D), "out_proj/bias": (D,)},
+            "OUT": {"out_proj/kernel": (D, H * E), "out_proj/bias": (D,)},
             "MLP1": {"final_layer_norm/scale": (D,), "final_layer_norm/bias": (D,),
-                     "fc1/kernel": (D, F), "fc1/bias": (F,)},
-            "MLP2": {"fc2/kernel": (F, D), "fc2/bias": (D,)},
+                     "fc1/kernel": (F, D), "fc1/bias": (F,)},
+            "MLP2": {"fc2/kernel": (D, F), "fc2/bias": (D,)},
             HEAD: {"decoder_final_layer_norm/scale": (D,), "decoder_final_layer_norm/bias": (D,),
                    "embed_tokens": (V, D)},
         }
@@ -167,18 +181,43 @@ class ModelSpec:
         fc1)."""
         return self.architecture == "llama"
 
+    def matrix_format(self, path: str) -> str:
+        """The format ``path`` (an ``op_weight_shapes`` key) is held in: ``weight_format`` for
+        projection kernels, ``embedding_format`` for embedding tables, ``dense`` for norm
+        scales and biases."""
+        if path.endswith("kernel"):
+            return self.weight_format
+        if path in ("embedding", "embed_tokens", "embed_positions"):
+            return self.embedding_format
+        return DENSE
+
+    def op_weight_arrays(self, op: str, dtype: str | None = None
+                         ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype name) of each array held for ``op``'s weights, keyed by path: a dense
+        tensor at its ``op_weight_shapes`` path in ``dtype`` (default: the model's dtype;
+        ``HOST_DTYPE`` for what a host-computed op holds), a compressed matrix as the arrays
+        of its format (``models.formats.Format.arrays``) at ``PATH/codes``, ``PATH/scale``
+        and ``PATH/offset``.
+
+        Raises:
+          HxError: a compressed matrix's last axis is not a multiple of its format's group.
+        """
+        held = {}
+        for path, shape in self.op_weight_shapes(op).items():
+            fmt = get_format(self.matrix_format(path))
+            if fmt is None:
+                held[path] = (shape, dtype or self.dtype)
+            else:
+                held.update({f"{path}/{part}": array
+                             for part, array in fmt.arrays(shape).items()})
+        return held
+
     @functools.lru_cache(maxsize=1024)
     def op_weight_bytes(self, op: str, dtype: str | None = None) -> int:
-        """Bytes of the weights owned by ``op`` in ``dtype`` (default: the model's dtype;
-        ``HOST_DTYPE`` gives what a host-computed op holds). Every weight, norm scales and
-        biases included, is held in one dtype."""
-        total = 0
-        for shape in self.op_weight_shapes(op).values():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-        return total * DTYPE_BYTES[dtype or self.dtype]
+        """Bytes of the weights held for ``op`` (``op_weight_arrays``: dense tensors in
+        ``dtype``, default the model's, compressed matrices in their formats)."""
+        return sum(math.prod(shape) * numpy_dtype(d).itemsize
+                   for shape, d in self.op_weight_arrays(op, dtype).values())
 
     @property
     def layer_weight_bytes(self) -> int:
@@ -188,7 +227,11 @@ class ModelSpec:
     @property
     def weight_bytes(self) -> int:
         """Bytes of all distinct weights (a tied embedding counted once)."""
-        tied = self.vocab_size * self.d_model * self.dtype_bytes if self.tie_embeddings else 0
+        tied = 0
+        if self.tie_embeddings:  # HEAD's table is EMBED's
+            tied = sum(math.prod(shape) * numpy_dtype(d).itemsize for path, (shape, d)
+                       in self.op_weight_arrays(HEAD).items()
+                       if path.split("/")[0] in ("embedding", "embed_tokens"))
         return (self.n_layers * self.layer_weight_bytes + self.op_weight_bytes(EMBED)
                 + self.op_weight_bytes(HEAD) - tied)
 

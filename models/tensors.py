@@ -7,8 +7,10 @@ disagree. It imports neither JAX nor Flax: a planner sizes a 70B model it never 
 Axis letters (as in ``models/llama.py``): B rows, T new tokens per row, S KV-cache slots,
 D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary.
 
-* **Weights**: ``ModelSpec.op_weight_shapes`` gives each op's tensors; ``weight_dtype`` the
-  dtype a device holds them in; ``layer_key`` names a layer in the parameter tree.
+* **Weights**: ``ModelSpec.op_weight_shapes`` gives each op's tensors (matrices in the
+  checkpoint's (out..., in) layout); ``held_weights`` the arrays a device holds for them --
+  dense ones in ``weight_dtype``, compressed matrices as their format's codes, scales and
+  offsets (``models.formats``); ``layer_key`` names a layer in the parameter tree.
 * **KV cache**: per layer a K and a V array of (B, S, K, E) in the model's dtype
   (``kv_shape``, ``kv_bytes``).
 * **Activations** between ops: ``ACTIVATIONS`` maps each name of the op table (``OPS``) to its
@@ -113,6 +115,14 @@ def weight_dtype(spec: ModelSpec, device: str) -> str:
     """The dtype a segment on ``device`` holds its weights in: ``HOST_DTYPE`` (float32) on the
     host, the model's dtype on the accelerator (``models.spec.HOST_DTYPE`` says why)."""
     return HOST_DTYPE if device == HOST else spec.dtype
+
+
+def held_weights(spec: ModelSpec, op: str, device: str
+                 ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of every array a segment on ``device`` holds for ``op``'s weights,
+    keyed by parameter path (``ModelSpec.op_weight_arrays`` with dense tensors in
+    ``weight_dtype(spec, device)``)."""
+    return spec.op_weight_arrays(op, weight_dtype(spec, device))
 
 
 def layer_key(i: int) -> str:

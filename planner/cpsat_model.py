@@ -195,6 +195,10 @@ def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, 
     if solver.Solve(built.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return (f"no plan fits the host memory budget of {devices.host.capacity} bytes, "
                 f"whatever the accelerator budget (CP-SAT: {status})")
+    host = devices.host.capacity
+    beside = ("" if host is None else
+              f" beside the host memory budget of {host} bytes ({host / 2**30:.1f} GiB: what "
+              "the accelerator does not hold must fit there, or on a disk tier of the profile)")
     return (f"no plan fits the accelerator memory budget of {devices.accelerator.capacity} "
             f"bytes at batch {workload.batch}, {workload.cache_slots} KV slots; the minimum "
-            f"feasible budget is {round(solver.ObjectiveValue())} bytes")
+            f"feasible budget is {round(solver.ObjectiveValue())} bytes{beside}")

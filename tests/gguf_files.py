@@ -19,7 +19,6 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def hf_layout(spec, params) -> dict[str, np.ndarray]:
     """hx's tree -> GGUF tensor names with (out, in) matrices, q/k permuted like llama.cpp."""
-    D = spec.d_model
     t = {"token_embd.weight": params["EMBED"]["embedding"],
          "output_norm.weight": params["HEAD"]["final_norm"]["scale"]}
     if not spec.tie_embeddings:
@@ -27,16 +26,17 @@ def hf_layout(spec, params) -> dict[str, np.ndarray]:
     for i in range(spec.n_layers):
         L, b = params[layer_key(i)], f"blk.{i}."
         t[b + "attn_norm.weight"] = L["Q"]["attn_norm"]["scale"]
-        t[b + "attn_q.weight"] = llama_cpp_permute(L["Q"]["wq"]["kernel"].reshape(D, -1).T,
-                                                   spec.n_heads)
-        t[b + "attn_k.weight"] = llama_cpp_permute(L["K"]["wk"]["kernel"].reshape(D, -1).T,
+        rows = lambda a: np.asarray(a).reshape(a.shape[0] * a.shape[1], -1)  # noqa: E731
+        t[b + "attn_q.weight"] = llama_cpp_permute(rows(L["Q"]["wq"]["kernel"]), spec.n_heads)
+        t[b + "attn_k.weight"] = llama_cpp_permute(rows(L["K"]["wk"]["kernel"]),
                                                    spec.n_kv_heads)
-        t[b + "attn_v.weight"] = L["V"]["wv"]["kernel"].reshape(D, -1).T
-        t[b + "attn_output.weight"] = L["OUT"]["wo"]["kernel"].reshape(-1, D).T
+        t[b + "attn_v.weight"] = rows(L["V"]["wv"]["kernel"])
+        wo = L["OUT"]["wo"]["kernel"]
+        t[b + "attn_output.weight"] = np.asarray(wo).reshape(wo.shape[0], -1)
         t[b + "ffn_norm.weight"] = L["MLP1"]["ffn_norm"]["scale"]
-        t[b + "ffn_gate.weight"] = L["MLP1"]["w_gate"]["kernel"].T
-        t[b + "ffn_up.weight"] = L["MLP1"]["w_up"]["kernel"].T
-        t[b + "ffn_down.weight"] = L["MLP2"]["w_down"]["kernel"].T
+        t[b + "ffn_gate.weight"] = L["MLP1"]["w_gate"]["kernel"]
+        t[b + "ffn_up.weight"] = L["MLP1"]["w_up"]["kernel"]
+        t[b + "ffn_down.weight"] = L["MLP2"]["w_down"]["kernel"]
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()}
 
 

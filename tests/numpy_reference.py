@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hx.models.formats import dequantize, get_format
 from hx.models.tensors import layer_key
 
 
@@ -21,12 +22,30 @@ def _rope(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def dense_params(spec, params) -> dict:
+    """``params`` with every compressed matrix (a subtree holding ``codes``) decompressed to
+    float32 (``models.formats.dequantize``: the values the programs compute on)."""
+    def walk(tree, path):
+        if not isinstance(tree, dict):
+            return tree
+        if "codes" in tree:
+            top = path[0] if path[0] in ("EMBED", "HEAD") else path[1]
+            name = "/".join(path[path.index(top) + 1:])
+            fmt = get_format(spec.matrix_format(name))
+            return dequantize(tree, fmt, spec.op_weight_shapes(top)[name])
+        return {k: walk(v, path + (k,)) for k, v in tree.items()}
+
+    return walk(params, ())
+
+
 def logits_np(spec, params, tokens) -> np.ndarray:
     """Logits (T, V) float64 of every position of one unpadded sequence ``tokens``."""
     p = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
 
-    def proj(h, dense):  # h (T, D) @ kernel (D, N, E) [+ bias (N, E)] -> (T, N, E)
-        y = np.einsum("td,dne->tne", h, p(dense["kernel"]))
+    params = dense_params(spec, params)
+
+    def proj(h, dense):  # h (T, D) @ kernel (N, E, D)^T [+ bias (N, E)] -> (T, N, E)
+        y = np.einsum("td,ned->tne", h, p(dense["kernel"]))
         return y + p(dense["bias"]) if "bias" in dense else y
 
     T = len(tokens)
@@ -47,10 +66,10 @@ def logits_np(spec, params, tokens) -> np.ndarray:
             s = np.where(causal, s, -np.inf)
             w = np.exp(s - s.max(axis=-1, keepdims=True))
             o[:, head] = (w / w.sum(axis=-1, keepdims=True)) @ v[:, kv]
-        x = x + np.einsum("the,hed->td", o, p(L["OUT"]["wo"]["kernel"]))
+        x = x + np.einsum("the,dhe->td", o, p(L["OUT"]["wo"]["kernel"]))
         n = _rms(x, p(L["MLP1"]["ffn_norm"]["scale"]), spec.norm_eps)
-        g = n @ p(L["MLP1"]["w_gate"]["kernel"])
-        a = g / (1 + np.exp(-g)) * (n @ p(L["MLP1"]["w_up"]["kernel"]))
-        x = x + a @ p(L["MLP2"]["w_down"]["kernel"])
+        g = n @ p(L["MLP1"]["w_gate"]["kernel"]).T
+        a = g / (1 + np.exp(-g)) * (n @ p(L["MLP1"]["w_up"]["kernel"]).T)
+        x = x + a @ p(L["MLP2"]["w_down"]["kernel"]).T
     n = _rms(x, p(params["HEAD"]["final_norm"]["scale"]), spec.norm_eps)
     return n @ p(params["HEAD"]["embedding"]).T

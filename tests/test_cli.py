@@ -150,7 +150,7 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
     assert_clean_error(hx(*args[:5], "-o", str(tmp_path / "p.jsonl")), "is the prompts file")
 
 
-QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes
+QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes (--weights dense)
 
 
 def test_quarter_budget_stream_all_with_trace(tmp_path):
@@ -166,7 +166,7 @@ def test_quarter_budget_stream_all_with_trace(tmp_path):
 
 
 def test_plan_over_budget_is_rejected():
-    result = hx("generate", "-p", "hi", "--accelerator-memory", QUARTER,
+    result = hx("generate", "-p", "hi", "--accelerator-memory", QUARTER, "--weights", "dense",
                 "--policy", "all-accelerator")
     assert_clean_error(result, "does not fit the accelerator memory budget", "over by")
 
@@ -175,8 +175,13 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
     from profiles import gpu_like
 
     gpu_like().save(str(tmp_path / "gpu.json"))
+    # the host of this machine cannot hold what 24 GB of accelerator leaves of a 70B model
     result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "24GB", "--batch", "16",
-                "--profile", str(tmp_path / "gpu.json"), "-o", str(tmp_path / "plan.json"))
+                "--profile", str(tmp_path / "gpu.json"))
+    assert_clean_error(result, "beside the host memory budget of")
+    result = hx("plan", "-m", "llama2-70b", "--accelerator-memory", "24GB", "--batch", "16",
+                "--host-memory", "400GB", "--profile", str(tmp_path / "gpu.json"),
+                "-o", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr
     assert "CP-SAT OPTIMAL" in result.stdout
     # the objective says what it measures, beside the simulator's step and run per decode step
@@ -192,7 +197,7 @@ def test_plan_command_and_cpsat_by_default(tmp_path):
     assert_clean_error(result, "minimum feasible budget for it is")
     # generate picks the CP-SAT plan when the model does not fit and a profile is given
     result = hx("generate", "-p", "Hi", "--max-new-tokens", "2", "--accelerator-memory", QUARTER,
-                "--profile", str(tmp_path / "gpu.json"))
+                "--weights", "dense", "--profile", str(tmp_path / "gpu.json"))
     assert result.returncode == 0, result.stderr
     assert "plan cpsat" in result.stderr
 

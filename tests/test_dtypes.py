@@ -154,6 +154,8 @@ def test_gguf_is_dequantized_to_the_dtype(tmp_path, tiny_model, smollm_metadata)
 
 
 def test_bfloat16_safetensors_stay_bfloat16(tmp_path, tokenizer):
+    from hx.models.mapped import is_mapped
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -165,9 +167,10 @@ def test_bfloat16_safetensors_stay_bfloat16(tmp_path, tokenizer):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
     model = load(str(tmp_path), dtype="bfloat16")
-    down = hf.model.layers[0].mlp.down_proj.weight.detach().float().numpy().T
+    down = hf.model.layers[0].mlp.down_proj.weight.detach().float().numpy()  # (out, in)
     kernel = model.params["layer_0"]["MLP2"]["w_down"]["kernel"]
     assert kernel.dtype == numpy_dtype("bfloat16")
+    assert is_mapped(kernel)  # the file's own bytes: no copy
     np.testing.assert_array_equal(kernel.astype(np.float32), down)  # bit for bit
     wide = load(str(tmp_path), dtype="float32")
     assert wide.params["layer_0"]["MLP2"]["w_down"]["kernel"].dtype == np.float32

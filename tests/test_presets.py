@@ -70,11 +70,11 @@ def test_random_params_have_init_params_layout(spec, monkeypatch):
     """Tree and shapes of init_params (abstractly: nothing of a 7B size is built here)."""
     expected = jax.eval_shape(lambda: init_params(spec))
     drawn = {}
-    monkeypatch.setattr(random_weights, "_available_memory", lambda: None)
+    monkeypatch.setattr(random_weights, "available_host_memory", lambda: None)
     # the arrays themselves are not needed for the layout: draw empty ones
     monkeypatch.setattr(random_weights, "_uniform",
-                        lambda shape, seed, path: drawn.setdefault(path, np.empty(shape,
-                                                                                  np.float32)))
+                        lambda shape, seed, path, dtype=np.float32: drawn.setdefault(
+                            path, np.empty(shape, dtype)))
     params = random_weights.random_params(spec)
     assert jax.tree.structure(params) == jax.tree.structure(expected)
     assert shapes(params) == shapes(expected)
@@ -113,7 +113,7 @@ def test_random_model_runs_on_ids_and_refuses_text():
 
 
 def test_random_weights_beyond_host_memory_are_refused(monkeypatch):
-    monkeypatch.setattr(random_weights, "_available_memory", lambda: 2**30)
+    monkeypatch.setattr(random_weights, "available_host_memory", lambda: 2**30)
     with pytest.raises(HxError, match=r"need 25\.1 GiB .* fewer layers"):
         random_weights.random_params(PRESETS["llama2-7b"])
 

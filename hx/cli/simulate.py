@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import DtypeOption, ModelOption, ProfileOption, app, note, print_table
+from hx.cli.common import (DtypeOption, ModelOption, ProfileOption, WeightsOption, app, note,
+                           print_table)
 from hx.devices import format_bytes
 from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
@@ -57,6 +58,7 @@ def _profile(hardware: Optional[str], profile: Optional[Path]) -> HardwareProfil
 def simulate_command(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
+    weights: str = WeightsOption,
     hardware: Optional[str] = typer.Option(
         None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, or local (the "
                    "profile `hx profile` saved); default local."),
@@ -71,7 +73,7 @@ def simulate_command(
                                                     "hx generate)."),
 ) -> None:
     """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, utilisation."""
-    spec = load_spec(model, _dtype(dtype))
+    spec = load_spec(model, _dtype(dtype), weights)
     hw = _profile(hardware, profile)
     if hw.accelerator_memory is None:
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")

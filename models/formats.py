@@ -1,0 +1,209 @@
+"""Weight formats: how a matrix is held -- dense in a float dtype, or compressed group-wise.
+
+A compressed matrix of logical shape ``(out..., in)`` (the checkpoint's layout: the contracted
+axis last) is cut along its last axis into groups of ``group`` consecutive elements, and held
+as three arrays under the matrix's path in the parameter tree:
+
+* ``codes``: uint8 ``(out..., in / group, group * bits / 8)``; at 4 bits, byte j of a group
+  holds element j in its low nibble and element j + group/2 in its high nibble (the block
+  layout of llama.cpp's Q4_0/Q4_1, so GGUF blocks are taken as they are);
+* ``scale``: float16 ``(out..., in / group)``;
+* ``offset``: float16 ``(out..., in / group)``, only for asymmetric formats.
+
+An element is ``scale * code + offset`` (asymmetric) or ``scale * (code - 2^(bits-1))``
+(symmetric), computed in float32: the product of a float16 scale and a code of at most 8 bits
+is exact in float32, so the GGUF formats decode to exactly the values llama.cpp's (and the
+``gguf`` package's) dequantization gives.
+
+Formats (``FORMATS``):
+
+=======  ====  =====  =====  ===================================================  ==========
+name     bits  group  offset scheme                                               bits/weight
+=======  ====  =====  =====  ===================================================  ==========
+int8     8     64     yes    min/max per group, round to nearest (FlexGen's        8.5
+                             scheme, Sheng et al. 2023 §5, at 8 bits)
+int4     4     64     yes    FlexGen's 4-bit group-wise compression (§5: group     4.5
+                             64, asymmetric min/max)
+q8_0     8     32     no     llama.cpp Q8_0: int8 codes, one float16 scale         8.5
+q4_0     4     32     no     llama.cpp Q4_0: codes 0..15 centred on 8              4.5
+q4_1     4     32     yes    llama.cpp Q4_1: scale d and minimum m                 5.0
+=======  ====  =====  =====  ===================================================  ==========
+
+``DENSE`` means no compression: the matrix is one array in the model's dtype. This module
+imports neither JAX nor Flax (planners size formats they never load).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hx.errors import HxError
+from hx.models.buffers import aligned_copy, aligned_empty, is_aligned
+from hx.models.mapped import is_mapped, release
+
+DENSE = "dense"
+PARTS = ("codes", "scale", "offset")
+
+
+@dataclass(frozen=True)
+class Format:
+    """A group-wise compressed format (module docstring).
+
+    Attributes:
+      name: the format's name (``FORMATS`` key).
+      bits: bits per code, 4 or 8.
+      group: elements per group along the last (contracted) axis.
+      asymmetric: each group has an offset (its minimum); else codes centre on 2^(bits-1).
+    """
+
+    name: str
+    bits: int
+    group: int
+    asymmetric: bool
+
+    @property
+    def zero(self) -> int:
+        """The code of 0.0 in a symmetric format (2^(bits-1)); 0 in an asymmetric one."""
+        return 0 if self.asymmetric else 1 << (self.bits - 1)
+
+    def arrays(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype name) of each held array of a matrix of logical ``shape``.
+
+        Raises:
+          HxError: the last axis is not a multiple of ``group``.
+        """
+        *out, n_in = shape
+        if n_in % self.group:
+            raise HxError(f"a {self.name} matrix needs its last axis to be a multiple of "
+                          f"{self.group}; shape {shape} is not: hold it dense")
+        groups = (*out, n_in // self.group)
+        held = {"codes": ((*groups, self.group * self.bits // 8), "uint8"),
+                "scale": (groups, "float16")}
+        if self.asymmetric:
+            held["offset"] = (groups, "float16")
+        return held
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes held for a matrix of logical ``shape`` (codes, scales and offsets)."""
+        return sum(math.prod(s) * np.dtype(d).itemsize for s, d in self.arrays(shape).values())
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("int8", 8, 64, True), Format("int4", 4, 64, True),
+    Format("q8_0", 8, 32, False), Format("q4_0", 4, 32, False), Format("q4_1", 4, 32, True))}
+
+
+def get_format(name: str) -> Format | None:
+    """The ``Format`` named ``name``; None for ``DENSE``.
+
+    Raises:
+      HxError: an unknown name (the message lists the formats).
+    """
+    if name == DENSE:
+        return None
+    if name not in FORMATS:
+        raise HxError(f"unknown weight format {name!r}; choose {DENSE}, {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def pack(codes: np.ndarray, fmt: Format) -> np.ndarray:
+    """Codes (..., group) uint8 < 2^bits -> the held bytes (..., group * bits / 8)."""
+    if fmt.bits == 8:
+        return codes
+    half = fmt.group // 2
+    return codes[..., :half] | (codes[..., half:] << np.uint8(4))
+
+
+def unpack(held: np.ndarray, fmt: Format) -> np.ndarray:
+    """Inverse of ``pack``: (..., group * bits / 8) uint8 -> codes (..., group) uint8."""
+    if fmt.bits == 8:
+        return held
+    return np.concatenate([held & np.uint8(15), held >> np.uint8(4)], axis=-1)
+
+
+def quantize(matrix: np.ndarray, fmt: Format) -> dict[str, np.ndarray]:
+    """Compress ``matrix`` (out..., in), any float dtype, into ``fmt``'s arrays.
+
+    Asymmetric formats take each group's minimum as offset and (max - min) / (2^bits - 1) as
+    scale, both rounded to float16, and round each code to nearest with those rounded values
+    (FlexGen's min/max scheme, Sheng et al. 2023 §5); symmetric ones take max|w| / (2^(bits-1)
+    - 1) as scale. A group of equal values gets scale 0 and decodes exactly to its offset
+    (asymmetric) or to 0 (symmetric). Works in float32, one matrix at a time.
+
+    Returns:
+      {"codes", "scale"[, "offset"]} as ``Format.arrays`` describes.
+    """
+    shapes = fmt.arrays(matrix.shape)
+    w = np.asarray(matrix, np.float32).reshape(*shapes["scale"][0], fmt.group)
+    top = (1 << fmt.bits) - 1
+    if fmt.asymmetric:
+        low = w.min(axis=-1)
+        offset = low.astype(np.float16)
+        scale = ((w.max(axis=-1) - low) / top).astype(np.float16)
+        base = offset.astype(np.float32)[..., None]
+    else:
+        scale = (np.abs(w).max(axis=-1) / (fmt.zero - 1)).astype(np.float16)
+        base = np.float32(0)
+    step = scale.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(step > 0, np.rint((w - base) / step), 0) + fmt.zero
+    held = {"codes": pack(np.clip(codes, 0, top).astype(np.uint8), fmt), "scale": scale}
+    if fmt.asymmetric:
+        held["offset"] = offset
+    return {part: aligned_copy(a) for part, a in held.items()}  # XLA:CPU uses them in place
+
+
+def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]) -> np.ndarray:
+    """The float32 matrix of logical ``shape`` that ``held`` (``quantize``'s arrays) encodes:
+    what the programs compute on (``models.llama.dequantize`` is the same formula in JAX)."""
+    codes = unpack(np.asarray(held["codes"]), fmt).astype(np.float32) - fmt.zero
+    w = codes * np.asarray(held["scale"], np.float32)[..., None]
+    if fmt.asymmetric:
+        w = w + np.asarray(held["offset"], np.float32)[..., None]
+    return w.reshape(shape)
+
+
+def hold(matrix, fmt_name: str):
+    """``matrix`` as format ``fmt_name`` holds it: itself when dense, else ``quantize``'s
+    arrays."""
+    fmt = get_format(fmt_name)
+    return matrix if fmt is None else quantize(np.asarray(matrix), fmt)
+
+
+def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str = DENSE):
+    """A checkpoint tensor as hx holds it, made once, tensor by tensor: ``array`` reshaped to
+    ``shape`` (a view), kept as it is when dense, already of numpy ``dtype`` and either mapped
+    (no copy) or aligned for XLA:CPU to use in place (``models.buffers``); else converted to
+    ``dtype`` (an aligned copy) or compressed into ``fmt_name`` -- and then the pages of a
+    mapped source leave the resident set (``models.mapped.release``).
+
+    Raises:
+      HxError: ``array`` does not have ``shape``'s number of elements.
+    """
+    if array.size != math.prod(shape):
+        raise HxError(f"a tensor of shape {array.shape} cannot be held as {shape}")
+    view = array.reshape(shape)
+    if fmt_name == DENSE and view.dtype == dtype and (is_mapped(view) or is_aligned(view)):
+        return view
+    if fmt_name == DENSE:
+        held = aligned_empty(shape, dtype)
+        held[...] = view  # converted in place, no intermediate copy
+    else:
+        held = hold(view, fmt_name)
+    release(array)
+    return held
+
+
+def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
+    """A parameter (sub)tree with every leaf at path P (keys joined by "/", below
+    ``prefix``) held as ``hold(leaf, format_of(P))``: compressed matrices become subtrees of
+    their arrays, other leaves stay as they are."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else key
+        out[key] = (hold_tree(value, format_of, path) if isinstance(value, dict)
+                    else hold(value, format_of(path)))
+    return out

@@ -1,0 +1,201 @@
+"""Weight formats and mapped checkpoints: GGUF blocks held exactly, group-wise compression's
+error bound, compressed models against a float64 reference, streamed bytes, bounded
+temporaries, mapped safetensors folders (shards, index, errors) and released pages."""
+
+import json
+import os
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from hx.errors import HxError
+from hx.generate import Engine
+from hx.models import formats
+from hx.models.formats import FORMATS, dequantize, quantize
+from hx.models.gguf_loader import gguf_blocks
+from hx.models.llama import dequantize as jax_dequantize
+from hx.models.llama import init_params
+from hx.models.loader import Model, load
+from hx.models.mapped import is_mapped, map_file, release
+from hx.models.safetensors_loader import INDEX, hf_config, hf_tensors, load_safetensors_dir
+from hx.models.spec import ModelSpec
+from hx.plan import ExecutionPlan
+from hx.planner.policies import stream_all
+from hx.programs import programs_for
+from hx.segments import split_segments
+from hx.timeline import H2D, Timeline
+
+from numpy_reference import logits_np
+
+# head_dim 64 and FFN 128: every matrix's last axis is a multiple of 32 and of 64
+WIDE = ModelSpec(name="wide", n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, head_dim=64,
+                 d_ff=128, vocab_size=49152, context_length=128, tie_embeddings=True)
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+              "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+@pytest.mark.parametrize("name", list(GGUF_TYPES))
+def test_gguf_blocks_decode_to_the_gguf_packages_values(name):
+    """Blocks taken as they are decode (numpy and JAX) to exactly gguf's dequantization."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(w, GGUF_TYPES[name])
+    tensor = type("T", (), {"data": blocks, "tensor_type": GGUF_TYPES[name]})()
+    held = gguf_blocks(tensor, (6, 8, 256))  # rows split like wq's (H, E, D)
+    expected = gguf.quants.dequantize(blocks, GGUF_TYPES[name]).reshape(6, 8, 256)
+    fmt = FORMATS[name]
+    np.testing.assert_array_equal(dequantize(held, fmt, (6, 8, 256)), expected)
+    got = jax.jit(lambda h: jax_dequantize(h, fmt, (6, 8, 256), np.float32))(held)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    assert sum(a.nbytes for a in held.values()) == fmt.nbytes((6, 8, 256)) == blocks.nbytes
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_quantize_error_is_at_most_half_a_step(name):
+    """Each element decodes within half its group's step of the original (plus the float16
+    rounding of the group's minimum), and the held bytes are the format's."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 3, 128)).astype(np.float32)
+    fmt = FORMATS[name]
+    held = quantize(w, fmt)
+    assert sum(a.nbytes for a in held.values()) == fmt.nbytes(w.shape)
+    groups = w.reshape(16, 3, -1, fmt.group)
+    error = np.abs(dequantize(held, fmt, w.shape).reshape(groups.shape) - groups)
+    step = held["scale"].astype(np.float32)[..., None]
+    slack = 0.0
+    if fmt.asymmetric:
+        low = groups.min(axis=-1, keepdims=True)
+        slack = np.abs(held["offset"].astype(np.float32)[..., None] - low)
+    assert (error <= 0.5 * step * (1 + 1e-3) + slack + 1e-7).all()
+    assert error.max() > 0  # it is a compression
+
+
+def test_a_matrix_whose_last_axis_is_not_a_multiple_of_the_group_is_refused():
+    with pytest.raises(HxError, match="multiple of 64"):
+        FORMATS["int4"].arrays((8, 96))
+
+
+@pytest.fixture(scope="module")
+def wide_dense():
+    params = jax.tree.map(np.asarray, init_params(WIDE, seed=4))
+    return params
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "q4_1", "q8_0"])
+def test_compressed_models_match_the_float64_reference_of_their_values(name, tokenizer,
+                                                                       devices):
+    """A compressed model computes on exactly its decoded values: its logits equal a float64
+    numpy forward pass over the dequantized matrices, under plans that keep the matrices on
+    each device and stream them."""
+    spec = WIDE.replace(weight_format=name, embedding_format=name)
+    params = init_params(spec, seed=4)
+    tokens = [1, 510, 4402, 314, 30, 7]
+    expected = logits_np(spec, params, tokens)[-1]
+    model = Model(spec, params, tokenizer, name)
+    for plan in (ExecutionPlan.all_accelerator(2), ExecutionPlan.all_host(2),
+                 stream_all(2)):
+        got = Engine(model, plan, devices).last_logits([tokens])[0]
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max(), plan.name
+
+
+def test_streaming_moves_the_compressed_bytes(tokenizer, devices):
+    """Stream-all copies exactly the held bytes of the staged matrices in a step: int4 moves
+    about an eighth of what float32 moves."""
+    moved = {}
+    plan = stream_all(2)
+    for name in ("dense", "int4"):
+        spec = WIDE.replace(weight_format=name, embedding_format=name)
+        timeline = Timeline()
+        engine = Engine(Model(spec, init_params(spec, seed=4), tokenizer, name), plan, devices,
+                        timeline)
+        engine.last_logits([[5, 6, 7]])
+        timeline.wait()
+        moved[name] = sum(e.args["bytes"] for e in timeline.steps()[-1]
+                          if e.resource == H2D and e.name.startswith("weights"))
+        staged = {(layer, op) for phase in ("prefill",)
+                  for seg in split_segments(plan, phase)
+                  for (layer, op), st in zip(seg.ops, seg.staged) if st}
+        assert moved[name] == sum(spec.op_weight_bytes(op) for _, op in staged)
+    assert moved["int4"] / moved["dense"] < 0.16
+
+
+def test_decompression_waits_for_its_input_so_temporaries_do_not_grow_with_depth(devices):
+    """XLA holds one decompressed matrix at a time, not a segment's worth: a 6-layer
+    accelerator segment's temporaries are about a 1-layer one's."""
+    temps = []
+    for layers in (1, 6):
+        spec = WIDE.replace(n_layers=layers, weight_format="q4_1", embedding_format="q4_1",
+                            d_ff=1024)
+        (segment,) = split_segments(ExecutionPlan.all_accelerator(layers), "decode")
+        temps.append(programs_for(spec, devices).temp_bytes(segment, 1, 1, 16))
+    one_matrix = 1024 * 128 * 4
+    assert temps[1] <= temps[0] + one_matrix
+
+
+def _write_folder(tmp_path, tokenizer, shards: int):
+    """A Hugging Face folder of WIDE's shapes (untied), float32, in ``shards`` files."""
+    from safetensors.numpy import save_file
+
+    spec = WIDE.replace(tie_embeddings=False)
+    params = jax.tree.map(np.asarray, init_params(spec, seed=5))
+    tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(spec)))
+    weight_map = {}
+    for i, layers in enumerate(np.array_split(np.arange(spec.n_layers), shards)):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = hf_tensors(spec, params, [int(x) for x in layers])
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    if shards > 1:
+        (tmp_path / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    return spec, params
+
+
+def test_sharded_folder_is_mapped_not_copied(tmp_path, tokenizer):
+    spec, params = _write_folder(tmp_path, tokenizer, shards=2)
+    loaded, held = load_safetensors_dir(str(tmp_path), "float32")
+    assert loaded.n_layers == 2
+    leaves = jax.tree.leaves(held)
+    assert all(is_mapped(a) for a in leaves)  # float32 file as float32: every tensor a view
+    for a, b in zip(jax.tree.leaves(params), leaves):
+        np.testing.assert_array_equal(a, b)
+    compressed = load(str(tmp_path), weights="int8")
+    assert compressed.spec.weight_format == "int8"
+    assert compressed.spec.weight_bytes < spec.weight_bytes / 3
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(HxError, match="shards named by .* are missing"):
+        load_safetensors_dir(str(tmp_path))
+
+
+def test_corrupt_safetensors_are_refused(tmp_path, tokenizer):
+    _write_folder(tmp_path, tokenizer, shards=1)
+    (path,) = tmp_path.glob("*.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(HxError, match="not a readable safetensors file"):
+        load_safetensors_dir(str(tmp_path))
+    path.write_bytes(b"\xff" * 16)
+    with pytest.raises(HxError, match="not a readable safetensors file"):
+        load_safetensors_dir(str(tmp_path))
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_release_drops_a_mapped_tensors_pages(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(np.arange(16 << 20, dtype=np.uint32).tobytes())  # 64 MiB
+    data = map_file(str(path)).view(np.uint32)
+    before = _rss_file_kib()
+    assert int(data.sum(dtype=np.uint64)) > 0  # touch every page
+    touched = _rss_file_kib()
+    release(data)
+    after = _rss_file_kib()
+    assert touched - before > 60 << 10 and touched - after > 60 << 10
+    assert data[12345] == 12345  # still readable: the pages fault back in
+    release(np.zeros(10))  # not mapped: nothing happens
+    assert not formats.get_format("dense")

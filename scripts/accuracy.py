@@ -8,7 +8,8 @@ Usage: python scripts/accuracy.py [--settings f32,bf16,int8,...] [--tokens N]
 Takes one decode step per token of the text (2,978 tokens) per hx setting: about 1.5 minutes a
 setting on the idle 2-core development VM (about 30 ms a step), but measured 20 to 23 minutes a
 setting beside other work (load 6 to 8, 2026-11-24: f32 1,193 s, bf16 1,396 s); each llama.cpp
-row takes about a minute (writing its GGUF, one batched evaluation). ``--tokens 300`` gives a quick check.
+row takes about a minute (writing its GGUF, one batched evaluation). ``--tokens 300`` gives a
+quick check.
 
 What it measures. The text (``data/accuracy/alice-chapter1.txt``: Chapter I of *Alice's
 Adventures in Wonderland*, public domain; ``data/accuracy/README.md``) is tokenized once with

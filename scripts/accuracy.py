@@ -15,11 +15,12 @@ What it measures. The text (``data/accuracy/alice-chapter1.txt``: Chapter I of *
 Adventures in Wonderland*, public domain; ``data/accuracy/README.md``) is tokenized once with
 SmolLM2-135M-Instruct's tokenizer (no BOS: the tokenizer adds none), giving ids t_0 .. t_{N-1}.
 Each setting is one row of ``SETTINGS``: hx's default model loaded with
-``hx.load(None, dtype=D, weights=W, kv=K)`` (weights W: ``dense`` -- the GGUF dequantized to
-dtype D --, ``int8``, ``int4``, or ``gguf``: the GGUF's own blocks, Q4_1 for SmolLM2; KV cache K:
-``dense`` -- dtype D --, ``int8``, ``int4``); ``weights`` and ``kv`` are passed only when not
-``dense``, so the dense rows run on an hx without those keywords, and a setting the installed hx
-refuses (``TypeError`` or ``HxError`` from ``load`` or ``Engine``) is reported "not available"
+``hx.load(None, dtype=D, weights=W, kv=K)``. Weights W: ``dense`` (the GGUF dequantized to
+dtype D), ``int8``, ``int4``, ``auto`` (hx's default: the GGUF's own blocks, Q4_1 with a Q8_0
+token embedding for SmolLM2), ``q8_0``, ``q4_0`` (hx's requantizations into those blocks).
+KV cache K: ``dense`` (dtype D), ``int8``, ``int4``; ``weights`` is always passed, ``kv`` only
+when not ``dense`` (so dense-KV rows run on an hx without that keyword). A setting the installed
+hx refuses (``TypeError`` or ``HxError`` from ``load`` or ``Engine``) is reported "not available"
 rather than stopping the run. Each runs through hx's real executor under a plan
 (``--policy``, default all-accelerator; ``hx.policies.build`` for another) and teacher-forced:
 HEAD gives the logits of a step's last position only, so t_0 is a 1-token prefill step and
@@ -83,10 +84,9 @@ class Setting:
     kv: str = "dense"
 
     def load_kwargs(self) -> dict:
-        """Keywords of ``hx.load``: ``weights`` and ``kv`` only where not dense."""
-        kwargs: dict = {"dtype": self.dtype}
-        if self.weights != "dense":
-            kwargs["weights"] = self.weights
+        """Keywords of ``hx.load``: ``weights`` always (hx's default, ``auto``, keeps a GGUF's
+        blocks), ``kv`` only where not dense (so dense-KV rows run on an hx without it)."""
+        kwargs: dict = {"dtype": self.dtype, "weights": self.weights}
         if self.kv != "dense":
             kwargs["kv"] = self.kv
         return kwargs
@@ -98,10 +98,12 @@ SETTINGS = [
     Setting("bf16", "bfloat16"),
     Setting("int8", "float32", weights="int8"),
     Setting("int4", "float32", weights="int4"),
-    Setting("gguf", "float32", weights="gguf"),
+    Setting("gguf", "float32", weights="auto"),  # the shipped GGUF's Q4_1 (and Q8_0) blocks
+    Setting("q8_0", "float32", weights="q8_0"),
+    Setting("q4_0", "float32", weights="q4_0"),
     Setting("kv-int8", "float32", kv="int8"),
     Setting("kv-int4", "float32", kv="int4"),
-    Setting("gguf+kv-int8", "float32", weights="gguf", kv="int8"),
+    Setting("gguf+kv-int8", "float32", weights="auto", kv="int8"),
 ]
 # (name, how the file is made) of the llama.cpp rows
 LLAMA_FILES = [("F32", "f32"), ("Q8_0", "Q8_0"), ("Q4_1", "shipped"), ("Q4_0", "Q4_0")]

@@ -39,6 +39,7 @@ compute in float32 on bfloat16 activations. A float32 model computes in float32 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -184,9 +185,17 @@ class Dense(nn.Module):
         kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
         if isinstance(kernel, dict):
             kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype, after=x)
-        y = jax.lax.dot_general(x.astype(kernel.dtype), kernel,
-                                ((axis, tuple(range(n_out, n_out + n_in))), ((), ())),
+        # as a 2-D product (..., in) x (out, in)^T: bitcasts of both (the contracted axes are
+        # x's last and the kernel's last), which XLA multiplies without copying the kernel
+        # (contracting a (D, H, E) kernel over (H, E) as it is, XLA:CPU transposed it each step)
+        if axis != tuple(range(x.ndim - n_in, x.ndim)):
+            raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
+        flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
+        y = jax.lax.dot_general(x.astype(kernel.dtype).reshape(*x.shape[:-n_in], flat_in),
+                                kernel.reshape(flat_out, flat_in),
+                                (((x.ndim - n_in,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
+        y = y.reshape(*x.shape[:-n_in], *self.features)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), self.features,
                               self.param_dtype)

@@ -30,22 +30,24 @@ q4_1     4     32     yes    llama.cpp Q4_1: scale d and minimum m              
 =======  ====  =====  =====  ===================================================  ==========
 
 ``DENSE`` means no compression: the matrix is one array in the model's dtype. This module
-imports neither JAX nor Flax (planners size formats they never load).
+imports neither JAX nor Flax, nor numpy until a matrix is converted (planners size formats
+they never load).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from hx.errors import HxError
-from hx.models.buffers import aligned_copy, aligned_empty, is_aligned
-from hx.models.mapped import is_mapped, release
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DENSE = "dense"
 PARTS = ("codes", "scale", "offset")
+_ITEM_BYTES = {"uint8": 1, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Format:
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes held for a matrix of logical ``shape`` (codes, scales and offsets)."""
-        return sum(math.prod(s) * np.dtype(d).itemsize for s, d in self.arrays(shape).values())
+        return sum(math.prod(s) * _ITEM_BYTES[d] for s, d in self.arrays(shape).values())
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
@@ -111,6 +113,8 @@ def get_format(name: str) -> Format | None:
 
 def pack(codes: np.ndarray, fmt: Format) -> np.ndarray:
     """Codes (..., group) uint8 < 2^bits -> the held bytes (..., group * bits / 8)."""
+    import numpy as np
+
     if fmt.bits == 8:
         return codes
     half = fmt.group // 2
@@ -119,6 +123,8 @@ def pack(codes: np.ndarray, fmt: Format) -> np.ndarray:
 
 def unpack(held: np.ndarray, fmt: Format) -> np.ndarray:
     """Inverse of ``pack``: (..., group * bits / 8) uint8 -> codes (..., group) uint8."""
+    import numpy as np
+
     if fmt.bits == 8:
         return held
     return np.concatenate([held & np.uint8(15), held >> np.uint8(4)], axis=-1)
@@ -136,6 +142,10 @@ def quantize(matrix: np.ndarray, fmt: Format) -> dict[str, np.ndarray]:
     Returns:
       {"codes", "scale"[, "offset"]} as ``Format.arrays`` describes.
     """
+    import numpy as np
+
+    from hx.models.buffers import aligned_copy
+
     shapes = fmt.arrays(matrix.shape)
     w = np.asarray(matrix, np.float32).reshape(*shapes["scale"][0], fmt.group)
     top = (1 << fmt.bits) - 1
@@ -159,6 +169,8 @@ def quantize(matrix: np.ndarray, fmt: Format) -> dict[str, np.ndarray]:
 def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 matrix of logical ``shape`` that ``held`` (``quantize``'s arrays) encodes:
     what the programs compute on (``models.llama.dequantize`` is the same formula in JAX)."""
+    import numpy as np
+
     codes = unpack(np.asarray(held["codes"]), fmt).astype(np.float32) - fmt.zero
     w = codes * np.asarray(held["scale"], np.float32)[..., None]
     if fmt.asymmetric:
@@ -169,6 +181,8 @@ def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...])
 def hold(matrix, fmt_name: str):
     """``matrix`` as format ``fmt_name`` holds it: itself when dense, else ``quantize``'s
     arrays."""
+    import numpy as np
+
     fmt = get_format(fmt_name)
     return matrix if fmt is None else quantize(np.asarray(matrix), fmt)
 
@@ -183,6 +197,9 @@ def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str 
     Raises:
       HxError: ``array`` does not have ``shape``'s number of elements.
     """
+    from hx.models.buffers import aligned_empty, is_aligned
+    from hx.models.mapped import is_mapped, release
+
     if array.size != math.prod(shape):
         raise HxError(f"a tensor of shape {array.shape} cannot be held as {shape}")
     view = array.reshape(shape)

@@ -59,7 +59,16 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="session")
 def smollm():
+    """The default model as ``hx.load()`` gives it: its GGUF's Q4_1/Q8_0 blocks, float32."""
     return hx.load()
+
+
+@pytest.fixture(scope="session")
+def smollm_dense():
+    """The default model with its matrices expanded to float32 (``weights="dense"``): 538 MB,
+    the bytes the budget tests' quarters are of."""
+    return hx.load(dtype="float32", weights="dense")
+
 
 
 @pytest.fixture(scope="session")

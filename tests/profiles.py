@@ -16,3 +16,8 @@ def gpu_like() -> HardwareProfile:
     return HardwareProfile(name="gpu-like test profile", accelerator=acc, host=host,
                            h2d_bandwidth=1.6e10, d2h_bandwidth=1.6e10, transfer_latency=1e-5,
                            contention=0.1, sync_overhead=2e-5)
+
+
+# Planning tests plan for a GPU machine whose host holds whatever the accelerator does not:
+# a host budget larger than any model's bytes (``discover``'s default is this machine's).
+LARGE_HOST = 2**50

@@ -16,7 +16,7 @@ from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.workload import Workload
 
-from profiles import gpu_like
+from profiles import LARGE_HOST, gpu_like
 
 # (budget as a fraction of the weights, batch, prompt tokens): across the two models every value
 # of each axis appears, the largest activations (16 x 1000) among them, at a fraction of the
@@ -34,7 +34,7 @@ def test_every_policy_fits_its_dry_run_or_states_the_minimum(model, scenarios):
     refused = fitted = 0
     for fraction, batch, prompt in scenarios:
         budget = int(fraction * spec.weight_bytes)
-        devices = discover(accelerator_memory=budget)
+        devices = discover(accelerator_memory=budget, host_memory=LARGE_HOST)
         work = Workload.for_prompts(batch, prompt, NEW_TOKENS, spec)
         for policy in policies.POLICIES:
             try:

@@ -11,7 +11,7 @@ from hx.planner.cpsat import plan_cpsat, solve
 from hx.planner.simulator import predict
 from hx.workload import Workload
 
-from profiles import gpu_like
+from profiles import LARGE_HOST, gpu_like
 
 FRACTIONS = (0.01, 0.03, 0.06, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9, 1.2)  # barely feasible .. fits
 
@@ -26,7 +26,8 @@ def test_cpsat_proves_optimality_at_ten_budgets(model):
     w = workload(spec)
     previous = None
     for fraction in FRACTIONS:
-        devices = discover(accelerator_memory=int(spec.weight_bytes * fraction))
+        devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),
+                           host_memory=LARGE_HOST)
         result = plan_cpsat(spec, profile, devices, w, time_limit_s=5.0)
         assert result.status == "OPTIMAL" and result.gap == pytest.approx(0.0, abs=1e-9)
         assert result.chosen_s == pytest.approx(result.objective_s)  # model_error 0
@@ -61,7 +62,8 @@ def test_tolerance_trades_predicted_time_for_fewer_device_switches(batch, whole_
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
     w = workload(spec, batch)
     for fraction in (0.2, 0.4, 0.7):
-        devices = discover(accelerator_memory=int(spec.weight_bytes * fraction))
+        devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),
+                           host_memory=LARGE_HOST)
         exact = solve(spec, profile, devices, w, whole_run=whole_run)  # gpu_like: error 0
         simple = solve(spec, profile, devices, w, tolerance=TOLERANCE, whole_run=whole_run)
         assert exact.chosen_s == pytest.approx(exact.objective_s)
@@ -117,7 +119,8 @@ def test_no_policy_returns_a_plan_that_does_not_fit():
     for batch in (1, 16):
         w = workload(spec, batch)
         for fraction in (0.0, 0.02, 0.25, 0.8, 1.3):
-            devices = discover(accelerator_memory=int(spec.weight_bytes * fraction))
+            devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),
+                           host_memory=LARGE_HOST)
             for name in policies.POLICIES:
                 try:
                     plan = policies.build(name, spec, devices, w, profile=profile)
@@ -194,7 +197,8 @@ def test_choose_block_serves_many_rows_per_streamed_layer():
     from hx.planner.throughput import JOIN_ROWS, choose_block
 
     spec = PRESETS["llama2-7b"].replace(n_layers=4)
-    devices = discover(accelerator_memory=int(spec.weight_bytes * 0.4))  # two staged layers
+    devices = discover(accelerator_memory=int(spec.weight_bytes * 0.4),  # two staged layers
+                       host_memory=LARGE_HOST)
     profile = gpu_like()
 
     def place(w):

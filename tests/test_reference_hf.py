@@ -99,12 +99,6 @@ def test_matches_hugging_face(smollm, reference, plan_name):
     assert 0 < engine.accountant.peak <= budget or plan_name == "all-host"
 
 
-@pytest.fixture(scope="module")
-def smollm_dense():
-    """The default model with its matrices expanded to float32 (``weights="dense"``)."""
-    return hx.load(dtype="float32", weights="dense")
-
-
 @pytest.mark.parametrize("policy,weights", [("stream-all", "dense"), ("auto", "dense"),
                                             ("auto", "auto")])
 def test_quarter_of_the_weights_budget(smollm, smollm_dense, reference, policy, weights):

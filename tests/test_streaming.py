@@ -12,7 +12,9 @@ from hx.sampling import SamplingParams
 from hx.timeline import ACC_COMPUTE, H2D, Timeline
 
 
-def test_stream_all_copies_the_next_segment_ahead_of_this_segments_compute(smollm, tmp_path):
+def test_stream_all_copies_the_next_segment_ahead_of_this_segments_compute(smollm_dense,
+                                                                             tmp_path):
+    smollm = smollm_dense
     timeline = Timeline()
     L = smollm.spec.n_layers
     engine = Engine(smollm, policies.stream_all(L),

@@ -185,7 +185,9 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
     need = check_fits(chosen, spec, devices, workload)
     engine = Engine(loaded, chosen, devices, Timeline() if options.trace else None)
     segments = len(split_segments(chosen, "decode"))
-    note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | "
+    note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | weights "
+         f"{spec.weight_format}/{spec.embedding_format} {format_bytes(spec.weight_bytes)}, "
+         f"loaded in {loaded.load_s:.1f} s | "
          f"{'throughput' if options.block else 'latency'} mode | plan {chosen.name}, step "
          f"path: segments ({segments} per decode step) | {devices.describe()} | needs "
          f"{format_bytes(need.accelerator)} on the accelerator")
@@ -255,14 +257,18 @@ def _generate_file(prompts: Path, output: Path, options: RunOptions) -> None:
 
 
 def _report_memory(engine, trace: Optional[Path]) -> None:
-    """The accelerator memory peak by owner and, with --trace, the trace written."""
+    """The accelerator memory peak by owner, the process's peak resident set and, with
+    --trace, the trace written."""
+    import resource
+
     from hx.timeline import median_overlap
 
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
     note(f"accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
-         f"{owners or 'the plan puts nothing there'}")
+         f"{owners or 'the plan puts nothing there'}; process peak RSS "
+         f"{format_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}")
     if trace is not None:
         timeline = engine.executor.timeline
         timeline.to_chrome(str(trace))

@@ -69,6 +69,12 @@ def op_params(params: dict[str, Any], layer: int | None, op: str) -> Any:
     return params[op] if op in (EMBED, HEAD) else params[layer_key(layer)][op]
 
 
+def held_dtype(held: dict[str, tuple], path: tuple) -> np.dtype:
+    """The numpy dtype ``held`` (``models.tensors.held_weights`` of an op) gives the leaf at
+    ``path`` (a ``jax.tree_util`` key path) of that op's tree."""
+    return numpy_dtype(held["/".join(k.key for k in path)][1])
+
+
 def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[str, Any]:
     """The whole parameter tree as ``device`` holds it (``models.tensors.held_weights``: dense
     tensors converted to its dtype, compressed arrays as they are); a tied embedding stays one
@@ -79,7 +85,7 @@ def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[st
         held = held_weights(spec, op, device)
 
         def cast(path, leaf):
-            want = numpy_dtype(held["/".join(k.key for k in path)][1])
+            want = held_dtype(held, path)
             key = (id(leaf), want.name)
             if key not in converted:
                 converted[key] = leaf if leaf.dtype == want else leaf.astype(want)
@@ -146,7 +152,7 @@ class Executor:
             held = held_weights(spec, op, device)
 
             def put(path, leaf):
-                want = numpy_dtype(held["/".join(k.key for k in path)][1])
+                want = held_dtype(held, path)
                 key = (id(leaf), home, want.name)
                 if key not in placed:  # a tied embedding is one buffer per home and dtype
                     placed[key] = jax.device_put(

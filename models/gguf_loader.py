@@ -32,14 +32,27 @@ from hx.errors import HxError
 from hx.models.buffers import aligned_copy
 from hx.models.formats import DENSE, FORMATS, held_tensor
 from hx.models.mapped import release
-from hx.models.tensors import layer_key
-from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
+from hx.models.tensors import weight_tree
+from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 AUTO = "auto"
 # GGUF block types hx holds as they are: ggml type name -> hx format (``models.formats``)
 BLOCK_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _DENSE_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# llama.cpp's name of each hx tensor: (op, ``op_weight_shapes`` path) -> name, within
+# "blk.{i}." for a layer's ops
+_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "attn_norm.weight", ("Q", "wq/kernel"): "attn_q.weight",
+    ("K", "wk/kernel"): "attn_k.weight", ("V", "wv/kernel"): "attn_v.weight",
+    ("OUT", "wo/kernel"): "attn_output.weight", ("MLP1", "ffn_norm/scale"): "ffn_norm.weight",
+    ("MLP1", "w_gate/kernel"): "ffn_gate.weight", ("MLP1", "w_up/kernel"): "ffn_up.weight",
+    ("MLP2", "w_down/kernel"): "ffn_down.weight",
+}
+_MODEL_NAMES = {(EMBED, "embedding"): "token_embd.weight",
+                (HEAD, "final_norm/scale"): "output_norm.weight",
+                (HEAD, "embedding"): "output.weight"}
+ROPE_PERMUTED = ("wq/kernel", "wk/kernel")  # rows llama.cpp's converter permutes
 
 
 @dataclass(frozen=True)
@@ -216,7 +229,6 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
     weight_format, embedding_format = held_formats(tensors, has_output, weights)
     spec = spec_from_metadata(meta, path, has_output).replace(
         dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)
-    D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
     want = numpy_dtype(dtype)
 
     def tensor(name: str, shape: tuple[int, ...], fmt: str = DENSE):
@@ -238,32 +250,17 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
             source = _dequantize(t, path)
         return held_tensor(source, shape, want, fmt)
 
-    def kernel(name: str, shape: tuple[int, ...]):
-        return tensor(name, shape, spec.weight_format)
+    def take(layer, op, weight, shape):
+        name = (_MODEL_NAMES[(op, weight)] if layer is None
+                else f"blk.{layer}.{_LAYER_NAMES[(op, weight)]}")
+        fmt = spec.matrix_format(weight)
+        if weight not in ROPE_PERMUTED:
+            return tensor(name, shape, fmt)
+        heads, head_dim, d = shape  # (H or K, E, D): taken as (rows, D), rows un-permuted
+        rows = unpermute_rope_rows(tensor(name, (heads * head_dim, d), fmt), heads)
+        return _reshape(rows, shape)
 
-    embedding = tensor("token_embd.weight", (spec.vocab_size, D), spec.embedding_format)
-    params: dict[str, Any] = {EMBED: {"embedding": embedding}}
-    for i in range(spec.n_layers):
-        b = f"blk.{i}."
-        wq = unpermute_rope_rows(kernel(b + "attn_q.weight", (H * E, D)), H)
-        wk = unpermute_rope_rows(kernel(b + "attn_k.weight", (K * E, D)), K)
-        params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": tensor(b + "attn_norm.weight", (D,))},
-                  "wq": {"kernel": _reshape(wq, (H, E, D))}},
-            "K": {"wk": {"kernel": _reshape(wk, (K, E, D))}},
-            "V": {"wv": {"kernel": kernel(b + "attn_v.weight", (K, E, D))}},
-            SCORE: {},
-            "OUT": {"wo": {"kernel": kernel(b + "attn_output.weight", (D, H, E))}},
-            "MLP1": {"ffn_norm": {"scale": tensor(b + "ffn_norm.weight", (D,))},
-                     "w_gate": {"kernel": kernel(b + "ffn_gate.weight", (F, D))},
-                     "w_up": {"kernel": kernel(b + "ffn_up.weight", (F, D))}},
-            "MLP2": {"w_down": {"kernel": kernel(b + "ffn_down.weight", (D, F))}},
-        }
-    head_table = embedding if spec.tie_embeddings else tensor(
-        "output.weight", (spec.vocab_size, D), spec.embedding_format)
-    params[HEAD] = {"final_norm": {"scale": tensor("output_norm.weight", (D,))},
-                    "embedding": head_table}
-    return GGUFContents(spec=spec, params=params, metadata=meta)
+    return GGUFContents(spec=spec, params=weight_tree(spec, take), metadata=meta)
 
 
 def _reshape(held, shape: tuple[int, ...]):

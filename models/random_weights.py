@@ -35,8 +35,8 @@ from hx.devices import available_host_memory
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy, aligned_empty
 from hx.models.formats import DENSE, hold
-from hx.models.tensors import layer_key
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
+from hx.models.tensors import layer_key, weight_tree
+from hx.models.spec import ModelSpec, numpy_dtype
 
 STD = 0.02
 _HALF_WIDTH = STD * 3**0.5  # uniform on [-a, a] has standard deviation a / sqrt(3)
@@ -95,30 +95,14 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None,
                       f"memory but {available / 2**30:.1f} GiB is available; ask for fewer "
                       "layers, e.g. NAME:2L")
     with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        def op_params(op: str, prefix: str = "") -> dict[str, Any]:
-            """One op's tree (``op_weight_shapes`` paths split at "/"), leaves as futures."""
-            tree: dict[str, Any] = {}
-            for path, shape in spec.op_weight_shapes(op).items():
-                if op == HEAD and path == "embedding" and spec.tie_embeddings:
-                    continue  # the EMBED array itself, set below
-                name = "/".join(filter(None, (prefix, op, path)))
-                *modules, last = path.split("/")
-                node = tree
-                for m in modules:
-                    node = node.setdefault(m, {})
-                node[last] = (aligned_copy(np.ones(shape, dtype)) if last == "scale" else
-                              pool.submit(_draw, shape, seed, name, dtype,
-                                          spec.matrix_format(path)))
-            return tree
+        def take(layer, op, path, shape):
+            if path.split("/")[-1] == "scale":  # a norm's scale
+                return aligned_copy(np.ones(shape, dtype))
+            name = "/".join(filter(None, (layer_key(layer) if layer is not None else "", op,
+                                          path)))
+            return pool.submit(_draw, shape, seed, name, dtype, spec.matrix_format(path))
 
-        params: dict[str, Any] = {EMBED: op_params(EMBED)}
-        for i in layers:
-            params[layer_key(i)] = {op: op_params(op, layer_key(i)) for op in LAYER_OPS}
-        params[HEAD] = op_params(HEAD)
-        params = _results(params)
-    if spec.tie_embeddings:
-        params[HEAD]["embedding"] = params[EMBED]["embedding"]
-    return params
+        return _results(weight_tree(spec, take, layers))
 
 
 def _results(tree: Any) -> Any:

@@ -24,11 +24,35 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.formats import DENSE, held_tensor
 from hx.models.mapped import map_file
-from hx.models.tensors import layer_key
-from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype
+from hx.models.tensors import layer_key, weight_tree
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 INDEX = "model.safetensors.index.json"
+# Hugging Face's name of each hx tensor: (op, ``op_weight_shapes`` path) -> name, within
+# "model.layers.{i}." for a layer's ops
+_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "input_layernorm.weight",
+    ("Q", "wq/kernel"): "self_attn.q_proj.weight", ("Q", "wq/bias"): "self_attn.q_proj.bias",
+    ("K", "wk/kernel"): "self_attn.k_proj.weight", ("K", "wk/bias"): "self_attn.k_proj.bias",
+    ("V", "wv/kernel"): "self_attn.v_proj.weight", ("V", "wv/bias"): "self_attn.v_proj.bias",
+    ("OUT", "wo/kernel"): "self_attn.o_proj.weight",
+    ("MLP1", "ffn_norm/scale"): "post_attention_layernorm.weight",
+    ("MLP1", "w_gate/kernel"): "mlp.gate_proj.weight",
+    ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
+    ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
+}
+_MODEL_NAMES = {(EMBED, "embedding"): "model.embed_tokens.weight",
+                (HEAD, "final_norm/scale"): "model.norm.weight",
+                (HEAD, "embedding"): "lm_head.weight"}
+
+
+def hf_name(layer: int | None, op: str, path: str) -> str:
+    """The Hugging Face tensor name of hx's ``path`` of ``op`` (of decoder layer ``layer``;
+    None for EMBED and HEAD)."""
+    if layer is None:
+        return _MODEL_NAMES[(op, path)]
+    return f"model.layers.{layer}.{_LAYER_NAMES[(op, path)]}"
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -147,37 +171,14 @@ def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = 
     for path in files:
         tensors.update(map_safetensors(path))
     want = numpy_dtype(dtype)
-    D, H, K, E, F = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
 
-    def get(name: str, shape: tuple[int, ...], fmt: str = DENSE):
+    def take(layer, op, path, shape):
+        name = hf_name(layer, op, path)
         if name not in tensors:
             raise HxError(f"{directory}: tensor {name} is missing")
-        return held_tensor(tensors[name], shape, want, fmt)
+        return held_tensor(tensors[name], shape, want, spec.matrix_format(path))
 
-    def kernel(name: str, shape: tuple[int, ...]):
-        return get(name, shape, spec.weight_format)
-
-    embedding = get("model.embed_tokens.weight", (spec.vocab_size, D), spec.embedding_format)
-    params: dict[str, Any] = {EMBED: {"embedding": embedding}}
-    for i in range(spec.n_layers):
-        b = f"model.layers.{i}."
-        params[layer_key(i)] = {
-            "Q": {"attn_norm": {"scale": get(b + "input_layernorm.weight", (D,))},
-                  "wq": {"kernel": kernel(b + "self_attn.q_proj.weight", (H, E, D))}},
-            "K": {"wk": {"kernel": kernel(b + "self_attn.k_proj.weight", (K, E, D))}},
-            "V": {"wv": {"kernel": kernel(b + "self_attn.v_proj.weight", (K, E, D))}},
-            SCORE: {},
-            "OUT": {"wo": {"kernel": kernel(b + "self_attn.o_proj.weight", (D, H, E))}},
-            "MLP1": {"ffn_norm": {"scale": get(b + "post_attention_layernorm.weight", (D,))},
-                     "w_gate": {"kernel": kernel(b + "mlp.gate_proj.weight", (F, D))},
-                     "w_up": {"kernel": kernel(b + "mlp.up_proj.weight", (F, D))}},
-            "MLP2": {"w_down": {"kernel": kernel(b + "mlp.down_proj.weight", (D, F))}},
-        }
-    head_table = embedding if spec.tie_embeddings else get(
-        "lm_head.weight", (spec.vocab_size, D), spec.embedding_format)
-    params[HEAD] = {"final_norm": {"scale": get("model.norm.weight", (D,))},
-                    "embedding": head_table}
-    return spec, params
+    return spec, weight_tree(spec, take)
 
 
 def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.ndarray]:
@@ -185,26 +186,24 @@ def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.
     arrays of the decoder layers ``layers`` (plus the embedding when they hold the first, the
     final norm and LM head when they hold the last), for writing a checkpoint a shard at a
     time (``scripts/write_checkpoint.py``)."""
+    def flat(path: str, a: np.ndarray) -> np.ndarray:
+        """hx's (out..., in...) as the file's (out, in): wo contracts its last two axes."""
+        if a.ndim == 1 or not path.endswith("kernel"):
+            return a.reshape(-1)
+        return a.reshape(a.shape[0], -1) if path == "wo/kernel" else a.reshape(-1, a.shape[-1])
+
     t = {}
-    if 0 in layers:
-        t["model.embed_tokens.weight"] = params["EMBED"]["embedding"]
-    for i in layers:
-        L, b = params[layer_key(i)], f"model.layers.{i}."
-        t[b + "input_layernorm.weight"] = L["Q"]["attn_norm"]["scale"]
-        for name, op, key in (("self_attn.q_proj", "Q", "wq"), ("self_attn.k_proj", "K", "wk"),
-                              ("self_attn.v_proj", "V", "wv")):
-            w = L[op][key]["kernel"]
-            t[b + name + ".weight"] = w.reshape(-1, w.shape[-1])
-        wo = L["OUT"]["wo"]["kernel"]
-        t[b + "self_attn.o_proj.weight"] = wo.reshape(wo.shape[0], -1)
-        t[b + "post_attention_layernorm.weight"] = L["MLP1"]["ffn_norm"]["scale"]
-        t[b + "mlp.gate_proj.weight"] = L["MLP1"]["w_gate"]["kernel"]
-        t[b + "mlp.up_proj.weight"] = L["MLP1"]["w_up"]["kernel"]
-        t[b + "mlp.down_proj.weight"] = L["MLP2"]["w_down"]["kernel"]
-    if spec.n_layers - 1 in layers:
-        t["model.norm.weight"] = params["HEAD"]["final_norm"]["scale"]
-        t["lm_head.weight"] = params["HEAD"]["embedding"]
-    return {k: np.ascontiguousarray(v) for k, v in t.items()}
+    ops = [(i, op) for i in layers for op in LAYER_OPS]
+    ops = ([(None, EMBED)] if 0 in layers else []) + ops + (
+        [(None, HEAD)] if spec.n_layers - 1 in layers else [])
+    for layer, op in ops:
+        tree = params[op] if layer is None else params[layer_key(layer)][op]
+        for path in spec.op_weight_shapes(op):
+            leaf = tree
+            for key in path.split("/"):
+                leaf = leaf[key]
+            t[hf_name(layer, op, path)] = np.ascontiguousarray(flat(path, leaf))
+    return t
 
 
 def hf_config(spec: ModelSpec) -> dict:

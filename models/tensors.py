@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
 from hx.devices import HOST
-from hx.models.spec import EMBED, HEAD, HOST_DTYPE, SCORE, ModelSpec
+from hx.models.spec import EMBED, HEAD, HOST_DTYPE, LAYER_OPS, SCORE, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -128,3 +130,31 @@ def held_weights(spec: ModelSpec, op: str, device: str
 def layer_key(i: int) -> str:
     """Parameter-tree key of decoder layer ``i``."""
     return f"layer_{i}"
+
+
+def weight_tree(spec: ModelSpec, take: Callable[[int | None, str, str, tuple[int, ...]], Any],
+                layers: Iterable[int] | None = None) -> dict[str, Any]:
+    """The parameter tree of ``models/llama.py`` with leaves from ``take``: ``{"EMBED": ...,
+    "layer_i": {op: ...}, "HEAD": ...}``, each ``ModelSpec.op_weight_shapes`` path nested at
+    its "/", its leaf ``take(layer, op, path, shape)`` (layer None for EMBED and HEAD). Only
+    the decoder layers ``layers`` (default: all); a tied model's HEAD embedding is EMBED's
+    leaf itself (``take`` is not asked for it). Loaders and random weights build it so."""
+    def op_tree(layer: int | None, op: str) -> dict[str, Any]:
+        tree: dict[str, Any] = {}
+        for path, shape in spec.op_weight_shapes(op).items():
+            if op == HEAD and path == "embedding" and spec.tie_embeddings:
+                continue
+            *modules, last = path.split("/")
+            node = tree
+            for m in modules:
+                node = node.setdefault(m, {})
+            node[last] = take(layer, op, path, shape)
+        return tree
+
+    params = {EMBED: op_tree(None, EMBED)}
+    for i in range(spec.n_layers) if layers is None else layers:
+        params[layer_key(i)] = {op: op_tree(i, op) for op in LAYER_OPS}
+    params[HEAD] = op_tree(None, HEAD)
+    if spec.tie_embeddings:
+        params[HEAD]["embedding"] = params[EMBED]["embedding"]
+    return params

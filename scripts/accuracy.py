@@ -160,31 +160,17 @@ def write_requantized(source: str, target: str, qtype_name: str) -> None:
     other tensor (the Q8_0 token embedding, the float32 norms) copied as it is; the file type
     set to match; all other metadata unchanged."""
     import gguf
+    from f32_gguf import rewrite_gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(target, arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue  # the writer adds these
-        if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype_name}"])
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    for tensor in reader.tensors:
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data),
-                              raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def convert(tensor):
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            return tensor.data, tensor.tensor_type
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        return gguf.quants.quantize(values, qtype), qtype
+
+    rewrite_gguf(source, target, gguf.LlamaFileType[f"MOSTLY_{qtype_name}"], convert)
 
 
 def llama_cpp_rows(python: str, ids: list[int], reference: np.ndarray, threads: int) -> list:

@@ -24,7 +24,7 @@ from rich.table import Table
 from hx.cli.console import print_table
 from hx.devices import configure_runtime, discover
 from hx.generate import Engine
-from hx.models.loader import load
+from hx.models.loader import load, load_spec
 from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.timeline import H2D, Timeline
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args()
     configure_runtime()
-    dense_bytes = load(dtype="float32", weights="dense").spec.weight_bytes
+    dense_bytes = load_spec(dtype="float32", weights="dense").weight_bytes
     budget = int(args.budget * dense_bytes)
     rows = [measure(w, args.policy, budget, args.tokens) for w in args.formats.split(",")]
     base = next((r for r in rows if r["weights"] == "dense"), rows[0])

@@ -19,9 +19,10 @@ import numpy as np
 from hx.models.loader import default_model_path
 
 
-def write_f32(source: str, target: str) -> None:
-    """Copy ``source`` to ``target`` with every tensor as float32 and ``general.file_type``
-    ALL_F32; tensor names, shapes, order and all other metadata unchanged."""
+def rewrite_gguf(source: str, target: str, file_type, convert) -> None:
+    """Copy ``source`` to ``target`` with each tensor as ``convert(tensor)`` gives it -- (data,
+    ggml type) -- and ``general.file_type`` ``file_type`` (a ``gguf.LlamaFileType``); tensor
+    names, order and all other metadata unchanged."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(target, arch)
@@ -29,19 +30,26 @@ def write_f32(source: str, target: str) -> None:
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # the writer adds these
         if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            writer.add_file_type(file_type)
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for tensor in reader.tensors:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(data),
-                          raw_dtype=gguf.GGMLQuantizationType.F32)
+        data, raw_dtype = convert(tensor)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_f32(source: str, target: str) -> None:
+    """Copy ``source`` to ``target`` with every tensor as float32 and ``general.file_type``
+    ALL_F32 (``rewrite_gguf``)."""
+    rewrite_gguf(source, target, gguf.LlamaFileType.ALL_F32, lambda t: (
+        gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32),
+        gguf.GGMLQuantizationType.F32))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage: python scripts/bench_throughput.py [--rounds 3] [--budget 0.25] [--prompts 64]
            [--new-tokens 64] [--mixed 48] [--mixed-batch 8] [--only B|C] [--model NAME]
-           [--dtype float32] [--throughput-only] [--json OUT.json]
+           [--dtype float32] [--weights auto] [--throughput-only] [--json OUT.json]
 
 Takes about an hour with the defaults on the 2-core development VM (estimated, not run in
 full here: a 5-round C on 2026-11-22 decoded 6781 tokens per side per round at 19-27
@@ -213,18 +213,21 @@ def main() -> int:
     parser.add_argument("--only", choices=("B", "C"))
     parser.add_argument("--model", default=None, help="hx.load name (default SmolLM2)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default="auto",
+                        help="weight format: auto, dense, int8, int4, q8_0, q4_0 or q4_1")
     parser.add_argument("--throughput-only", action="store_true",
                         help="B: skip the latency-mode side (long on big models)")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
-    model = hx.load(args.model, dtype=args.dtype)
+    model = hx.load(args.model, dtype=args.dtype, weights=args.weights)
     results = {}
     if args.only in (None, "B"):
         results["B"] = bench_b(model, args)
     if args.only in (None, "C"):
         results["C"] = bench_c(model, args)
 
-    table = Table(title=f"{model.spec.name} {args.dtype}, greedy, {args.rounds} rounds")
+    table = Table(title=f"{model.spec.name} {args.dtype}, {model.spec.weight_format} weights, "
+                        f"greedy, {args.rounds} rounds")
     for col in ("comparison", "side", "tokens/s (median)", "ratio (median)", "same outputs"):
         table.add_column(col, justify="right")
     labels = {"B": f"B: {args.prompts} prompts, {args.budget:.0%} budget",

@@ -2,6 +2,7 @@
 of micro-batches (throughput mode's zig-zag schedule) at two block sizes.
 
 Usage: python scripts/validate_simulator.py [--model smollm2-135m] [--dtype auto]
+           [--weights auto]
            [--profile PATH] [--runs 3] [--steps 8] [--budgets 0.25,0.5] [--json OUT.json]
 
 Takes about 4-5 minutes with the defaults on the 2-core development VM (``hx profile``
@@ -51,6 +52,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto",
                         help="auto (float32 on a CPU accelerator, bfloat16 on a GPU), float32, "
                              "bfloat16 or float16")
+    parser.add_argument("--weights", default="auto",
+                        help="weight format: auto, dense, int8, int4, q8_0, q4_0 or q4_1")
     parser.add_argument("--profile", help="hardware profile (default: the saved one)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
@@ -61,7 +64,7 @@ def main() -> int:
     if profile is None:
         print("no hardware profile: run `hx profile` first", file=sys.stderr)
         return 2
-    model = load(args.model, resolve_dtype(args.dtype))
+    model = load(args.model, resolve_dtype(args.dtype), args.weights)
     spec = model.spec
     fractions = tuple(float(x) for x in args.budgets.split(","))
     rows = []
@@ -90,7 +93,8 @@ def main() -> int:
         print(f"block {micro} x {batch}: predicted {predicted * 1e3:.1f} ms, measured "
               f"{measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
         del executor
-    table = Table(title=f"{spec.name}: simulated vs measured decode step on "
+    table = Table(title=f"{spec.name} ({spec.weight_format} weights): simulated vs measured "
+                        f"decode step on "
                         f"{profile.name}{' (EMULATED accelerator)' if profile.emulated else ''}")
     for col in ("policy", "plan", "budget", "batch / block", "predicted ms", "measured ms",
                 "pred/meas", f"within {TOLERANCE:.0%}"):
@@ -105,7 +109,8 @@ def main() -> int:
     print(f"{sum(r['within'] for r in rows)} of {len(rows)} within {TOLERANCE:.0%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"profile": profile.name, "rows": rows}, f, indent=1)
+            json.dump({"profile": profile.name, "model": spec.name,
+                       "weights": spec.weight_format, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -10,7 +10,7 @@ prompt). A rerun skips ids already in the
 output (a torn last line from a killed run is cut first) and refuses to resume over a line
 that other settings produced. Each prompt samples with a seed derived from the run's seed and
 its id (``sampling.row_seed``), so a resumed sampled run equals an uninterrupted one. One run
-at a time writes an output file (``output_lock``: a lock on the file itself that the kernel
+at a time writes an output file (``output_lock``: a ``flock`` on the file itself that the kernel
 drops when the process dies, so a killed run leaves none behind).
 """
 
@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import fcntl
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
-
-import filelock
 
 from hx.errors import HxError
 from hx.generate import Completion, Engine, check_prompts, encode_prompt
@@ -134,24 +133,27 @@ def check_output_path(prompts_path: str, output_path: str) -> None:
 
 @contextlib.contextmanager
 def output_lock(output_path: str) -> Iterator[None]:
-    """Hold an exclusive lock on the output file itself while a run writes it: ``filelock``'s
-    ``flock``, which the kernel drops when the process ends, however it ends (SIGKILL
-    included), so no lock outlives its run and no file is left beside the output. The output
-    is created if missing; a run that leaves it empty removes it (a failed first run leaves
-    nothing behind).
+    """Hold an exclusive ``flock`` on the output file itself while a run writes it: the
+    kernel drops it when the process ends, however it ends (SIGKILL included), so no lock
+    outlives its run and no file is left beside the output. The file is opened without
+    ``O_TRUNC`` (it holds the results a resume keeps: filelock 3.x truncates the file it
+    locks, which erased them), created if missing; a run that leaves it empty removes it (a
+    failed first run leaves nothing behind).
 
     Raises:
       HxError: another live run holds the lock, or the file system cannot lock the file.
     """
     path = os.path.realpath(output_path)
     created = not os.path.exists(path)
-    lock = filelock.FileLock(path, timeout=0, preserve_lock_file=True, fallback_to_soft=False)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        lock.acquire()
-    except filelock.Timeout:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         raise HxError(f"another hx run is writing {output_path}; wait for it to finish or "
                       "choose another --output") from None
     except OSError as e:
+        os.close(fd)
         raise HxError(f"cannot lock {output_path} ({e.strerror}); choose an --output on a "
                       "local file system") from None
     try:
@@ -159,8 +161,8 @@ def output_lock(output_path: str) -> Iterator[None]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             if created and os.path.getsize(path) == 0:
-                os.remove(path)  # still locked: a run waiting on it starts over (filelock)
-        lock.release()
+                os.remove(path)  # still locked: a contender fails or locks a fresh file
+        os.close(fd)  # releases the lock
 
 
 def prompt_hash(prompt: str) -> str:

@@ -191,6 +191,20 @@ def test_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts_file,
     assert len(set(completions.values())) > 1  # sampled, and not all alike
 
 
+def test_the_lock_keeps_the_results_it_guards(tmp_path):
+    """Taking the lock, and being refused it, leave the output's bytes alone (filelock 3.x
+    opened the file it locked with O_TRUNC: on a machine with it, every resume started over)."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "p0"}\n{"id": "p1"}\n')
+    with output_lock(str(out)):
+        assert out.read_text() == '{"id": "p0"}\n{"id": "p1"}\n'
+        with pytest.raises(HxError, match="another hx run is writing"):
+            with output_lock(str(out)):
+                pass
+        assert out.read_text() == '{"id": "p0"}\n{"id": "p1"}\n'
+    assert out.read_text() == '{"id": "p0"}\n{"id": "p1"}\n'
+
+
 def test_one_run_at_a_time_and_no_stale_lock(engine, prompts_file, tmp_path):
     """A second writer is refused while a run (or a process) holds the output; a holder
     killed with SIGKILL leaves no lock; no lock file is ever written beside the output."""

@@ -73,14 +73,15 @@ TOLERANCE = {"bfloat16": 3e-2, "float16": 3e-3}
 def test_forward_matches_float64_reference(tiny_model, dtype, plan_name, devices):
     """Every position's logits against float64 numpy over the same (rounded) weights: within
     the dtype's rounding of activations (bf16 keeps 8 significant bits, f16 11; measured
-    1.2e-2 and 8.9e-4 of the largest logit), on the accelerator and on the host alike."""
+    1.2e-2 and 8.9e-4 of the largest logit), on the accelerator and on the host alike. (The
+    top tokens are not compared: this random model's logits have near ties, which an H100's
+    bf16 products ordered otherwise; the bound already implies every clear winner.)"""
     model = in_dtype(tiny_model, dtype)
     tokens = np.random.default_rng(0).integers(0, 1000, (1, 12)).astype(np.int32)
     ref = logits_np(model.spec, model.params, tokens[0])
     got = teacher_forced(Executor(model.spec, model.params, PLANS[plan_name], devices), tokens)
     assert got.dtype == np.float32
     assert np.abs(got[0] - ref).max() <= TOLERANCE[dtype] * np.abs(ref).max()
-    assert (got[0].argmax(-1) == ref.argmax(-1)).all()
 
 
 def test_weights_caches_and_activations_in_their_dtypes(tiny_bf16, devices):

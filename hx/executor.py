@@ -3,7 +3,8 @@
 
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
-device -- in the model's dtype, except that the weights of host segments are converted once,
+device, ``disk`` as read-only views of a mapped file (``hx.disk``: the checkpoint's, or a spill
+file written once) -- in the model's dtype, except that the weights of host segments are converted once,
 here, to float32 (``models.tensors.held_weights``: XLA:CPU multiplies float32 fastest). A
 host-homed weight that an accelerator segment stages in is kept in the model's dtype too.
 Compressed matrices (``models.formats``) are placed as they are held -- codes, scales and
@@ -13,9 +14,13 @@ step (``run``) interprets the instructions of the step's ``hx.schedule.Schedule`
 list, with the same dependency edges, the simulator prices and the memory estimate sizes -- one
 handler per instruction kind (``_BlockStep``):
 
+* ``read``: read a segment's disk-homed weights into host memory (``hx.disk``), just before
+  its stage, on the disk thread;
 * ``stage``: ``device_put`` a streaming segment's weights into accelerator memory, issued before
-  the segment ahead of it is launched (prefetch depth 1, double buffer);
-* ``wait``: block until a streaming segment has finished, then drop its staged weights;
+  the segment ahead of it is launched (prefetch depth 1, double buffer); after a read, on the
+  disk thread too;
+* ``wait``: block until a streaming segment has finished, then drop its staged weights (and
+  its read buffers, releasing the disk-homed weights' pages);
 * ``step``/``move``: put the step inputs and the activations a segment reads on its device;
 * ``launch``: run the segment's executable (compiled ahead of time from shapes by
   ``hx.programs``; KV caches are donated, so appends are in place). In a block of several
@@ -51,12 +56,13 @@ from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.llama import Cache, Step
+from hx import disk
 from hx.models.mapped import is_mapped, release
 from hx.models.tensors import held_weights, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
-from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, STAGE, STEP, TEMP_KEY, WAIT,
+from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, READ, STAGE, STEP, TEMP_KEY, WAIT,
                          Instruction, Schedule, act_key, compile_schedule, staging_key,
                          step_key)
 from hx.segments import split_segments
@@ -112,25 +118,30 @@ class Executor:
       plan: op placement, weight and KV homes; its structure is validated against ``spec``.
       devices: accelerator (with its budget) and host; discovered when omitted.
       timeline: records segments and transfers when given.
+      spill_dir: where disk-homed weights that are not views of a file in the held dtype are
+        written once, to an unnamed spill file (``hx.disk``); None refuses such plans.
     Attributes:
       accountant: every accelerator allocation, with the peak.
       programs: the shared ``hx.programs.Programs`` its segments are compiled by.
       compilations: distinct segment executables (signature and shapes) it has used.
+      spilled_bytes: bytes of disk-homed weights written to the spill file.
     Raises:
       HxError: the plan does not match the model, or its weights and one row's KV cache do not
         fit the budgets (each run's shapes, XLA temporaries included, are checked by
-        ``Engine.check``).
+        ``Engine.check``); it keeps KV caches on disk; it keeps weights on disk that need a
+        spill file and ``spill_dir`` is None.
       BudgetExceeded: an allocation passes the accelerator budget (check plans with
         ``hx.memory.check_fits`` first).
     """
 
     def __init__(self, spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan,
-                 devices: Devices | None = None, timeline: Timeline | None = None):
+                 devices: Devices | None = None, timeline: Timeline | None = None,
+                 spill_dir: str | None = None):
         plan.validate(spec)
-        if DISK in plan.kv or any(home == DISK for _, _, home in plan.weights.sequence()):
-            raise HxError(f"plan {plan.name!r} keeps weights or KV cache on disk: hx plans and "
-                          "simulates the disk tier (hx simulate, hx ablate --hardware) but "
-                          "does not run it yet; keep them in host memory to run it")
+        if DISK in plan.kv:
+            raise HxError(f"plan {plan.name!r} keeps KV caches on disk: hx plans and simulates "
+                          "them there (hx simulate, hx ablate --hardware) but does not run it "
+                          "yet; keep them in host memory to run it")
         self.spec, self.plan = spec, plan
         self.devices = devices or discover()
         self.programs = programs_for(spec, self.devices)
@@ -147,14 +158,20 @@ class Executor:
                        HOST: self.programs.shardings[HOST]}
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
+        tier = disk.DiskTier(spill_dir, plan.name)
 
-        def place(tree, op, home, device):
+        def place(tree, layer, op, home, device):
             held = held_weights(spec, op, device)
 
             def put(path, leaf):
                 want = held_dtype(held, path)
                 key = (id(leaf), home, want.name)
-                if key not in placed:  # a tied embedding is one buffer per home and dtype
+                if key in placed:  # a tied embedding is one buffer per home and dtype
+                    return placed[key]
+                if home == DISK:
+                    placed[key] = tier.hold(leaf, want, op if layer is None
+                                            else f"layer {layer} {op}")
+                else:
                     placed[key] = jax.device_put(
                         leaf if leaf.dtype == want else leaf.astype(want), self._homes[home])
                     if is_mapped(leaf):  # once the placed buffer holds it, drop the file's pages
@@ -167,11 +184,15 @@ class Executor:
 
             return jax.tree_util.tree_map_with_path(put, tree)
 
-        self._params = {
-            phase: [tuple(place(op_params(params, layer, op), op,
+        self._params = tier.finish({
+            phase: [tuple(place(op_params(params, layer, op), layer, op,
                                 plan.weights.get(layer, op) or HOST, seg.device)
                           for layer, op in seg.ops) for seg in segs]
-            for phase, segs in self.segments.items()}
+            for phase, segs in self.segments.items()})
+        self.spilled_bytes = tier.spilled_bytes
+        self._on_disk = {phase: [tuple(plan.weights.get(layer, op) == DISK
+                                       for layer, op in seg.ops) for seg in segs]
+                         for phase, segs in self.segments.items()}
         self._schedules: dict[tuple, Schedule] = {}
         self._executables: dict[tuple, tuple[Any, int]] = {}
         self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
@@ -306,11 +327,12 @@ class _BlockStep:
         self.placed_steps: dict[tuple[str, int], Step] = {}
         self.inputs: dict[tuple[int, int], dict[str, Any]] = {}  # (segment, micro) -> moved
         self.staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
+        self.read_in: dict[int, tuple] = {}  # segment -> read disk-homed trees (None: not on disk)
         self.outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
 
     def run(self) -> tuple[list[jax.Array], list[list[Cache]]]:
         """Carry out every instruction in order; (N logits, N cache lists)."""
-        handlers = {STAGE: self.stage, WAIT: self.wait, STEP: self.step, MOVE: self.move,
+        handlers = {READ: self.read, STAGE: self.stage, WAIT: self.wait, STEP: self.step, MOVE: self.move,
                     LAUNCH: self.launch, FREE: self.free}
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
@@ -325,25 +347,45 @@ class _BlockStep:
                 track, name, arrays, [self.events.get(d) for d in ins.deps],
                 dispatch=dispatch, **meta)
 
+    def read(self, index: int, ins: Instruction) -> None:
+        """Read a segment's disk-homed weights into host memory (the accelerator's
+        ``pinned_host`` kind), on the disk thread (``hx.disk``)."""
+        self.read_in[ins.segment] = disk.put(
+            tuple(p if on_disk else None for p, on_disk in zip(
+                self.params[ins.segment], self.ex._on_disk[self.phase][ins.segment])),
+            self.ex._homes[STREAMED])
+
     def stage(self, index: int, ins: Instruction) -> None:
-        """Copy a streaming segment's weights into accelerator memory (H2D)."""
+        """Copy a streaming segment's weights into accelerator memory (H2D); those read from
+        disk on the disk thread, after their read."""
         seg = self.segments[ins.segment]
         dispatch = time.perf_counter()
-        trees = tuple(jax.device_put(p, self.ex._acc_memory) if staged else None
-                      for p, staged in zip(self.params[ins.segment], seg.staged))
+        params, acc = self.params[ins.segment], self.ex._acc_memory
+        read_in = self.read_in.get(ins.segment, (None,) * len(params))
+        sources = tuple((r if r is not None else p) if staged else None
+                        for p, r, staged in zip(params, read_in, seg.staged))
+        trees = disk.put(sources, acc) if ins.segment in self.read_in else tuple(
+            None if p is None else jax.device_put(p, acc) for p in sources)
         self.staged[ins.segment] = trees
-        self.acct.apply(ins, {staging_key(ins.segment): tree_bytes(trees)})
+        nbytes = sum(tree_bytes(p) for p, staged in zip(params, seg.staged) if staged)
+        self.acct.apply(ins, {staging_key(ins.segment): nbytes})  # a copy's bytes: its source's
         ops = " ".join(f"{op}{layer if layer is not None else ''}"
                        for (layer, op), st in zip(seg.ops, seg.staged) if st)
         layers = sorted({layer for (layer, _), st in zip(seg.ops, seg.staged)
                          if st and layer is not None})
-        self.record(index, ins, H2D, f"weights {ops}", trees, dispatch,
-                    bytes=tree_bytes(trees), layers=layers)
+        self.record(index, ins, H2D, f"weights {ops}", trees, dispatch, bytes=nbytes,
+                    layers=layers)
 
     def wait(self, index: int, ins: Instruction) -> None:
-        """The staged buffer is reused: the segment must be done with it."""
+        """The staged buffer is reused: the segment must be done with it (and so with its
+        read buffers: the pages of its disk-homed weights are released)."""
         jax.block_until_ready(self.outputs[ins.segment])
         self.staged.pop(ins.segment)
+        if self.read_in.pop(ins.segment, None) is not None:
+            for tree, on_disk in zip(self.params[ins.segment],
+                                     self.ex._on_disk[self.phase][ins.segment]):
+                for leaf in jax.tree.leaves(tree) if on_disk else ():
+                    release(leaf)
         self.acct.apply(ins)
 
     def step(self, index: int, ins: Instruction) -> None:
@@ -372,8 +414,8 @@ class _BlockStep:
         i, m = ins.segment, ins.micro
         seg, env = self.segments[i], self.envs[m]
         moved = self.inputs.pop((i, m), {})
-        params = self.params[i] if not seg.streams else tuple(
-            t if t is not None else p for p, t in zip(self.params[i], self.staged[i]))
+        params = self.params[i] if not seg.streams else stream.resolve(tuple(
+            t if t is not None else p for p, t in zip(self.params[i], self.staged[i])))
         acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
         caches = tuple(self.caches[m][layer] for layer in seg.cache_layers)
         B, T = self.schedule.batch, self.schedule.tokens

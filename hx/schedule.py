@@ -19,9 +19,9 @@ Instruction kinds, in the order the executor issues them for each segment i:
   ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
   ``free``    end of step: release temporaries, inputs and held activations
 
-and, for plans with a disk tier (planned and simulated, not yet executed), ``read`` (a
-segment's disk-homed weights into host memory, before its stage or launch) and ``kv read`` (a
-micro-batch's disk-homed KV caches, before its launch). Every instruction lists the earlier
+and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
+just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
+before its launch: planned and simulated, not yet executed). Every instruction lists the earlier
 instructions it depends on (``Instruction.deps``): data-flow edges are recorded here, once.
 
 The next streaming segment's weights are staged when a streaming segment i is reached, ahead
@@ -95,7 +95,7 @@ class Instruction:
       kind: ``wait``, ``stage``, ``step``, ``move``, ``launch``, ``free``, ``read`` (the
         segment's disk-homed weights read into host memory) or ``kv read`` (a micro-batch's
         KV caches of the segment's disk-homed layers read into host memory); reads occupy
-        the ``disk`` resource and are planned and simulated, not executed.
+        the ``disk`` resource (the executor runs ``read``, not yet ``kv read``).
       segment: index of the segment it concerns (None for ``free``).
       micro: the micro-batch a ``step``, ``move`` or ``launch`` is for (0 for the others).
       resource: what it occupies: ``H2D``/``D2H`` (copies), ``accelerator``/``host``

@@ -6,7 +6,7 @@ touched, so a loader or the executor that has made what it keeps of a tensor (a 
 compressed copy, a device buffer) calls ``release``: the pages leave the process's resident
 set (``madvise(MADV_DONTNEED)``) and fault back in from the page cache, or from disk, if the
 tensor is read again. A checkpoint larger than the host's memory is read this way one tensor at
-a time.
+a time; ``resident_bytes`` measures what of a tensor is in the resident set.
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ PAGE = mmap.PAGESIZE
 def map_file(path: str) -> np.ndarray:
     """The bytes of ``path`` as a read-only uint8 array backed by a shared mapping."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return np.zeros(0, np.uint8)
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return map_open(f)
+
+
+def map_open(f) -> np.ndarray:
+    """The bytes of the open file ``f`` as ``map_file`` gives them (the mapping outlives
+    ``f``: an unlinked file stays readable until the array is dropped)."""
+    if os.fstat(f.fileno()).st_size == 0:
+        return np.zeros(0, np.uint8)
+    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     return np.frombuffer(mapping, np.uint8)
 
 
@@ -60,3 +66,17 @@ def release(array: np.ndarray) -> None:
 def is_mapped(array: np.ndarray) -> bool:
     """Whether ``array`` views a mapped file."""
     return _mapping(array) is not None
+
+
+def resident_bytes(array: np.ndarray) -> int:
+    """Bytes of the pages under ``array`` that are in this process's resident set: pages
+    present in its page table (bit 63 of each ``/proc/self/pagemap`` entry, readable without
+    privileges on Linux), not the kernel's page cache -- what ``release`` drops."""
+    if array.nbytes == 0:
+        return 0
+    first = array.ctypes.data // PAGE
+    last = (array.ctypes.data + array.nbytes - 1) // PAGE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    return int((entries >> np.uint64(63)).sum()) * PAGE

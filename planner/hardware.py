@@ -10,7 +10,9 @@ curves are those **measured on an H100 80GB HBM3 machine** (``hx profile``, 2026
 
 * accelerator matmul at M rows: the H100's measured rate x (preset / H100 memory bandwidth),
   capped at the preset's datasheet peak x the H100's measured fraction of its own peak
-  (small M is bound by reading the weights, large M by the tensor cores; a roofline);
+  (small M is bound by reading the weights, large M by the tensor cores; a roofline), or,
+  for 16-bit products, at a measured sustained rate where the sheet gives one (the T4's
+  power cap: ``GpuSheet.sustained_low``);
 * accelerator attention (KV bytes/s) and memory bandwidth: the H100's x the bandwidth ratio;
 * host matmul: the measured 16-core host's rate x (cores / 16), but not above the rate its
   memory bandwidth allows at M rows (2·M FLOPs per float32 weight read), nor below the
@@ -46,6 +48,10 @@ class GpuSheet:
       h2d / d2h: bytes/s of pinned host -> device copies and device -> host activation
         copies as measured on that PCIe generation.
       source: where each figure comes from.
+      sustained_low: dense 16-bit matmul FLOP/s that a long run of large products holds, where
+        it is measured and the part's power cap keeps its clock below the boost clock its
+        datasheet peak assumes (the 70 W T4); it replaces peak x the H100's measured share
+        of its own peak as the cap of the 16-bit matmul curve. None: that product stands.
     """
 
     memory: int
@@ -55,6 +61,7 @@ class GpuSheet:
     h2d: float
     d2h: float
     source: str
+    sustained_low: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,8 +143,13 @@ PRESETS: dict[str, Preset] = {
         "T4-16GB (PCIe 3.0), 208 GB host, NVMe (FlexGen's GCP machine)",
         GpuSheet(16 * GiB, 320 * GB, 8.1e12, 65e12, 12.89 * GB, 4.82 * GB,
                  "NVIDIA T4 datasheet via sysrqmts.com: 16 GB GDDR6, 320 GB/s, 8.1 TFLOP/s "
-                 "FP32, 65 TFLOP/s FP16 mixed (no sparsity on Turing; bf16 priced as fp16); "
-                 + _PCIE3),
+                 "FP32, 65 TFLOP/s FP16 mixed (no sparsity on Turing; bf16 priced as fp16) at "
+                 "the 1,590 MHz boost clock; sustained FP16: about 24 TFLOP/s, cuBLAS "
+                 "4096^3 FP16 GEMM repeated 100 times on a T4, which NVIDIA's reply puts down "
+                 "to the 70 W power cap lowering the clock, 'expected behavior for "
+                 "approximately continuous matrix multiply operations on a T4' (NVIDIA "
+                 "developer forum, 'About GPU peak performance', thread 264462); "
+                 + _PCIE3, sustained_low=24e12),
         HostSheet(16, 208 * GB,
                   "FlexGen paper Table 1: 208 GB DRAM, Intel Xeon @ 2.00GHz; 32 vCPU (16 cores, "
                   "2 vCPUs per core: GCP CPU platforms) from n1-highmem-32, the GCP type with "
@@ -207,7 +219,8 @@ def build(preset: Preset) -> HardwareProfile:
     ref, gpu, host = REFERENCE, preset.gpu, preset.host
     bandwidth = gpu.bandwidth / REFERENCE_BANDWIDTH
     f32_cap = gpu.fp32 * ref.accelerator.matmul[-1][1] / REFERENCE_FP32
-    bf16_cap = gpu.bf16 * ref.accelerator.matmul_low[-1][1] / REFERENCE_BF16
+    bf16_cap = gpu.sustained_low or (gpu.bf16 * ref.accelerator.matmul_low[-1][1]
+                                     / REFERENCE_BF16)
     accelerator = DeviceProfile(
         matmul=_scaled(ref.accelerator.matmul, bandwidth, f32_cap),
         matmul_low=_scaled(ref.accelerator.matmul_low, bandwidth, bf16_cap),

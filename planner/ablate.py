@@ -49,6 +49,7 @@ class AblationRow:
     measured_s: float | None
     runs_s: list[float]
     error: str | None = None
+    plan_json: dict | None = None  # ``ExecutionPlan.to_json``: re-priced offline
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -87,7 +88,7 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
                 twin = next((r for r, _, p in group if same_placement(p, plan)), None)
                 row = AblationRow(name, fraction, budget, batch, plan.name,
                                   estimate(plan, spec, workload).accelerator, predicted, None,
-                                  twin.runs_s if twin else [])
+                                  twin.runs_s if twin else [], plan_json=plan.to_json())
                 group.append((row, twin is not None, plan))
                 rows.append(row)
             for r in range(runs):

@@ -8,12 +8,16 @@ is left out of matmul-bound ops. Bytes are at ``spec.dtype_bytes`` per element -
 dtype, which is that of the weights on the accelerator, of the activations on either device and
 of the KV caches; token ids are int32 and logits float32 (``models.tensors`` sizes every tensor).
 Ops computed on the host hold their weights in float32 (``models.tensors.weight_dtype``).
+A compressed matrix's bytes are its format's (``ModelSpec.op_weight_bytes``); its
+decompression before the product is priced per weight (``OpCost.dequantized``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from hx.models.formats import DENSE
 from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes
 
@@ -28,6 +32,8 @@ class OpCost:
       weight_bytes: weight bytes read.
       kv_read_bytes / kv_write_bytes: KV-cache bytes read (SCORE over S slots) and appended.
       other_bytes: other memory traffic (EMBED's gathered rows).
+      dequantized: ((weight format, weights), ...) of the compressed matrices the op
+        decompresses before its products (``models.llama.dequantize``).
     """
 
     flops: float
@@ -36,6 +42,20 @@ class OpCost:
     kv_read_bytes: int = 0
     kv_write_bytes: int = 0
     other_bytes: int = 0
+    dequantized: tuple[tuple[str, int], ...] = ()
+
+
+def dequantized_weights(spec: ModelSpec, op: str) -> tuple[tuple[str, int], ...]:
+    """((format, weights), ...) of ``op``'s matrices held compressed (``ModelSpec.
+    matrix_format``), summed per format; EMBED decompresses only the rows it gathers (left
+    out, as its elementwise work is)."""
+    counts: dict[str, int] = {}
+    if op != EMBED:
+        for path, shape in spec.op_weight_shapes(op).items():
+            fmt = spec.matrix_format(path)
+            if fmt != DENSE:
+                counts[fmt] = counts.get(fmt, 0) + math.prod(shape)
+    return tuple(sorted(counts.items()))
 
 
 def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> OpCost:
@@ -62,4 +82,5 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     flops = {"Q": 2.0 * M * D * H * E, "K": 2.0 * M * D * K * E, "V": 2.0 * M * D * K * E,
              "OUT": 2.0 * M * H * E * D, "MLP1": mlp1, "MLP2": 2.0 * M * F * D,
              HEAD: 2.0 * batch * D * V}[op]
-    return OpCost(flops, batch if op == HEAD else M, weights)
+    return OpCost(flops, batch if op == HEAD else M, weights,
+                  dequantized=dequantized_weights(spec, op))

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hx.errors import HxError
+from hx.models.formats import get_format
+from hx.models.spec import DTYPE_BYTES
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "hx", "profile.json")
 # The quick profile a command measures when it needs one and none is saved
@@ -63,6 +65,11 @@ class DeviceProfile:
         batch on a 2-core host (interpolated in log batch).
       compute_scale: ((batch, factor), ...): a model's observed compute time / what these
         rates predict for it, per batch (``calibrate.refine``); 1 when empty.
+      dequantize: ((weight format, seconds per weight), ...): what decompressing a matrix
+        held in that format adds to its product in float32 (``rates.measure_dequantize``);
+        a format not measured is priced as one memory-bound pass (``dequantize_seconds``).
+      dequantize_low: the same decompressing into bfloat16, where measured (the
+        accelerator).
     """
 
     matmul: tuple[tuple[int, float], ...]
@@ -72,6 +79,8 @@ class DeviceProfile:
     compute_scale: tuple[tuple[int, float], ...] = ()
     matmul_low: tuple[tuple[int, float], ...] = ()
     attention_low: tuple[tuple[int, float], ...] = ()
+    dequantize: tuple[tuple[str, float], ...] = ()
+    dequantize_low: tuple[tuple[str, float], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -87,6 +96,18 @@ class DeviceProfile:
             return 0.0
         curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
         return flops / _interpolate(curve, rows)
+
+    def dequantize_seconds(self, fmt: str, weights: int, dtype: str = "float32") -> float:
+        """Seconds that decompressing ``weights`` weights held in format ``fmt`` into
+        ``dtype`` adds to their product: the measured ``dequantize`` (``dequantize_low`` for
+        bfloat16/float16) per weight; unmeasured, one pass over memory reading the codes and
+        writing ``dtype`` (a lower bound: XLA:CPU took ~2x that here)."""
+        curve = self.dequantize_low if dtype in LOW_DTYPES and self.dequantize_low \
+            else self.dequantize
+        per_weight = dict(curve).get(fmt)
+        if per_weight is None:
+            per_weight = (get_format(fmt).bits / 8 + DTYPE_BYTES[dtype]) / self.memory_bandwidth
+        return weights * per_weight
 
     def attention_seconds(self, kv_bytes: float, slots: float, dtype: str = "float32"
                           ) -> float:
@@ -208,6 +229,8 @@ class HardwareProfile:
                 d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
                 for curve in ("matmul_low", "attention_low"):
                     d[curve] = tuple((int(x), float(r)) for x, r in d.get(curve, ()))
+                for curve in ("dequantize", "dequantize_low"):
+                    d[curve] = tuple((str(f), float(r)) for f, r in d.get(curve, ()))
                 devices[side] = DeviceProfile(**d)
             rest = {f.name: data[f.name] for f in fields(cls)
                     if f.name not in devices and f.name in data}

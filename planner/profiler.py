@@ -5,7 +5,8 @@ Every figure is measured the way the executor uses the hardware, as the median o
 repeated runs that stop once the median is stable (``timing.stable_seconds``, under an
 ``Effort``; runs that a fit or a ratio compares are interleaved, so a slow spell of this shared
 machine hits them alike): copies between the devices, transfer latency and JAX's bare round
-trip in ``links``; matmul, memory, attention rates and copy/compute contention in ``rates``;
+trip in ``links``; matmul, memory, attention, decompression rates and copy/compute contention
+in ``rates``;
 here the **launch overhead** (without ``calibrate.refine``): the executor's own decode steps of a
 tiny model under plans of 1 to 121 segments (``QUICK``: the 33-segment one), the cost per
 segment beyond the simulator's compute and the measured transfers.
@@ -42,7 +43,7 @@ from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measur
                               measure_staging_latency)
 from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
 from hx.planner.rates import (LOW_DTYPE, measure_attention, measure_compute_contention,
-                              measure_contention, measure_matmul,
+                              measure_contention, measure_dequantize, measure_matmul,
                               measure_memory_bandwidth)
 from hx.planner.timing import FULL, QUICK, MiB, Effort
 
@@ -146,12 +147,17 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             log(f"{side}: matmul {curve[0][1] / 1e9:.1f} GFLOP/s at M={curve[0][0]}, "
                 f"{curve[-1][1] / 1e9:.1f} at M={curve[-1][0]} ({jnp.dtype(dtype).name})")
         log(f"{side}: memory {memory / 1e9:.1f} GB/s")
+        dequant = {dtype: measure_dequantize(device, dtype, effort) for dtype in curves}
+        for dtype, per_weight in dequant.items():
+            log(f"{side}: decompressing into {jnp.dtype(dtype).name}, ns per weight: "
+                + ", ".join(f"{f} {t * 1e9:.2f}" for f, t in per_weight))
         sides[side] = DeviceProfile(
             matmul=curves[jnp.float32], memory_bandwidth=memory,
             attention=measure_attention(device, kernel, effort.attention_slots, effort),
             attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
                                             LOW_DTYPE),
-            launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()))
+            launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()),
+            dequantize=dequant[jnp.float32], dequantize_low=dequant.get(LOW_DTYPE, ()))
     log("timing copy/compute and accelerator/host compute contention")
     contention = measure_contention(devices, effort)
     compute_contention = measure_compute_contention(devices, effort)

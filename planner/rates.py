@@ -11,6 +11,10 @@
   product) is repeated inside one call, each repeat depending on the one before, until the
   call lasts ``Effort.memory_target_s`` / ``matmul_target_s``.
 * **attention**: the SCORE kernel each side uses, reading a full KV cache of S slots.
+* **decompression**: per compressed weight format, the seconds per weight that an M = 1
+  product over a compressed (P x 4096) matrix takes beyond the same product over the dense
+  one (``models.llama.dequantize`` inside the program, as the executor's ops do it; both
+  calls pay one dispatch, which the difference cancels).
 * **contention**: a weight copy overlapped with an M = 1 product over as many bytes;
 * **compute contention**: M = 1 products on the accelerator and the host at once.
 """
@@ -26,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.models.llama import Step
+from hx.models.formats import FORMATS, Format
+from hx.models.llama import Step, dequantize
 from hx.planner.links import host_chunks, memories, room
 from hx.planner.profile import ATTENTION_PROBE
 from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
@@ -121,6 +126,53 @@ def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] 
 
         k, seconds = _repeats(time_one, effort.matmul_target_s)
         rates.append((m, 2.0 * m * MATMUL_N * p * k / seconds))
+    return tuple(rates)
+
+
+@partial(jax.jit, static_argnames=("fmt", "shape"))
+def _held_product(x: jax.Array, held, fmt: Format | None, shape: tuple[int, int]) -> jax.Array:
+    """x @ Wᵀ as the executor's ops make it: W (``shape``: out x in) is ``held`` itself when
+    ``fmt`` is None, else decompressed from ``held`` (``dequantize``, waiting for x) right
+    before the product. One product per call: inside a loop XLA:CPU decompressed 5x slower
+    than in the executor's straight-line programs (measured here)."""
+    w = held if fmt is None else dequantize(held, fmt, shape, x.dtype, after=x)
+    return x @ w.T
+
+
+def _held_arrays(device: jax.Device, fmt: Format, shape: tuple[int, int], seed: int
+                 ) -> dict[str, jax.Array]:
+    """Random arrays of ``fmt`` holding a matrix of ``shape`` (the values do not change the
+    time of decompressing them), on ``device``."""
+    rng = np.random.default_rng(seed)
+    held = {}
+    for part, (s, dtype) in fmt.arrays(shape).items():
+        a = (rng.integers(0, 256, s, dtype=np.uint8) if dtype == "uint8"
+             else (rng.random(s, dtype=np.float32) * 1e-2).astype(dtype))
+        held[part] = jax.device_put(a, device)
+    return held
+
+
+def measure_dequantize(device: jax.Device, dtype=jnp.float32, effort: Effort = FULL
+                       ) -> tuple[tuple[str, float], ...]:
+    """((format, seconds per weight), ...) for every compressed format (``FORMATS``): what an
+    M = 1 product of ``dtype`` over a compressed (P x 4096) matrix takes beyond the same
+    product over the dense matrix, divided by its P·4096 weights, 0 where it takes no longer
+    (a compiler that fuses the decompression into the product). P covers a quarter of
+    ``effort.matmul_weight_bytes`` of dense weights (beyond the caches). XLA:CPU decompresses
+    into memory before the product (issue 26: 41.7 ms against 4.3 for a dense (4096 x 11008)
+    product)."""
+    per_column = MATMUL_N * np.dtype(dtype).itemsize
+    columns = min(effort.matmul_weight_bytes // 4, room(device)) // per_column
+    shape = (max(COLUMN_STEP, columns // COLUMN_STEP * COLUMN_STEP), MATMUL_N)
+    x = jax.device_put(jnp.ones((1, MATMUL_N), dtype), device)
+    dense = _uniform(device, shape, dtype, 1 / math.sqrt(MATMUL_N), 3)
+    rates = []
+    for fmt in FORMATS.values():  # each timed interleaved with the dense product
+        held = _held_arrays(device, fmt, shape, 4)
+        plain, compressed = effort.time(lambda: _held_product(x, dense, None, shape),
+                                        lambda: _held_product(x, held, fmt, shape))
+        extra = compressed.seconds - plain.seconds
+        rates.append((fmt.name, max(0.0, extra) / math.prod(shape)))
     return tuple(rates)
 
 

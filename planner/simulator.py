@@ -20,7 +20,8 @@ at 1 / (1 + ``compute_contention``) (0 for a GPU beside a CPU; near 1 where the 
 shares the host's cores, as an emulated one does).
 
 Durations come from ``planner.cost`` (FLOPs and bytes) and the profile's rates: a matmul op at
-M rows takes flops / matmul_rate(M); SCORE reads its KV cache at the device's attention rate
+M rows takes flops / matmul_rate(M), plus its compressed weights' decompression
+(``DeviceProfile.dequantize_seconds``); SCORE reads its KV cache at the device's attention rate
 (all S slots on the accelerator, at its S; the used prefix on the host, as ``host_compute``
 does, at the rate of the profiler's probe that reads as many bytes, since the host picks its
 kernel by the bytes of a call) or is compute-bound, whichever is slower; EMBED moves its rows
@@ -99,7 +100,8 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
     c = op_cost(spec, op, batch, tokens, slots)
     if op == EMBED:
         return c.other_bytes / rates.memory_bandwidth
-    return rates.matmul_seconds(c.flops, c.rows, dtype)
+    return rates.matmul_seconds(c.flops, c.rows, dtype) + sum(
+        rates.dequantize_seconds(fmt, n, dtype) for fmt, n in c.dequantized)
 
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,

@@ -74,7 +74,7 @@ def main() -> int:
         if r.measured_s:
             rows.append({"plan": r.plan, "policy": r.policy, "budget": r.budget_fraction,
                          "block": f"{r.batch}", "predicted_s": r.predicted_s,
-                         "measured_s": r.measured_s})
+                         "measured_s": r.measured_s, "plan_json": r.plan_json})
     slots = probe_slots(CONTEXT, args.steps)
     devices = discover(accelerator_memory=int(spec.weight_bytes * min(fractions)))
     for batch, micro in BLOCKS:
@@ -89,7 +89,7 @@ def main() -> int:
                             CONTEXT + args.steps // 2, micro).seconds
         rows.append({"plan": plan.name, "policy": "cpsat (block)", "budget": min(fractions),
                      "block": f"{micro} x {batch}", "predicted_s": predicted,
-                     "measured_s": measured})
+                     "measured_s": measured, "plan_json": plan.to_json()})
         print(f"block {micro} x {batch}: predicted {predicted * 1e3:.1f} ms, measured "
               f"{measured * 1e3:.1f} ms", file=sys.stderr, flush=True)
         del executor

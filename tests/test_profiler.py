@@ -71,13 +71,16 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
     base = gpu_like()
     profile = dataclasses.replace(
         base, h2d_latency=1e-5, d2h_latency=2e-5, quick=True, round_trip=3e-4,
-        accelerator=dataclasses.replace(base.accelerator, matmul_low=((1, 2e12), (64, 3e13))))
+        accelerator=dataclasses.replace(base.accelerator, matmul_low=((1, 2e12), (64, 3e13)),
+                                        dequantize=(("int4", 1e-11),),
+                                        dequantize_low=(("int4", 2e-11), ("q8_0", 0.0))))
     profile.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
     old = base.to_json()
     for name in ("h2d_latency", "d2h_latency", "quick", "round_trip"):
         del old[name]
-    del old["accelerator"]["matmul_low"]
+    del old["accelerator"]["matmul_low"], old["accelerator"]["dequantize"]
     old["matmul_dtype"] = "float32"  # a field older files have: ignored
     loaded = HardwareProfile.from_json(old)
     assert loaded == base and not loaded.quick and loaded.accelerator.matmul_low == ()
+    assert loaded.accelerator.dequantize == ()

@@ -8,7 +8,7 @@ from hx.errors import HxError
 from hx.models.spec import PRESETS
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.cost import op_cost
+from hx.planner.cost import dequantized_weights, op_cost
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import Task, op_seconds, predict, run_tasks
 
@@ -110,6 +110,34 @@ def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates
             assert seconds(low, "accelerator") == pytest.approx(seconds(f32, "accelerator") / 10)
             assert seconds(low, "host") == seconds(f32, "host")
             assert seconds(low, "accelerator", base) == seconds(f32, "accelerator", base)
+
+
+def test_a_compressed_matrix_costs_its_product_plus_its_decompression():
+    """An op over int4 weights: the dense product's seconds plus, per weight, the measured
+    decompression (bf16's on a bf16 model's accelerator, float32's on the host); a format not
+    measured is one memory pass reading the codes and writing the dtype. EMBED and SCORE
+    decompress nothing; a tied compressed table is HEAD's matrix."""
+    base = gpu_like()
+    acc = dataclasses.replace(base.accelerator, dequantize=(("int4", 3e-12),),
+                              dequantize_low=(("int4", 1e-12),))
+    measured = dataclasses.replace(base, accelerator=acc)
+    dense = PRESETS["llama2-7b"].replace(n_layers=2, dtype="bfloat16")
+    int4 = dense.replace(weight_format="int4")
+    weights = 3 * 4096 * 11008  # MLP1 (gate, up) and MLP2 each hold 4096 x 11008
+    assert dequantized_weights(int4, "MLP1") == (("int4", 2 * 4096 * 11008),)
+    assert dequantized_weights(int4, "EMBED") == dequantized_weights(dense, "MLP1") == ()
+
+    def seconds(spec, device, op="MLP1", profile=measured):
+        return op_seconds(spec, profile, device, op, 4, 1, 256, 256)
+
+    mlp = seconds(int4, "accelerator") + seconds(int4, "accelerator", "MLP2")
+    plain = seconds(dense, "accelerator") + seconds(dense, "accelerator", "MLP2")
+    assert mlp == pytest.approx(plain + weights * 1e-12)
+    assert seconds(int4, "accelerator", "SCORE") == seconds(dense, "accelerator", "SCORE")
+    host = seconds(int4, "host") - seconds(dense, "host")  # host: float32, not measured
+    assert host == pytest.approx(2 * 4096 * 11008 * (0.5 + 4) / base.host.memory_bandwidth)
+    tied = PRESETS["smollm2-135m"].replace(embedding_format="q8_0")
+    assert dequantized_weights(tied, "HEAD") == (("q8_0", 49152 * 576),)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])

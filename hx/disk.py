@@ -12,13 +12,14 @@ leaves it behind; each tensor starts on a page, so ``release`` drops all of its 
 
 Between steps a disk-homed tensor costs no host memory. Each step the executor reads a
 segment's disk-homed tensors into host memory (``read``: ``device_put`` into the
-accelerator's ``pinned_host`` memory kind, the source of a DMA copy on a GPU; on a CPU
-device that buffer may be the mapped pages themselves), copies them to the accelerator with
-the segment's stage, and once the segment has run drops the read buffers and releases the
-file's pages (``models.mapped.release``): the resident set holds at most the two segments of
-the stage double buffer. Reads and the stages that use them run on one disk thread, in issue
-order, so the executor goes on issuing (and the devices computing) the segments before them
-while a segment's weights come off the disk.
+accelerator's ``pinned_host`` memory kind, the source of a DMA copy on a GPU) and releases
+the file's pages (``models.mapped.release``) as soon as the read buffer holds them, copies
+them to the accelerator with the segment's stage, and once the segment has run drops the read
+buffers and releases the pages again (XLA:CPU wraps a 64-byte aligned view instead of copying
+it: there the read buffer is the mapped pages, read by the stage): the resident set holds at
+most the two segments of the stage double buffer. Reads and the stages that use them run on
+one disk thread, in issue order, so the executor goes on issuing (and the devices computing)
+the segments before them while a segment's weights come off the disk.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ from hx.models.mapped import PAGE, is_mapped, map_open, release
 @lru_cache(maxsize=1)
 def _worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="hx-disk")
+
+
+def read(trees: tuple, sharding) -> tuple:
+    """``put`` mapped ``trees`` into host memory (``sharding``: the accelerator's
+    ``pinned_host`` kind), then release their pages (module docstring)."""
+    def run():
+        placed = jax.block_until_ready(tuple(
+            None if t is None else jax.device_put(t, sharding) for t in trees))
+        for leaf in jax.tree.leaves(trees):
+            release(leaf)
+        return placed
+
+    done = _worker().submit(run)
+    return tuple(None if t is None else Deferred(done, k) for k, t in enumerate(trees))
 
 
 def put(trees: tuple, sharding) -> tuple:
@@ -112,7 +127,8 @@ class DiskTier:
         return record
 
     def finish(self, tree: Any) -> Any:
-        """``tree`` with every spill record replaced by a view of the mapped spill file."""
+        """``tree`` with every spill record replaced by a view of the mapped spill file (one
+        view per record, however often it occurs)."""
         if self._file is None:
             return tree
         self._file.flush()
@@ -120,10 +136,14 @@ class DiskTier:
         self._file.close()  # the mapping keeps the unlinked file
         self._file = None
 
+        views: dict[_Spilled, np.ndarray] = {}
+
         def view(record: _Spilled) -> np.ndarray:
-            nbytes = int(np.prod(record.shape, dtype=np.int64)) * record.dtype.itemsize
-            return data[record.offset:record.offset + nbytes].view(record.dtype).reshape(
-                record.shape)
+            if record not in views:
+                nbytes = int(np.prod(record.shape, dtype=np.int64)) * record.dtype.itemsize
+                views[record] = data[record.offset:record.offset + nbytes].view(
+                    record.dtype).reshape(record.shape)
+            return views[record]
 
         return jax.tree.map(lambda x: view(x) if isinstance(x, _Spilled) else x, tree,
                             is_leaf=lambda x: isinstance(x, _Spilled))

@@ -15,7 +15,7 @@ list, with the same dependency edges, the simulator prices and the memory estima
 handler per instruction kind (``_BlockStep``):
 
 * ``read``: read a segment's disk-homed weights into host memory (``hx.disk``), just before
-  its stage, on the disk thread;
+  its stage, on the disk thread, and release their mapped pages;
 * ``stage``: ``device_put`` a streaming segment's weights into accelerator memory, issued before
   the segment ahead of it is launched (prefetch depth 1, double buffer); after a read, on the
   disk thread too;
@@ -350,7 +350,7 @@ class _BlockStep:
     def read(self, index: int, ins: Instruction) -> None:
         """Read a segment's disk-homed weights into host memory (the accelerator's
         ``pinned_host`` kind), on the disk thread (``hx.disk``)."""
-        self.read_in[ins.segment] = disk.put(
+        self.read_in[ins.segment] = disk.read(
             tuple(p if on_disk else None for p, on_disk in zip(
                 self.params[ins.segment], self.ex._on_disk[self.phase][ins.segment])),
             self.ex._homes[STREAMED])

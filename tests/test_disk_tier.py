@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from hx import disk as disk_module
 from hx import executor as executor_module
 from hx.devices import discover
 from hx.errors import HxError
@@ -153,30 +154,45 @@ def test_disk_plan_gives_the_host_plans_logits(source, plan_name, checkpoint, tm
     assert disk.accountant.peak == memory.accountant.peak  # the same stages, bytes and all
 
 
-def test_disk_pages_are_released_after_each_step(checkpoint, monkeypatch):
-    """Each step reads every disk-homed tensor (its pages are in the resident set when its
-    segment is done), at most the two segments of the stage double buffer are resident at
-    once, and after each step none are -- but for the pages the kernel maps around a
-    faulting page and those a tensor shares with its neighbours in the file."""
-    spec, params = load_safetensors_dir(checkpoint, "bfloat16")
-    ex = Executor(spec, params, PLANS["stream-all"], discover())
+@pytest.mark.parametrize("source", ["checkpoint", "spill"])
+def test_disk_pages_are_released_after_each_step(source, checkpoint, tmp_path, monkeypatch):
+    """Each step reads every disk-homed tensor in full (its pages are in the resident set when
+    the read releases them), and releases it again once its segment has run (on this CPU
+    accelerator an aligned view -- a spill file's -- is read by the stage itself); at most the
+    two segments of the stage double buffer are resident at once, and after each step none
+    are -- but for the pages the kernel maps around a faulting page and those a tensor shares
+    with its neighbours in the file."""
+    if source == "checkpoint":
+        spec, params = load_safetensors_dir(checkpoint, "bfloat16")
+    else:
+        spec = SPEC.replace(dtype="bfloat16")
+        params = random_params(spec, seed=3)
+    ex = Executor(spec, params, PLANS["stream-all"], discover(), spill_dir=str(tmp_path))
     leaves = disk_leaves(ex)
     slack = len(leaves) * (2 * FAULT_AROUND + 2 * PAGE)
     largest = max(sum(x.nbytes for x in jax.tree.leaves(trees))
                   for segments in ex._params.values() for trees in segments)
-    released, at_release, after_step = [], [], []
-    real = executor_module.release
+    released = {"read": [], "wait": []}  # (resident bytes of the tensor, its bytes)
+    at_release, after_step = [], []
 
-    def spy(leaf):
-        released.append((resident_bytes(leaf), leaf.nbytes))
-        at_release.append(sum(resident_bytes(x) for x in leaves))
-        real(leaf)
+    def spy(module, when):
+        real = module.release
 
-    monkeypatch.setattr(executor_module, "release", spy)
+        def release(leaf):
+            released[when].append((resident_bytes(leaf), leaf.nbytes))
+            at_release.append(sum(resident_bytes(x) for x in leaves))
+            real(leaf)
+
+        monkeypatch.setattr(module, "release", release)
+
+    spy(disk_module, "read")
+    spy(executor_module, "wait")
     run(ex, after_step=lambda: after_step.append(sum(resident_bytes(x) for x in leaves)))
     total = sum(x.nbytes for x in leaves)
-    assert len(released) == len(leaves) * (1 + DECODE_STEPS)  # each tensor, each step
-    big = [(r, n) for r, n in released if n >= 16 * PAGE]
+    for when, calls in released.items():  # each tensor, each step
+        assert len(calls) == len(leaves) * (1 + DECODE_STEPS), when
+    read_at = released["read" if source == "checkpoint" else "wait"]
+    big = [(r, n) for r, n in read_at if n >= 16 * PAGE]
     assert big and all(r >= n - 2 * PAGE for r, n in big)  # read in full before release
     assert max(at_release) <= 2 * largest + slack < total
     assert len(after_step) == 1 + DECODE_STEPS and max(after_step) <= slack < total / 4

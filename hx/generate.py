@@ -112,6 +112,8 @@ class Engine:
       plan: op placement and memory homes; all-accelerator when omitted.
       devices: accelerator (with its memory budget) and host; discovered when omitted.
       timeline: records every segment and transfer when given (``--trace``).
+      spill_dir: where disk-homed weights that are no file hx can map are written once
+        (``hx.disk``; None refuses such plans).
     Attributes:
       model: ``model`` without its weight tree (``params`` is empty): once placed, the
         weights live where the plan put them, and the caller's ``Model`` is the only other
@@ -122,9 +124,11 @@ class Engine:
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
-                 devices: Devices | None = None, timeline: Timeline | None = None):
+                 devices: Devices | None = None, timeline: Timeline | None = None,
+                 spill_dir: str | None = None):
         self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
-        self.executor = Executor(model.spec, model.params, self.plan, devices, timeline)
+        self.executor = Executor(model.spec, model.params, self.plan, devices, timeline,
+                                 spill_dir)
         # the executor holds the weights where the plan put them; keep no second reference to
         # the loader's host copies, so dropping the ``Model`` frees them (one copy per weight)
         self.model = dataclasses.replace(model, params={})

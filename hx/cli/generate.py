@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,11 @@ def generate(
         None, help="Micro-batches per block in throughput mode (default: planned)."),
     trace: Optional[Path] = typer.Option(None, "--trace",
                                          help="Write a Chrome/Perfetto trace of the run."),
+    spill_dir: Optional[Path] = typer.Option(
+        None, "--spill-dir",
+        help="Directory of the unnamed file that disk-homed weights are written to once when "
+             "they are not checkpoint tensors stored as hx holds them (random, converted or "
+             "compressed weights) (default: the system's temporary directory)."),
 ) -> None:
     """Generate completions for one prompt or a JSONL file of prompts.
 
@@ -95,7 +101,7 @@ def generate(
     options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory, policy,
                          gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
-                                micro_batches), trace)
+                                micro_batches), trace, spill_dir)
     with lock:
         if prompt is not None:
             _generate_one(prompt, options)
@@ -128,6 +134,7 @@ class RunOptions:
     batch_size: int
     block: Optional[tuple[Optional[int], Optional[int]]]
     trace: Optional[Path]
+    spill_dir: Optional[Path] = None
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``)."""
@@ -183,7 +190,8 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
 
     spec = loaded.spec
     need = check_fits(chosen, spec, devices, workload)
-    engine = Engine(loaded, chosen, devices, Timeline() if options.trace else None)
+    engine = Engine(loaded, chosen, devices, Timeline() if options.trace else None,
+                    str(options.spill_dir or tempfile.gettempdir()))
     segments = len(split_segments(chosen, "decode"))
     note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | weights "
          f"{spec.weight_format}/{spec.embedding_format} {format_bytes(spec.weight_bytes)}, "

@@ -73,8 +73,8 @@ def main() -> int:
     rows = json.load(open(args.validation))["rows"]
     table = Table(title=f"{spec.name} ({spec.weight_format}) on {profile.name}: measured "
                         "steps re-priced with decompression")
-    for col in ("policy", "plan", "budget", "batch / block", "measured ms", "priced then", "then/meas",
-                "priced now", "now/meas"):
+    for col in ("policy", "plan", "budget", "batch / block", "measured ms", "priced then",
+                "then/meas", "priced now", "now/meas"):
         table.add_column(col, justify="right")
     skipped = []
     for r in rows:

@@ -2,15 +2,16 @@
 of micro-batches (throughput mode's zig-zag schedule) at two block sizes.
 
 Usage: python scripts/validate_simulator.py [--model smollm2-135m] [--dtype auto]
-           [--weights auto]
-           [--profile PATH] [--runs 3] [--steps 8] [--budgets 0.25,0.5] [--json OUT.json]
+           [--weights auto] [--profile PATH] [--runs 3] [--steps 8] [--budgets 0.25,0.5]
+           [--json OUT.json]
 
 Takes about 4-5 minutes with the defaults on the 2-core development VM (``hx profile``
 then this took 7 min 43 s together on 2026-11-24); an 8-layer Llama-2-7B shape took over
 7 minutes on an H100.
 
 A model (default SmolLM2-135M; ``llama2-7b:8L`` and other specs run by shape with random
-weights) on whatever accelerator ``hx.discover`` finds (this VM: the emulated one), priced with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
+weights) on whatever accelerator ``hx.discover`` finds (this VM: the emulated one), priced
+with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
 policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
 prediction against the median measured step (interleaved rounds). Part 2 times
 ``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches

@@ -4,8 +4,9 @@ plan with the same memory and block; FlexGen's compressed rows with why they are
 
 Usage: python scripts/flexgen_setting.py [--json OUT.json] [--time-limit 5]
 
-Takes 1.5-2.5 minutes on the 2-core development VM: two settings, each planned under FlexGen's
-policy and by CP-SAT and simulated. Prints only the table (a spinner on a terminal's stderr
+Takes 1.5-3.5 minutes on the 2-core development VM (3 min 36 s beside other work, 2026-11-24):
+two settings, each planned under FlexGen's policy and by CP-SAT and simulated (CP-SAT is most of
+it). Prints only the table (a spinner on a terminal's stderr
 meanwhile); ``--json`` writes the rows.
 
 FlexGen's policies (Sheng et al. 2023 §6.1, FMInference/FlexiGen benchmark/flexgen/
@@ -207,20 +208,27 @@ def main() -> int:
                 for spec, policy, scenario, published in settings()]
     rows += compressed_rows()
     table = Table(title=f"FlexGen's setting on {profile.name}, prompt 512, generation 32 "
-                        "(simulated)")
+                        "(simulated)",
+                  caption="flexgen rows: run and counted as FlexGen's benchmark (--debug "
+                          "fewer_batch); cpsat rows: hx's own plan, run and counted as hx's")
     for col in ("model", "policy", "block", "tokens/s", "TTFT s", "TPOT s", "host busy",
-                "published tokens/s", "error"):
+                "published tokens/s", "vs published"):
         table.add_column(col, justify="right")
+    notes = []
     for r in rows:
         published, simulated = r["published_tok_s"], r.get("tokens_per_s")
         error = f"{simulated / published - 1:+.0%}" if simulated and published else ""
+        if "error" in r:
+            notes.append(f"[{len(notes) + 1}] {r['model']} {r['policy']}: {r['error']}")
         table.add_row(r["model"], r["policy"], r["block"],
-                      f"{simulated:.2f}" if simulated else "-",
+                      f"{simulated:.2f}" if simulated else f"- [{len(notes)}]",
                       f"{r['ttft_s']:.0f}" if "ttft_s" in r else "",
-                      f"{r['tpot_s']:.1f}" if "tpot_s" in r else r.get("error", "")[:60],
+                      f"{r['tpot_s']:.1f}" if "tpot_s" in r else "",
                       f"{r['utilisation'].get('host', 0):.0%}" if "utilisation" in r else "",
                       str(published or ""), error)
     print_table(table)
+    for note in notes:
+        print(note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

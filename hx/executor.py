@@ -4,9 +4,10 @@
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
 device, ``disk`` as read-only views of a mapped file (``hx.disk``: the checkpoint's, or a spill
-file written once) -- in the model's dtype, except that the weights of host segments are converted once,
-here, to float32 (``models.tensors.held_weights``: XLA:CPU multiplies float32 fastest). A
-host-homed weight that an accelerator segment stages in is kept in the model's dtype too.
+file written once) -- in the model's dtype, except that the weights of host segments are
+converted once, here, to float32 (``models.tensors.held_weights``: XLA:CPU multiplies float32
+fastest). A host-homed weight that an accelerator segment stages in is kept in the model's dtype
+too.
 Compressed matrices (``models.formats``) are placed as they are held -- codes, scales and
 offsets -- and decompressed inside each program right before use, so streaming moves their
 compressed bytes. Each
@@ -51,12 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from hx import disk
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.llama import Cache, Step
-from hx import disk
 from hx.models.mapped import is_mapped, release
 from hx.models.tensors import held_weights, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
@@ -327,13 +328,13 @@ class _BlockStep:
         self.placed_steps: dict[tuple[str, int], Step] = {}
         self.inputs: dict[tuple[int, int], dict[str, Any]] = {}  # (segment, micro) -> moved
         self.staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
-        self.read_in: dict[int, tuple] = {}  # segment -> read disk-homed trees (None: not on disk)
+        self.read_in: dict[int, tuple] = {}  # segment -> its read disk-homed weight trees
         self.outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
 
     def run(self) -> tuple[list[jax.Array], list[list[Cache]]]:
         """Carry out every instruction in order; (N logits, N cache lists)."""
-        handlers = {READ: self.read, STAGE: self.stage, WAIT: self.wait, STEP: self.step, MOVE: self.move,
-                    LAUNCH: self.launch, FREE: self.free}
+        handlers = {READ: self.read, STAGE: self.stage, WAIT: self.wait, STEP: self.step,
+                    MOVE: self.move, LAUNCH: self.launch, FREE: self.free}
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
         return stream.resolve(([env["logits"] for env in self.envs], self.caches))

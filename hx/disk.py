@@ -45,15 +45,19 @@ def _worker() -> ThreadPoolExecutor:
 
 def read(trees: tuple, sharding) -> tuple:
     """``put`` mapped ``trees`` into host memory (``sharding``: the accelerator's
-    ``pinned_host`` kind), then release their pages (module docstring)."""
-    def run():
-        placed = jax.block_until_ready(tuple(
-            None if t is None else jax.device_put(t, sharding) for t in trees))
-        for leaf in jax.tree.leaves(trees):
-            release(leaf)
-        return placed
+    ``pinned_host`` kind) one tensor at a time, releasing each tensor's pages once it is read
+    (module docstring), so no more than one tensor is both mapped and copied.
 
-    done = _worker().submit(run)
+    Returns:
+      as ``put``.
+    """
+    def read_one(tensor: np.ndarray) -> jax.Array:
+        buffer = jax.device_put(tensor, sharding).block_until_ready()
+        release(tensor)
+        return buffer
+
+    done = _worker().submit(lambda: tuple(
+        None if t is None else jax.tree.map(read_one, t) for t in trees))
     return tuple(None if t is None else Deferred(done, k) for k, t in enumerate(trees))
 
 

@@ -25,6 +25,8 @@ from hx.plan import DISK, STREAMED, ExecutionPlan, WeightHomes
 from hx.planner import policies
 from hx.workload import Workload
 
+from conftest import TINY
+
 # matrices of 256 KiB to 2 MiB in bfloat16, large beside the pages around a tensor's ends
 SPEC = ModelSpec(name="disk", n_layers=4, d_model=512, n_heads=4, n_kv_heads=2, head_dim=128,
                  d_ff=2048, vocab_size=1024, context_length=256, rope_theta=10000.0,
@@ -202,3 +204,24 @@ def test_disk_plan_without_a_file_or_spill_dir_is_refused():
     params = random_params(SPEC, seed=3)
     with pytest.raises(HxError, match="spill_dir"):
         Executor(SPEC, params, PLANS["stream-all"], discover())
+
+
+def test_hx_generate_runs_a_disk_plan(tmp_path, tokenizer):
+    """``hx generate --plan`` with weights on disk, from a float32 checkpoint held as bfloat16
+    (so spilled, to the default temp directory), prints the in-memory plan's greedy text."""
+    import subprocess
+    import sys
+
+    spec = SPEC.replace(vocab_size=TINY.vocab_size, d_model=128, d_ff=256, head_dim=32)
+    write_checkpoint(tmp_path, spec)
+    tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    texts = []
+    for plan in (in_memory(PLANS["stream-all"]), PLANS["stream-all"]):
+        plan.save(str(tmp_path / "plan.json"))
+        result = subprocess.run(
+            [sys.executable, "-m", "hx", "generate", "-m", str(tmp_path), "--dtype", "bfloat16",
+             "--plan", str(tmp_path / "plan.json"), "-p", "The capital of France is",
+             "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        texts.append(result.stdout)
+    assert texts[0] == texts[1] and texts[0].strip()

@@ -5,6 +5,8 @@ plan with those weights in host memory; their pages leave the resident set after
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -209,9 +211,6 @@ def test_disk_plan_without_a_file_or_spill_dir_is_refused():
 def test_hx_generate_runs_a_disk_plan(tmp_path, tokenizer):
     """``hx generate --plan`` with weights on disk, from a float32 checkpoint held as bfloat16
     (so spilled, to the default temp directory), prints the in-memory plan's greedy text."""
-    import subprocess
-    import sys
-
     spec = SPEC.replace(vocab_size=TINY.vocab_size, d_model=128, d_ff=256, head_dim=32)
     write_checkpoint(tmp_path, spec)
     tokenizer.backend.save(str(tmp_path / "tokenizer.json"))

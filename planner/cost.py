@@ -32,8 +32,8 @@ class OpCost:
       weight_bytes: weight bytes read.
       kv_read_bytes / kv_write_bytes: KV-cache bytes read (SCORE over S slots) and appended.
       other_bytes: other memory traffic (EMBED's gathered rows).
-      dequantized: ((weight format, weights), ...) of the compressed matrices the op
-        decompresses before its products (``models.llama.dequantize``).
+      dequantized: ((weight format, weights), ...): each compressed matrix the op
+        decompresses before its product (``models.llama.dequantize``).
     """
 
     flops: float
@@ -46,16 +46,14 @@ class OpCost:
 
 
 def dequantized_weights(spec: ModelSpec, op: str) -> tuple[tuple[str, int], ...]:
-    """((format, weights), ...) of ``op``'s matrices held compressed (``ModelSpec.
-    matrix_format``), summed per format; EMBED decompresses only the rows it gathers (left
-    out, as its elementwise work is)."""
-    counts: dict[str, int] = {}
-    if op != EMBED:
-        for path, shape in spec.op_weight_shapes(op).items():
-            fmt = spec.matrix_format(path)
-            if fmt != DENSE:
-                counts[fmt] = counts.get(fmt, 0) + math.prod(shape)
-    return tuple(sorted(counts.items()))
+    """((format, weights), ...), one per matrix of ``op`` held compressed
+    (``ModelSpec.matrix_format``); EMBED decompresses only the rows it gathers (left out, as
+    its elementwise work is)."""
+    if op == EMBED:
+        return ()
+    return tuple((spec.matrix_format(path), math.prod(shape))
+                 for path, shape in spec.op_weight_shapes(op).items()
+                 if spec.matrix_format(path) != DENSE)
 
 
 def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> OpCost:

@@ -65,9 +65,10 @@ class DeviceProfile:
         batch on a 2-core host (interpolated in log batch).
       compute_scale: ((batch, factor), ...): a model's observed compute time / what these
         rates predict for it, per batch (``calibrate.refine``); 1 when empty.
-      dequantize: ((weight format, seconds per weight), ...): what decompressing a matrix
-        held in that format adds to its product in float32 (``rates.measure_dequantize``);
-        a format not measured is priced as one memory-bound pass (``dequantize_seconds``).
+      dequantize: ((weight format, ((weights per matrix, seconds per weight), ...)), ...):
+        what decompressing a matrix held in that format adds to its product in float32, by
+        the matrix's size (``rates.measure_dequantize``; interpolated in log size); a format
+        not measured is priced as one memory-bound pass (``dequantize_seconds``).
       dequantize_low: the same decompressing into bfloat16, where measured (the
         accelerator).
     """
@@ -79,8 +80,8 @@ class DeviceProfile:
     compute_scale: tuple[tuple[int, float], ...] = ()
     matmul_low: tuple[tuple[int, float], ...] = ()
     attention_low: tuple[tuple[int, float], ...] = ()
-    dequantize: tuple[tuple[str, float], ...] = ()
-    dequantize_low: tuple[tuple[str, float], ...] = ()
+    dequantize: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    dequantize_low: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -98,16 +99,17 @@ class DeviceProfile:
         return flops / _interpolate(curve, rows)
 
     def dequantize_seconds(self, fmt: str, weights: int, dtype: str = "float32") -> float:
-        """Seconds that decompressing ``weights`` weights held in format ``fmt`` into
-        ``dtype`` adds to their product: the measured ``dequantize`` (``dequantize_low`` for
-        bfloat16/float16) per weight; unmeasured, one pass over memory reading the codes and
-        writing ``dtype`` (a lower bound: XLA:CPU took ~2x that here)."""
-        curve = self.dequantize_low if dtype in LOW_DTYPES and self.dequantize_low \
+        """Seconds that decompressing one matrix of ``weights`` weights held in format ``fmt``
+        into ``dtype`` adds to its product: the measured ``dequantize`` curve
+        (``dequantize_low`` for bfloat16/float16) at its size, per weight; unmeasured, one pass
+        over memory reading the codes and writing ``dtype``."""
+        table = self.dequantize_low if dtype in LOW_DTYPES and self.dequantize_low \
             else self.dequantize
-        per_weight = dict(curve).get(fmt)
-        if per_weight is None:
-            per_weight = (get_format(fmt).bits / 8 + DTYPE_BYTES[dtype]) / self.memory_bandwidth
-        return weights * per_weight
+        curve = dict(table).get(fmt)
+        if curve is None:
+            return weights * (get_format(fmt).bits / 8 + DTYPE_BYTES[dtype]) / \
+                self.memory_bandwidth
+        return weights * _interpolate(curve, weights)
 
     def attention_seconds(self, kv_bytes: float, slots: float, dtype: str = "float32"
                           ) -> float:
@@ -230,7 +232,8 @@ class HardwareProfile:
                 for curve in ("matmul_low", "attention_low"):
                     d[curve] = tuple((int(x), float(r)) for x, r in d.get(curve, ()))
                 for curve in ("dequantize", "dequantize_low"):
-                    d[curve] = tuple((str(f), float(r)) for f, r in d.get(curve, ()))
+                    d[curve] = tuple((str(f), tuple((int(n), float(r)) for n, r in points))
+                                     for f, points in d.get(curve, ()))
                 devices[side] = DeviceProfile(**d)
             rest = {f.name: data[f.name] for f in fields(cls)
                     if f.name not in devices and f.name in data}

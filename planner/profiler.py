@@ -147,10 +147,13 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             log(f"{side}: matmul {curve[0][1] / 1e9:.1f} GFLOP/s at M={curve[0][0]}, "
                 f"{curve[-1][1] / 1e9:.1f} at M={curve[-1][0]} ({jnp.dtype(dtype).name})")
         log(f"{side}: memory {memory / 1e9:.1f} GB/s")
-        dequant = {dtype: measure_dequantize(device, dtype, effort) for dtype in curves}
-        for dtype, per_weight in dequant.items():
-            log(f"{side}: decompressing into {jnp.dtype(dtype).name}, ns per weight: "
-                + ", ".join(f"{f} {t * 1e9:.2f}" for f, t in per_weight))
+        dequant = {dtype: measure_dequantize(devices, side, dtype, effort) for dtype in curves
+                   if dtype == jnp.float32 or effort is not QUICK}  # quick: bf16 priced as f32
+        for dtype, table in dequant.items():
+            log(f"{side}: decompression into {jnp.dtype(dtype).name}, ns per weight at "
+                f"{', '.join(f'{n / 1e6:.1f}' for n, _ in table[0][1])} M weights: "
+                + "; ".join(f"{f} " + " ".join(f"{t * 1e9:.2f}" for _, t in points)
+                            for f, points in table))
         sides[side] = DeviceProfile(
             matmul=curves[jnp.float32], memory_bandwidth=memory,
             attention=measure_attention(device, kernel, effort.attention_slots, effort),

@@ -11,10 +11,10 @@
   product) is repeated inside one call, each repeat depending on the one before, until the
   call lasts ``Effort.memory_target_s`` / ``matmul_target_s``.
 * **attention**: the SCORE kernel each side uses, reading a full KV cache of S slots.
-* **decompression**: per compressed weight format, the seconds per weight that an M = 1
-  product over a compressed (P x 4096) matrix takes beyond the same product over the dense
-  one (``models.llama.dequantize`` inside the program, as the executor's ops do it; both
-  calls pay one dispatch, which the difference cancels).
+* **decompression**: per compressed weight format, the seconds per weight that a layer's MLP
+  segment (one decode row, the executor's own program) takes with its matrices compressed
+  beyond the same segment dense, at several matrix sizes (both calls pay one dispatch,
+  which the difference cancels).
 * **contention**: a weight copy overlapped with an M = 1 product over as many bytes;
 * **compute contention**: M = 1 products on the accelerator and the host at once.
 """
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.models.formats import FORMATS, Format
-from hx.models.llama import Step, dequantize
+from hx.models.formats import FORMATS
+from hx.models.llama import Step
 from hx.planner.links import host_chunks, memories, room
 from hx.planner.profile import ATTENTION_PROBE
 from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
@@ -129,51 +129,65 @@ def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] 
     return tuple(rates)
 
 
-@partial(jax.jit, static_argnames=("fmt", "shape"))
-def _held_product(x: jax.Array, held, fmt: Format | None, shape: tuple[int, int]) -> jax.Array:
-    """x @ Wᵀ as the executor's ops make it: W (``shape``: out x in) is ``held`` itself when
-    ``fmt`` is None, else decompressed from ``held`` (``dequantize``, waiting for x) right
-    before the product. One product per call: inside a loop XLA:CPU decompressed 5x slower
-    than in the executor's straight-line programs (measured here)."""
-    w = held if fmt is None else dequantize(held, fmt, shape, x.dtype, after=x)
-    return x @ w.T
+def _probe_ffn(width: int) -> int:
+    """d_ff of the decompression probe of d_model ``width``: 2.6875 x (Llama-2-7B's 11008 /
+    4096), a multiple of 64 (int4's group)."""
+    return round(2.6875 * width / 64) * 64
 
 
-def _held_arrays(device: jax.Device, fmt: Format, shape: tuple[int, int], seed: int
-                 ) -> dict[str, jax.Array]:
-    """Random arrays of ``fmt`` holding a matrix of ``shape`` (the values do not change the
-    time of decompressing them), on ``device``."""
-    rng = np.random.default_rng(seed)
-    held = {}
-    for part, (s, dtype) in fmt.arrays(shape).items():
-        a = (rng.integers(0, 256, s, dtype=np.uint8) if dtype == "uint8"
-             else (rng.random(s, dtype=np.float32) * 1e-2).astype(dtype))
-        held[part] = jax.device_put(a, device)
-    return held
+def _mlp_probe(side: str, devices: Devices, width: int, dtype, fmt: str
+               ) -> Callable[[], jax.Array]:
+    """One decode row through a layer's MLP1 and MLP2 on ``side``, as the executor runs that
+    segment (``programs.segment_function``): a Llama layer of d_model ``width`` and d_ff
+    2.6875 x (Llama-2-7B's ratio, rounded to 64), its matrices held in ``fmt`` with random
+    values (they do not change the time)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from hx.models.spec import ModelSpec
+    from hx.programs import _param_tree, segment_function
+
+    spec = ModelSpec(name="dequantize-probe", n_layers=1, d_model=width, n_heads=width // 128,
+                     n_kv_heads=width // 128, head_dim=128, d_ff=_probe_ffn(width),
+                     vocab_size=64, context_length=64, dtype=jnp.dtype(dtype).name,
+                     weight_format=fmt)
+    device = devices[side]
+    rng = np.random.default_rng(width)
+
+    def random(s: jax.ShapeDtypeStruct) -> jax.Array:
+        a = (rng.integers(0, 256, s.shape, dtype=np.uint8) if s.dtype == jnp.uint8
+             else (rng.random(s.shape, dtype=np.float32) * 1e-2).astype(s.dtype))
+        return jax.device_put(a, device)
+
+    ops = ("MLP1", "MLP2")
+    params = tuple(jax.tree.map(random, _param_tree(spec, op, side, SingleDeviceSharding(device)))
+                   for op in ops)
+    x = jax.device_put(np.ones((1, 1, width), dtype), device)
+    step = jax.device_put(Step(np.zeros((1, 1), np.int32), np.int32(0), np.zeros(1, np.int32)),
+                          device)
+    run = segment_function(spec, side, ops, ("x",))
+    return lambda: run(params, {"x": x}, (), step)
 
 
-def measure_dequantize(device: jax.Device, dtype=jnp.float32, effort: Effort = FULL
-                       ) -> tuple[tuple[str, float], ...]:
-    """((format, seconds per weight), ...) for every compressed format (``FORMATS``): what an
-    M = 1 product of ``dtype`` over a compressed (P x 4096) matrix takes beyond the same
-    product over the dense matrix, divided by its P·4096 weights, 0 where it takes no longer
-    (a compiler that fuses the decompression into the product). P covers a quarter of
-    ``effort.matmul_weight_bytes`` of dense weights (beyond the caches). XLA:CPU decompresses
-    into memory before the product (issue 26: 41.7 ms against 4.3 for a dense (4096 x 11008)
-    product)."""
-    per_column = MATMUL_N * np.dtype(dtype).itemsize
-    columns = min(effort.matmul_weight_bytes // 4, room(device)) // per_column
-    shape = (max(COLUMN_STEP, columns // COLUMN_STEP * COLUMN_STEP), MATMUL_N)
-    x = jax.device_put(jnp.ones((1, MATMUL_N), dtype), device)
-    dense = _uniform(device, shape, dtype, 1 / math.sqrt(MATMUL_N), 3)
-    rates = []
-    for fmt in FORMATS.values():  # each timed interleaved with the dense product
-        held = _held_arrays(device, fmt, shape, 4)
-        plain, compressed = effort.time(lambda: _held_product(x, dense, None, shape),
-                                        lambda: _held_product(x, held, fmt, shape))
-        extra = compressed.seconds - plain.seconds
-        rates.append((fmt.name, max(0.0, extra) / math.prod(shape)))
-    return tuple(rates)
+def measure_dequantize(devices: Devices, side: str, dtype=jnp.float32, effort: Effort = FULL
+                       ) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """((format, ((weights per matrix, seconds per weight), ...)), ...) for every compressed
+    format (``FORMATS``): what a layer's MLP segment (one decode row; ``_mlp_probe``) takes
+    on ``side`` with its three matrices held in the format beyond the same segment with them
+    dense in ``dtype``, divided by their weights, 0 where it takes no longer; at each d_model
+    of ``effort.dequantize_widths`` whose dense matrices fit ``room`` (the first in any case). The cost depends on the matrix: XLA:CPU fused the decompression of a (1536 x
+    576) matrix into the product (0.11 ns per weight over dense here) and decompressed
+    Llama-2-7B's into memory first (4.3 ns); a GPU fuses it (H100: < 0.001 ns)."""
+    first, *rest = effort.dequantize_widths
+    fits = room(devices[side]) // (3 * np.dtype(dtype).itemsize)
+    curves: dict[str, list[tuple[int, float]]] = {f: [] for f in FORMATS}
+    for width in [first] + [w for w in rest if w * _probe_ffn(w) <= fits]:
+        dense = _mlp_probe(side, devices, width, dtype, "dense")
+        weights = width * _probe_ffn(width)
+        for name in FORMATS:  # each timed interleaved with the dense segment
+            plain, held = effort.time(dense, _mlp_probe(side, devices, width, dtype, name))
+            extra = max(0.0, held.seconds - plain.seconds)
+            curves[name].append((weights, extra / (3 * weights)))
+    return tuple((name, tuple(points)) for name, points in curves.items())
 
 
 @partial(jax.jit, donate_argnums=0)

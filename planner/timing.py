@@ -130,6 +130,8 @@ class Effort:
         rule for every figure.
       launch_plans: which of ``calibrate.dispatch_plans`` (indices) the launch fit observes
         on the tiny model: all five (1 to 121 segments), or the 33-segment one alone.
+      dequantize_widths: the d_model of the MLP segments the decompression probe times
+        (``rates.measure_dequantize``; up to Llama-2-7B's 4096).
     """
 
     link_target_s: float
@@ -144,6 +146,7 @@ class Effort:
     max_seconds: float
     warmup_s: float
     launch_plans: tuple[int, ...]
+    dequantize_widths: tuple[int, ...]
 
     def time(self, *runs: Callable, setups=None, warmup_s: float | None = None
              ) -> tuple[Timing, ...]:
@@ -159,8 +162,9 @@ FULL = Effort(link_target_s=0.02, memory_target_s=0.01, matmul_target_s=0.01,
               matmul_rows=MATMUL_ROWS, matmul_weight_bytes=256 * MiB,
               attention_slots=ATTENTION_SLOTS, window=5,
               tolerance=0.05, max_rounds=25, max_seconds=1.0, warmup_s=0.3,
-              launch_plans=(0, 1, 2, 3, 4))
+              launch_plans=(0, 1, 2, 3, 4), dequantize_widths=(512, 1024, 2048, 4096))
 QUICK = Effort(link_target_s=0.01, memory_target_s=0.005, matmul_target_s=0.005,
                matmul_rows=(1, 16, 256), matmul_weight_bytes=64 * MiB,
                attention_slots=(256, 4096), window=3,
-               tolerance=0.05, max_rounds=7, max_seconds=0.4, warmup_s=0.1, launch_plans=(3,))
+               tolerance=0.05, max_rounds=7, max_seconds=0.4, warmup_s=0.1, launch_plans=(3,),
+               dequantize_widths=(512,))

@@ -5,8 +5,9 @@ Usage: python scripts/reprice_validation.py VALIDATION.json --profile P.json
 
 ``VALIDATION.json`` holds measured rows of ``scripts/validate_simulator.py`` (policy, budget,
 batch, predicted_s, measured_s) taken with code that priced no decompression.
-``DEQUANTIZE.json`` holds ``rates.measure_dequantize``'s figures measured on the same machine,
-keyed "accelerator bfloat16", "accelerator float32", "host float32". Each row's plan (its
+``DEQUANTIZE.json`` holds decompression figures measured on the same machine, keyed
+"accelerator bfloat16", "accelerator float32", "host float32": per format a curve
+(``DeviceProfile.dequantize``) or one per-weight number (the first probe's form). Each row's plan (its
 recorded ``plan_json``, or rebuilt from its name: stream-all, layer-split:N) is priced twice:
 as then (every format's decompression free) and with the measured decompression. Runs in
 seconds: shapes only, nothing is executed (plans are not re-chosen: their memory sizing is the
@@ -34,8 +35,10 @@ CONTEXT, STEPS = 128, 8  # validate_simulator's probe
 
 def with_dequantize(profile: HardwareProfile, rates: dict[str, list]) -> HardwareProfile:
     """``profile`` with the decompression figures of ``rates`` (all free when empty)."""
-    def per(key: str) -> tuple[tuple[str, float], ...]:
-        return tuple((f, float(r)) for f, r in rates.get(key, [(f, 0.0) for f in FORMATS]))
+    def per(key: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+        table = rates.get(key, [(f, 0.0) for f in FORMATS])  # a number: one per-weight figure
+        return tuple((f, ((1, float(c)),) if isinstance(c, (int, float))
+                      else tuple((int(n), float(r)) for n, r in c)) for f, c in table)
 
     return dataclasses.replace(
         profile,

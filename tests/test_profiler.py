@@ -72,8 +72,10 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
     profile = dataclasses.replace(
         base, h2d_latency=1e-5, d2h_latency=2e-5, quick=True, round_trip=3e-4,
         accelerator=dataclasses.replace(base.accelerator, matmul_low=((1, 2e12), (64, 3e13)),
-                                        dequantize=(("int4", 1e-11),),
-                                        dequantize_low=(("int4", 2e-11), ("q8_0", 0.0))))
+                                        dequantize=(("int4", ((1024, 1e-11),)),),
+                                        dequantize_low=(("int4", ((1024, 2e-11),
+                                                                  (2**24, 3e-11))),
+                                                        ("q8_0", ((1024, 0.0),)))))
     profile.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
     old = base.to_json()

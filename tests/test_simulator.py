@@ -1,6 +1,7 @@
 """The simulator and hardware profiles: invariants of the replayed schedule."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -113,29 +114,34 @@ def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates
 
 
 def test_a_compressed_matrix_costs_its_product_plus_its_decompression():
-    """An op over int4 weights: the dense product's seconds plus, per weight, the measured
-    decompression (bf16's on a bf16 model's accelerator, float32's on the host); a format not
-    measured is one memory pass reading the codes and writing the dtype. EMBED and SCORE
-    decompress nothing; a tied compressed table is HEAD's matrix."""
+    """An op over int4 weights: the dense product's seconds plus each matrix's decompression,
+    per weight at the measured curve's value for its size (bf16's on a bf16 model's
+    accelerator); a format not measured (the host here) is one memory pass reading the codes
+    and writing float32. EMBED and SCORE decompress nothing; a tied compressed table is HEAD's
+    matrix."""
     base = gpu_like()
-    acc = dataclasses.replace(base.accelerator, dequantize=(("int4", 3e-12),),
-                              dequantize_low=(("int4", 1e-12),))
+    small, large = 576 * 1536, 4096 * 11008
+    curve = ((small, 1e-12), (large, 4e-12))  # per weight, interpolated in log size
+    acc = dataclasses.replace(base.accelerator, dequantize=(("int4", ((1, 9e-12),)),),
+                              dequantize_low=(("int4", curve),))
     measured = dataclasses.replace(base, accelerator=acc)
     dense = PRESETS["llama2-7b"].replace(n_layers=2, dtype="bfloat16")
     int4 = dense.replace(weight_format="int4")
-    weights = 3 * 4096 * 11008  # MLP1 (gate, up) and MLP2 each hold 4096 x 11008
-    assert dequantized_weights(int4, "MLP1") == (("int4", 2 * 4096 * 11008),)
+    assert dequantized_weights(int4, "MLP1") == (("int4", large), ("int4", large))
     assert dequantized_weights(int4, "EMBED") == dequantized_weights(dense, "MLP1") == ()
 
     def seconds(spec, device, op="MLP1", profile=measured):
         return op_seconds(spec, profile, device, op, 4, 1, 256, 256)
 
-    mlp = seconds(int4, "accelerator") + seconds(int4, "accelerator", "MLP2")
-    plain = seconds(dense, "accelerator") + seconds(dense, "accelerator", "MLP2")
-    assert mlp == pytest.approx(plain + weights * 1e-12)
+    assert seconds(int4, "accelerator") == pytest.approx(seconds(dense, "accelerator")
+                                                         + 2 * large * 4e-12)
+    middle = 4096 * 4096  # Q's matrix: between the curve's points
+    share = (math.log(middle) - math.log(small)) / (math.log(large) - math.log(small))
+    assert seconds(int4, "accelerator", "Q") == pytest.approx(
+        seconds(dense, "accelerator", "Q") + middle * (1e-12 + share * 3e-12))
     assert seconds(int4, "accelerator", "SCORE") == seconds(dense, "accelerator", "SCORE")
-    host = seconds(int4, "host") - seconds(dense, "host")  # host: float32, not measured
-    assert host == pytest.approx(2 * 4096 * 11008 * (0.5 + 4) / base.host.memory_bandwidth)
+    host = seconds(int4, "host") - seconds(dense, "host")
+    assert host == pytest.approx(2 * large * (0.5 + 4) / base.host.memory_bandwidth)
     tied = PRESETS["smollm2-135m"].replace(embedding_format="q8_0")
     assert dequantized_weights(tied, "HEAD") == (("q8_0", 49152 * 576),)
 

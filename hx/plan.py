@@ -13,11 +13,11 @@ against a ``ModelSpec`` without running anything; the executor interprets it. Th
   ``"host"`` -- kept on the host CPU device, float32, for host-placed ops (an accelerator op
   whose weights live here has them copied in like streamed ones);
   ``"disk"`` -- kept on the disk tier (NVMe), read into host memory every step and, for an
-  accelerator op, copied on like a streamed one (FlexGen's weights on disk). Planned and
-  simulated only: the executor refuses such plans;
+  accelerator op, copied on like a streamed one (FlexGen's weights on disk; ``hx.disk``);
 * KV-cache home per layer: ``"accelerator"``, ``"host"``, or ``"disk"`` (read into host memory
-  every step and attended there: FlexGen's KV on disk; planned and simulated only). SCORE runs
-  where its layer's KV cache lives (on the host for a disk cache), in both phases.
+  every step and attended there: FlexGen's KV on disk; planned and simulated only, the
+  executor refuses it). SCORE runs where its layer's KV cache lives (on the host for a disk
+  cache), in both phases.
 
 JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 

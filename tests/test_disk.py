@@ -1,5 +1,5 @@
 """The disk tier: weights and KV caches on NVMe are planned and simulated (FlexGen's OPT-175B
-setting), never executed."""
+setting); the executor runs disk-homed weights (``test_disk_tier``), not KV caches on disk."""
 
 import pytest
 

@@ -246,8 +246,6 @@ class _Builder:
                     late = j  # on the H2D link behind inputs ready at once
                 else:  # ahead of inputs the executor would block on while the link idles
                     self.stage(j)
-        if seg.device != ACCELERATOR:
-            self.read(i)
         for m in range(self.N):
             self.step_inputs(i, m)
             self.move(i, m)

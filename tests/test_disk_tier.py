@@ -18,7 +18,6 @@ from hx.devices import discover
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import estimate
-from hx.models.llama import Step
 from hx.models.mapped import PAGE, is_mapped, resident_bytes
 from hx.models.random_weights import random_params
 from hx.models.safetensors_loader import INDEX, hf_config, hf_tensors, load_safetensors_dir
@@ -28,6 +27,7 @@ from hx.planner import policies
 from hx.workload import Workload
 
 from conftest import TINY
+from steps import left_padded_steps
 
 # matrices of 256 KiB to 2 MiB in bfloat16, large beside the pages around a tensor's ends
 SPEC = ModelSpec(name="disk", n_layers=4, d_model=512, n_heads=4, n_kv_heads=2, head_dim=128,
@@ -90,12 +90,7 @@ def checkpoint(tmp_path_factory):
 
 
 def steps():
-    kv_start = np.array([0, 2], np.int32)  # row 1 is left-padded by 2
-    yield Step(np.maximum(np.arange(T, dtype=np.int32)[None] - kv_start[:, None], 0),
-               np.int32(0), kv_start)
-    for i in range(1, DECODE_STEPS + 1):
-        yield Step((T - kv_start + i - 1)[:, None].astype(np.int32), np.int32(T + i - 1),
-                   kv_start)
+    return left_padded_steps(T, DECODE_STEPS)
 
 
 def run(ex: Executor, micro_batches: int = 1, after_step=None) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ from hx.devices import ACCELERATOR, HOST, discover
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import check_fits, estimate
-from hx.models.llama import Step, forward
+from hx.models.llama import forward
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
 from hx.plan import ExecutionPlan, Placement
 from hx.planner import policies
@@ -21,18 +21,14 @@ from hx.workload import Workload
 
 from conftest import force_numpy_attention
 from plans import acceptance_plans
+from steps import left_padded_steps
 
 B, T, S, DECODE_STEPS = 2, 8, 32, 4
 PLANS = acceptance_plans(3, splits=(1, 2, 4))
 
 
 def steps():
-    kv_start = np.array([0, 2], np.int32)  # row 1 is left-padded by 2
-    yield Step(np.maximum(np.arange(T, dtype=np.int32)[None] - kv_start[:, None], 0),
-               np.int32(0), kv_start)
-    for i in range(1, DECODE_STEPS + 1):
-        yield Step((T - kv_start + i - 1)[:, None].astype(np.int32), np.int32(T + i - 1),
-                   kv_start)
+    return left_padded_steps(T, DECODE_STEPS)
 
 
 def token_batches(spec):

@@ -174,9 +174,10 @@ def measure_dequantize(devices: Devices, side: str, dtype=jnp.float32, effort: E
     format (``FORMATS``): what a layer's MLP segment (one decode row; ``_mlp_probe``) takes
     on ``side`` with its three matrices held in the format beyond the same segment with them
     dense in ``dtype``, divided by their weights, 0 where it takes no longer; at each d_model
-    of ``effort.dequantize_widths`` whose dense matrices fit ``room`` (the first in any case). The cost depends on the matrix: XLA:CPU fused the decompression of a (1536 x
-    576) matrix into the product (0.11 ns per weight over dense here) and decompressed
-    Llama-2-7B's into memory first (4.3 ns); a GPU fuses it (H100: < 0.001 ns)."""
+    of ``effort.dequantize_widths`` whose dense matrices fit ``room`` (the first in any case).
+    The cost depends on the matrix: XLA:CPU fused the decompression of SmolLM2's matrices into
+    their products (0.11 ns per weight over dense here) and decompressed Llama-2-7B's into
+    memory first (4.3 ns); an H100 fused a (4096 x 4096) one (< 0.001 ns)."""
     first, *rest = effort.dequantize_widths
     fits = room(devices[side]) // (3 * np.dtype(dtype).itemsize)
     curves: dict[str, list[tuple[int, float]]] = {f: [] for f in FORMATS}

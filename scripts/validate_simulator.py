@@ -109,9 +109,11 @@ def main() -> int:
     print_table(table)
     print(f"{sum(r['within'] for r in rows)} of {len(rows)} within {TOLERANCE:.0%}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"profile": profile.name, "model": spec.name,
-                       "weights": spec.weight_format, "rows": rows}, f, indent=1)
+        head = json.dumps({"profile": profile.name, "model": spec.name,
+                           "weights": spec.weight_format})
+        with open(args.json, "w") as f:  # a row a line: each row carries its plan's JSON
+            f.write(head[:-1] + ', "rows": [\n' + ",\n".join(
+                json.dumps(r, separators=(",", ":")) for r in rows) + "]}\n")
     return 0
 
 

@@ -17,7 +17,7 @@ import glob
 import json
 import os
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -204,6 +204,41 @@ def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.
                 leaf = leaf[key]
             t[hf_name(layer, op, path)] = np.ascontiguousarray(flat(path, leaf))
     return t
+
+
+def write_hf_folder(directory: str, spec: ModelSpec, shards: int,
+                    params_for: Callable[[list[int]], dict[str, Any]],
+                    log: Callable[[str], None] = lambda message: None) -> int:
+    """Write a Hugging Face Llama folder of ``spec``'s shapes: ``config.json`` and ``shards``
+    safetensors files of consecutive layers (EMBED with the first, HEAD with the last), named
+    as the Hub names shards, with their ``INDEX`` when there are several. ``params_for(layers)``
+    gives a tree holding at least those layers' weights (and EMBED's or HEAD's in the first and
+    last shard), so a large model can be drawn a shard at a time; ``log`` gets a line per
+    shard.
+
+    Returns:
+      bytes of the tensors written.
+    """
+    from safetensors.numpy import save_file
+
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(spec), f, indent=2)
+    weight_map, total = {}, 0
+    for shard, layers in enumerate(np.array_split(np.arange(spec.n_layers), shards)):
+        name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        layers = [int(i) for i in layers]
+        tensors = hf_tensors(spec, params_for(layers), layers)
+        save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        nbytes = sum(a.nbytes for a in tensors.values())
+        total += nbytes
+        log(f"{name}: layers {layers[0]}-{layers[-1]}, {nbytes / 2**30:.2f} GiB")
+        del tensors
+    if shards > 1:
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                      indent=2)
+    return total
 
 
 def hf_config(spec: ModelSpec) -> dict:

@@ -19,20 +19,15 @@ a minute per GB on the 2-core development VM.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-
-import numpy as np
 
 from hx.devices import configure_runtime
 from hx.models.loader import load, load_spec
 from hx.models.random_weights import random_params
-from hx.models.safetensors_loader import hf_config, hf_tensors
+from hx.models.safetensors_loader import write_hf_folder
 
 
 def main() -> None:
-    from safetensors.numpy import save_file
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--model", default="llama2-7b:8L")
@@ -46,22 +41,9 @@ def main() -> None:
         embedding_format="dense")
     os.makedirs(args.out, exist_ok=True)
     smollm.tokenizer.backend.save(os.path.join(args.out, "tokenizer.json"))
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(hf_config(spec), f, indent=2)
-    weight_map, total = {}, 0
-    for shard, layers in enumerate(np.array_split(np.arange(spec.n_layers), args.shards)):
-        name = f"model-{shard + 1:05d}-of-{args.shards:05d}.safetensors"
-        layers = [int(i) for i in layers]
-        part = random_params(spec, seed=0, layers=layers)  # as drawn for the whole model
-        tensors = hf_tensors(spec, part, layers)
-        save_file(tensors, os.path.join(args.out, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        total += sum(a.nbytes for a in tensors.values())
-        print(f"{name}: layers {layers[0]}-{layers[-1]}, "
-              f"{sum(a.nbytes for a in tensors.values()) / 2**30:.2f} GiB", flush=True)
-        del part, tensors
-    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    total = write_hf_folder(  # each shard's layers as drawn for the whole model
+        args.out, spec, args.shards, lambda layers: random_params(spec, seed=0, layers=layers),
+        lambda line: print(line, flush=True))
     print(f"{args.out}: {spec.n_layers} layers of {spec.name}, {total / 2**30:.2f} GiB")
 
 

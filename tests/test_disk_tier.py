@@ -3,7 +3,6 @@
 plan with those weights in host memory; their pages leave the resident set after each step."""
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from hx.executor import Executor
 from hx.memory import estimate
 from hx.models.mapped import PAGE, is_mapped, resident_bytes
 from hx.models.random_weights import random_params
-from hx.models.safetensors_loader import INDEX, hf_config, hf_tensors, load_safetensors_dir
+from hx.models.safetensors_loader import load_safetensors_dir, write_hf_folder
 from hx.models.spec import ModelSpec
 from hx.plan import DISK, STREAMED, ExecutionPlan, WeightHomes
 from hx.planner import policies
@@ -68,17 +67,8 @@ PLANS = {"stream-all": on_disk(policies.stream_all(4), {0, 1, 3}, head=True),
 
 def write_checkpoint(path, spec: ModelSpec, shards: int = 2) -> None:
     """A Hugging Face folder of ``spec``'s shapes with random weights, in ``shards`` files."""
-    from safetensors.numpy import save_file
-
     params = random_params(spec, seed=3)
-    (path / "config.json").write_text(json.dumps(hf_config(spec)))
-    weight_map = {}
-    for i, layers in enumerate(np.array_split(np.arange(spec.n_layers), shards)):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = hf_tensors(spec, params, [int(x) for x in layers])
-        save_file(tensors, str(path / name))
-        weight_map.update(dict.fromkeys(tensors, name))
-    (path / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    write_hf_folder(str(path), spec, shards, lambda layers: params)
 
 
 @pytest.fixture(scope="module")

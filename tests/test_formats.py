@@ -2,7 +2,6 @@
 error bound, compressed models against a float64 reference, streamed bytes, bounded
 temporaries, mapped safetensors folders (shards, index, errors) and released pages."""
 
-import json
 import os
 
 import gguf
@@ -19,7 +18,7 @@ from hx.models.llama import dequantize as jax_dequantize
 from hx.models.llama import init_params
 from hx.models.loader import Model, load
 from hx.models.mapped import is_mapped, map_file, release
-from hx.models.safetensors_loader import INDEX, hf_config, hf_tensors, load_safetensors_dir
+from hx.models.safetensors_loader import load_safetensors_dir, write_hf_folder
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner.policies import stream_all
@@ -136,20 +135,10 @@ def test_decompression_waits_for_its_input_so_temporaries_do_not_grow_with_depth
 
 def _write_folder(tmp_path, tokenizer, shards: int):
     """A Hugging Face folder of WIDE's shapes (untied), float32, in ``shards`` files."""
-    from safetensors.numpy import save_file
-
     spec = WIDE.replace(tie_embeddings=False)
     params = jax.tree.map(np.asarray, init_params(spec, seed=5))
     tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(spec)))
-    weight_map = {}
-    for i, layers in enumerate(np.array_split(np.arange(spec.n_layers), shards)):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = hf_tensors(spec, params, [int(x) for x in layers])
-        save_file(tensors, str(tmp_path / name))
-        weight_map.update(dict.fromkeys(tensors, name))
-    if shards > 1:
-        (tmp_path / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    write_hf_folder(str(tmp_path), spec, shards, lambda layers: params)
     return spec, params
 
 

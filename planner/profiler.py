@@ -109,6 +109,37 @@ def excursion_line(profile: HardwareProfile) -> str:
 
 # -- the profile -------------------------------------------------------------------------------
 
+def measure_side(devices: Devices, side: str, kernel, effort: Effort,
+                 log: Callable[[str], None]) -> DeviceProfile:
+    """The rates of one side (``ACCELERATOR`` or ``HOST``): matmul curves (float32, and
+    bfloat16 on the accelerator), memory bandwidth, decompression curves, and the attention
+    rates of its SCORE ``kernel`` over float32 and bfloat16 caches; no launch overhead."""
+    device = devices[side]
+    log(f"{side}: timing matmul, memory and attention rates")
+    curves = {dtype: measure_matmul(device, dtype, effort.matmul_rows, effort)
+              for dtype in ((jnp.float32, LOW_DTYPE) if side == ACCELERATOR
+                            else (jnp.float32,))}
+    memory = measure_memory_bandwidth(device, effort)
+    for dtype, curve in curves.items():
+        log(f"{side}: matmul {curve[0][1] / 1e9:.1f} GFLOP/s at M={curve[0][0]}, "
+            f"{curve[-1][1] / 1e9:.1f} at M={curve[-1][0]} ({jnp.dtype(dtype).name})")
+    log(f"{side}: memory {memory / 1e9:.1f} GB/s")
+    dequant = {dtype: measure_dequantize(devices, side, dtype, effort) for dtype in curves
+               if dtype == jnp.float32 or effort is not QUICK}  # quick: bf16 priced as f32
+    for dtype, table in dequant.items():
+        log(f"{side}: decompression into {jnp.dtype(dtype).name}, ns per weight at "
+            f"{', '.join(f'{n / 1e6:.1f}' for n, _ in table[0][1])} M weights: "
+            + "; ".join(f"{f} " + " ".join(f"{t * 1e9:.2f}" for _, t in points)
+                        for f, points in table))
+    return DeviceProfile(
+        matmul=curves[jnp.float32], memory_bandwidth=memory,
+        attention=measure_attention(device, kernel, effort.attention_slots, effort),
+        attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
+                                        LOW_DTYPE),
+        launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()),
+        dequantize=dequant[jnp.float32], dequantize_low=dequant.get(LOW_DTYPE, ()))
+
+
 def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
             launch: bool = True, effort: Effort = FULL) -> HardwareProfile:
     """Measure every figure of a ``HardwareProfile`` on ``devices`` (module doc).
@@ -135,32 +166,8 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     log(f"staged weight copies: {staging * 1e6:.0f} us each beyond bytes / bandwidth")
     round_trip = measure_round_trip(devices, effort)
     log(f"bare round trip accelerator -> host op -> accelerator {round_trip * 1e6:.0f} us")
-    sides = {}
-    for side, kernel in ((ACCELERATOR, jax.jit(attention)), (HOST, host_attention)):
-        device = devices[side]
-        log(f"{side}: timing matmul, memory and attention rates")
-        curves = {dtype: measure_matmul(device, dtype, effort.matmul_rows, effort)
-                  for dtype in ((jnp.float32, LOW_DTYPE) if side == ACCELERATOR
-                                else (jnp.float32,))}
-        memory = measure_memory_bandwidth(device, effort)
-        for dtype, curve in curves.items():
-            log(f"{side}: matmul {curve[0][1] / 1e9:.1f} GFLOP/s at M={curve[0][0]}, "
-                f"{curve[-1][1] / 1e9:.1f} at M={curve[-1][0]} ({jnp.dtype(dtype).name})")
-        log(f"{side}: memory {memory / 1e9:.1f} GB/s")
-        dequant = {dtype: measure_dequantize(devices, side, dtype, effort) for dtype in curves
-                   if dtype == jnp.float32 or effort is not QUICK}  # quick: bf16 priced as f32
-        for dtype, table in dequant.items():
-            log(f"{side}: decompression into {jnp.dtype(dtype).name}, ns per weight at "
-                f"{', '.join(f'{n / 1e6:.1f}' for n, _ in table[0][1])} M weights: "
-                + "; ".join(f"{f} " + " ".join(f"{t * 1e9:.2f}" for _, t in points)
-                            for f, points in table))
-        sides[side] = DeviceProfile(
-            matmul=curves[jnp.float32], memory_bandwidth=memory,
-            attention=measure_attention(device, kernel, effort.attention_slots, effort),
-            attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
-                                            LOW_DTYPE),
-            launch_overhead=(), matmul_low=curves.get(LOW_DTYPE, ()),
-            dequantize=dequant[jnp.float32], dequantize_low=dequant.get(LOW_DTYPE, ()))
+    sides = {side: measure_side(devices, side, kernel, effort, log)
+             for side, kernel in ((ACCELERATOR, jax.jit(attention)), (HOST, host_attention))}
     log("timing copy/compute and accelerator/host compute contention")
     contention = measure_contention(devices, effort)
     compute_contention = measure_compute_contention(devices, effort)

@@ -161,33 +161,10 @@ class Executor:
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
         tier = disk.DiskTier(spill_dir, plan.name)
 
-        def place(tree, layer, op, home, device):
-            held = held_weights(spec, op, device)
-
-            def put(path, leaf):
-                want = held_dtype(held, path)
-                key = (id(leaf), home, want.name)
-                if key in placed:  # a tied embedding is one buffer per home and dtype
-                    return placed[key]
-                if home == DISK:
-                    placed[key] = tier.hold(leaf, want, op if layer is None
-                                            else f"layer {layer} {op}")
-                else:
-                    placed[key] = jax.device_put(
-                        leaf if leaf.dtype == want else leaf.astype(want), self._homes[home])
-                    if is_mapped(leaf):  # once the placed buffer holds it, drop the file's pages
-                        placed[key].block_until_ready()
-                        release(leaf)
-                    if home == RESIDENT:
-                        self.accountant.allocate("weights", ("weights", key),
-                                                 placed[key].nbytes)
-                return placed[key]
-
-            return jax.tree_util.tree_map_with_path(put, tree)
-
         self._params = tier.finish({
-            phase: [tuple(place(op_params(params, layer, op), layer, op,
-                                plan.weights.get(layer, op) or HOST, seg.device)
+            phase: [tuple(self._place(op_params(params, layer, op), layer, op,
+                                      plan.weights.get(layer, op) or HOST, seg.device, placed,
+                                      tier)
                           for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()})
         self.spilled_bytes = tier.spilled_bytes
@@ -198,6 +175,36 @@ class Executor:
         self._executables: dict[tuple, tuple[Any, int]] = {}
         self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
         self._kv_keys: set[tuple] = set()  # accountant keys of live KV caches
+
+    def _place(self, tree, layer: int | None, op: str, home: str, device: str,
+               placed: dict[tuple[int, str, str], Any], tier: disk.DiskTier) -> Any:
+        """``op``'s weight ``tree`` held at ``home`` for a segment on ``device``, in the dtypes
+        ``held_weights`` gives: on disk through ``tier``, else placed (a mapped leaf's pages
+        released once placed, accelerator-resident bytes allocated to the accountant).
+        ``placed`` ((id(array), home, dtype) -> placed) makes a tied embedding one buffer per
+        home and dtype."""
+        held = held_weights(self.spec, op, device)
+
+        def put(path, leaf):
+            want = held_dtype(held, path)
+            key = (id(leaf), home, want.name)
+            if key in placed:  # a tied embedding is one buffer per home and dtype
+                return placed[key]
+            if home == DISK:
+                placed[key] = tier.hold(leaf, want, op if layer is None
+                                        else f"layer {layer} {op}")
+            else:
+                placed[key] = jax.device_put(
+                    leaf if leaf.dtype == want else leaf.astype(want), self._homes[home])
+                if is_mapped(leaf):  # once the placed buffer holds it, drop the file's pages
+                    placed[key].block_until_ready()
+                    release(leaf)
+                if home == RESIDENT:
+                    self.accountant.allocate("weights", ("weights", key),
+                                             placed[key].nbytes)
+            return placed[key]
+
+        return jax.tree_util.tree_map_with_path(put, tree)
 
     # -- KV caches ---------------------------------------------------------------------------
 

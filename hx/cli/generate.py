@@ -98,8 +98,8 @@ def generate(
         read_prompts(str(prompts))
         check_output_path(str(prompts), str(output))
         lock = output_lock(str(output))
-    options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory, policy,
-                         gpu_layers, host_ops, plan, profile, batch_size or 1,
+    options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory,
+                         policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace, spill_dir)
     with lock:
@@ -316,8 +316,9 @@ def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | Non
     start = time.perf_counter()
     piped = not sys.stdout.isatty()
     with Progress(TextColumn("{task.description}", markup=False), BarColumn(),
-                  MofNCompleteColumn(), TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
-                  TextColumn("ETA"), TimeRemainingColumn(), console=err) as progress:
+                  MofNCompleteColumn(), TextColumn("{task.fields[rate]} tok/s"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=err) as progress:
         task = progress.add_task("starting", total=len(job.todo), rate="-")
         engine.on_status = lambda line: progress.update(task, description=line)
 

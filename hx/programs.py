@@ -139,7 +139,7 @@ class SplitHostProgram:
         return SimpleNamespace(temp_size_in_bytes=temp)
 
 
-def _param_tree(spec: ModelSpec, op: str, device: str, sharding) -> dict:
+def param_tree(spec: ModelSpec, op: str, device: str, sharding) -> dict:
     """Abstract parameter tree of ``op`` as a segment on ``device`` holds it
     (``models.tensors.held_weights``), nested as the Flax modules nest it."""
     tree: dict = {}
@@ -205,7 +205,7 @@ class Programs:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
-        params = tuple(_param_tree(s, op, segment.device, where) for _, op in segment.ops)
+        params = tuple(param_tree(s, op, segment.device, where) for _, op in segment.ops)
         acts = _activation_structs(s, segment.reads, batch, tokens, where)
         cache = _struct(kv_shape(s, batch, slots), s.dtype, where)
         caches = tuple({"k": cache, "v": cache} for _ in segment.cache_layers)

@@ -144,7 +144,7 @@ def _mlp_probe(side: str, devices: Devices, width: int, dtype, fmt: str
     from jax.sharding import SingleDeviceSharding
 
     from hx.models.spec import ModelSpec
-    from hx.programs import _param_tree, segment_function
+    from hx.programs import param_tree, segment_function
 
     spec = ModelSpec(name="dequantize-probe", n_layers=1, d_model=width, n_heads=width // 128,
                      n_kv_heads=width // 128, head_dim=128, d_ff=_probe_ffn(width),
@@ -159,8 +159,8 @@ def _mlp_probe(side: str, devices: Devices, width: int, dtype, fmt: str
         return jax.device_put(a, device)
 
     ops = ("MLP1", "MLP2")
-    params = tuple(jax.tree.map(random, _param_tree(spec, op, side, SingleDeviceSharding(device)))
-                   for op in ops)
+    sharding = SingleDeviceSharding(device)
+    params = tuple(jax.tree.map(random, param_tree(spec, op, side, sharding)) for op in ops)
     x = jax.device_put(np.ones((1, 1, width), dtype), device)
     step = jax.device_put(Step(np.zeros((1, 1), np.int32), np.int32(0), np.zeros(1, np.int32)),
                           device)

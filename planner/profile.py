@@ -172,7 +172,9 @@ class HardwareProfile:
         a command needed a profile and none was saved; ``hx profile`` measures a full one.
       disk_read_bandwidth / disk_write_bandwidth: bytes/s of sequential reads into and writes
         from host memory of the disk tier (NVMe); 0 when the machine has none (hardware
-        presets, ``planner.hardware``).
+        presets, ``planner.hardware``). The profiler measures reads only, cold (a file dropped
+        from the page cache: ``rates.measure_disk_read``), 0 in a profile measured before it
+        did (``hx profile`` again); nothing prices writes.
       disk_memory: bytes of the disk tier (None: none or unknown).
     """
 

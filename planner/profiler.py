@@ -5,8 +5,8 @@ Every figure is measured the way the executor uses the hardware, as the median o
 repeated runs that stop once the median is stable (``timing.stable_seconds``, under an
 ``Effort``; runs that a fit or a ratio compares are interleaved, so a slow spell of this shared
 machine hits them alike): copies between the devices, transfer latency and JAX's bare round
-trip in ``links``; matmul, memory, attention, decompression rates and copy/compute contention
-in ``rates``;
+trip in ``links``; matmul, memory, attention, decompression rates, copy/compute contention and
+the disk's cold read rate in ``rates``;
 here the **launch overhead** (without ``calibrate.refine``): the executor's own decode steps of a
 tiny model under plans of 1 to 121 segments (``QUICK``: the 33-segment one), the cost per
 segment beyond the simulator's compute and the measured transfers.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from functools import partial
@@ -42,9 +43,9 @@ from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measur
                               measure_round_trip, measure_small_transfers,
                               measure_staging_latency)
 from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
-from hx.planner.rates import (LOW_DTYPE, measure_attention, measure_compute_contention,
-                              measure_contention, measure_dequantize, measure_matmul,
-                              measure_memory_bandwidth)
+from hx.planner.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
+                              measure_compute_contention, measure_contention, measure_dequantize,
+                              measure_disk_read, measure_matmul, measure_memory_bandwidth)
 from hx.planner.timing import FULL, QUICK, MiB, Effort
 
 TINY = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
@@ -173,6 +174,7 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
     compute_contention = measure_compute_contention(devices, effort)
     log(f"copy/compute contention {contention:.2f}, accelerator/host compute contention "
         f"{compute_contention:.2f}")
+    disk_read = measure_disk(effort, log)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     acc = devices.accelerator
     own_limit = (acc.device.memory_stats() or {}).get("bytes_limit")  # not a user's budget
@@ -185,10 +187,28 @@ def measure(devices: Devices, log: Callable[[str], None] = lambda message: None,
         compute_contention=compute_contention,
         accelerator_memory=own_limit, host_memory=pages, emulated=acc.emulated,
         h2d_latency=staging, d2h_latency=d2h.latency,
-        quick=quick, round_trip=round_trip)
+        quick=quick, round_trip=round_trip, disk_read_bandwidth=disk_read)
     if not launch:
         return profile
     return fit_launch_overhead(profile, devices, effort.launch_plans, log)
+
+
+def measure_disk(effort: Effort, log: Callable[[str], None]) -> float:
+    """The disk tier's cold read rate, bytes/s (``rates.measure_disk_read``: 256 MiB, a
+    quarter in a quick profile) under the temporary directory, where ``hx.disk`` spills by
+    default; 0 (no disk tier: the planner keeps everything in memory) where no file can be
+    written there, said in a line to ``log``."""
+    where = tempfile.gettempdir()
+    nbytes = DISK_BYTES if effort is not QUICK else DISK_BYTES // 4
+    log(f"timing cold reads of a {nbytes // MiB} MiB file in {where}")
+    try:
+        rate = measure_disk_read(where, nbytes, effort)
+    except OSError as e:
+        log(f"no disk read rate: cannot write a file in {where} ({e.strerror}); plans keep "
+            "every weight in memory")
+        return 0.0
+    log(f"disk: {rate / 1e9:.2f} GB/s cold reads")
+    return rate
 
 
 def quick(devices: Devices, log: Callable[[str], None] = lambda message: None

@@ -16,12 +16,17 @@
   beyond the same segment dense, at several matrix sizes (both calls pay one dispatch,
   which the difference cancels).
 * **contention**: a weight copy overlapped with an M = 1 product over as many bytes;
-* **compute contention**: M = 1 products on the accelerator and the host at once.
+* **compute contention**: M = 1 products on the accelerator and the host at once;
+* **disk read**: a file written where the disk tier spills (``hx.disk``), dropped from the page
+  cache, then read through a mapping as the executor reads disk-homed weights.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
+import tempfile
 from functools import partial
 from typing import Callable
 
@@ -39,6 +44,7 @@ from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
 COLUMN_STEP = 1024  # P is a multiple of this
 MEMORY_BYTES = 256 * MiB  # buffer of the elementwise pass
+DISK_BYTES = 256 * MiB  # file the disk read probe reads (a quick profile: a quarter)
 LOW_DTYPE = jnp.bfloat16  # ``DeviceProfile.matmul_low`` on the accelerator
 
 
@@ -273,3 +279,38 @@ def measure_compute_contention(devices: Devices, effort: Effort = FULL) -> float
     acc, host, both = effort.time(lambda: _products(xa, wa, 1), lambda: _products(xh, wh, 1),
                                   lambda: (_products(xa, wa, 1), _products(xh, wh, 1)))
     return _lost_share(acc.seconds, host.seconds, both.seconds)
+
+
+def measure_disk_read(directory: str | None = None, nbytes: int = DISK_BYTES,
+                      effort: Effort = FULL) -> float:
+    """Bytes/s of cold sequential reads from the disk under ``directory`` (default: the
+    temporary directory, where ``hx.disk`` spills weights by default), as the executor reads
+    disk-homed weights: an unnamed file of ``nbytes`` written there and synced once, then,
+    before each timed read, dropped from the page cache (``posix_fadvise(DONTNEED)``) and from
+    this process's mapping, so every read comes from the device; each read copies the whole
+    mapped file into a buffer. A warm read (page cache) is several times faster (this VM:
+    0.6-2 GB/s cold, 5-9 GB/s warm): the disk tier's weights are larger than the host memory
+    that would keep them cached, so the planner prices the cold rate. On a tmpfs the page cache
+    is the file, and the rate is memory's.
+
+    Raises:
+      OSError: ``directory`` cannot hold the file.
+    """
+    block = np.random.default_rng(0).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    with tempfile.TemporaryFile(dir=directory, prefix="hx-disk-probe-") as f:
+        for _ in range(max(1, nbytes // block.nbytes)):
+            f.write(block.data)
+        f.flush()
+        os.fsync(f.fileno())  # dirty pages cannot be dropped from the page cache
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+            data = np.frombuffer(mapping, np.uint8)
+            into = np.empty_like(data)
+
+            def cold() -> None:
+                mapping.madvise(mmap.MADV_DONTNEED)
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+            seconds = effort.time(lambda _: np.copyto(into, data), setups=(cold,),
+                                  warmup_s=0.0)[0].seconds
+            del data
+    return into.nbytes / seconds

@@ -43,7 +43,7 @@ def test_quick_profile_is_measured_kept_apart_and_calibrates(devices, tmp_path, 
         assert all(rate > 0 for _, rate in side.matmul + side.matmul_low + side.attention)
         assert side.memory_bandwidth > 0 and side.launch_seconds(1) >= 0
     assert quick.h2d_bandwidth > 0 and quick.d2h_bandwidth > 0 and quick.transfer_latency > 0
-    assert quick.round_trip > 0
+    assert quick.round_trip > 0 and quick.disk_read_bandwidth > 0
     # bfloat16 rates on the accelerator, where a bf16 model's ops run; the host computes float32
     assert [m for m, _ in quick.accelerator.matmul_low] == list(timing.QUICK.matmul_rows)
     assert quick.host.matmul_low == ()
@@ -63,6 +63,22 @@ def test_quick_profile_is_measured_kept_apart_and_calibrates(devices, tmp_path, 
     assert math.isfinite(refined.model_error) and 0 <= refined.model_error < 0.5
     refined.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == refined
+
+
+def test_disk_read_probe_leaves_nothing_behind_and_a_missing_disk_is_no_tier(tmp_path):
+    """The cold read probe reads a file it writes in the directory given, which it leaves as it
+    found it (the file has no name); where no file can be written there is no disk tier (rate 0),
+    said in a line, and planning goes on without one."""
+    from hx.planner.rates import measure_disk_read
+
+    assert measure_disk_read(str(tmp_path), 8 * timing.MiB, timing.QUICK) > 0
+    assert os.listdir(tmp_path) == []
+    lines = []
+    missing = str(tmp_path / "missing")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profiler.tempfile, "gettempdir", lambda: missing)
+        assert profiler.measure_disk(timing.QUICK, lines.append) == 0.0
+    assert "cannot write a file in " + missing in lines[-1], lines
 
 
 def test_new_fields_round_trip_and_old_files_load(tmp_path):

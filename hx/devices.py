@@ -306,8 +306,8 @@ def discover(accelerator_memory: int | str | None = None,
     Args:
       accelerator_memory: bytes (or a size string) hx may use on the accelerator. Default: the
         device's own limit when it reports one (a real GPU: XLA's pool limit), else no limit.
-      host_memory: bytes hx may use on the host: its weights (float32 copies for host compute
-        included), host KV caches and disk read buffers. Default: ``default_host_memory()``,
+      host_memory: bytes hx may use on the host: its weights (a float16 model's float32 copies for host
+        compute included), host KV caches and disk read buffers. Default: ``default_host_memory()``,
         the memory available now minus max(1 GiB, 10 %).
     Raises:
       HxError: no accelerator exists and JAX was initialised with a single CPU device (call

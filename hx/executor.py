@@ -4,10 +4,9 @@
 At construction every op's weights go to their home: ``resident`` into accelerator memory,
 ``streamed`` into the accelerator's ``pinned_host`` memory kind, ``host`` onto the host CPU
 device, ``disk`` as read-only views of a mapped file (``hx.disk``: the checkpoint's, or a spill
-file written once) -- in the model's dtype, except that the weights of host segments are
-converted once, here, to float32 (``models.tensors.held_weights``: XLA:CPU multiplies float32
-fastest). A host-homed weight that an accelerator segment stages in is kept in the model's dtype
-too.
+file written once) -- in the model's dtype, except that a float16 model's host segments hold
+float32 copies made once, here (``models.spec.host_dtype``: XLA:CPU has no fast float16
+product).
 Compressed matrices (``models.formats``) are placed as they are held -- codes, scales and
 offsets -- and decompressed inside each program right before use, so streaming moves their
 compressed bytes. Each

@@ -147,8 +147,8 @@ class MemoryEstimate:
 def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
     """(accelerator, host) bytes of the weight buffers the executor places for ``plan``: one
     buffer per distinct (array, home, dtype) -- each op's arrays as the devices whose
-    segments use it hold them (``models.tensors.held_weights``: dense tensors in float32 for
-    host ops and in the model's dtype when an accelerator segment stages them in; compressed
+    segments use it hold them (``models.tensors.held_weights``: dense tensors in the model's
+    dtype, and for a float16 model's host ops in float32 besides; compressed
     matrices as their codes, scales and offsets either way); a tied embedding is one array
     for EMBED and HEAD. Disk-homed weights are in neither (``disk_weight_bytes``)."""
     held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
@@ -173,9 +173,8 @@ def step_shapes(plan: ExecutionPlan, workload: Workload, every_chunk: bool = Tru
     """(phase, B rows, T new tokens, N micro-batches) of every step shape a run of
     ``workload`` under ``plan`` takes: prefill at each chunk size (``plan.prefill_chunk``;
     the largest only unless ``every_chunk``) and decode at T = 1, at each row count of
-    ``Workload.step_rows``. XLA's temporaries need not fall with the rows: on XLA:CPU a
-    half-precision matrix-vector product (one row) holds a float32 copy of its weight where
-    two rows do not (SmolLM2's bfloat16 HEAD: 113 MB at one row). A prefill chunk is a
+    ``Workload.step_rows``. XLA's temporaries need not fall with the rows (on XLA:CPU a
+    float16 matrix-vector product holds a float32 copy of its weight). A prefill chunk is a
     multiple of 16 tokens (``PREFILL_BUCKET``), never a matrix-vector product, and its bytes
     grow with its tokens: planners size the largest."""
     chunks = sorted(set(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk)))

@@ -15,12 +15,13 @@ run (a 70B segment of 80 layers would take minutes to compile): a segment with m
 layers is sized by a cut-down copy with one of its middle layers, plus what each further middle
 layer adds (``layer_growth``). The middle layers of any segment are whole layers on its device
 with resident weights, all alike, so the growth is measured once per device and shapes: the
-whole model as one segment with two middle layers minus with one. On a GPU, and on XLA:CPU in float32, a layer's buffers
-are freed before the next layer starts and temporaries do not grow with depth (Llama-2-7B
-shapes, a 1000-token prefill on XLA:CPU: 1, 4 and 32 layers need 431, 447 and 447 MiB). XLA:CPU
-has no bfloat16/float16 dot and holds a float32 copy of every half-precision weight of the
-program at once (SmolLM2 bfloat16, one decode step: 127.4, 141.6, 155.8 MB for 1, 2, 3 layers,
-14.18 MB a layer, its weights in float32), which the extrapolation follows.
+whole model as one segment with two middle layers minus with one. On a GPU, and on XLA:CPU in
+float32 and bfloat16, a layer's buffers are freed before the next layer starts and temporaries
+do not grow with depth (Llama-2-7B shapes, a 1000-token prefill on XLA:CPU: 1, 4 and 32 layers
+need 431, 447 and 447 MiB; a bfloat16 decode step: 0.5 MB a layer at one row, its products
+padded to two by ``models.llama.product``). XLA:CPU has no float16 dot and holds a float32 copy
+of every float16 weight of the program at once (SmolLM2, one decode step: 14.16 MB a layer, its
+weights in float32), which the extrapolation follows.
 """
 
 from __future__ import annotations
@@ -292,8 +293,8 @@ class Programs:
     def layer_growth(self, device: str, batch: int, tokens: int, slots: int) -> int:
         """XLA temporary bytes one more whole middle layer adds to a segment on ``device`` at
         (B, T, S), at least 0: the whole model as one segment, with two middle layers minus
-        with one (0 on a GPU and in float32; on XLA:CPU in half precision, a layer's weights
-        in float32 where its products are matrix-vector ones)."""
+        with one (about 0 on a GPU and in float32 or bfloat16; on XLA:CPU in float16, a
+        layer's weights in float32)."""
         one, two = (self._temp(s, batch, tokens, slots) for s in _growth_probes(device))
         return max(0, two - one)
 

@@ -32,9 +32,10 @@ or ``float16``); logits are float32. A matmul runs in its weights' dtype with fl
 accumulation (``preferred_element_type``), and an op rounds its result to ``spec.dtype`` once,
 after its residual add or SiLU product; RMSNorm, RoPE and softmax compute in float32. The
 weights decide the math, not the device: the executor holds the weights of host-computed ops in
-float32 (``spec.HOST_DTYPE``, what XLA:CPU multiplies fastest), so a bfloat16 model's host ops
-compute in float32 on bfloat16 activations. A float32 model computes in float32 throughout
-(float32 dots at "highest" precision: ``hx.devices.configure_runtime``).
+the model's dtype, except float32 for a float16 model (``spec.host_dtype``: XLA:CPU has no fast
+float16 product), whose host ops then compute in float32 on float16 activations. A float32
+model computes in float32 throughout (float32 dots at "highest" precision:
+``hx.devices.configure_runtime``).
 """
 
 from __future__ import annotations
@@ -191,16 +192,32 @@ class Dense(nn.Module):
         if axis != tuple(range(x.ndim - n_in, x.ndim)):
             raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
         flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
-        y = jax.lax.dot_general(x.astype(kernel.dtype).reshape(*x.shape[:-n_in], flat_in),
-                                kernel.reshape(flat_out, flat_in),
-                                (((x.ndim - n_in,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        rows = x.reshape(-1, flat_in).astype(kernel.dtype)
+        y = product(rows, kernel.reshape(flat_out, flat_in))
         y = y.reshape(*x.shape[:-n_in], *self.features)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), self.features,
                               self.param_dtype)
             y = y + bias.astype(jnp.float32)
         return y
+
+
+def product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x (N, in) @ kernel (out, in)^T -> (N, out) float32, in the operands' dtype with float32
+    accumulation (``preferred_element_type``).
+
+    A one-row bfloat16 product is computed as two rows, the second zero: XLA:CPU's
+    matrix-vector path widens a bfloat16 matrix to a float32 temporary first (Llama-2-7B's
+    11008 x 4096: 180 MB of temporaries and 61-94 ms), where its matrix-matrix path multiplies
+    bfloat16 as it is (0.09 MB, 5.8-12 ms; this VM, jax 0.10.2, ``models.spec.host_dtype``).
+    On a GPU both are bound by reading the matrix, so the extra row costs nothing measurable.
+    """
+    pad = x.shape[0] == 1 and kernel.dtype == jnp.bfloat16
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    y = jax.lax.dot_general(x, kernel, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y[:1] if pad else y
 
 
 def _held(module: nn.Module):

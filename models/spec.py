@@ -25,12 +25,23 @@ EMBED, HEAD = "EMBED", "HEAD"
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = ("llama", "opt")
-# Weights of ops computed on the host are held in float32 whatever the model's dtype: XLA:CPU
-# multiplies float32 fastest. Measured on this 2-core VM (jax 0.10.2), a (1 x 4096) @
-# (4096 x 11008) product took 12.6 ms in float32 and 200 ms in bfloat16 or 175 ms in float16
-# (float32 accumulation); at 16 rows 68 vs 79 (bf16) and 249 ms (f16), at 128 rows 262 vs 389
-# and 482 ms. Activations between ops and KV caches stay in the model's dtype on both sides.
-HOST_DTYPE = "float32"
+
+
+def host_dtype(dtype: str) -> str:
+    """The dtype host-computed ops hold their weights in, for a model run in ``dtype``: the
+    model's own dtype for float32 and bfloat16 (no copies), float32 for float16.
+
+    XLA:CPU multiplies bfloat16 fast where the CPU has bf16 instructions (this VM's AMD EPYC:
+    ``avx512_bf16``) once a product has two rows or more: a (2 x 4096) @ (4096 x 11008) product
+    with float32 accumulation took 5.8 ms held in bfloat16 against 16.1 ms in float32 (16 rows:
+    8.5 vs 20.3; jax 0.10.2, 2 threads, median of 11). One-row products are padded to two
+    (``models.llama.Dense``): XLA:CPU's matrix-vector path widens a bfloat16 matrix to a float32
+    temporary first (61 ms). float16 has no fast path on XLA:CPU (64-84 ms at 1-16 rows), so a
+    float16 model's host ops hold float32 copies (3.6 ms at one row), which the host budget
+    counts. On a CPU without bf16 instructions the profiler's host rates, measured in this
+    dtype, price the slower products; memory, not speed, is the constraint hx must not break.
+    """
+    return "float32" if dtype == "float16" else dtype
 
 
 def numpy_dtype(dtype: str):
@@ -67,7 +78,7 @@ class ModelSpec:
         ``float16``): of the weights on the accelerator (resident and streamed), of the
         activations between ops and of the KV caches. Matmuls accumulate in float32; norms,
         RoPE and softmax compute in float32; logits are float32. Weights of host-computed ops
-        are held in ``HOST_DTYPE``.
+        are held in ``host_dtype(dtype)``.
       qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
         as Qwen2 does; Llama and Mistral have none.
       weight_format: how the projection matrices (the ``kernel`` of every Q, K, V, OUT, MLP1
@@ -195,7 +206,7 @@ class ModelSpec:
                          ) -> dict[str, tuple[tuple[int, ...], str]]:
         """(shape, dtype name) of each array held for ``op``'s weights, keyed by path: a dense
         tensor at its ``op_weight_shapes`` path in ``dtype`` (default: the model's dtype;
-        ``HOST_DTYPE`` for what a host-computed op holds), a compressed matrix as the arrays
+        ``host_dtype`` of it for what a host-computed op holds), a compressed matrix as the arrays
         of its format (``models.formats.Format.arrays``) at ``PATH/codes``, ``PATH/scale``
         and ``PATH/offset``.
 

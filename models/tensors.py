@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from hx.devices import HOST
-from hx.models.spec import EMBED, HEAD, HOST_DTYPE, LAYER_OPS, SCORE, ModelSpec
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,9 @@ def step_bytes(batch: int, tokens: int) -> int:
 
 
 def weight_dtype(spec: ModelSpec, device: str) -> str:
-    """The dtype a segment on ``device`` holds its weights in: ``HOST_DTYPE`` (float32) on the
-    host, the model's dtype on the accelerator (``models.spec.HOST_DTYPE`` says why)."""
-    return HOST_DTYPE if device == HOST else spec.dtype
+    """The dtype a segment on ``device`` holds its weights in: the model's dtype, except float32
+    for a float16 model's host ops (``models.spec.host_dtype`` says why)."""
+    return host_dtype(spec.dtype) if device == HOST else spec.dtype
 
 
 def held_weights(spec: ModelSpec, op: str, device: str

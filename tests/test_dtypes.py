@@ -13,7 +13,7 @@ from hx.executor import Executor, tree_bytes
 from hx.memory import estimate
 from hx.models.llama import Step
 from hx.models.loader import Model, default_dtype, load, load_spec, resolve_dtype
-from hx.models.spec import HOST_DTYPE, ModelSpec, numpy_dtype
+from hx.models.spec import ModelSpec, host_dtype, numpy_dtype
 from hx.models.tensors import activation_bytes, activation_shape, kv_bytes, weight_dtype
 from hx.planner import policies
 from hx.workload import Workload
@@ -57,7 +57,9 @@ def test_spec_follows_its_dtype():
     assert (spec.dtype, spec.dtype_bytes, half.dtype_bytes) == ("float32", 4, 2)
     assert 2 * half.weight_bytes == spec.weight_bytes
     assert 2 * kv_bytes(half, 3, 5) == kv_bytes(spec, 3, 5) == 2 * 3 * 5 * 2 * 16 * 4
-    assert half.op_weight_bytes("MLP1", HOST_DTYPE) == spec.op_weight_bytes("MLP1")
+    # host ops hold a bfloat16 model's weights as they are, a float16 model's in float32
+    assert half.op_weight_bytes("MLP1", host_dtype(half.dtype)) == half.op_weight_bytes("MLP1")
+    assert half.op_weight_bytes("MLP1", host_dtype("float16")) == spec.op_weight_bytes("MLP1")
     assert activation_bytes(half, "x", 2, 3) == 2 * 3 * 64 * 2
     assert activation_bytes(half, "logits", 2, 3) == 2 * 1000 * 4  # logits stay float32
     with pytest.raises(ValueError, match="float8"):
@@ -85,16 +87,17 @@ def test_forward_matches_float64_reference(tiny_model, dtype, plan_name, devices
 
 
 def test_weights_caches_and_activations_in_their_dtypes(tiny_bf16, devices):
-    """Accelerator weights, KV caches and activations are bfloat16 and exactly the spec's bytes;
-    host segments hold float32 weights; a host-homed weight staged into an accelerator segment
-    is bfloat16 (the alternating plan's prefill stages decode's host weights)."""
+    """Weights, KV caches and activations are bfloat16 and exactly the spec's bytes, on both
+    devices: host segments hold no float32 copies (``spec.host_dtype``), and a host-homed
+    weight staged into an accelerator segment is bfloat16 too (the alternating plan's prefill
+    stages decode's host weights)."""
     spec, plan = tiny_bf16.spec, PLANS["alternating"]
     ex = Executor(spec, tiny_bf16.params, plan, devices)
     seen = set()
     for phase in ("prefill", "decode"):
         for seg, params in zip(ex.segments[phase], ex._params[phase]):
             held = weight_dtype(spec, seg.device)
-            assert held == ("float32" if seg.device == HOST else "bfloat16")
+            assert held == "bfloat16"
             for (layer, op), tree in zip(seg.ops, params):
                 assert {leaf.dtype for leaf in jax.tree.leaves(tree)} <= {np.dtype(
                     numpy_dtype(held))}
@@ -120,9 +123,7 @@ def test_weights_caches_and_activations_in_their_dtypes(tiny_bf16, devices):
                                   "host:SCORE,MLP1"])
 def test_accelerator_peak_equals_the_estimate_in_bfloat16(tiny_bf16, name):
     """As in float32 (``test_schedule``): the peak of a real run is the dry run's, exactly.
-    The budget also covers the executor's own check at batch 1, one token: XLA:CPU converts a
-    bfloat16 weight matrix to float32 for a one-row product, so its temporaries there hold a
-    float32 copy of the LM head (12 MiB here) -- more than at the test's shapes."""
+    The budget also covers the executor's own check at batch 1, one token."""
     from test_executor import B, S, T, run_plan
 
     plan, spec = PLANS[name], tiny_bf16.spec
@@ -205,13 +206,16 @@ def test_stream_all_halves_its_staging_in_bfloat16(tiny_model, tiny_bf16):
     assert half.staging * 2 == full.staging > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["stream-all", "alternating", "host:SCORE,MLP1", "all-host"])
-def test_host_estimate_counts_the_buffers_the_executor_holds(tiny_bf16, devices, name):
-    """Host-homed weights are held in float32 for host ops and in bfloat16 where an
-    accelerator segment stages them in; the estimate's host bytes, less its host KV caches,
-    equal the distinct buffers the executor placed off accelerator memory."""
-    plan, spec = PLANS[name], tiny_bf16.spec
-    ex = Executor(spec, tiny_bf16.params, plan, devices)
+def test_host_estimate_counts_the_buffers_the_executor_holds(tiny_model, devices, name, dtype):
+    """Host-homed weights are held once in bfloat16, for host ops and accelerator segments
+    alike; a float16 model's host ops hold float32 copies besides (``spec.host_dtype``). The
+    estimate's host bytes, less its host KV caches, equal the distinct buffers the executor
+    placed off accelerator memory."""
+    model = in_dtype(tiny_model, dtype)
+    plan, spec = PLANS[name], model.spec
+    ex = Executor(spec, model.params, plan, devices)
     buffers = {id(leaf): leaf for phase in ex._params.values() for seg in phase
                for tree in seg for leaf in jax.tree.leaves(tree)}
     off_accelerator = sum(b.nbytes for b in buffers.values()

@@ -159,6 +159,18 @@ def configure_runtime() -> None:
         libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
+def release_free_heap() -> None:
+    """Return the heap memory malloc holds free to the operating system (glibc
+    ``malloc_trim(0)``; nothing elsewhere). ``configure_runtime`` keeps freed memory for reuse,
+    so the resident set would otherwise stay at its high-water mark: call it once the
+    compilations of a run are done, whose temporaries (XLA's and LLVM's) are garbage from then
+    on -- before the run allocates its KV caches and activations on top of them."""
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """The device ops are offloaded to.

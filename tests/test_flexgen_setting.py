@@ -1,15 +1,19 @@
-"""scripts/flexgen_setting.py: FlexGen's policies placed as FlexGen places them, and its runs
-timed and counted as FlexGen's benchmark (``--debug fewer_batch``) times and counts them."""
+"""scripts/flexgen_setting.py: FlexGen's policies placed as FlexGen places them, its generation
+loop replayed as flexgen/flex_opt.py runs it, and its runs timed and counted as FlexGen's
+benchmark (``--debug fewer_batch``) times and counts them."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
+from hx.devices import HOST
 from hx.models.spec import PRESETS as MODELS
+from hx.models.tensors import kv_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS
 from hx.planner.hardware import hardware_profile
-from hx.planner.simulator import RunPrediction, predict_run
+from hx.planner.simulator import op_seconds
+from hx.schedule import SYNC
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import flexgen_setting as fs  # noqa: E402
@@ -29,39 +33,97 @@ def test_flexgen_homes_follow_flexgens_weight_split():
     assert on_disk / spec.layer_weight_bytes == pytest.approx(0.5, rel=0.01)
 
 
-def test_decode_is_timed_at_the_first_decode_token():
-    """FlexGen's benchmark times token 1 (512 cached slots read), hx prices mid-generation
-    (512 + 16); everything else about the workload is the scenario's."""
-    scenario = fs.SETTINGS[0][2]
-    ours, flexgens = scenario.workload(), fs.flexgen_workload(scenario)
-    assert ours.decode_context == 528 and flexgens.decode_context == 512
-    assert (flexgens.batch, flexgens.micro_batches, flexgens.cache_slots,
-            flexgens.decode_steps) == (ours.batch, ours.micro_batches, ours.cache_slots, 31)
+def _setting(index: int):
+    model, policy, scenario, _ = fs.SETTINGS[index]
+    spec = MODELS[model].replace(dtype="float16")
+    return spec, policy, scenario, fs.flexgen_layers(spec, policy), hardware_profile("t4")
 
 
-def test_flexgen_counts_decode_as_all_its_sublayers():
-    """Generated tokens over prefill + 31 steps, each (L + 1) / L of the simulated one (2L + 2
-    sub-layers at the mean sub-layer time)."""
-    workload = fs.flexgen_workload(fs.SETTINGS[0][2])  # 48 x 3, 32 generated
-    run = RunPrediction(0.0, ttft_s=200.0, tpot_s=10.0, total_s=0.0, utilisation={},
-                        decode=None)
-    expected = 144 * 32 / (200.0 + 31 * 10.0 * 49 / 48)
-    assert fs.flexgen_tokens_per_s(run, workload, 48) == pytest.approx(expected)
-    assert fs.flexgen_tokens_per_s(run, workload, 48) < 144 * 32 / (200.0 + 31 * 10.0)
+def _pass(index: int, phase: str, count=None):
+    spec, _, scenario, layers, profile = _setting(index)
+    return fs.flexgen_pass(spec, layers, profile, phase, scenario.batch,
+                           scenario.micro_batches, scenario.prompt_tokens,
+                           scenario.prompt_tokens + scenario.new_tokens - 1, count)
 
 
-def test_flexgen_prefills_the_whole_prompt_in_one_pass():
-    """FlexGen's plan prefills each GPU batch's 512 tokens at once (one chunk), and its
-    simulated prefill is faster than hx's smallest chunks would make it (the streamed weights
-    cross the link once, not once per chunk)."""
-    model, policy, scenario, _ = fs.SETTINGS[0]
-    spec, profile = MODELS[model].replace(dtype="float16"), hardware_profile("t4")
-    workload = fs.flexgen_workload(scenario)
-    plan = fs.flexgen_plan(spec, policy, profile, workload)
-    assert plan.prefill_chunk is None
-    one_pass = predict_run(plan, spec, profile, workload).ttft_s
-    chunked = predict_run(plan.with_prefill_chunk(32), spec, profile, workload).ttft_s
-    assert one_pass < chunked
+def _named(tasks, name):
+    (task,) = [t for t in tasks if t.name == name]
+    return task
+
+
+def test_flexgen_layers_are_its_2l_plus_2_layers_with_their_weights_homes():
+    """Input embedding, (SelfAttention, MLP) per layer, output embedding; OPT-30B copies Q, K,
+    V (OUT stays on the GPU) and the MLP from CPU memory; OPT-175B reads Q, K and fc1 from disk
+    and keeps its KV cache there."""
+    spec, _, _, layers, _ = _setting(0)
+    assert len(layers) == 2 * spec.n_layers + 2
+    assert [layer.kind for layer in layers[:3]] == ["EMBED", fs.ATTENTION, "MLP1"]
+    assert layers[-1].kind == "HEAD"
+    attention, mlp = layers[1], layers[2]
+    assert attention.cpu_bytes == sum(spec.op_weight_bytes(op) for op in ("Q", "K", "V"))
+    assert (attention.cpu_tensors, attention.disk_bytes, attention.kv) == (3, 0, HOST)
+    assert mlp.cpu_bytes == spec.op_weight_bytes("MLP1") + spec.op_weight_bytes("MLP2")
+    spec, _, _, layers, _ = _setting(1)
+    assert layers[1].disk_bytes == spec.op_weight_bytes("Q") + spec.op_weight_bytes("K")
+    assert layers[2].disk_bytes == spec.op_weight_bytes("MLP1")
+    assert layers[1].kv == DISK
+
+
+def test_each_iteration_waits_for_the_previous_sync():
+    """FlexGen syncs after every (layer, GPU batch): the next layer's weights, issued at GPU
+    batch 0, hold back GPU batch 1. In OPT-30B's decode the attention weights (308 MB, 24 ms
+    at 12.89 GB/s) outlast an MLP GPU batch, so MLP batch 1 starts after the copy ends."""
+    tasks = _pass(0, "decode", 4).tasks
+    weights = _named(tasks, "weights 3")  # layer 3's (attention), issued in layer 2 (MLP)
+    first, second = _named(tasks, "MLP1 2 [mb 0]"), _named(tasks, "MLP1 2 [mb 1]")
+    assert first.end < weights.end <= second.start
+    syncs = [t for t in tasks if t.resource == SYNC]
+    assert len(syncs) == 4 * 3
+    for before, after in zip(syncs, syncs[1:]):
+        assert after.end >= before.end
+
+
+def test_prefill_attends_on_the_gpu_and_moves_hidden_states_and_cache():
+    """Prefill: no host compute; every GPU batch's hidden state (48 x 512 x 7168 fp16) goes to
+    CPU memory after each layer and back before the next, and each attention GPU batch's K, V
+    of 512 tokens go down to the CPU cache."""
+    spec, *_ = _setting(0)
+    tasks = _pass(0, "prefill", 6).tasks
+    assert not [t for t in tasks if t.resource == HOST]
+    hidden = 48 * 512 * spec.d_model * 2
+    assert _named(tasks, "store hidden (1, 0)").nbytes == hidden
+    assert _named(tasks, "load hidden (1, 1)").nbytes == hidden
+    assert _named(tasks, "store KV (1, 0)").nbytes == kv_bytes(spec, 48, 512)
+    compute = _named(tasks, "attention 1 [mb 1]")
+    assert compute.start >= _named(tasks, "load hidden (1, 1)").end  # default stream order
+
+
+def test_decode_attends_on_the_host_over_the_prompt():
+    """Decode at token 1 (--cpu): one host SCORE per attention GPU batch over 512 cached
+    slots; OPT-175B's KV prefix of each GPU batch is read from disk the iteration before."""
+    spec, _, _, _, profile = _setting(0)
+    tasks = _pass(0, "decode", 3).tasks
+    scores = [t for t in tasks if t.resource == HOST]
+    assert len(scores) == 3
+    assert scores[0].duration == pytest.approx(
+        profile.host.launch_seconds(48)
+        + op_seconds(spec, profile, HOST, "SCORE", 48, 1, 543, 512))
+    spec, *_ = _setting(1)
+    tasks = _pass(1, "decode", 3).tasks
+    read = _named(tasks, "read KV (1, 1)")
+    assert read.nbytes == kv_bytes(spec, 32, 512)
+    assert read.end <= _named(tasks, "SCORE attention 1 [mb 1]").start
+
+
+def test_flexgen_run_counts_decode_as_its_benchmark():
+    """The decode step is the mean of layers 10-19 of token 1 times all 2L + 2 layers;
+    throughput is every generated token over prefill plus 31 such steps."""
+    spec, policy, scenario, _, profile = _setting(0)
+    run = fs.flexgen_run(spec, policy, profile, scenario)
+    timed = _pass(0, "decode", fs.TIMED_LAYERS).layer_seconds
+    assert run["tpot_s"] == pytest.approx(98 * sum(timed[10:]) / 10)
+    assert run["ttft_s"] == pytest.approx(_pass(0, "prefill").seconds)
+    assert run["tokens_per_s"] == pytest.approx(144 * 32 / (run["ttft_s"] + 31 * run["tpot_s"]))
 
 
 def test_compressed_rows_say_what_hx_lacks():

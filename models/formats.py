@@ -111,6 +111,33 @@ def get_format(name: str) -> Format | None:
     return FORMATS[name]
 
 
+def kv_cache_format(name: str, head_dim: int) -> Format | None:
+    """The ``Format`` a KV cache held in format ``name`` uses, for heads of ``head_dim``
+    values; None for ``DENSE``.
+
+    K and V are grouped along the head dim, as FlexGen groups its cache (Sheng et al. 2023
+    §5; its cache config is 4-bit, group 64, ``group_dim=2`` of (slots, rows x heads, head
+    dim), asymmetric), so a group never spans slots or heads: each new position's K and V
+    quantize on their own, inside the step that writes them, and earlier slots are never
+    re-quantized. The group is the format's, or the whole head where the head dim is smaller
+    (a head of 16 values in int4: one scale and offset per head vector, 6 bits per value).
+
+    Raises:
+      HxError: an unknown format (``get_format``), or a head dim above the format's group that
+        is not a multiple of it (the message says what to use instead).
+    """
+    fmt = get_format(name)
+    if fmt is None:
+        return None
+    if head_dim <= fmt.group:
+        return Format(fmt.name, fmt.bits, head_dim, fmt.asymmetric)
+    if head_dim % fmt.group:
+        raise HxError(f"a KV cache in {name} groups each head's values in groups of "
+                      f"{fmt.group}, and this model's head dim {head_dim} is not a multiple of "
+                      f"{fmt.group}: hold its KV cache dense (--kv dense, kv='dense')")
+    return fmt
+
+
 def pack(codes: np.ndarray, fmt: Format) -> np.ndarray:
     """Codes (..., group) uint8 < 2^bits -> the held bytes (..., group * bits / 8)."""
     import numpy as np
@@ -187,6 +214,35 @@ def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...])
     if fmt.asymmetric:
         w = w + np.asarray(held["offset"], np.float32)[..., None]
     return w.reshape(shape)
+
+
+def dequantize_into(held: dict[str, np.ndarray], fmt: Format, out: np.ndarray) -> np.ndarray:
+    """``dequantize`` written into ``out``: a C-contiguous float32 array of the logical shape
+    (..., in) whose leading axes are those of ``held["scale"]`` without its last. The same
+    formula, in the same order (code, minus the zero, times the scale, plus the offset, in
+    float32), so the values are ``dequantize``'s; the only temporary is one half of the codes
+    (4-bit nibbles), so a caller decoding block after block reuses one buffer (host attention
+    over a compressed KV cache: ``hx.host_compute.attention``).
+
+    Returns:
+      ``out``.
+    """
+    import numpy as np
+
+    codes = np.asarray(held["codes"])
+    groups = out.reshape(*codes.shape[:-1], fmt.group)  # a view: out is contiguous
+    if fmt.bits == 8:
+        np.copyto(groups, codes, casting="unsafe")
+    else:
+        half = fmt.group // 2
+        np.copyto(groups[..., :half], codes & np.uint8(15), casting="unsafe")
+        np.copyto(groups[..., half:], codes >> np.uint8(4), casting="unsafe")
+    if fmt.zero:
+        groups -= np.float32(fmt.zero)
+    groups *= np.asarray(held["scale"])[..., None]
+    if fmt.asymmetric:
+        groups += np.asarray(held["offset"])[..., None]
+    return out
 
 
 def hold(matrix, fmt_name: str):

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from hx.errors import HxError
-from hx.models.formats import DENSE, get_format
+from hx.models.formats import DENSE, get_format, kv_cache_format
 
 # The seven per-layer ops (TwinPilots Table I / FlexGen): the unit of placement everywhere in hx.
 SCORE = "SCORE"  # the op that attends over the KV cache (the only op without weights)
@@ -86,6 +86,10 @@ class ModelSpec:
         ``models.formats.FORMATS`` (``int8``, ``int4``, ``q8_0``, ``q4_0``, ``q4_1``),
         decompressed inside each program right before its product.
       embedding_format: the same for the embedding tables (EMBED's, and HEAD's when untied).
+      kv_format: how each layer's KV cache is held: ``dense`` (in ``dtype``) or a compressed
+        format of ``models.formats.FORMATS`` (``int8``, ``int4``: FlexGen's), grouped along
+        the head dim (``models.formats.kv_cache_format``), quantized as K and V are written
+        and decompressed right before attention reads them (``models.tensors.kv_arrays``).
       architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
         Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
         (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
@@ -110,6 +114,7 @@ class ModelSpec:
     architecture: str = "llama"
     weight_format: str = DENSE
     embedding_format: str = DENSE
+    kv_format: str = DENSE
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -126,6 +131,7 @@ class ModelSpec:
                              f"{', '.join(DTYPE_BYTES)}")
         for name in (self.weight_format, self.embedding_format):
             get_format(name)  # raises on an unknown format
+        kv_cache_format(self.kv_format, self.head_dim)  # raises on one that cannot group it
 
     @property
     def dtype_bytes(self) -> int:

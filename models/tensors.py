@@ -11,8 +11,9 @@ D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary
   checkpoint's (out..., in) layout); ``held_weights`` the arrays a device holds for them --
   dense ones in ``weight_dtype``, compressed matrices as their format's codes, scales and
   offsets (``models.formats``); ``layer_key`` names a layer in the parameter tree.
-* **KV cache**: per layer a K and a V array of (B, S, K, E) in the model's dtype
-  (``kv_shape``, ``kv_bytes``).
+* **KV cache**: per layer a K and a V array of logical shape (B, S, K, E) (``kv_shape``),
+  held in the model's dtype or, compressed (``ModelSpec.kv_format``), as codes, scales and
+  offsets grouped along E (``kv_format``, ``kv_arrays``, ``kv_bytes``).
 * **Activations** between ops: ``ACTIVATIONS`` maps each name of the op table (``OPS``) to its
   axes and dtype; ``activation_shape`` and ``activation_bytes`` read it.
 * **Step inputs**: int32 positions (B, T), a write index and row starts (B,) (``step_bytes``).
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from hx.devices import HOST
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype
+from hx.models.formats import Format, kv_cache_format
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype, numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,49 @@ def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int
     return math.prod(shape) * _ITEM_BYTES[dtype]
 
 
+KV_NAMES = ("k", "v")
+
+
 def kv_shape(spec: ModelSpec, rows: int, slots: int) -> tuple[int, int, int, int]:
-    """Shape (B, S, K, E) of one layer's K array (and of its V array): ``rows`` rows of
-    ``slots`` cache slots, in the model's dtype."""
+    """Logical shape (B, S, K, E) of one layer's K (and of its V): ``rows`` rows of ``slots``
+    cache slots; ``kv_arrays`` gives the arrays that hold it."""
     return rows, slots, spec.n_kv_heads, spec.head_dim
 
 
+def kv_format(spec: ModelSpec) -> Format | None:
+    """The format the model's KV cache is held in, grouped along the head dim
+    (``models.formats.kv_cache_format``: the format's group, or E where E is smaller); None
+    when dense."""
+    return kv_cache_format(spec.kv_format, spec.head_dim)
+
+
+def kv_key(name: str, part: str) -> str:
+    """Key in a layer's cache dict of ``part`` (``codes``, ``scale``, ``offset``) of ``name``
+    (``k`` or ``v``): the codes under the name itself, the others as ``k_scale``..."""
+    return name if part == "codes" else f"{name}_{part}"
+
+
+def kv_arrays(spec: ModelSpec, rows: int, slots: int
+              ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of every array of one layer's KV cache, keyed as the cache dict
+    (``models.llama.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's
+    dtype. Compressed (``kv_format``, group g along E): for each of ``k`` and ``v`` its codes
+    uint8 (B, S, K, E/g, g·bits/8) under the name, float16 scales (B, S, K, E/g) under
+    ``k_scale``, and for an asymmetric format float16 offsets under ``k_offset``
+    (``models.formats.Format.arrays`` of the logical shape). Every array has B on axis 0 and
+    S on axis 1 (re-framing and row gathers rely on it)."""
+    shape, fmt = kv_shape(spec, rows, slots), kv_format(spec)
+    if fmt is None:
+        return {name: (shape, spec.dtype) for name in KV_NAMES}
+    return {kv_key(name, part): array for name in KV_NAMES
+            for part, array in fmt.arrays(shape).items()}
+
+
 def kv_bytes(spec: ModelSpec, rows: int, slots: int) -> int:
-    """Bytes of one layer's KV cache, K and V: 2·B·S·K·E elements of the model's dtype."""
-    return 2 * math.prod(kv_shape(spec, rows, slots)) * spec.dtype_bytes
+    """Bytes of one layer's KV cache, K and V, as held (``kv_arrays``): dense 2·B·S·K·E
+    elements of the model's dtype; int4 (group 64) 2·B·S·K·E·(4 + 2·16/64)/8 bytes."""
+    return sum(math.prod(shape) * numpy_dtype(dtype).itemsize
+               for shape, dtype in kv_arrays(spec, rows, slots).values())
 
 
 def step_bytes(batch: int, tokens: int) -> int:

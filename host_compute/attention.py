@@ -9,7 +9,9 @@ heads) tasks over a thread pool with one thread per core: 26-37 GB/s in float32 
 in bfloat16 on the H100 host (bf16 before the reused cast buffer below), 17-20 GB/s in float32
 and 7-11 GB/s in bfloat16 on the VM (``scripts/bench_host_attention.py``). A bfloat16 cache is
 cast ``SLOT_CHUNK`` slots at a time into a reused per-task float32 buffer, so scratch memory
-stays a few MiB per thread whatever the context.
+stays a few MiB per thread whatever the context; a compressed cache (``ModelSpec.kv_format``,
+``CompressedKV``) is decompressed into that buffer the same way, chunk by chunk
+(``models.formats.dequantize_into``), so the kernel reads only its codes, scales and offsets.
 
 Small caches stay with XLA's kernel (``xla_attention``; ``attends_in_numpy`` decides per
 compiled shape). ``host_view`` gives zero-copy numpy views of the XLA host buffers the KV
@@ -24,6 +26,7 @@ import ctypes
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -31,7 +34,9 @@ import jax
 import numpy as np
 
 from hx.host_compute.xla_attention import blocked_attention
+from hx.models.formats import Format, dequantize_into
 from hx.models.llama import Cache, Step
+from hx.models.tensors import kv_key
 
 SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
 SCORE_BYTES = 8 << 20  # float32 scores held per task: bounds the query block of a prefill
@@ -48,10 +53,54 @@ _BLOCKED = jax.jit(blocked_attention)  # the XLA kernel on its own, as host_atte
 
 
 def attends_in_numpy(batch: int, slots: int, kv_heads: int, head_dim: int,
-                     itemsize: int) -> bool:
+                     itemsize: float) -> bool:
     """Whether a host SCORE over a (batch, slots, kv_heads, head_dim) cache of ``itemsize``
-    bytes per element runs in numpy (``NUMPY_MIN_BYTES``) rather than in XLA."""
+    bytes per element (a compressed cache's: its held bytes over its elements) runs in numpy
+    (``NUMPY_MIN_BYTES`` of cache held) rather than in XLA."""
     return 2 * batch * slots * kv_heads * head_dim * itemsize >= NUMPY_MIN_BYTES
+
+
+@dataclass(frozen=True)
+class CompressedKV:
+    """A compressed K (or V) cache as numpy arrays: logical (B, S, K, E) held group-wise along
+    E in ``fmt`` (``models.tensors.kv_arrays``): ``codes`` uint8 (B, S, K, E/g, g·bits/8),
+    ``scale`` float16 (B, S, K, E/g), ``offset`` float16 (B, S, K, E/g) or None (a symmetric
+    format). Indexing it over its first three axes indexes every part alike."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
+    fmt: Format
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape (B, S, K, E)."""
+        return (*self.scale.shape[:-1], self.scale.shape[-1] * self.fmt.group)
+
+    @property
+    def itemsize(self) -> float:
+        """Bytes held per logical element: codes, scales and offsets."""
+        parts = [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+        return sum(p.nbytes for p in parts) / max(1, int(np.prod(self.shape)))
+
+    def __getitem__(self, index) -> "CompressedKV":
+        cut = lambda a: None if a is None else a[index]  # noqa: E731
+        return CompressedKV(cut(self.codes), cut(self.scale), cut(self.offset), self.fmt)
+
+    def held(self) -> dict[str, np.ndarray]:
+        """The parts as ``models.formats.dequantize`` takes them."""
+        parts = {"codes": self.codes, "scale": self.scale}
+        return parts if self.offset is None else {**parts, "offset": self.offset}
+
+
+def cache_arrays(cache: dict[str, np.ndarray], fmt: Format | None
+                 ) -> tuple[np.ndarray | CompressedKV, np.ndarray | CompressedKV]:
+    """(k, v) of a layer's cache dict of numpy arrays: the arrays themselves when dense, else
+    a ``CompressedKV`` each."""
+    if fmt is None:
+        return cache["k"], cache["v"]
+    return tuple(CompressedKV(cache[name], cache[kv_key(name, "scale")],
+                              cache.get(kv_key(name, "offset")), fmt) for name in ("k", "v"))
 
 
 @lru_cache(maxsize=1)
@@ -90,31 +139,36 @@ def host_view(array: jax.Array) -> np.ndarray:
     return view
 
 
-def host_attention(q: jax.Array, cache: Cache, step: Step) -> Any:
+def host_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None) -> Any:
     """Host SCORE as a host segment runs it at these shapes: XLA's blocked kernel below
     ``NUMPY_MIN_BYTES`` of cache, ``cache_attention`` from there (the profiler times this).
 
     Returns:
       o: (B, T, H, E), a JAX array (XLA kernel) or float32 numpy (numpy kernel).
     """
-    B, S, K, E = cache["k"].shape
-    if attends_in_numpy(B, S, K, E, cache["k"].dtype.itemsize):
-        return cache_attention(q, cache, step)
-    return _BLOCKED(q, cache, step)
+    B, S, K = cache["k"].shape[:3]
+    E = q.shape[-1]
+    held = sum(a.nbytes for a in cache.values())
+    if attends_in_numpy(B, S, K, E, held / (2 * B * S * K * E)):
+        return cache_attention(q, cache, step, fmt)
+    return _BLOCKED(q, cache, step, fmt)
 
 
-def cache_attention(q: jax.Array, cache: Cache, step: Step) -> np.ndarray:
+def cache_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None
+                    ) -> np.ndarray:
     """``prefix_attention`` of XLA host arrays, read in place (``host_view``): how a host
     segment attends (``hx.programs.SplitHostProgram``) and the profiler times it.
 
     Args:
-      q: (B, T, H, E) queries; cache: {"k", "v"} (B, S, K, E), the new tokens written; step:
+      q: (B, T, H, E) queries; cache: {"k", "v"} (B, S, K, E), the new tokens written,
+        compressed in ``fmt`` when given (``models.tensors.kv_arrays``); step:
         ``write_index`` and ``kv_start`` -- all on the host CPU device, held by the caller.
     Returns:
       o: (B, T, H, E) float32 numpy.
     """
-    return prefix_attention(host_view(q), host_view(cache["k"]), host_view(cache["v"]),
-                            int(step.write_index), host_view(step.kv_start))
+    k, v = cache_arrays({key: host_view(a) for key, a in cache.items()}, fmt)
+    return prefix_attention(host_view(q), k, v, int(step.write_index),
+                            host_view(step.kv_start))
 
 
 def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: int,
@@ -128,7 +182,8 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
-      k, v: (B, S, K, E) caches, any float dtype, the new tokens already written; slots past
+      k, v: (B, S, K, E) caches, any float dtype or ``CompressedKV`` (decompressed
+        ``SLOT_CHUNK`` slots at a time), the new tokens already written; slots past
         ``write_index + T - 1`` are never read, nor those before the smallest ``kv_start`` of
         a task's rows.
       write_index: slot of the first new token.
@@ -142,7 +197,7 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     starts = np.asarray(kv_start).astype(np.int64)
     o = np.zeros((B, T, H, E), np.float32)
     end = int(write_index) + T
-    read = 2 * B * max(0, end - int(starts.min())) * K * E * k.itemsize
+    read = int(2 * B * max(0, end - int(starts.min())) * K * E * k.itemsize)
     tasks = max(1, min(threads(), read // MIN_TASK_BYTES))
     row_parts = min(B, tasks)
     head_parts = max(1, min(K, tasks // row_parts))
@@ -172,7 +227,7 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
     G = H // k.shape[2]
     heads = k1 - k0
     end = write_index + T
-    widen = _widener(k.dtype, min(SLOT_CHUNK, end), heads, E)
+    widen = _widener(k, min(SLOT_CHUNK, end), heads, E)
     for r in range(R):
         lo = int(starts[r])
         n = end - lo
@@ -207,20 +262,23 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
                                             .transpose(2, 0, 1, 3).reshape(tq, heads * G, E))
 
 
-def _widener(dtype: np.dtype, slots: int, heads: int, head_dim: int):
-    """A function giving a (C <= ``slots``, heads, head_dim) cache chunk as float32: the chunk
-    itself for float32 (a strided view; BLAS reads it in place); else cast into a float32
-    buffer reused chunk after chunk. The cast (``ml_dtypes``' loop for bfloat16) runs without
+def _widener(cache: np.ndarray | CompressedKV, slots: int, heads: int, head_dim: int):
+    """A function giving a (C <= ``slots``, heads, head_dim) chunk of ``cache`` as float32:
+    the chunk itself for float32 (a strided view; BLAS reads it in place); else cast -- or,
+    compressed, decompressed (``dequantize_into``) -- into a float32 buffer reused chunk
+    after chunk. The cast (``ml_dtypes``' loop for bfloat16) runs without
     the interpreter lock (2 threads: 1.7x one here); ``astype`` into fresh arrays maps new
     pages for every chunk, the likely reason 16 threads queued on it on the H100 host. Per
     256 x 32 x 128 chunk on this VM: 105 us, against 150 us for ``astype`` and 341 us for
     copying the 16 bits into the high halves of a zeroed buffer."""
-    if dtype == np.float32:
+    if not isinstance(cache, CompressedKV) and cache.dtype == np.float32:
         return lambda chunk: chunk
     buffer = np.empty((slots, heads, head_dim), np.float32)
 
-    def widen(chunk: np.ndarray) -> np.ndarray:
+    def widen(chunk: np.ndarray | CompressedKV) -> np.ndarray:
         c = chunk.shape[0]
+        if isinstance(chunk, CompressedKV):
+            return dequantize_into(chunk.held(), chunk.fmt, buffer[:c])
         np.copyto(buffer[:c], chunk, casting="unsafe")
         return buffer[:c]
 

@@ -17,25 +17,28 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hx.models.llama import Cache, Step
+from hx.models.formats import Format
+from hx.models.llama import Cache, Step, read_kv
 
 BLOCK = 64  # cache slots per iteration (reduced to a divisor of S when needed)
 
 
-def blocked_attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
+def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None
+                      ) -> jax.Array:
     """Causal grouped-query attention of new queries over the used prefix of the cache.
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
-      cache: {"k", "v"}: (B, S, K, E), the new tokens already appended.
+      cache: {"k", "v"}: (B, S, K, E), the new tokens already appended; compressed in
+        ``fmt`` when given (``models.tensors.kv_arrays``), each block decompressed as it is
+        read (``models.llama.read_kv``), so only the compressed bytes are read.
       step: ``write_index`` bounds the blocks visited; ``kv_start`` masks left padding.
     Returns:
       o: (B, T, H, E), equal to ``models.llama.attention`` for every query that has a valid
       key; a padding query (no valid key) gets zeros.
     """
     B, T, H, E = q.shape
-    ck, cv = cache["k"], cache["v"]
-    S, K = ck.shape[1], ck.shape[2]
+    S, K = cache["k"].shape[1], cache["k"].shape[2]
     G = H // K
     block = math.gcd(S, BLOCK)
     qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * E**-0.5
@@ -46,8 +49,8 @@ def blocked_attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
     def body(i, carry):
         m, denom, acc = carry  # (B,K,G,T), (B,K,G,T), (B,K,G,T,E)
         start = i * block
-        kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=1).astype(jnp.float32)
-        vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1).astype(jnp.float32)
+        kb = read_kv(cache, "k", fmt, start, block)  # (B,block,K,E) float32
+        vb = read_kv(cache, "v", fmt, start, block)
         s = jnp.einsum("btkge,bske->bkgts", qg, kb)  # (B,K,G,T,block)
         slot = start + jnp.arange(block)
         valid = ((slot[None, None, :] >= step.kv_start[:, None, None])

@@ -56,9 +56,10 @@ from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
+from hx.models.formats import DENSE
 from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
-from hx.models.tensors import held_weights, layer_key
+from hx.models.tensors import held_weights, kv_arrays, layer_key
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
@@ -209,13 +210,18 @@ class Executor:
 
     def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
                   ) -> list[Cache]:
-        """Zeroed KV caches, (batch, length, K, E) each of ``dtype`` (default: the model's),
-        on every layer's plan home; ``micro`` names the micro-batch (or other user) they
-        belong to in the accountant, so a block's caches are counted side by side."""
+        """Zeroed KV caches on every layer's plan home: K and V of (batch, length, K, E) in
+        ``dtype`` (default: the model's), or, with a compressed ``spec.kv_format``, their
+        codes, scales and offsets (``models.tensors.kv_arrays``; ``dtype`` is not used: zero
+        codes, scales and offsets decode to 0). ``micro`` names the micro-batch (or other
+        user) they belong to in the accountant, so a block's caches are counted side by
+        side."""
         s = self.spec
-        shape, dtype = (batch, length, s.n_kv_heads, s.head_dim), dtype or jnp.dtype(s.dtype)
-        caches = [{name: jnp.zeros(shape, dtype, device=self.devices[self.plan.kv[layer]])
-                   for name in ("k", "v")} for layer in range(s.n_layers)]
+        own = dtype is not None and s.kv_format == DENSE
+        arrays = {name: (shape, jnp.dtype(dtype if own else held))
+                  for name, (shape, held) in kv_arrays(s, batch, length).items()}
+        caches = [{name: jnp.zeros(shape, dt, device=self.devices[self.plan.kv[layer]])
+                   for name, (shape, dt) in arrays.items()} for layer in range(s.n_layers)]
         self.account_cache(caches, micro)
         return caches
 
@@ -296,7 +302,8 @@ class Executor:
         Args:
           tokens: N arrays (B, T) int32, one per micro-batch (equal shapes).
           steps: N ``Step``s, one per micro-batch (each its own write index and row starts).
-          caches: N lists of per-layer KV caches of equal shape (B, S, K, E); consumed.
+          caches: N lists of per-layer KV caches of equal shape (B, S, K, E) (or their
+            compressed arrays, B and S first); consumed.
         Returns:
           (N logits (B, V) float32, N updated cache lists).
         Raises:

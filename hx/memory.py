@@ -250,9 +250,10 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
 
 
 def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:
-    """Accelerator bytes of one micro-batch's K (or V) cache of one layer, (B, S, K, E): the
-    temporary of shifting a cache along its slots (iteration-level scheduling re-frames a
-    micro-batch's caches one array at a time, between steps)."""
+    """Accelerator bytes of one micro-batch's K (or V) cache of one layer, (B, S, K, E) as
+    held (``models.tensors.kv_bytes``; compressed: its codes, scales and offsets, at least
+    its largest array): the temporary of shifting a cache along its slots (iteration-level
+    scheduling re-frames a micro-batch's caches one array at a time, between steps)."""
     return kv_bytes(spec, workload.batch, workload.cache_slots) // 2
 
 

@@ -42,7 +42,8 @@ from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Step, append_kv, apply_op
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
-from hx.models.tensors import OPS, activation_shape, held_weights, kv_shape, weight_dtype
+from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, kv_bytes,
+                               kv_format, weight_dtype)
 from hx.plan import ExecutionPlan
 from hx.segments import Segment, split_segments
 
@@ -53,10 +54,10 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                      writes: tuple[str, ...], attend: bool = True):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
     with the caches donated. SCORE on the host uses ``xla_attention.blocked_attention``; with
-    ``attend=False`` it only appends k and v to its cache (``SplitHostProgram`` attends
-    outside XLA)."""
+    ``attend=False`` it only appends k and v to its cache -- quantized there when the cache is
+    compressed (``models.llama.append_kv``) -- and ``SplitHostProgram`` attends outside XLA."""
     kernel = blocked_attention if device == HOST else None
-    held = weight_dtype(spec, device)
+    held, fmt = weight_dtype(spec, device), kv_format(spec)
 
     def run(params, acts, caches, step):
         acts = dict(acts)
@@ -64,7 +65,8 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
         slot = 0
         for op, p in zip(ops, params):
             if OPS[op].uses_cache and not attend:
-                caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index)
+                caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index,
+                                         fmt)
                 slot += 1
                 continue
             if OPS[op].uses_cache:
@@ -111,11 +113,13 @@ class SplitHostProgram:
       dtype: dtype of the attention output ``o`` (the model's activation dtype); it goes on
         as a numpy array (the next piece's executable places it; a copy to the accelerator
         takes it as it is).
+      kv_fmt: the KV cache's format (``models.tensors.kv_format``; None: dense); the numpy
+        kernel decompresses the compressed cache block by block as it reads it.
     """
 
     def __init__(self, pieces: list[tuple[Any, tuple[str, ...], int, int]],
-                 writes: tuple[str, ...], dtype):
-        self.pieces, self.writes, self.dtype = pieces, writes, dtype
+                 writes: tuple[str, ...], dtype, kv_fmt=None):
+        self.pieces, self.writes, self.dtype, self.kv_fmt = pieces, writes, dtype, kv_fmt
 
     def __call__(self, params: tuple, acts: dict, caches: tuple, step: Step
                  ) -> tuple[dict, tuple]:
@@ -129,7 +133,7 @@ class SplitHostProgram:
             if attends:
                 cache = caches[slot] = new[0]
                 slot += 1
-                o = cache_attention(out["q"], cache, step)
+                o = cache_attention(out["q"], cache, step, self.kv_fmt)
                 acts["o"] = o.astype(self.dtype)  # numpy: the next piece takes it as is
         return {name: acts[name] for name in self.writes}, tuple(caches)
 
@@ -208,8 +212,9 @@ class Programs:
         s, where = self.spec, self.shardings[segment.device]
         params = tuple(param_tree(s, op, segment.device, where) for _, op in segment.ops)
         acts = _activation_structs(s, segment.reads, batch, tokens, where)
-        cache = _struct(kv_shape(s, batch, slots), s.dtype, where)
-        caches = tuple({"k": cache, "v": cache} for _ in segment.cache_layers)
+        cache = {name: _struct(shape, dtype, where)
+                 for name, (shape, dtype) in kv_arrays(s, batch, slots).items()}
+        caches = tuple(dict(cache) for _ in segment.cache_layers)
         step = Step(_struct((batch, tokens), "int32", where), _struct((), "int32", where),
                     _struct((batch,), "int32", where))
         return params, acts, caches, step
@@ -230,8 +235,9 @@ class Programs:
         device, ops, _, _, writes = segment.signature
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
         s = self.spec
+        elements = 2 * batch * slots * s.n_kv_heads * s.head_dim
         if device != HOST or not segment.cache_layers or not attends_in_numpy(
-                batch, slots, s.n_kv_heads, s.head_dim, jnp.dtype(s.dtype).itemsize):
+                batch, slots, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, slots) / elements):
             return self._function(device, ops, writes, True).lower(params, acts, caches, step)
         where = self.shardings[HOST]
         lowered, first, slot = [], 0, 0
@@ -242,7 +248,7 @@ class Programs:
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends))
             first, slot = first + len(part), slot + attends
-        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype))
+        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s))
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
         """The executable of ``segment`` at these shapes (compiled on first use). Segments
@@ -317,13 +323,13 @@ def _growth_probes(device: str) -> tuple[Segment, Segment]:
 class _SplitLowering:
     """The lowered pieces of a ``SplitHostProgram``; ``compile()`` compiles them in order."""
 
-    def __init__(self, lowered: list, writes: tuple[str, ...], dtype):
-        self.lowered, self.writes, self.dtype = lowered, writes, dtype
+    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, kv_fmt=None):
+        self.lowered, self.writes, self.dtype, self.kv_fmt = lowered, writes, dtype, kv_fmt
 
     def compile(self) -> SplitHostProgram:
         return SplitHostProgram([(piece.compile(), reads, n_ops, attends)
                                  for piece, reads, n_ops, attends in self.lowered],
-                                self.writes, self.dtype)
+                                self.writes, self.dtype, self.kv_fmt)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}

@@ -49,10 +49,12 @@ from flax import linen as nn
 
 from hx.models.formats import DENSE, Format, get_format, hold_tree
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
-from hx.models.tensors import OPS, activation_shape, layer_key
+from hx.models.tensors import KV_NAMES, OPS, activation_shape, kv_format, kv_key, layer_key
 
 Params = Mapping[str, Any]
-Cache = dict[str, jax.Array]  # {"k": (B,S,K,E), "v": (B,S,K,E)} for one layer
+# One layer's KV cache: {"k": (B,S,K,E), "v": (B,S,K,E)} in the model's dtype, or compressed
+# {"k": codes, "k_scale", "k_offset", "v": ...} (``models.tensors.kv_arrays``)
+Cache = dict[str, jax.Array]
 
 
 class Step(NamedTuple):
@@ -295,51 +297,118 @@ class VOp(nn.Module):
         return (v.astype(s.dtype),)
 
 
-def attention(q: jax.Array, cache: Cache, step: Step) -> jax.Array:
+def quantize_kv(x: jax.Array, fmt: Format) -> dict[str, jax.Array]:
+    """New keys or values x (..., E), any float dtype, compressed group-wise along E into
+    ``fmt``'s arrays (``Format.arrays(x.shape)``: uint8 codes (..., E/g, g·bits/8), float16
+    scales and offsets (..., E/g)).
+
+    ``models.formats.quantize`` in JAX, step for step (FlexGen's min/max scheme, Sheng et al.
+    2023 §5): in float32, an asymmetric group's offset is its minimum and its scale (max -
+    min) / (2^bits - 1), both rounded to float16, and each code rounds (w - offset) / scale
+    to nearest with those rounded values (a symmetric format: scale max|w| / (2^(bits-1) - 1),
+    codes centred on 2^(bits-1)); a group of equal values gets scale 0. On XLA:CPU the codes,
+    scales and offsets equal numpy's bit for bit (``tests/test_kv_formats.py``).
+    """
+    *lead, E = x.shape
+    g, top = fmt.group, (1 << fmt.bits) - 1
+    w = x.astype(jnp.float32).reshape(*lead, E // g, g)
+    held = {}
+    if fmt.asymmetric:
+        low = w.min(axis=-1)
+        held["offset"] = low.astype(jnp.float16)
+        scale = ((w.max(axis=-1) - low) / top).astype(jnp.float16)
+        base = held["offset"].astype(jnp.float32)[..., None]
+    else:
+        scale = (jnp.abs(w).max(axis=-1) / (fmt.zero - 1)).astype(jnp.float16)
+        base = jnp.float32(0)
+    held["scale"] = scale
+    step = scale.astype(jnp.float32)[..., None]
+    codes = jnp.where(step > 0, jnp.rint((w - base) / jnp.where(step > 0, step, 1)), 0)
+    codes = jnp.clip(codes + fmt.zero, 0, top).astype(jnp.uint8)
+    if fmt.bits == 4:  # low nibbles a group's first half, high nibbles its second
+        codes = codes[..., :g // 2] | (codes[..., g // 2:] << 4)
+    return {"codes": codes, **held}
+
+
+def read_kv(cache: Cache, name: str, fmt: Format | None, start: jax.Array | int | None = None,
+            size: int | None = None) -> jax.Array:
+    """Cache array ``name`` (``k`` or ``v``) as float32 (B, S, K, E) -- or only its ``size``
+    slots from ``start`` -- decompressed right here when ``fmt`` is a format
+    (``dequantize`` of the slots read: attention reads the compressed bytes)."""
+    def part(key: str) -> jax.Array:
+        a = cache[key]
+        return a if start is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+
+    if fmt is None:
+        return part(name).astype(jnp.float32)
+    held = {p: part(kv_key(name, p)) for p in ("codes", "scale", "offset")
+            if kv_key(name, p) in cache}
+    scale = held["scale"]
+    return dequantize(held, fmt, (*scale.shape[:-1], scale.shape[-1] * fmt.group),
+                      jnp.float32)
+
+
+def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None) -> jax.Array:
     """Causal grouped-query attention of new queries over the (already appended) KV cache.
 
     Args:
       q: (B, T, H, E) queries of the new tokens, slots ``write_index .. write_index+T-1``.
-      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written.
+      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written (compressed
+        in ``fmt`` when given: decompressed whole to float32 first, ``read_kv``).
       step: ``kv_start`` masks each row's left padding; causality masks future slots.
     Returns:
       o: (B, T, H, E) = softmax(q k^T / sqrt(E) + mask) v  (Vaswani et al. 2017, eq. 1),
       accumulated in float32. A row with no valid key (a padding query) gets a finite average.
     """
     B, T, H, E = q.shape
-    ck, cv = cache["k"], cache["v"]
+    ck, cv = read_kv(cache, "k", fmt), read_kv(cache, "v", fmt)
     S, K = ck.shape[1], ck.shape[2]
     qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
-    scores = jnp.einsum("btkge,bske->bkgts", qg, ck.astype(jnp.float32)) * E**-0.5
+    scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
     slot = jnp.arange(S)[None, None, :]  # (1,1,S)
     query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
     valid = (slot >= step.kv_start[:, None, None]) & (slot <= query_slot)  # (B,T,S)
     scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,S)
-    o = jnp.einsum("bkgts,bske->btkge", probs, cv.astype(jnp.float32))
+    o = jnp.einsum("bkgts,bske->btkge", probs, cv)
     return o.reshape(B, T, H, E).astype(q.dtype)
 
 
-def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array) -> Cache:
-    """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``."""
-    at = (0, write_index, 0, 0)
-    return {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
-            "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)}
+def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array,
+              fmt: Format | None = None) -> Cache:
+    """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``: as they are
+    (in the cache's dtype), or quantized into ``fmt`` (``quantize_kv``: only the new
+    positions; the slots before are never touched)."""
+    new = {"k": k, "v": v}
+    if fmt is None:
+        parts = {name: new[name].astype(cache[name].dtype) for name in KV_NAMES}
+    else:
+        parts = {kv_key(name, p): a for name in KV_NAMES
+                 for p, a in quantize_kv(new[name], fmt).items()}
+    out = dict(cache)
+    for key, a in parts.items():
+        at = (0, write_index) + (0,) * (a.ndim - 2)
+        out[key] = jax.lax.dynamic_update_slice(cache[key], a, at)
+    return out
 
 
 class ScoreOp(nn.Module):
     """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E).
 
-    ``attend`` is the attention kernel: ``attention`` by default; the executor passes a host
-    kernel (``host_compute``) when SCORE runs on the host.
+    ``attend`` is the attention kernel, ``attend(q, cache, step, fmt)``: ``attention`` by
+    default; the executor passes a host kernel (``host_compute``) when SCORE runs on the
+    host. With a compressed ``spec.kv_format`` the new k, v are quantized as they are
+    appended and the kernel decompresses what it reads, so attention computes on exactly the
+    decoded values, the new token's own included.
     """
 
     spec: ModelSpec
-    attend: Callable[[jax.Array, Cache, Step], jax.Array] = attention
+    attend: Callable[..., jax.Array] = attention
 
     def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
-        cache = append_kv(cache, k, v, step.write_index)
-        return (self.attend(q, cache, step),), cache
+        fmt = kv_format(self.spec)
+        cache = append_kv(cache, k, v, step.write_index, fmt)
+        return (self.attend(q, cache, step, fmt),), cache
 
 
 class OutOp(nn.Module):

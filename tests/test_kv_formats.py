@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hx.devices import ACCELERATOR, HOST, discover
+from hx.devices import discover
 from hx.errors import HxError
 from hx.executor import Executor, tree_bytes
 from hx.host_compute.attention import CompressedKV, prefix_attention
@@ -21,7 +21,6 @@ from hx.models.llama import Step, attention, quantize_kv, read_kv
 from hx.models.loader import Model, load_spec
 from hx.models.spec import PRESETS
 from hx.models.tensors import kv_arrays, kv_bytes, kv_format, kv_key, kv_shape
-from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.programs import Programs
 from hx.segments import split_segments

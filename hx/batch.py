@@ -198,8 +198,11 @@ def row_sampling(row: dict[str, Any], base: SamplingParams, where: str
 
 def produced_by(spec: ModelSpec, sampling: SamplingParams, stops: tuple[str, ...], chat: bool
                 ) -> dict[str, Any]:
-    """What a result line records of how it was made: a resume must match it."""
-    return {"model": spec.name, "dtype": spec.dtype, "chat": chat,
+    """What a result line records of how it was made: a resume must match it (the weights'
+    formats, ``matrices/embedding``, and the KV cache's included: they change the tokens)."""
+    return {"model": spec.name, "dtype": spec.dtype,
+            "weights": f"{spec.weight_format}/{spec.embedding_format}", "kv": spec.kv_format,
+            "chat": chat,
             "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
             "stop": list(stops)}

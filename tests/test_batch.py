@@ -1,5 +1,6 @@
 """JSONL batch runs: every prompt answered once, output written as produced, resumable."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from hx.batch import output_lock, run_batch
+from hx.batch import output_lock, prepare_batch, run_batch
 from hx.errors import HxError
 from hx.generate import Engine
 from hx.sampling import SamplingParams
@@ -173,6 +174,21 @@ def test_resume_is_refused_over_lines_other_settings_made(engine, prompts_file, 
     write_rows(prompts_file, rows)
     with pytest.raises(HxError, match="another prompt text"):
         run_batch(engine, str(prompts_file), str(out), SAMPLING, batch_size=3)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"kv_format": "int8"}, "kv 'dense' there, 'int8' now"),
+    ({"weight_format": "int4", "embedding_format": "int4"},
+     "weights 'dense/dense' there, 'int4/int4' now")])
+def test_resume_is_refused_over_lines_other_formats_made(engine, prompts_file, tmp_path,
+                                                          change, match):
+    """The weights' and the KV cache's formats change the tokens, so a line records them and
+    a resume with others is refused (preparing the run is enough: nothing is generated)."""
+    out = tmp_path / "out.jsonl"
+    run_batch(engine, str(prompts_file), str(out), SAMPLING, batch_size=3)
+    other = dataclasses.replace(engine.model, spec=engine.model.spec.replace(**change))
+    with pytest.raises(HxError, match=match):
+        prepare_batch(other, str(prompts_file), str(out), SAMPLING, False)
 
 
 def test_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts_file, tmp_path,

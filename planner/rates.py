@@ -302,15 +302,14 @@ def measure_disk_read(directory: str | None = None, nbytes: int = DISK_BYTES,
             f.write(block.data)
         f.flush()
         os.fsync(f.fileno())  # dirty pages cannot be dropped from the page cache
+        into = np.empty(f.tell(), np.uint8)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
-            data = np.frombuffer(mapping, np.uint8)
-            into = np.empty_like(data)
-
             def cold() -> None:
                 mapping.madvise(mmap.MADV_DONTNEED)
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
-            seconds = effort.time(lambda _: np.copyto(into, data), setups=(cold,),
-                                  warmup_s=0.0)[0].seconds
-            del data
+            def read(_) -> None:  # the view ends with the call: the mapping can close
+                np.copyto(into, np.frombuffer(mapping, np.uint8))
+
+            seconds = effort.time(read, setups=(cold,), warmup_s=0.0)[0].seconds
     return into.nbytes / seconds

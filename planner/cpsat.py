@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from hx.devices import ACCELERATOR, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, activation_reserve, check_fits, estimate
-from hx.models.spec import ModelSpec
+from hx.models.spec import HEAD, ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import RESIDENT, ExecutionPlan
 from hx.planner.cpsat_model import solve_counts
-from hx.planner.patterns import (Pattern, decode_front, head_seconds, layer_plan,
+from hx.planner.patterns import (Pattern, decode_front, end_costs, layer_plan,
                                  offloaded_prefill, prune, whole_run_costs)
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict_prefill, predict_run
+from hx.segments import split_segments
 from hx.workload import MIN_CHUNK, Workload
 
 PREFILL_SHARE = 0.1  # of a run, below which plan_cpsat looks no further for a faster prefill
@@ -67,8 +68,8 @@ class PlannerResult:
 
 
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
-               time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None
-               ) -> PlannerResult:
+               time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
+               kv_disk: bool = False) -> PlannerResult:
     """The plan with the shortest predicted run (prefill, then decode steps: ``simulator.predict_run``)
     of those found by two objectives, under the memory budgets, with the largest prefill
     chunk under which it fits (``policies.fit_prefill_chunk``).
@@ -98,7 +99,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
 
     def attempt(chunk: int, whole_run: bool):
         result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
-                                   seed, tolerance, whole_run)
+                                   seed, tolerance, whole_run, kv_disk)
         run = predict_run(result.plan, spec, profile, workload)
         return result, (run.ttft_s, run.total_s)
 
@@ -140,11 +141,12 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
 def embed_on_accelerator(plan: ExecutionPlan) -> ExecutionPlan:
     """``plan`` with EMBED's table resident and its gather on the accelerator in both phases.
 
-    The pattern model leaves EMBED on the host (a table of V x E weights a plan short of
-    memory should not hold): each step then gathers rows there and copies them over, behind
-    the other step inputs. ``plan_cpsat`` takes this plan instead where the table fits beside
-    its plan and the run is predicted shorter (Llama-3-8B on the H100 preset, batch 1: 0.42 ms
-    of a 9.8 ms decode step, a 1.05 GB table)."""
+    The pattern model prices EMBED's states after a host layer (``patterns.end_costs``), where
+    a host EMBED needs no copy; after the accelerator layer that usually follows it, a host
+    EMBED's rows are copied over behind the other step inputs. ``plan_cpsat`` takes this plan
+    instead where the table fits beside its plan and the whole run is predicted shorter
+    (Llama-3-8B on the H100 preset, batch 1: 0.42 ms of a 9.8 ms decode step, a 1.05 GB
+    table)."""
     phases = {phase: dataclasses.replace(plan.phase(phase), embed=ACCELERATOR)
               for phase in ("prefill", "decode")}
     return dataclasses.replace(plan, weights=dataclasses.replace(plan.weights, embed=RESIDENT),
@@ -153,7 +155,8 @@ def embed_on_accelerator(plan: ExecutionPlan) -> ExecutionPlan:
 
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       workload: Workload, chunk: int, time_limit_s: float, seed: int,
-                      tolerance: float | None, whole_run: bool = False) -> PlannerResult:
+                      tolerance: float | None, whole_run: bool = False, kv_disk: bool = False
+                      ) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
     (``memory.estimate``) with its largest fitting prefill chunk.
 
@@ -170,7 +173,7 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
     disk-homed data are only sized there), the model is solved again with that budget lowered
     by the shortfall (at most ``REPLANS`` times), so the returned plan always fits."""
     result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s, seed,
-                     tolerance, whole_run, MIN_CHUNK)
+                     tolerance, whole_run, MIN_CHUNK, kv_disk)
     capacity = devices.accelerator.capacity
     if capacity is None:
         return result
@@ -182,7 +185,7 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
         devices.accelerator, capacity=capacity + unused))
     try:
         roomier = _fitted(spec, profile, devices, raised, workload, chunk, time_limit_s, seed,
-                          tolerance, whole_run, chunk)
+                          tolerance, whole_run, chunk, kv_disk)
     except HxError:
         return result
     runs = [predict_run(r.plan, spec, profile, workload).total_s for r in (result, roomier)]
@@ -191,14 +194,15 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
 
 def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget: Devices,
             workload: Workload, chunk: int, time_limit_s: float, seed: int,
-            tolerance: float | None, whole_run: bool, smallest: int) -> PlannerResult:
+            tolerance: float | None, whole_run: bool, smallest: int, kv_disk: bool = False
+            ) -> PlannerResult:
     """``solve`` under ``budget``, lowered by any shortfall until the plan fits ``devices`` in
     prefill chunks of ``smallest`` tokens or more (``plan_with_reserve``)."""
     from hx.planner.policies import fit_prefill_chunk
 
     for attempt in range(REPLANS + 1):
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
-                       whole_run)
+                       whole_run, kv_disk)
         try:
             fitted = fit_prefill_chunk(result.plan, spec, devices, workload)
             if (fitted.prefill_chunk or workload.prompt_tokens) >= smallest:
@@ -230,7 +234,8 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
 
 def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
           time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
-          prefill_chunk: int = MIN_CHUNK, whole_run: bool = False) -> PlannerResult:
+          prefill_chunk: int = MIN_CHUNK, whole_run: bool = False, kv_disk: bool = False
+          ) -> PlannerResult:
     """The plan minimising the predicted decode step (or, ``whole_run``, the run per decode
     step) under the memory budgets.
 
@@ -250,7 +255,11 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         ``whole_run``, prefill is priced at).
       whole_run: minimise a decode step plus the run's prefill steps at ``prefill_chunk``
         over its S - P decode steps, prefill placed as decode (``whole_run_costs``,
-        ``head_seconds``; ``PlannerResult``'s seconds are these); else the decode step.
+        ``end_costs``; ``PlannerResult``'s seconds are these); else the decode step.
+      kv_disk: offer patterns with the KV cache on disk (FlexGen's OPT-175B setting), which
+        the executor refuses: for plans that are simulated only (``grid.plan_on``). Weights
+        go to disk in any case where host memory cannot hold them and the profile has a disk
+        read rate.
       tolerance: among plans predicted within this fraction of the optimum, the one with the
         fewest device switches is taken (a second solve): differences smaller than the cost
         model's error are noise, and every switch is a launch and a transfer whose cost varies
@@ -260,35 +269,63 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         ``objective_s``).
     Raises:
       HxError: no plan fits the budgets; the message gives the smallest accelerator budget
-        that admits one.
+        that admits one (and says when a profile without a disk read rate kept weights off
+        the disk).
     """
     # the disk tier only when host memory cannot hold the weights and the KV cache: its twins
     # nearly triple the patterns, and CP-SAT's search time with them
     host_need = spec.weight_bytes + spec.n_layers * kv_bytes(spec, workload.rows,
                                                              workload.cache_slots)
-    disk = bool(profile.disk_read_bandwidth) and devices.host.capacity is not None and \
-        host_need > devices.host.capacity
+    short = devices.host.capacity is not None and host_need > devices.host.capacity
+    disk = short and bool(profile.disk_read_bandwidth)
     if whole_run:
-        costs = prune(whole_run_costs(spec, profile, workload, prefill_chunk, disk))
-        heads = head_seconds(spec, profile, workload, prefill_chunk)
+        costs = prune(whole_run_costs(spec, profile, workload, prefill_chunk, disk, kv_disk))
     else:
-        costs, heads = list(decode_front(spec, profile, workload, disk)), \
-            head_seconds(spec, profile, workload)
-    act = activation_reserve(spec, workload, min(workload.prompt_tokens, prefill_chunk))
+        costs = list(decode_front(spec, profile, workload, disk, kv_disk))
+    ends = list(end_costs(spec, profile, workload, disk, prefill_chunk if whole_run else None))
+    tokens = min(workload.prompt_tokens, prefill_chunk)
+    head_act = head_reserve(spec, workload, tokens)
+    act = activation_reserve(spec, workload, tokens) - head_act
     tolerance = profile.model_error if tolerance is None else tolerance
-    found = solve_counts(spec, costs, heads, act, devices, workload, time_limit_s, seed,
-                         tolerance)
+    try:
+        found = solve_counts(spec, costs, ends, act, head_act, devices, workload, time_limit_s,
+                             seed, tolerance)
+    except HxError as e:
+        if short and not disk:
+            raise HxError(f"{e}. The hardware profile {profile.name!r} has no disk read rate, "
+                          "so no weights were planned on disk: measure one with `hx profile` "
+                          "(a profile saved before hx measured disks has none)") from None
+        raise
     # host-heaviest patterns first: accelerator layers last, as llama.cpp offloads them
     order = sorted(found.counts, key=lambda p: (p.devices().count(ACCELERATOR),
                                                 p.kv == ACCELERATOR))
     layers = [p for p in order for _ in range(found.counts[p])]
-    plan = choose_prefill(layer_plan(spec, layers, found.head, "cpsat"), spec, profile, devices,
-                          workload)
+    plan = choose_prefill(layer_plan(spec, layers, found.head, "cpsat", found.embed), spec,
+                          profile, devices, workload)
     objective = found.objective_s
     return PlannerResult(plan, found.status, objective, found.bound_s,
                          (objective - found.bound_s) / objective if objective else 0.0,
                          found.solve_s, len(costs), found.counts, found.chosen_s, tolerance,
                          found.model_bytes)
+
+
+def head_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int) -> int:
+    """Bytes of ``memory.activation_reserve`` (at ``prefill_tokens``) that are HEAD's: the
+    largest difference, over the reserve's step shapes, between the XLA temporaries of the
+    whole model as one accelerator segment and of the same segment without HEAD (each cut to
+    ``hx.programs.proxy``). The CP-SAT model counts them only where HEAD runs on the
+    accelerator: XLA:CPU widens a one-row bfloat16 LM head to a float32 temporary (768 MiB of
+    a 774 MiB reserve at Llama-2-7B's layer shapes with a 49,152-token vocabulary, one row),
+    which a plan with HEAD on the host never allocates."""
+    from hx.programs import programs_for, proxy
+
+    programs, S = programs_for(spec), workload.cache_slots
+    whole, headless = (proxy(split_segments(plan, "prefill")[0]) for plan in (
+        ExecutionPlan.all_accelerator(spec.n_layers),
+        ExecutionPlan.uniform(spec.n_layers, (HEAD,))))
+    steps = {(workload.prefill_rows, prefill_tokens), (workload.batch, 1)}
+    return max(0, *(programs.temp_bytes(whole, B, T, S) - programs.temp_bytes(headless, B, T, S)
+                    for B, T in steps))
 
 
 def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,

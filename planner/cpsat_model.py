@@ -1,16 +1,21 @@
 """The CP-SAT model over layer-pattern counts (``planner.patterns`` prices the patterns).
 
-CP-SAT picks how many layers take each pattern and HEAD's state (a full per-op interval model
-does not scale: no solution in 60 s for 30 x 7 ops: docs/measurements/log.md, "Planner").
-Minimised: the predicted decode step (Σ n_p decode_p + HEAD) or, where prefill is a large part
-of the run, the run per decode step (Σ n_p (decode_p + prefill_p · prefill steps / decode
-steps) + HEAD's), subject to:
+CP-SAT picks how many layers take each pattern and the states of EMBED and HEAD, as one of
+the pairs ``patterns.end_costs`` prices (a full per-op interval model does not scale: no
+solution in 60 s for 30 x 7 ops: docs/measurements/log.md, "Planner"). Minimised: the predicted
+decode step (Σ n_p decode_p + the pair's) or, where prefill is a large part of the run, the run
+per decode step (Σ n_p (decode_p + prefill_p · prefill steps / decode steps) + the pair's),
+subject to:
 
-  Σ n_p = L;  accelerator: Σ n_p (resident_p + kv_p) + HEAD + staging + activations ≤ capacity;
-  host: Σ n_p host_p + EMBED + HEAD + 2 x largest disk segment ≤ host capacity;
-  staging ≥ 2 m and ≥ m + HEAD if HEAD is streamed, m ≥ largest staged segment of every used
-  pattern (two consecutive segments are staged at once; a conservative bound across pattern
-  boundaries).
+  Σ n_p = L;  accelerator: Σ n_p (resident_p + kv_p) + the pair's resident + staging
+  + activations (HEAD's XLA temporaries only where HEAD is on the accelerator) ≤ capacity;
+  host: Σ n_p host_p + the pair's host + 2 x largest disk read ≤ host capacity (the disk
+  reads of a layer segment, of EMBED or of HEAD: double-buffered);
+  staging ≥ the largest two consecutive staged segments of each used pattern (two
+  consecutive segments are staged at once), ≥ l + f across pattern boundaries, ≥ EMBED's
+  staged bytes + f and ≥ l + HEAD's, and ≥ both theirs when no layer streams (they are then
+  consecutive); f and l ≥ the first and the last staged segment of a layer of every used
+  pattern.
 
 A second solve then takes, among plans predicted within a tolerance of that optimum, the one
 with the fewest device switches (``solve_counts``).
@@ -23,11 +28,10 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from hx.devices import Devices
+from hx.devices import HOST, Devices
 from hx.errors import HxError
 from hx.models.spec import ModelSpec
-from hx.plan import RESIDENT, STREAMED
-from hx.planner.patterns import OP_STATES, Pattern, PatternCost
+from hx.planner.patterns import EndCost, Pattern, PatternCost
 from hx.workload import Workload
 
 TIME_UNIT = 1e-7  # seconds per integer unit of the objective (0.1 µs)
@@ -39,64 +43,83 @@ class _Model:
 
     model: cp_model.CpModel
     n: list
-    head: dict
+    ends: list
     accelerator_bytes: object
     seconds: object
     switches: object
 
 
-def _build(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, float], act: int,
-           capacity: int | None, host_capacity: int | None) -> _Model:
+def _build(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost], act: int,
+           head_act: int, capacity: int | None, host_capacity: int | None) -> _Model:
     L = spec.n_layers
-    head_bytes = spec.op_weight_bytes("HEAD")
     model = cp_model.CpModel()
     n = [model.NewIntVar(0, L, f"n{i}") for i in range(len(costs))]
     used = [model.NewBoolVar(f"used{i}") for i in range(len(costs))]
-    head = {s: model.NewBoolVar(f"head_{s}") for s in OP_STATES}
-    model.AddExactlyOne(head.values())
+    end = [model.NewBoolVar(f"ends_{e.embed}_{e.head}") for e in ends]
+    model.AddExactlyOne(end)
     model.Add(sum(n) == L)
     for ni, ui in zip(n, used):
         model.Add(ni <= L * ui)
         model.Add(ni >= 1).OnlyEnforceIf(ui)
-    biggest = max([c.segment for c in costs] + [head_bytes])
-    seg = model.NewIntVar(0, biggest, "largest_staged_segment")
-    staging = model.NewIntVar(0, 2 * biggest, "staging")
+    biggest = max(max(c.first_staged, c.last_staged) for c in costs)
+    staged_end = max(e.staged_embed + e.staged_head for e in ends)
+    first = model.NewIntVar(0, biggest, "largest_first_staged_segment")
+    last = model.NewIntVar(0, biggest, "largest_last_staged_segment")
+    staging = model.NewIntVar(0, 2 * biggest + staged_end, "staging")
     any_acc = model.NewBoolVar("uses_accelerator")
+    layers_stream = model.NewBoolVar("layers_stream")
+    streaming = [u for c, u in zip(costs, used) if c.staged_pair]
+    if streaming:
+        model.AddBoolOr(streaming).OnlyEnforceIf(layers_stream)
+    else:
+        model.Add(layers_stream == 0)
     for c, u in zip(costs, used):
-        if c.segment:
-            model.Add(seg >= c.segment).OnlyEnforceIf(u)
+        if c.staged_pair:
+            model.Add(first >= c.first_staged).OnlyEnforceIf(u)
+            model.Add(last >= c.last_staged).OnlyEnforceIf(u)
+            model.Add(staging >= c.staged_pair).OnlyEnforceIf(u)
         if c.uses_accelerator:
             model.AddImplication(u, any_acc)
-    model.AddImplication(head[RESIDENT], any_acc)
-    model.AddImplication(head[STREAMED], any_acc)
-    model.Add(staging >= 2 * seg)
-    model.Add(staging >= seg + head_bytes).OnlyEnforceIf(head[STREAMED])
-    acc_bytes = (sum(c.resident * ni for c, ni in zip(costs, n)) + head_bytes * head[RESIDENT]
-                 + staging + act * any_acc)
+    model.Add(staging >= first + last)
+    for e, x in zip(ends, end):
+        if e.uses_accelerator:
+            model.AddImplication(x, any_acc)
+        if e.staged_embed or e.staged_head:
+            model.Add(staging >= e.staged_embed + first).OnlyEnforceIf(x)
+            model.Add(staging >= last + e.staged_head).OnlyEnforceIf(x)
+            model.Add(staging >= e.staged_embed + e.staged_head).OnlyEnforceIf(
+                [x, layers_stream.Not()])
+    acc_bytes = (sum(c.resident * ni for c, ni in zip(costs, n))
+                 + sum((e.resident + (head_act if e.head != HOST else 0)) * x
+                       for e, x in zip(ends, end)) + staging + act * any_acc)
     if capacity is not None:
         model.Add(acc_bytes <= capacity)
     if host_capacity is not None:
-        reads = model.NewIntVar(0, max(c.disk_segment for c in costs), "largest_disk_segment")
+        reads = model.NewIntVar(0, max([c.disk_segment for c in costs] + [e.read for e in ends]),
+                                "largest_disk_read")
         for c, u in zip(costs, used):
             if c.disk_segment:
                 model.Add(reads >= c.disk_segment).OnlyEnforceIf(u)
-        model.Add(sum(c.host * ni for c, ni in zip(costs, n)) + spec.op_weight_bytes("EMBED")
-                  + head_bytes * (1 - head[RESIDENT]) + 2 * reads <= host_capacity)
-    seconds = _step_units(costs, heads, n, head)
+        for e, x in zip(ends, end):
+            if e.read:
+                model.Add(reads >= e.read).OnlyEnforceIf(x)
+        model.Add(sum(c.host * ni for c, ni in zip(costs, n))
+                  + sum(e.host * x for e, x in zip(ends, end)) + 2 * reads <= host_capacity)
+    seconds = _step_units(costs, ends, n, end)
     switches = sum(c.switches * ni for c, ni in zip(costs, n))
-    return _Model(model, n, head, acc_bytes, seconds, switches)
+    return _Model(model, n, end, acc_bytes, seconds, switches)
 
 
 def _units(seconds: float) -> int:
     return round(seconds / TIME_UNIT)
 
 
-def _step_units(costs: list[PatternCost], heads: dict[str, float], n: list, head: dict):
+def _step_units(costs: list[PatternCost], ends: list[EndCost], n: list, end: list):
     """The objective in TIME_UNITs: per-pattern seconds (decode step plus any priced prefill)
-    times layer counts, plus the head's; ``n`` and ``head`` are CP-SAT variables (a linear
-    expression) or their values."""
+    times layer counts, plus the EMBED and HEAD pair's; ``n`` and ``end`` (one per pair) are
+    CP-SAT variables (a linear expression) or their values."""
     return (sum(_units(c.seconds + c.prefill) * ni for c, ni in zip(costs, n))
-            + sum(_units(heads[s]) * head[s] for s in OP_STATES))
+            + sum(_units(e.seconds) * x for e, x in zip(ends, end)))
 
 
 def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
@@ -112,10 +135,11 @@ def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
 
 @dataclass
 class Solution:
-    """CP-SAT's answer: layers per pattern, HEAD's state, and how it got there.
+    """CP-SAT's answer: layers per pattern, EMBED's and HEAD's states, and how it got there.
 
     Attributes:
-      counts: layers per pattern (patterns with none left out); head: HEAD's ``OP_STATES``.
+      counts: layers per pattern (patterns with none left out).
+      embed / head: their states (``patterns.end_states``).
       status: ``OPTIMAL`` or ``FEASIBLE`` (time limit hit: best found, not proven optimal).
       objective_s / bound_s: the objective of the optimum and CP-SAT's best bound, seconds.
       chosen_s: the objective of the counts taken (the fewest switches within tolerance).
@@ -124,6 +148,7 @@ class Solution:
     """
 
     counts: dict[Pattern, int]
+    embed: str
     head: str
     status: str
     objective_s: float
@@ -133,11 +158,12 @@ class Solution:
     model_bytes: int
 
 
-def solve_counts(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, float], act: int,
-                 devices: Devices, workload: Workload, time_limit_s: float, seed: int,
-                 tolerance: float) -> Solution:
+def solve_counts(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost], act: int,
+                 head_act: int, devices: Devices, workload: Workload, time_limit_s: float,
+                 seed: int, tolerance: float) -> Solution:
     """Minimise the objective over pattern counts under the budgets of ``devices`` with
-    ``act`` bytes of activations reserved; then, with ``tolerance`` > 0, the device switches
+    ``act`` bytes of activations reserved where anything runs on the accelerator and
+    ``head_act`` more where HEAD does (``cpsat.head_reserve``); then, with ``tolerance`` > 0, the device switches
     among counts within that fraction of the optimum (best effort: the optimum stands if the
     second solve finds nothing). Arguments as ``cpsat.solve``'s.
 
@@ -145,7 +171,8 @@ def solve_counts(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, flo
       HxError: CP-SAT found nothing in its time limit, or no counts fit (the message gives
         the smallest accelerator budget that admits a plan).
     """
-    built = _build(spec, costs, heads, act, devices.accelerator.capacity, devices.host.capacity)
+    built = _build(spec, costs, ends, act, head_act, devices.accelerator.capacity,
+                   devices.host.capacity)
     built.model.Minimize(built.seconds)
     solver = _solver(time_limit_s, seed)
     start = time.perf_counter()
@@ -155,19 +182,20 @@ def solve_counts(spec: ModelSpec, costs: list[PatternCost], heads: dict[str, flo
                       f"deterministic s ({len(costs)} layer patterns, status UNKNOWN: neither a "
                       f"plan nor a proof that none fits); give it more time (--time-limit)")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise HxError(_infeasible(spec, costs, heads, act, devices, workload, time_limit_s,
-                                  seed, solver.StatusName(status)))
-    variables = built.n + list(built.head.values())
+        raise HxError(_infeasible(spec, costs, ends, act, head_act, devices, workload,
+                                  time_limit_s, seed, solver.StatusName(status)))
+    variables = built.n + built.ends
     values = [solver.Value(v) for v in variables]
     model_bytes = solver.Value(built.accelerator_bytes)
     if tolerance > 0:
         values, model_bytes = _fewest_switches(built, solver, variables, values, model_bytes,
                                                tolerance, time_limit_s, seed)
-    n, head = values[:len(built.n)], dict(zip(built.head, values[len(built.n):]))
-    return Solution({c.pattern: ni for c, ni in zip(costs, n) if ni},
-                    next(s for s in OP_STATES if head[s]), solver.StatusName(status),
-                    solver.ObjectiveValue() * TIME_UNIT, solver.BestObjectiveBound() * TIME_UNIT,
-                    _step_units(costs, heads, n, head) * TIME_UNIT, time.perf_counter() - start,
+    n, end = values[:len(built.n)], values[len(built.n):]
+    pair = next(e for e, x in zip(ends, end) if x)
+    return Solution({c.pattern: ni for c, ni in zip(costs, n) if ni}, pair.embed, pair.head,
+                    solver.StatusName(status), solver.ObjectiveValue() * TIME_UNIT,
+                    solver.BestObjectiveBound() * TIME_UNIT,
+                    _step_units(costs, ends, n, end) * TIME_UNIT, time.perf_counter() - start,
                     model_bytes)
 
 
@@ -187,9 +215,10 @@ def _fewest_switches(built: _Model, solver: cp_model.CpSolver, variables: list, 
     return values, model_bytes
 
 
-def _infeasible(spec, costs, heads, act, devices, workload, time_limit_s, seed, status) -> str:
+def _infeasible(spec, costs, ends, act, head_act, devices, workload, time_limit_s, seed,
+                status) -> str:
     """Why no plan fits: the smallest accelerator budget that admits one (solved for)."""
-    built = _build(spec, costs, heads, act, None, devices.host.capacity)
+    built = _build(spec, costs, ends, act, head_act, None, devices.host.capacity)
     built.model.Minimize(built.accelerator_bytes)
     solver = _solver(time_limit_s, seed)
     if solver.Solve(built.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

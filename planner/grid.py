@@ -118,7 +118,8 @@ def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile
             ) -> tuple[ExecutionPlan, MemoryEstimate]:
     """``policy``'s plan for ``spec`` on hardware ``machine`` (a preset or ``local``; its
     ``profile``) with ``budget`` bytes of accelerator memory and the profile's host memory, and
-    its memory estimate, both sized for that machine (``hardware.memory_sizing``).
+    its memory estimate, both sized for that machine (``hardware.memory_sizing``). The plan is
+    simulated, not run: CP-SAT may keep KV caches on disk (``policies.build``'s ``kv_disk``).
 
     Raises:
       HxError: no plan of the policy fits (``policies.build``).
@@ -126,7 +127,7 @@ def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile
     devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
     with memory_sizing(machine):
         plan = policies.build(policy, spec, devices, workload, profile=profile,
-                              time_limit_s=time_limit_s)
+                              time_limit_s=time_limit_s, kv_disk=True)
         return plan, estimate(plan, spec, workload)
 
 

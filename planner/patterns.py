@@ -4,11 +4,13 @@ bytes, for the CP-SAT model (``planner.cpsat_model``) to count.
 A layer's pattern fixes where its KV cache (and so SCORE) lives and, for each of its six
 weighted ops, whether the op runs on the host (weights at home there), on the accelerator with
 resident weights, or on the accelerator with weights streamed in: 2 x 3^6 = 1458 patterns (with
-the disk tier, twins streaming from disk and keeping the KV cache there). All layers of a model
-have the same shapes, so a plan is a count per pattern, plus a choice for HEAD. Each pattern is
-priced by the simulator -- the marginal time of one more layer of it in a decode step and, for
-the whole-run objective, in a prefill step at the chunk the model is solved for -- and by its
-memory (``models.tensors`` sizes); patterns that another beats on every count are dropped.
+the disk tier, twins streaming from disk and, where asked for, twins keeping the KV cache
+there). All layers of a model have the same shapes, so a plan is a count per pattern, plus a
+state for EMBED and for HEAD (``end_states``: host, resident, streamed, or read from disk).
+Each pattern is priced by the simulator -- the marginal time of one more layer of it in a
+decode step and, for the whole-run objective, in a prefill step at the chunk the model is
+solved for -- and by its memory (``models.tensors`` sizes); patterns that another beats on
+every count are dropped. EMBED and HEAD are priced as a pair (``end_costs``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import LAYER_OPS, SCORE, ModelSpec
+from hx.memory import held_weight_bytes
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
@@ -60,34 +63,42 @@ class PatternCost:
     pattern: Pattern
     seconds: float
     resident: int  # accelerator bytes: resident weights + KV
-    segment: int  # largest staged segment, bytes
+    first_staged: int  # the layer's first staged segment, bytes (0: it stages nothing)
+    last_staged: int  # its last staged segment, bytes
     host: int  # host bytes: host and streamed weights + KV
     uses_accelerator: bool
     switches: int  # device changes along the layer's ops, into the next layer included
     disk_segment: int = 0  # largest segment's disk-homed weights, bytes (read double-buffered)
     prefill: float = 0.0  # the run's prefill steps per decode step x the marginal prefill step
+    staged_pair: int = 0  # largest two consecutive staged segments in a stack of it, bytes
 
 
-def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str
-               ) -> ExecutionPlan:
-    """The plan of layers laid out with ``patterns`` (one per layer) and HEAD's state."""
-    placement = Placement(HOST, tuple(p.devices() for p in patterns),
-                          HOST if head == HOST else ACCELERATOR)
-    weights = WeightHomes(HOST, tuple(p.homes() for p in patterns), head)
+def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str,
+               embed: str = HOST) -> ExecutionPlan:
+    """The plan of layers laid out with ``patterns`` (one per layer), HEAD's and EMBED's
+    states (``end_states``: on the host with its weights there, else on the accelerator with
+    them resident, streamed or read from disk)."""
+    def device(state: str) -> str:
+        return HOST if state == HOST else ACCELERATOR
+
+    placement = Placement(device(embed), tuple(p.devices() for p in patterns), device(head))
+    weights = WeightHomes(embed, tuple(p.homes() for p in patterns), head)
     return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
 
 
-def layer_patterns(disk: bool = False) -> list[Pattern]:
+def layer_patterns(disk: bool = False, kv_disk: bool = False) -> list[Pattern]:
     """Every layer pattern: KV on the accelerator or the host, each weighted op host, resident
     or streamed. With ``disk``, every pattern that streams weights has a twin streaming them
     from disk instead of host memory (FlexGen's weights on disk: read into host memory, then
-    copied on), and every host-KV pattern a twin with its KV cache on disk."""
+    copied on); with ``kv_disk`` too, every host-KV pattern has a twin with its KV cache on
+    disk (FlexGen's OPT-175B setting: simulated, the executor does not run it)."""
     patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
                 for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
     if disk:
         patterns += [Pattern(p.kv, tuple(DISK if s == STREAMED else s for s in p.ops))
                      for p in patterns if STREAMED in p.ops]
-        patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
+        if kv_disk:
+            patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
     return patterns
 
 
@@ -116,19 +127,21 @@ def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern
 
 def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
     """``plan`` with every weighted op of prefill on the accelerator (host-homed weights
-    staged in) and HEAD there too; SCORE stays where its KV cache lives."""
+    staged in) and HEAD there too; SCORE stays where its KV cache lives, EMBED where it is in
+    decode."""
     rows = tuple(tuple(score_device(kv) if op == SCORE else ACCELERATOR for op in LAYER_OPS)
                  for kv in plan.kv)
-    return ExecutionPlan(Placement(HOST, rows, ACCELERATOR), plan.decode, plan.weights,
-                         plan.kv, plan.name)
+    return ExecutionPlan(Placement(plan.decode.embed, rows, ACCELERATOR), plan.decode,
+                         plan.weights, plan.kv, plan.name)
 
 
 @functools.lru_cache(maxsize=16)
 def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                   context: int, disk: bool = False) -> tuple[PatternCost, ...]:
+                   context: int, disk: bool = False, kv_disk: bool = False
+                   ) -> tuple[PatternCost, ...]:
     """Simulated marginal decode time and bytes of one layer of every pattern of
-    ``layer_patterns(disk)`` (cached: the budget does not enter, so planning at many budgets
-    prices once)."""
+    ``layer_patterns(disk, kv_disk)`` (cached: the budget does not enter, so planning at many
+    budgets prices once)."""
     two = spec.replace(n_layers=2)
     kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     kv_read = kv_bytes(spec, workload.batch, workload.cache_slots)
@@ -136,21 +149,23 @@ def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload
     host_weights = {op: spec.op_weight_bytes(op, weight_dtype(spec, HOST))
                     for op in WEIGHTED_OPS}
     costs = []
-    for p in layer_patterns(disk):
+    for p in layer_patterns(disk, kv_disk):
         seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
                                    workload.cache_slots, context, workload.micro_batches)
         resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, p.ops) if s == RESIDENT)
-        host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: float32
+        host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: the host's dtype
                    for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
         pair = layer_plan(two, [p, p], HOST, "p")
         segments = split_segments(pair, "decode")
-        staged = [staged_bytes(spec, s) for s in segments]
+        staged = [b for b in (staged_bytes(spec, s) for s in segments) if b]
         on_disk = [disk_bytes(pair, spec, s) for s in segments]
         costs.append(PatternCost(
             p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
-            max(staged), host + (kv_layer if p.kv == HOST else 0),
+            staged[0] if staged else 0, staged[-1] if staged else 0,
+            host + (kv_layer if p.kv == HOST else 0),
             ACCELERATOR in p.devices(), _switches(p.devices()),
-            max(on_disk) + (kv_read if p.kv == DISK else 0)))
+            max(on_disk) + (kv_read if p.kv == DISK else 0),
+            staged_pair=max(map(sum, zip(staged, staged[1:])), default=sum(staged))))
     return tuple(costs)
 
 
@@ -166,16 +181,18 @@ def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def decode_front(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool
-                 ) -> tuple[PatternCost, ...]:
+def decode_front(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool,
+                 kv_disk: bool = False) -> tuple[PatternCost, ...]:
     """The patterns no other beats in decode time and every byte count (``prune`` of
     ``price_patterns`` at the decode context; cached)."""
-    return tuple(prune(price_patterns(spec, profile, workload, workload.decode_context, disk)))
+    return tuple(prune(price_patterns(spec, profile, workload, workload.decode_context, disk,
+                                      kv_disk)))
 
 
 @functools.lru_cache(maxsize=64)
 def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                    chunk: int, disk: bool = False) -> tuple[PatternCost, ...]:
+                    chunk: int, disk: bool = False, kv_disk: bool = False
+                    ) -> tuple[PatternCost, ...]:
     """The patterns of ``decode_front``, each with its prefill over a run per decode step
     (``prefill``, seconds): its marginal prefill step at ``chunk`` tokens and mid-prompt
     context, placed as in decode, times the run's prefill steps per decode step
@@ -187,7 +204,7 @@ def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workloa
     return tuple(dataclasses.replace(c, prefill=share * marginal_seconds(
         spec, profile, c.pattern, "prefill", workload.prefill_rows, tokens,
         workload.cache_slots, context, workload.prefill_micro_batches))
-        for c in decode_front(spec, profile, workload, disk))
+        for c in decode_front(spec, profile, workload, disk, kv_disk))
 
 
 def _switches(devices: tuple[str, ...]) -> int:
@@ -197,8 +214,9 @@ def _switches(devices: tuple[str, ...]) -> int:
 def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
     """Drop patterns that another is at least as good as on every count (and better on one):
     time (decode step plus any priced prefill) and bytes."""
-    m = np.array([[c.seconds + c.prefill, c.resident, c.segment, c.host, c.uses_accelerator,
-                   c.switches, c.disk_segment] for c in costs], dtype=float)
+    m = np.array([[c.seconds + c.prefill, c.resident, c.first_staged, c.last_staged,
+                   c.staged_pair, c.host, c.uses_accelerator, c.switches, c.disk_segment]
+                  for c in costs], dtype=float)
     keep = []
     for i in range(len(costs)):
         no_worse = (m <= m[i]).all(axis=1)
@@ -208,24 +226,72 @@ def prune(costs: tuple[PatternCost, ...]) -> list[PatternCost]:
     return keep
 
 
-def head_seconds(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                 chunk: int | None = None) -> dict[str, float]:
-    """Seconds of HEAD in each state after a host layer (a one-layer simulated run, the same
-    layer whatever the state) in a decode step; with ``chunk``, over a whole run per decode
-    step as ``whole_run_costs`` prices a layer: plus the run's prefill steps at ``chunk``
-    tokens per decode step (``prefill_point``)."""
-    one = spec.replace(n_layers=1)
+@dataclass(frozen=True)
+class EndCost:
+    """What EMBED and HEAD in a pair of ``end_states`` cost: seconds (``end_costs``) and
+    bytes (held as ``memory.held_weight_bytes`` counts them: in the dtype each device holds,
+    a tied embedding held alike by both once).
+
+    Attributes:
+      embed / head: their states.
+      seconds: a one-host-layer step with them (decode, plus the run's prefill per decode step
+        where priced), so that pairs compare.
+      resident: accelerator bytes of resident weights.
+      host: host bytes: weights at home on the host and streamed ones (pinned host memory).
+      staged_embed / staged_head: bytes each copies into accelerator memory before it runs.
+      read: bytes the larger of the two reads from disk each step (read buffers, twice).
+    """
+
+    embed: str
+    head: str
+    seconds: float
+    resident: int
+    host: int
+    staged_embed: int
+    staged_head: int
+    read: int
+
+    @property
+    def uses_accelerator(self) -> bool:
+        """Whether EMBED or HEAD runs on the accelerator."""
+        return self.embed != HOST or self.head != HOST
+
+
+def end_states(disk: bool) -> tuple[str, ...]:
+    """The states EMBED and HEAD may take: host, resident, streamed, and with ``disk`` read
+    from disk each step (then staged like a streamed one)."""
+    return OP_STATES + ((DISK,) if disk else ())
+
+
+@functools.lru_cache(maxsize=64)
+def end_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool,
+              chunk: int | None = None) -> tuple[EndCost, ...]:
+    """Every pair of EMBED and HEAD states (``end_states(disk)``), priced: seconds of a decode
+    step of one host layer with them (a simulated run, the same layer whatever the states, so
+    pairs compare; the layers' own cost is the patterns'); with ``chunk``, over a whole run per
+    decode step as ``whole_run_costs`` prices a layer: plus the run's prefill steps at
+    ``chunk`` tokens per decode step (``prefill_point``). Cached."""
+    one, none = spec.replace(n_layers=1), spec.replace(n_layers=0)
     host_layer = Pattern(HOST, (HOST,) * len(WEIGHTED_OPS))
 
-    def run(head: str, phase: str, rows: int, tokens: int, context: int, micro: int) -> float:
-        return predict(layer_plan(one, [host_layer], head, "h"), one, profile, phase, rows,
-                       tokens, workload.cache_slots, context, micro).seconds
+    def run(embed: str, head: str, phase: str, rows: int, tokens: int, context: int,
+            micro: int) -> float:
+        return predict(layer_plan(one, [host_layer], head, "ends", embed), one, profile,
+                       phase, rows, tokens, workload.cache_slots, context, micro).seconds
 
-    decode = {state: run(state, "decode", workload.batch, 1, workload.decode_context,
-                         workload.micro_batches) for state in OP_STATES}
-    if chunk is None:
-        return decode
-    share, tokens, context = prefill_point(workload, chunk)
-    return {state: decode[state] + share * run(state, "prefill", workload.prefill_rows, tokens,
-                                               context, workload.prefill_micro_batches)
-            for state in OP_STATES}
+    share, tokens, context = prefill_point(workload, chunk) if chunk else (0.0, 0, 0)
+    costs = []
+    for embed, head in itertools.product(end_states(disk), repeat=2):
+        seconds = run(embed, head, "decode", workload.batch, 1, workload.decode_context,
+                      workload.micro_batches)
+        if chunk:
+            seconds += share * run(embed, head, "prefill", workload.prefill_rows, tokens,
+                                   context, workload.prefill_micro_batches)
+        resident, host = held_weight_bytes(layer_plan(none, [], head, "ends", embed), none)
+        staged = {op: spec.op_weight_bytes(op) if state in (STREAMED, DISK) else 0
+                  for op, state in ((EMBED, embed), (HEAD, head))}
+        read = max(spec.op_weight_bytes(op) if state == DISK else 0
+                   for op, state in ((EMBED, embed), (HEAD, head)))
+        costs.append(EndCost(embed, head, seconds, resident, host, staged[EMBED], staged[HEAD],
+                             read))
+    return tuple(costs)

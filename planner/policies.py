@@ -124,12 +124,13 @@ def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
 
 @functools.lru_cache(maxsize=64)
 def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
-                workload: Workload, time_limit_s: float) -> ExecutionPlan:
+                workload: Workload, time_limit_s: float, kv_disk: bool) -> ExecutionPlan:
     """``cpsat.plan_cpsat``'s plan (cached: ``auto`` asks for the one ``cpsat`` found; the
     solver is deterministic for its default seed)."""
     from hx.planner import cpsat
 
-    return cpsat.plan_cpsat(spec, profile, devices, workload, time_limit_s).plan
+    return cpsat.plan_cpsat(spec, profile, devices, workload, time_limit_s,
+                            kv_disk=kv_disk).plan
 
 
 POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
@@ -141,7 +142,7 @@ BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
           gpu_layers: int | None = None, profile: "HardwareProfile | None" = None,
-          time_limit_s: float = 5.0) -> ExecutionPlan:
+          time_limit_s: float = 5.0, kv_disk: bool = False) -> ExecutionPlan:
     """The plan of a named policy, checked against the budgets, with the largest prefill
     chunk under which it fits (``fit_prefill_chunk``).
 
@@ -150,7 +151,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
     on disk (``baselines.flexgen_published``). ``min-max``,
     ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
-    seconds per solve with its best plan. ``auto`` is all-accelerator when that fits, else the
+    seconds per solve with its best plan, and keeps KV caches off the disk, which the executor
+    refuses, unless ``kv_disk`` (a plan only simulated: ``cpsat.solve``). ``auto`` is all-accelerator when that fits, else the
     CP-SAT plan or stream-all, whichever ``simulator.predict_run`` predicts the shorter run
     (without a profile: the largest layer split): CP-SAT sets activations aside before it
     knows the plan, with the temporaries of SCORE on the accelerator counted, so at large
@@ -169,7 +171,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     planners = {  # run only when asked for
         "min-max": lambda: baselines.min_max(spec, profile, devices, workload),
         "flexgen-lp": lambda: baselines.flexgen_lp(spec, profile, devices, workload),
-        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload, time_limit_s),
+        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload, time_limit_s, kv_disk),
     }
     if policy == "all-accelerator":
         plan = all_accelerator(n)

@@ -22,7 +22,7 @@ from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOptio
                            plan_by_name, print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.memory import estimate
-from hx.schedule import staged_bytes
+from hx.schedule import disk_bytes, staged_bytes
 from hx.models.loader import load, load_spec, resolve_dtype
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import ExecutionPlan
@@ -138,14 +138,18 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
     need = estimate(plan, spec, workload)
     chunking = ("whole prompt per step" if plan.prefill_chunk is None
                 else f"in chunks of {plan.prefill_chunk} tokens")
-    streamed = sum(staged_bytes(spec, s) for s in split_segments(plan, "decode"))
-    out.print(f"EMBED on {plan.decode.embed}, HEAD on {plan.decode.head} "
+    decode_segments = split_segments(plan, "decode")
+    streamed = sum(staged_bytes(spec, s) for s in decode_segments)
+    read = sum(disk_bytes(plan, spec, s) for s in decode_segments)
+    out.print(f"EMBED on {plan.decode.embed} ({plan.weights.embed}), HEAD on {plan.decode.head} "
               f"({plan.weights.head}); prefill "
               f"{'as decode' if plan.prefill == plan.decode else 'with weighted ops offloaded'}, "
               f"{chunking}", soft_wrap=True)
     out.print(f"accelerator: {format_bytes(need.accelerator)} ({need.breakdown()} bytes); "
               f"host: {format_bytes(need.host)}; streamed per decode step: "
-              f"{format_bytes(streamed)}", soft_wrap=True)
+              f"{format_bytes(streamed)}"
+              + (f", of which read from disk: {format_bytes(read)}" if read else ""),
+              soft_wrap=True)
     if profile is not None:
         slots = workload.cache_slots
         decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots,

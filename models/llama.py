@@ -465,8 +465,7 @@ class HeadOp(nn.Module):
         if isinstance(table, dict):
             return (_compressed_logits(n, table, get_format(s.embedding_format),
                                        s.vocab_size, _held(self)),)
-        return (jnp.einsum("bd,vd->bv", n.astype(table.dtype), table,
-                           preferred_element_type=jnp.float32),)
+        return (product(n.astype(table.dtype), table),)
 
 
 HEAD_CHUNK_ELEMENTS = 1 << 22  # a compressed LM head decompresses this many weights at a time
@@ -484,8 +483,7 @@ def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format,
     for start in range(0, vocab, rows):
         chunk = {p: a[start:start + rows] for p, a in held.items()}
         table = dequantize(chunk, fmt, (min(rows, vocab - start), D), dtype, after=after)
-        after = jnp.einsum("bd,vd->bv", n.astype(table.dtype), table,
-                           preferred_element_type=jnp.float32)
+        after = product(n.astype(table.dtype), table)
         parts.append(after)
     return jnp.concatenate(parts, axis=-1)
 

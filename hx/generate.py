@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from hx.devices import Devices
+from hx.devices import Devices, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import check_fits
@@ -212,6 +212,7 @@ class Engine:
             device = self.executor.devices[self.plan.phase(phase).head]
             zeros = jax.device_put(np.zeros((B, self.model.spec.vocab_size), np.float32), device)
             sample(zeros, sampling, 0).block_until_ready()
+        release_free_heap()
         self._compiled.add(key)
         return time.perf_counter() - start
 

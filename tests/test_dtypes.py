@@ -200,6 +200,27 @@ def test_default_dtype_by_platform(devices):
         resolve_dtype("bf16")
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_bfloat16_product_holds_no_float32_copy_of_its_matrix(devices, rows):
+    """``llama.product`` of ``rows`` rows against a bf16 (512, 256) matrix on the host device:
+    its XLA temporaries stay below the matrix's float32 size (a one-row product is padded to
+    two: XLA:CPU's matrix-vector path widened the matrix to float32), and its result equals a
+    float64 product of the same rounded operands to float32 accumulation."""
+    from hx.models.llama import product
+
+    rng = np.random.default_rng(rows)
+    bf16 = numpy_dtype("bfloat16")
+    x = rng.standard_normal((rows, 256)).astype(bf16)
+    w = rng.standard_normal((512, 256)).astype(bf16)
+    host = devices[HOST]
+    compiled = jax.jit(product).lower(jax.device_put(x, host), jax.device_put(w, host)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < w.size * 4
+    got = np.asarray(compiled(jax.device_put(x, host), jax.device_put(w, host)))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (rows, 512) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 def test_stream_all_halves_its_staging_in_bfloat16(tiny_model, tiny_bf16):
     plan, work = policies.stream_all(3), Workload(2, 8, 32)
     full, half = (estimate(plan, m.spec, work) for m in (tiny_model, tiny_bf16))

@@ -151,12 +151,17 @@ def configure_runtime() -> None:
         pass  # backends already up; ``discover`` reports if that leaves too few devices
     os.environ.setdefault(PREALLOCATE_ENV, "false")
     jax.config.update("jax_default_matmul_precision", "highest")
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
         libc.mallopt(m_mmap_threshold, 1 << 30)
         libc.mallopt(m_trim_threshold, 2**31 - 1)
+
+
+def _libc():
+    """The C library, or None where ctypes cannot find one."""
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 def release_free_heap() -> None:
@@ -165,8 +170,7 @@ def release_free_heap() -> None:
     so the resident set would otherwise stay at its high-water mark: call it once the
     compilations of a run are done, whose temporaries (XLA's and LLVM's) are garbage from then
     on -- before the run allocates its KV caches and activations on top of them."""
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 

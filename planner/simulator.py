@@ -182,12 +182,17 @@ def _disk(profile: HardwareProfile, plan: ExecutionPlan) -> float:
     return profile.disk_read_bandwidth
 
 
-def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 0.0) -> float:
+def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 0.0,
+              links: dict[str, str] | None = None) -> float:
     """Replay ``tasks`` (fills their start and end); returns the makespan in seconds.
 
     While copies and computation run at once, every running task progresses at
     1 / (1 + ``contention``) of its speed; while both devices compute at once, each
-    computation progresses at a further 1 / (1 + ``compute_contention``)."""
+    computation progresses at a further 1 / (1 + ``compute_contention``). ``links`` maps
+    resources (in-order queues, e.g. CUDA streams) onto the link they copy over: while n of
+    one link's resources run, each progresses at a further 1 / n (the link's bandwidth shared
+    equally, as one DMA engine time-slices the streams' copies); resources not named share
+    nothing."""
     queues: dict[str, list[int]] = {}
     pending = [len(t.deps) for t in tasks]  # unfinished dependencies
     dependents: list[list[int]] = [[] for _ in tasks]
@@ -214,6 +219,12 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
         shared = 1.0 / (1.0 + contention) if copying and computing else 1.0
         both = 1.0 / (1.0 + compute_contention) if computing == 2 else 1.0
         speed = {r: shared * (both if r in COMPUTE_RESOURCES else 1.0) for r in running}
+        if links:
+            on_link: dict[str, int] = {}
+            for r in running:
+                if r in links:
+                    on_link[links[r]] = on_link.get(links[r], 0) + 1
+            speed = {r: v / on_link.get(links.get(r), 1) for r, v in speed.items()}
 
         dt = min(remaining[i] / speed[r] for r, i in running.items())
         now += dt

@@ -114,5 +114,6 @@ def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
 
 def rows_to_json(rows: list[AblationRow], spec: ModelSpec, profile: HardwareProfile) -> dict:
     """The JSON document ``hx ablate`` writes."""
-    return {"model": spec.name, "profile": profile.name, "emulated": profile.emulated,
+    return {"model": spec.name, "weights": spec.weight_format, "embedding": spec.embedding_format,
+            "kv": spec.kv_format, "profile": profile.name, "emulated": profile.emulated,
             "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]}

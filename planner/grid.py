@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 from hx.devices import discover
 from hx.errors import HxError
 from hx.memory import MemoryEstimate, estimate
+from hx.models.formats import DENSE
+from hx.models.loader import load_spec
 from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
@@ -57,7 +59,9 @@ class Scenario:
 class Grid:
     """What to run: names of model presets (``models.spec.PRESETS``, ``NAME[:NL]``), hardware
     presets (``planner.hardware``), policies (``planner.policies``), accelerator budgets as
-    fractions of the preset's accelerator memory, and scenarios; models run in ``dtype``."""
+    fractions of the preset's accelerator memory, and scenarios; models run in ``dtype``, their
+    matrices held in each of ``weights`` and their KV caches in each of ``kv``
+    (``models.formats``: ``dense`` or a compressed format), two more axes."""
 
     models: tuple[str, ...]
     hardware: tuple[str, ...]
@@ -65,11 +69,18 @@ class Grid:
     budgets: tuple[float, ...]
     scenarios: tuple[Scenario, ...]
     dtype: str = "float16"
+    weights: tuple[str, ...] = (DENSE,)
+    kv: tuple[str, ...] = (DENSE,)
 
     @property
     def size(self) -> int:
         return (len(self.models) * len(self.hardware) * len(self.policies) * len(self.budgets)
-                * len(self.scenarios))
+                * len(self.scenarios) * len(self.weights) * len(self.kv))
+
+    @property
+    def formats(self) -> list[tuple[str, str]]:
+        """(weight format, KV format) of every point of the two format axes."""
+        return [(w, k) for w in self.weights for k in self.kv]
 
 
 # 4 models x 3 machines x 6 policies x 3 workloads: the grid docs/ablation.md shows.
@@ -92,8 +103,8 @@ def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
 
 @dataclass
 class GridRow:
-    """One (model, hardware, budget, scenario, policy); None fields where no plan fits
-    (``error`` says why)."""
+    """One (model, hardware, budget, scenario, policy, weight format, KV format); None fields
+    where no plan fits (``error`` says why)."""
 
     model: str
     hardware: str
@@ -101,6 +112,8 @@ class GridRow:
     budget_bytes: int
     scenario: str
     policy: str
+    weights: str = DENSE
+    kv: str = DENSE
     plan: str | None = None
     accelerator_bytes: int | None = None
     tokens_per_s: float | None = None
@@ -180,14 +193,26 @@ def run_part(grid: Grid, model: str, machine: str, time_limit_s: float,
              log: Callable[[str], None]) -> list[Outcome]:
     """The rows of ``grid`` for one model on one machine, each with its plan and simulated run
     (None where no plan fits)."""
-    spec = preset(model).replace(dtype=grid.dtype)
+    out: list[Outcome] = []
+    for weights, kv in grid.formats:
+        spec = load_spec(model, grid.dtype, weights, kv)
+        out += _run_formats(grid, spec, machine, time_limit_s, log)
+    return out
+
+
+def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
+                 log: Callable[[str], None]) -> list[Outcome]:
+    """``run_part``'s rows for ``spec``, a model in one (weight format, KV format)."""
     profile = hardware_profile(machine)
+    formats = (spec.weight_format, spec.kv_format)
+    named = "" if formats == (DENSE, DENSE) else f", weights {formats[0]}, KV {formats[1]}"
     out: list[Outcome] = []
     for fraction in grid.budgets:
         budget = int(fraction * profile.accelerator_memory)
         for scenario in grid.scenarios:
             for policy in grid.policies:
-                row = GridRow(spec.name, machine, fraction, budget, scenario.name, policy)
+                row = GridRow(spec.name, machine, fraction, budget, scenario.name, policy,
+                              *formats)
                 try:
                     plan, need = plan_on(policy, spec, machine, profile, budget,
                                          scenario.workload(), time_limit_s)
@@ -204,7 +229,7 @@ def run_part(grid: Grid, model: str, machine: str, time_limit_s: float,
                 out.append((row, plan, run))
             best = max((r for r, _, _ in out[-len(grid.policies):] if r.tokens_per_s),
                        key=lambda r: r.tokens_per_s, default=None)
-            log(f"{spec.name} on {machine} at {fraction:.0%}, {scenario.name}: "
+            log(f"{spec.name} on {machine} at {fraction:.0%}, {scenario.name}{named}: "
                 + (f"best {best.policy} {best.tokens_per_s:.1f} tokens/s" if best
                    else "nothing fits"))
     return out
@@ -228,17 +253,26 @@ def write_json(rows: Sequence[GridRow], grid: Grid, path: str) -> None:
         json.dump({"grid": asdict(grid), "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
+def point(row: GridRow) -> tuple:
+    """The grid point a row is one policy's run of: (model, hardware, budget fraction,
+    scenario, weight format, KV format)."""
+    return row.model, row.hardware, row.budget_fraction, row.scenario, row.weights, row.kv
+
+
 def throughput_table(rows: Sequence[GridRow], policies_order: Sequence[str], best: str
                      ) -> tuple[list[str], list[list[str]]]:
     """(header, cells): tokens/s per policy (columns) for each (model, hardware, budget,
-    scenario) (rows); the best of a row written as ``best`` % its text, ``-`` where the policy
-    finds no plan that fits."""
-    head = ["model", "hardware", "budget", "workload", *policies_order]
+    scenario[, weight format, KV format]) (rows; the formats when any row is not dense); the
+    best of a row written as ``best`` % its text, ``-`` where the policy finds no plan that
+    fits."""
+    formats = any((r.weights, r.kv) != (DENSE, DENSE) for r in rows)
+    head = ["model", "hardware", "budget", "workload", *(("weights", "kv") if formats else ()),
+            *policies_order]
     table: list[list[str]] = []
     groups: dict[tuple, dict[str, GridRow]] = {}
     for r in rows:
-        groups.setdefault((r.model, r.hardware, r.budget_fraction, r.scenario), {})[r.policy] = r
-    for (model, machine, fraction, scenario), by_policy in groups.items():
+        groups.setdefault(point(r), {})[r.policy] = r
+    for (model, machine, fraction, scenario, *held), by_policy in groups.items():
         top = max((r.tokens_per_s or 0.0 for r in by_policy.values()), default=0.0)
         cells = []
         for p in policies_order:
@@ -248,7 +282,8 @@ def throughput_table(rows: Sequence[GridRow], policies_order: Sequence[str], bes
             else:
                 text = f"{r.tokens_per_s:.2f}" if r.tokens_per_s < 10 else f"{r.tokens_per_s:.1f}"
                 cells.append(best % text if r.tokens_per_s == top else text)
-        table.append([model, machine, f"{fraction:.0%}", scenario, *cells])
+        table.append([model, machine, f"{fraction:.0%}", scenario, *(held if formats else ()),
+                      *cells])
     return head, table
 
 

@@ -135,3 +135,32 @@ def test_ablate_hardware_grid_writes_table_csv_json_and_figures(tmp_path):
     assert "**" in (tmp_path / "g.md").read_text()
     assert len(list((tmp_path / "fig").glob("throughput-*.png"))) == 2
     assert len(list((tmp_path / "fig").glob("gantt-*.png"))) == 2
+
+
+def test_formats_are_axes_of_the_grid():
+    """``Grid.weights`` and ``Grid.kv`` multiply the grid: one row per (weight format, KV
+    format) point, each tagged with its formats, and the table grows the two format columns.
+    Each point's all-accelerator plan holds exactly its formats' weight and KV bytes
+    (``Format.nbytes`` through the spec), so int4 weights and an int4 KV cache each hold fewer
+    bytes than dense, and the row's accelerator bytes fall with them."""
+    from hx.models.loader import load_spec
+    from hx.models.tensors import kv_bytes
+    from hx.planner.grid import throughput_table
+
+    grid = Grid(models=("llama2-7b:2L",), hardware=("h100-80gb",), policies=("all-accelerator",),
+                budgets=(1.0,), scenarios=(SCENARIO,), weights=("dense", "int4"),
+                kv=("dense", "int4"))
+    assert grid.size == 4
+    rows = run_grid(grid)
+    assert [(r.weights, r.kv) for r in rows] == grid.formats
+    work, profile = SCENARIO.workload(), hardware_profile("h100-80gb")
+    for r in rows:
+        spec = load_spec("llama2-7b:2L", "float16", r.weights, r.kv)
+        _, need = plan_on("all-accelerator", spec, "h100-80gb", profile, r.budget_bytes, work)
+        assert need.accelerator == r.accelerator_bytes
+        assert need.weights == spec.weight_bytes
+        assert need.kv == spec.n_layers * kv_bytes(spec, work.rows, work.cache_slots)
+    held = {(r.weights, r.kv): r.accelerator_bytes for r in rows}
+    assert held["int4", "dense"] < held["dense", "dense"] > held["dense", "int4"]
+    head, cells = throughput_table(rows, grid.policies, "%s")
+    assert head[4:6] == ["weights", "kv"] and len(cells) == 4

@@ -17,10 +17,11 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, ModelOption,
-                           ProfileOption, WeightsOption, app, describe_dtype, err, note, out,
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, KvOption,
+                           ModelOption, ProfileOption, WeightsOption, app, describe_dtype, err, note, out,
                            plan_by_name, print_table, say)
 from hx.devices import Devices, discover, format_bytes
+from hx.errors import HxError
 from hx.memory import estimate
 from hx.schedule import disk_bytes, staged_bytes
 from hx.models.loader import load, load_spec, resolve_dtype
@@ -175,6 +176,7 @@ def plan_command(
                                              "(smollm2-135m, llama2-70b); only shapes are read."),
     dtype: str = DtypeOption,
     weights: str = WeightsOption,
+    kv: str = KvOption,
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     host_memory: Optional[str] = HostMemoryOption,
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
@@ -193,7 +195,7 @@ def plan_command(
     from hx.planner.cpsat import plan_cpsat
 
     devices = discover(accelerator_memory, host_memory)
-    spec = load_spec(model, resolve_dtype(dtype, devices), weights)
+    spec = load_spec(model, resolve_dtype(dtype, devices), weights, kv)
     workload = Workload.for_prompts(batch, prompt_tokens, max_new_tokens, spec)
     hardware = profile_for(profile, devices, policy)
     if host_memory is None and profile is not None and hardware.host_memory:
@@ -226,6 +228,12 @@ def plan_command(
 def ablate_command(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
+    weights: str = typer.Option(
+        "auto", "--weights", help="Weight format, as hx generate's --weights; with --hardware, "
+                                  "a comma-separated list: an axis of the grid (auto: dense "
+                                  "on a preset)."),
+    kv: str = typer.Option("dense", "--kv", help="KV cache format, as hx generate's --kv; with "
+                                                 "--hardware, a comma-separated list: an axis."),
     profile: Optional[Path] = ProfileOption,
     budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "
                                                     "model's weight bytes."),
@@ -254,24 +262,38 @@ def ablate_command(
 ) -> None:
     """Every policy's plan at several budgets and batches: predicted vs measured decode step
     on this machine, or (--hardware) simulated runs on hardware presets."""
-    from hx.planner.ablate import ablate, rows_to_json
-
     if hardware is not None:
         from hx.cli.simulate import ablate_grid, grid_from_options
 
-        grid = grid_from_options(model, hardware, policy_names, budgets, workloads, dtype)
+        grid = grid_from_options(model, hardware, policy_names, budgets, workloads, dtype,
+                                 weights, kv)
         ablate_grid(grid, json_out, csv_out, markdown_out, figures, time_limit, workers)
         return
+    if "," in weights or "," in kv:
+        raise HxError("a measured ablation runs one weight format and one KV format: lists of "
+                      "--weights or --kv are axes of the simulated grid (--hardware)")
+    loaded = load(model, resolve_dtype(dtype), weights=weights, kv=kv)
+    measure_policies(loaded, profile, tuple(float(x) for x in budgets.split(",")),
+                     _batches(batches), tuple(p.strip() for p in policy_names.split(",")), runs,
+                     steps, json_out)
 
-    loaded = load(model, resolve_dtype(dtype))  # auto decides without starting the backends
-    fractions = tuple(float(x) for x in budgets.split(","))
+
+def measure_policies(loaded, profile: Optional[Path], fractions: tuple[float, ...],
+                     batches: tuple[int, ...], policy_names: tuple[str, ...], runs: int,
+                     steps: int, json_out: Optional[Path]) -> None:
+    """``hx ablate`` on this machine: each policy's plan of the ``loaded`` model at budgets
+    ``fractions`` of its weight bytes and ``batches``, predicted vs measured decode step
+    (``planner.ablate``); prints the table and writes ``json_out``."""
+    from hx.planner.ablate import ablate, rows_to_json
+
     hardware = load_default(str(profile) if profile else None)
     if hardware is None:  # started at the largest budget, as ``ablate`` would (XLA's GPU pool)
         hardware = profile_for(profile, discover(int(loaded.spec.weight_bytes * max(fractions))))
-    rows = ablate(loaded.spec, loaded.params, hardware, fractions, _batches(batches),
-                  tuple(p.strip() for p in policy_names.split(",")), runs, steps,
-                  log=note)
-    table = Table(title=f"{loaded.spec.name}: decode step per policy (median of {runs} runs) "
+    rows = ablate(loaded.spec, loaded.params, hardware, fractions, batches, policy_names, runs,
+                  steps, log=note)
+    table = Table(title=f"{loaded.spec.name} ({loaded.spec.weight_format} weights, "
+                        f"{loaded.spec.kv_format} KV): decode step per policy (median of "
+                        f"{runs} runs) "
                         + escape(f"[{hardware.name}{', EMULATED' if hardware.emulated else ''}]"))
     for col in ("budget", "batch", "policy", "plan", "acc MiB", "predicted ms", "measured ms",
                 "pred/meas", "tok/s", "best"):
@@ -291,4 +313,3 @@ def ablate_command(
     print_table(table)
     if json_out:
         json_out.write_text(json.dumps(rows_to_json(rows, loaded.spec, hardware), indent=1))
-

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Optional
@@ -10,13 +11,13 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (DtypeOption, ModelOption, ProfileOption, WeightsOption, app, note,
-                           print_table)
+from hx.cli.common import (DtypeOption, KvOption, ModelOption, ProfileOption, WeightsOption, app,
+                           note, print_table)
 from hx.devices import format_bytes
 from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
-from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on,
+from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import LOCAL, hardware_profile
 from hx.planner.profile import HardwareProfile
@@ -59,6 +60,7 @@ def simulate_command(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
     weights: str = WeightsOption,
+    kv: str = KvOption,
     hardware: Optional[str] = typer.Option(
         None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, or local (the "
                    "profile `hx profile` saved); default local."),
@@ -73,7 +75,7 @@ def simulate_command(
                                                     "hx generate)."),
 ) -> None:
     """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, utilisation."""
-    spec = load_spec(model, _dtype(dtype), weights)
+    spec = load_spec(model, _dtype(dtype), weights, kv)
     hw = _profile(hardware, profile)
     if hw.accelerator_memory is None:
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
@@ -106,12 +108,11 @@ def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
     steps: dict[tuple, dict] = {}
 
     def keep(row, plan, run):
-        steps.setdefault((row.model, row.hardware, row.budget_fraction, row.scenario),
-                         {})[row.policy] = run.decode
+        steps.setdefault(point(row), {})[row.policy] = run.decode
 
     note(f"simulating {grid.size} runs ({len(grid.models)} models x {len(grid.hardware)} "
          f"machines x {len(grid.budgets)} budgets x {len(grid.scenarios)} workloads x "
-         f"{len(grid.policies)} policies)")
+         f"{len(grid.policies)} policies x {len(grid.formats)} formats)")
     rows = run_grid(grid, time_limit, log=note, keep=keep, workers=workers)
     table = Table(title="simulated generation throughput (tokens/s)")
     head, cells = throughput_table(rows, grid.policies, "*%s*")
@@ -127,37 +128,54 @@ def ablate_grid(grid: Grid, json_out: Optional[Path], csv_out: Optional[Path],
     if markdown_out:
         markdown_out.write_text(markdown_table(rows, grid.policies) + "\n")
     if figures:
-        from hx.planner.figures import decode_gantt, throughput_vs_memory
-
-        figures.mkdir(parents=True, exist_ok=True)
-        for model in dict.fromkeys(r.model for r in rows):
-            for machine in grid.hardware:
-                for scenario in grid.scenarios:
-                    part = [r for r in rows if (r.model, r.hardware, r.scenario)
-                            == (model, machine, scenario.name)]
-                    stem = re.sub(r"[^a-z0-9]+", "-", f"{model} {machine} {scenario.name}"
-                                  .lower()).strip("-")
-                    if len(grid.budgets) > 1:
-                        throughput_vs_memory(part, str(figures / f"throughput-{stem}.png"),
-                                             f"{model} on {machine}, {scenario.name}")
-                    top = max(grid.budgets)
-                    decode = steps.get((model, machine, top, scenario.name))
-                    if decode:
-                        decode_gantt(decode, str(figures / f"gantt-{stem}.png"),
-                                     f"{model} on {machine} at {top:.0%}, {scenario.name}: "
-                                     "one decode step")
+        write_figures(rows, grid, steps, figures)
         note(f"figures -> {figures}")
     return rows
 
 
+def write_figures(rows: list[GridRow], grid: Grid, steps: dict[tuple, dict], figures: Path
+                  ) -> None:
+    """Per (model, formats, machine, scenario): throughput against the budget (several
+    budgets) and the Gantt chart of one decode step at the largest budget (``steps``: each
+    grid point's decode predictions by policy)."""
+    from hx.planner.figures import decode_gantt, throughput_vs_memory
+
+    figures.mkdir(parents=True, exist_ok=True)
+    top = max(grid.budgets)
+    for model, weights, kv in dict.fromkeys((r.model, r.weights, r.kv) for r in rows):
+        held = "" if (weights, kv) == ("dense", "dense") else f" {weights} kv-{kv}"
+        for machine in grid.hardware:
+            for scenario in grid.scenarios:
+                part = [r for r in rows if (r.model, r.weights, r.kv, r.hardware, r.scenario)
+                        == (model, weights, kv, machine, scenario.name)]
+                name = f"{model}{held}"
+                stem = re.sub(r"[^a-z0-9]+", "-", f"{name} {machine} {scenario.name}"
+                              .lower()).strip("-")
+                if len(grid.budgets) > 1:
+                    throughput_vs_memory(part, str(figures / f"throughput-{stem}.png"),
+                                         f"{name} on {machine}, {scenario.name}")
+                decode = steps.get((model, machine, top, scenario.name, weights, kv))
+                if decode:
+                    decode_gantt(decode, str(figures / f"gantt-{stem}.png"),
+                                 f"{name} on {machine} at {top:.0%}, {scenario.name}: "
+                                 "one decode step")
+
+
 def grid_from_options(models: Optional[str], hardware: str, policy_names: str, budgets: str,
-                      workloads: str, dtype: str) -> Grid:
-    """The grid ``hx ablate --hardware`` asks for; ``--hardware standard`` is ``STANDARD``."""
+                      workloads: str, dtype: str, weights: str = "dense", kv: str = "dense"
+                      ) -> Grid:
+    """The grid ``hx ablate --hardware`` asks for (``weights`` and ``kv``: comma-separated
+    formats, two axes; ``auto`` is ``dense`` on a preset); ``--hardware standard`` is
+    ``STANDARD`` in those formats."""
+    axes = dict(weights=_names(weights), kv=_names(kv))
     if hardware.strip() == "standard":
-        return STANDARD
-    return Grid(models=tuple(m.strip() for m in (models or "llama2-7b").split(",")),
-                hardware=tuple(h.strip() for h in hardware.split(",")),
-                policies=tuple(p.strip() for p in policy_names.split(",")),
+        return dataclasses.replace(STANDARD, **axes)
+    return Grid(models=_names(models or "llama2-7b"), hardware=_names(hardware),
+                policies=_names(policy_names),
                 budgets=tuple(float(b) for b in budgets.split(",")),
-                scenarios=parse_scenarios(workloads),
-                dtype=_dtype(dtype))
+                scenarios=parse_scenarios(workloads), dtype=_dtype(dtype), **axes)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list's names, stripped; empty ones dropped."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())

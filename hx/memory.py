@@ -22,7 +22,7 @@ from hx.errors import HxError
 from hx.models.spec import ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, ExecutionPlan
 from hx.models.tensors import ACTIVATIONS, activation_bytes, held_weights, kv_bytes, step_bytes
-from hx.schedule import DryRun, Instruction, compile_schedule, disk_bytes, dry_run
+from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
 
@@ -217,9 +217,7 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
 
     resident, host = held_weight_bytes(plan, spec)
     disk = disk_weight_bytes(plan, spec)
-    if disk:  # a segment's disk weights are read into host memory, double-buffered
-        host += 2 * max(disk_bytes(plan, spec, seg) for phase in PHASES
-                        for seg in split_segments(plan, phase))
+    host += read_buffer_bytes(plan, spec)  # disk weights read into host memory each step
     kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
     host += sum(kv_layer for home in plan.kv if home == HOST)

@@ -87,6 +87,24 @@ def disk_bytes(plan: ExecutionPlan, spec: ModelSpec, segment: Segment) -> int:
                if plan.weights.get(layer, op) == DISK)
 
 
+def read_buffer_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
+    """Host bytes of the disk tier's read buffers at their peak: the largest sum of two
+    consecutive disk-reading segments' ``disk_bytes`` in the order the executor reads them
+    (``hx.disk``: at most two segments' reads are held at once; each phase's segments in turn,
+    the last of a step followed by the first of the next, and prefill's last by decode's
+    first). A single disk-reading segment is its own neighbour: two steps of it overlap. 0
+    without disk-homed weights."""
+    reads = {phase: [b for b in (disk_bytes(plan, spec, seg)
+                                 for seg in split_segments(plan, phase)) if b]
+             for phase in ("prefill", "decode")}
+    pairs = [0]
+    for order in reads.values():
+        pairs += [a + b for a, b in zip(order, order[1:] + order[:1])]
+    if reads["prefill"] and reads["decode"]:
+        pairs.append(reads["prefill"][-1] + reads["decode"][0])
+    return max(pairs)
+
+
 @dataclass(frozen=True)
 class Instruction:
     """One thing the executor does in a step.

@@ -16,12 +16,13 @@ from hx import executor as executor_module
 from hx.devices import discover
 from hx.errors import HxError
 from hx.executor import Executor
-from hx.memory import estimate
+from hx.memory import disk_weight_bytes, estimate
 from hx.models.mapped import PAGE, is_mapped, resident_bytes
 from hx.models.random_weights import random_params
 from hx.models.safetensors_loader import load_safetensors_dir, write_hf_folder
 from hx.models.spec import ModelSpec
 from hx.plan import DISK, STREAMED, ExecutionPlan, WeightHomes
+from hx.schedule import read_buffer_bytes
 from hx.planner import policies
 from hx.workload import Workload
 
@@ -148,9 +149,10 @@ def test_disk_pages_are_released_after_each_step(source, checkpoint, tmp_path, m
     """Each step reads every disk-homed tensor in full (its pages are in the resident set when
     the read releases them), and releases it again once its segment has run (on this CPU
     accelerator an aligned view -- a spill file's -- is read by the stage itself); at most the
-    two segments of the stage double buffer are resident at once, and after each step none
-    are -- but for the pages the kernel maps around a faulting page and those a tensor shares
-    with its neighbours in the file."""
+    two segments of the stage double buffer are resident at once -- what the estimate counts
+    (``schedule.read_buffer_bytes``: here a Q/K/V segment and an OUT/MLP one, not twice the
+    larger) -- and after each step none are -- but for the pages the kernel maps around a
+    faulting page and those a tensor shares with its neighbours in the file."""
     if source == "checkpoint":
         spec, params = load_safetensors_dir(checkpoint, "bfloat16")
     else:
@@ -159,8 +161,10 @@ def test_disk_pages_are_released_after_each_step(source, checkpoint, tmp_path, m
     ex = Executor(spec, params, PLANS["stream-all"], discover(), spill_dir=str(tmp_path))
     leaves = disk_leaves(ex)
     slack = len(leaves) * (2 * FAULT_AROUND + 2 * PAGE)
+    buffers = read_buffer_bytes(ex.plan, spec)
     largest = max(sum(x.nbytes for x in jax.tree.leaves(trees))
                   for segments in ex._params.values() for trees in segments)
+    assert largest < buffers < 2 * largest
     released = {"read": [], "wait": []}  # (resident bytes of the tensor, its bytes)
     at_release, after_step = [], []
 
@@ -183,8 +187,24 @@ def test_disk_pages_are_released_after_each_step(source, checkpoint, tmp_path, m
     read_at = released["read" if source == "checkpoint" else "wait"]
     big = [(r, n) for r, n in read_at if n >= 16 * PAGE]
     assert big and all(r >= n - 2 * PAGE for r, n in big)  # read in full before release
-    assert max(at_release) <= 2 * largest + slack < total
+    assert max(at_release) <= buffers + slack < total
     assert len(after_step) == 1 + DECODE_STEPS and max(after_step) <= slack < total / 4
+
+
+def test_read_buffers_are_the_largest_two_consecutive_disk_reads():
+    """The host's disk read buffers peak at two consecutive disk-reading segments: stream-all
+    with layers 0, 1, 3 on disk reads each layer's Q/K/V segment, then its OUT/MLP1/MLP2
+    segment, so one of each; one disk-reading segment (layer 1 of all-accelerator) pairs with
+    its own read in the next step. The estimate's host bytes carry exactly that."""
+    qkv, rest = (sum(SPEC.op_weight_bytes(op) for op in ops)
+                 for ops in (("Q", "K", "V"), ("OUT", "MLP1", "MLP2")))
+    assert read_buffer_bytes(PLANS["stream-all"], SPEC) == qkv + rest < 2 * rest
+    assert read_buffer_bytes(PLANS["all-accelerator"], SPEC) == 2 * (qkv + rest)
+    work = Workload(B, T, S)
+    for plan in PLANS.values():
+        assert (estimate(plan, SPEC, work, sizing="unsized").host
+                - estimate(in_memory(plan), SPEC, work, sizing="unsized").host
+                == read_buffer_bytes(plan, SPEC) - disk_weight_bytes(plan, SPEC))
 
 
 def test_disk_plan_without_a_file_or_spill_dir_is_refused():

@@ -229,8 +229,15 @@ def _auto(spec: ModelSpec, devices: Devices, workload: Workload,
     if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
         return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
     if profile is None:
-        return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec, devices,
-                                 workload)
+        try:
+            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
+                                     devices, workload)
+        except HxError as e:
+            if "host memory budget" not in str(e):
+                raise
+            raise HxError(f"{e}. Only a CP-SAT plan keeps weights on disk, and it needs a "
+                          "hardware profile with the disk's read rate: run `hx profile` (or "
+                          "pass --profile), then this command again") from e
     from hx.planner.simulator import predict_run
 
     candidates = [fit_prefill_chunk(cpsat(), spec, devices, workload)]

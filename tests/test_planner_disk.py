@@ -80,3 +80,19 @@ def test_a_profile_without_a_disk_rate_is_named_when_nothing_fits():
                        host_memory=int(SPEC.weight_bytes * 0.3))
     with pytest.raises(HxError, match="no disk read rate.*hx profile"):
         plan_cpsat(SPEC, with_disk(0.0), devices, WORKLOAD)
+
+
+def test_auto_without_a_profile_says_to_profile_when_host_memory_is_short():
+    """Without a hardware profile ``auto`` falls back to the largest layer split, which keeps
+    no weights on disk: where that overflows the host budget the error gives the bytes over
+    and says that a profile (its disk rate) lets CP-SAT plan a disk tier; where it fits, the
+    same call returns that plan."""
+    from hx.planner import policies
+
+    short = discover(accelerator_memory=int(SPEC.weight_bytes * 0.3),
+                     host_memory=int(SPEC.weight_bytes * 0.3))
+    with pytest.raises(HxError, match=r"host memory budget.*over by \d+ bytes.*hx profile"):
+        policies.build("auto", SPEC, short, WORKLOAD, profile=None)
+    roomy = discover(accelerator_memory=int(SPEC.weight_bytes * 0.3))
+    assert policies.build("auto", SPEC, roomy, WORKLOAD, profile=None).name.startswith(
+        "layer-split")

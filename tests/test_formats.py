@@ -54,22 +54,109 @@ def test_gguf_blocks_decode_to_the_gguf_packages_values(name):
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_quantize_error_is_at_most_half_a_step(name):
-    """Each element decodes within half its group's step of the original (plus the float16
-    rounding of the group's minimum), and the held bytes are the format's."""
+    """Each element decodes within half its group's step of the original, plus how far the
+    group sticks out of its grid's range -- at most the float16 rounding of a min/max group's
+    offset and scale (2^-11 of each, relative): int8's other candidates must cover their
+    group -- and the held bytes are the format's. Normal and heavy-tailed (Student t, 2
+    degrees of freedom) weights."""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((16, 3, 128)).astype(np.float32)
+    w = np.concatenate([rng.standard_normal((8, 3, 128)), rng.standard_t(2, (8, 3, 128))])
+    w = w.astype(np.float32)
     fmt = FORMATS[name]
     held = quantize(w, fmt)
     assert sum(a.nbytes for a in held.values()) == fmt.nbytes(w.shape)
     groups = w.reshape(16, 3, -1, fmt.group)
     error = np.abs(dequantize(held, fmt, w.shape).reshape(groups.shape) - groups)
     step = held["scale"].astype(np.float32)[..., None]
-    slack = 0.0
-    if fmt.asymmetric:
-        low = groups.min(axis=-1, keepdims=True)
-        slack = np.abs(held["offset"].astype(np.float32)[..., None] - low)
+    base = held["offset"].astype(np.float32)[..., None] if fmt.asymmetric else 0
+    first = base + step * (0 - fmt.zero)  # the grid's lowest and highest values
+    last = base + step * ((1 << fmt.bits) - 1 - fmt.zero)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    slack = np.maximum(0, np.maximum(first - low, high - last))
+    assert (slack <= 2 ** -10 * (np.abs(low) + high - low) + 1e-7).all()
     assert (error <= 0.5 * step * (1 + 1e-3) + slack + 1e-7).all()
     assert error.max() > 0  # it is a compression
+
+
+def _minmax_reference(w: np.ndarray, bits: int, group: int):
+    """FlexGen's min/max group-wise quantizer (Sheng et al. 2023 §5), written here on its
+    own: codes (G, group) uint8 (unpacked), scale and offset (G,) float16."""
+    g = w.reshape(-1, group).astype(np.float32)
+    low = g.min(axis=1)
+    scale = ((g.max(axis=1) - low) / np.float32((1 << bits) - 1)).astype(np.float16)
+    offset = low.astype(np.float16)
+    s, m = scale.astype(np.float32)[:, None], offset.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(s > 0, np.rint((g - m) / s), 0)
+    return np.clip(codes, 0, (1 << bits) - 1).astype(np.uint8), scale, offset
+
+
+def test_int4_is_flexgens_min_max_scheme():
+    """int4 stays FlexGen's scheme (group 64, asymmetric min/max): the held codes, scales and
+    offsets are exactly those of an independent min/max quantizer."""
+    fmt = FORMATS["int4"]
+    assert (fmt.bits, fmt.group, fmt.asymmetric, fmt.fit) == (4, 64, True, "minmax")
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((40, 256)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
+    w[0, :64] = 0.3  # a constant group: scale 0
+    held = quantize(w, fmt)
+    codes, scale, offset = _minmax_reference(w, 4, 64)
+    np.testing.assert_array_equal(formats.unpack(held["codes"], fmt).reshape(codes.shape),
+                                  codes)
+    np.testing.assert_array_equal(held["scale"].reshape(-1), scale)
+    np.testing.assert_array_equal(held["offset"].reshape(-1), offset)
+
+
+def _group_sse(w: np.ndarray, decoded: np.ndarray, group: int) -> np.ndarray:
+    d = decoded.astype(np.float64).reshape(-1, group) - w.astype(np.float64).reshape(-1, group)
+    return (d * d).sum(axis=1)
+
+
+def _int8_sources(rng):
+    """Groups of 32 of several kinds: normal, heavy-tailed, shifted, constant, a symmetric
+    8-bit grid (Q8_0-like blocks: float16 step d times integers, max |q| = 127) and 16 levels
+    of a min/max grid (Q4_1-like blocks)."""
+    normal = rng.standard_normal((64, 256)) * rng.uniform(1e-3, 2, (64, 1))
+    heavy = rng.standard_t(2, (64, 256)) * 0.02
+    shifted = rng.standard_normal((64, 256)) * 0.01 + rng.uniform(-1, 1, (64, 1))
+    constant = np.repeat(rng.uniform(-1, 1, (64, 1)), 256, axis=1)
+    d = rng.uniform(1e-3, 1e-2, (64 * 8, 1)).astype(np.float16).astype(np.float64)
+    q = rng.integers(-127, 128, (64 * 8, 32))
+    q[:, 0] = np.where(rng.random(64 * 8) < 0.5, 127, -127)  # the block's absmax is 127 d
+    q8 = (d * q).reshape(64, 256)
+    d4 = rng.uniform(1e-3, 1e-2, (64 * 8, 1)).astype(np.float16).astype(np.float64)
+    m4 = rng.uniform(-0.1, 0, (64 * 8, 1)).astype(np.float16).astype(np.float64)
+    q4 = rng.integers(0, 16, (64 * 8, 32))
+    q4[:, :2] = [0, 15]
+    q41 = (d4 * q4 + m4).reshape(64, 256)
+    return {k: v.astype(np.float32) for k, v in dict(
+        normal=normal, heavy=heavy, shifted=shifted, constant=constant, q8_0=q8,
+        q4_1=q41).items()}
+
+
+def test_int8_fit_never_loses_to_min_max_and_holds_q8_0_grids_exactly():
+    """int8 (group 32, ``mse`` fit): every group's squared error (float64) is at most the
+    min/max quantizer's at the same group (up to the float32 rounding of the fit's own error
+    sums), clearly lower in total on normal weights, zero on groups that lie on a zero-centred
+    8-bit grid (Q8_0 blocks, where min/max is not), and far below rounding noise on 16 levels
+    of a min/max grid (Q4_1 blocks, which min/max already nearly holds: 255 = 15 x 17)."""
+    fmt = FORMATS["int8"]
+    assert (fmt.bits, fmt.group, fmt.asymmetric, fmt.fit) == (8, 32, True, "mse")
+    assert fmt.nbytes((4096, 4096)) * 8 / 4096 ** 2 == 9.0  # bits per weight
+    for kind, w in _int8_sources(np.random.default_rng(4)).items():
+        fit = _group_sse(w, dequantize(quantize(w, fmt), fmt, w.shape), 32)
+        codes, scale, offset = _minmax_reference(w, 8, 32)
+        base = codes * scale.astype(np.float32)[:, None] + offset.astype(np.float32)[:, None]
+        minmax = _group_sse(w, base, 32)
+        scale_of = (w.reshape(-1, 32).max(1).astype(np.float64) - w.reshape(-1, 32).min(1))
+        assert (fit <= minmax * (1 + 1e-4) + 1e-12 * scale_of ** 2).all(), kind
+        if kind == "normal":
+            assert fit.sum() < 0.93 * minmax.sum()
+        if kind == "q8_0":
+            assert fit.max() == 0 and minmax.min() > 0
+        if kind == "q4_1":  # the float16 offset and scale: far below rounding to 8 bits
+            noise = 32 * (scale.astype(np.float64) ** 2 / 12).sum()  # uniform rounding error
+            assert fit.sum() <= minmax.sum() < 0.05 * noise
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

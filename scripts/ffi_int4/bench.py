@@ -13,9 +13,10 @@ registers its handlers with ``jax.ffi.register_ffi_target`` and measures, median
    (through ATen's stub writing into XLA's buffer, and through the public op plus a copy), an
    FFI call that does nothing, a plain jitted float32 dot, ``jax.pure_callback`` into torch,
    and torch's op called from Python; the slope between a chain of 1 and of ``CHAIN`` calls;
-2. the products of a batch-1 step (30 layers + the LM head, bench_decode_bound.py's shapes) as
+2. the products of a batch-1 step (30 layers of SmolLM2-135M's shapes + the LM head) as
    one jitted program: XLA float32 dense (7 products a layer, hx's ``models.llama.product``)
-   against the FFI int4 kernel with Q,K,V and gate/up fused (4 calls a layer + the head, all
+   and hx's compressed path (Q4_1 layers and a Q8_0 head decompressed by XLA, to float32 and
+   to bfloat16) against the FFI int4 kernel with Q,K,V and gate/up fused (4 calls a layer + the head, all
    int4), bfloat16 activations/scales on 1 and 2 torch threads, float32 activations/scales,
    float32 activations cast to bfloat16 around each call (hx's float32 path would), the LM
    head instead as per-row int8 (FFI ``_weight_int8pack_mm``), float32 or bfloat16 dense or
@@ -155,13 +156,21 @@ def chain(y, n: int):
     return jnp.tile(y, (1, -(-n // y.shape[1])))[:, :n]
 
 
-def xla_dense_products():
+def xla_products(layer_fmt=None, head_fmt=None, dtype=jnp.float32):
+    """The step's products in XLA, 7 a layer (hx's ``models.llama.product``): dense, or with
+    the layers held in ``layer_fmt`` and the head in ``head_fmt``, each matrix decompressed to
+    ``dtype`` right before its product (hx's ``dequantize``, ``after`` its input)."""
+    def matrix(held, shape, fmt, after):
+        return held if fmt is None else dequantize(held, fmt, shape, dtype, after=after)
+
     def step(x, layers, head):
         y = x
         for layer in layers:
             for name, shape in LAYER.items():
-                y = product(chain(y, shape[1]), layer[name])
-        return product(chain(y, D), head)
+                inp = chain(y, shape[1])
+                y = product(inp.astype(dtype), matrix(layer[name], shape, layer_fmt, inp))
+        n = chain(y, D)
+        return product(n.astype(dtype), matrix(head, (VOCAB, D), head_fmt, n))
     return jax.jit(step)
 
 
@@ -283,15 +292,20 @@ def stack(rounds: int, rng) -> dict[str, float]:
     xb = x.astype(jnp.bfloat16)
     bl, bh = packed[torch.bfloat16][2:]
     fl, fh = packed[torch.float32][2:]
-    cases = {"xla f32 dense (7 products/layer)": (xla_dense_products(), (x, dense, dense_head))}
+    q41, q80 = FORMATS["q4_1"], FORMATS["q8_0"]
+    q_layers = [{k: jax.tree.map(jnp.asarray, quantize(np.asarray(w), q41))
+                 for k, w in layer.items()} for layer in dense]
+    head_q80 = jax.tree.map(jnp.asarray, quantize(np.asarray(dense_head), q80))
+    cases = {"xla f32 dense (7 products/layer)": (xla_products(), (x, dense, dense_head))}
+    for dt in (jnp.float32, jnp.bfloat16):  # hx's compressed path today
+        cases[f"xla q4_1 layers + q8_0 head -> {jnp.dtype(dt).name}"] = (
+            xla_products(q41, q80, dt), (x, q_layers, head_q80))
     for threads in (1, 2):
         cases[f"ffi int4 bf16 {threads}T"] = (ffi_products(threads), (xb, bl, bh))
     cases["ffi int4 bf16 1T via public op+copy"] = (ffi_products(1, "hx_int4mm_op"),
                                                     (xb, bl, bh))
     cases["ffi int4 bf16 1T, f32 in/out casts"] = (ffi_products(1, cast=jnp.bfloat16),
                                                    (x, bl, bh))
-    q80 = FORMATS["q8_0"]
-    head_q80 = jax.tree.map(jnp.asarray, quantize(np.asarray(dense_head), q80))
     head_i8 = (jnp.asarray(rng.integers(-127, 128, (VOCAB, D), dtype=np.int8)),
                jnp.asarray(rng.random(VOCAB, np.float32) * 1e-3).astype(jnp.bfloat16))
     for mode, head in (("int8", head_i8), ("f32", dense_head),

@@ -287,3 +287,19 @@ def test_release_drops_a_mapped_tensors_pages(tmp_path):
     assert data[12345] == 12345  # still readable: the pages fault back in
     release(np.zeros(10))  # not mapped: nothing happens
     assert not formats.get_format("dense")
+
+
+def test_kv_cache_formats_keep_min_max_and_group_a_head_of_64():
+    """The KV cache's int8 is min/max (what ``llama.quantize_kv`` computes in JAX), not the
+    weights' ``mse`` fit, in groups of the format's 32 (two per SmolLM2 head of 64); a head of
+    16 is one group; int4 keeps FlexGen's group 64."""
+    kv8 = formats.kv_cache_format("int8", 64)
+    assert (kv8.bits, kv8.group, kv8.asymmetric, kv8.fit) == (8, 32, True, "minmax")
+    assert formats.kv_cache_format("int8", 16).group == 16
+    assert formats.kv_cache_format("int4", 128).group == 64
+    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
+    codes, scale, offset = _minmax_reference(x, 8, 32)
+    held = quantize(x, kv8)
+    np.testing.assert_array_equal(held["codes"].reshape(codes.shape), codes)
+    np.testing.assert_array_equal(held["scale"].reshape(-1), scale)
+    np.testing.assert_array_equal(held["offset"].reshape(-1), offset)

@@ -16,8 +16,10 @@ Adventures in Wonderland*, public domain; ``data/accuracy/README.md``) is tokeni
 SmolLM2-135M-Instruct's tokenizer (no BOS: the tokenizer adds none), giving ids t_0 .. t_{N-1}.
 Each setting is one row of ``SETTINGS``: hx's default model loaded with
 ``hx.load(None, dtype=D, weights=W, kv=K)``. Weights W: ``dense`` (the GGUF dequantized to
-dtype D), ``int8``, ``int4``, ``auto`` (hx's default: the GGUF's own blocks, Q4_1 with a Q8_0
-token embedding for SmolLM2), ``q8_0``, ``q4_0`` (hx's requantizations into those blocks).
+dtype D), ``int8`` (group 32, least-squared-error fit), ``int4`` (FlexGen's min/max, group 64:
+``models/formats.py``), ``auto`` (hx's default: the GGUF's own blocks, Q4_1 with a Q8_0 token
+embedding for SmolLM2), ``q8_0``, ``q4_0`` (hx's requantizations into those blocks: of the
+dequantized values, so neither is the original model quantized).
 KV cache K: ``dense`` (dtype D), ``int8``, ``int4``; ``weights`` is always passed, ``kv`` only
 when not ``dense`` (so dense-KV rows run on an hx without that keyword). A setting the installed
 hx refuses (``TypeError`` or ``HxError`` from ``load`` or ``Engine``) is reported "not available"

@@ -39,14 +39,15 @@ DtypeOption = typer.Option(
 WeightsOption = typer.Option(
     "auto", "--weights",
     help="How the matrices are held, streamed and read: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks "
-         "as they are, anything else dense), dense (in --dtype), int8 or int4 (group-wise, "
-         "64 per group, FlexGen's scheme), or q8_0, q4_0, q4_1; compressed matrices are "
+         "as they are, anything else dense), dense (in --dtype), int8 (group-wise, 32 per "
+         "group, least-squared-error fit), int4 (64 per group, FlexGen's min/max), or q8_0, "
+         "q4_0, q4_1; compressed matrices are "
          "decompressed inside each program right before use.")
 KvOption = typer.Option(
     "dense", "--kv",
     help="How each layer's KV cache is held, read and moved: dense (in --dtype), int8 or int4 "
-         "(group-wise along the head dim, 64 per group or the whole head where it is "
-         "smaller, min/max: FlexGen's scheme); new keys and values are quantized as they are "
+         "(group-wise along the head dim, min/max as FlexGen's cache: int8 32 per group, "
+         "int4 64, or the whole head where it is smaller); new keys and values are quantized as they are "
          "written and decompressed right before attention reads them.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "

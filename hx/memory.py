@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Hashable
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import ModelSpec, numpy_dtype
-from hx.plan import DISK, PHASES, RESIDENT, ExecutionPlan
+from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.models.tensors import ACTIVATIONS, activation_bytes, held_weights, kv_bytes, step_bytes
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
 from hx.segments import split_segments
@@ -116,11 +116,13 @@ class MemoryEstimate:
 
     Attributes:
       weights: resident weights on the accelerator.
-      kv: KV caches on the accelerator.
+      kv: KV caches on the accelerator: those at home there, plus the ``streamed`` caches
+        copied in (and the activations their recompute reads) live at the peak moment.
       staging: staged (streamed-in) weights live at the peak moment.
       activations: activations, step inputs and XLA temporaries live at the peak moment.
-      host: host memory: host-home and streamed weights, host KV caches, and two read
-        buffers of the largest disk-homed segment and of a disk layer's KV cache.
+      host: host memory: host-home and streamed weights, host and ``streamed`` KV caches,
+        the activations ``h`` of the first r positions each recomputing layer keeps, and two
+        read buffers of the largest disk-homed segment and of a disk layer's KV cache.
       phase: the phase whose step peaks (``prefill`` or ``decode``).
       disk: weights and KV caches kept on the disk tier (not checked against a capacity).
     """
@@ -220,7 +222,8 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     host += read_buffer_bytes(plan, spec)  # disk weights read into host memory each step
     kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
     kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
-    host += sum(kv_layer for home in plan.kv if home == HOST)
+    host += sum(kv_layer for home in plan.kv if home in (HOST, STREAMED))
+    host += kept_activation_bytes(plan, spec, workload)
     if DISK in plan.kv:  # a layer's cache read into host memory for one micro-batch, twice
         disk += sum(kv_layer for home in plan.kv if home == DISK)
         host += 2 * kv_bytes(spec, workload.batch, workload.cache_slots)
@@ -243,8 +246,18 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     if workload.spare_rows and kv_acc and reframe_bytes(spec, workload) > worst.peak:
         return MemoryEstimate(resident, kv_acc, 0, reframe_bytes(spec, workload), host,
                               "KV re-framing", disk)
-    return MemoryEstimate(resident, kv_acc, worst.peak_by_owner.get("staging", 0),
+    return MemoryEstimate(resident, kv_acc + worst.peak_by_owner.get("kv", 0),
+                          worst.peak_by_owner.get("staging", 0),
                           worst.peak_by_owner.get("activations", 0), host, worst_phase, disk)
+
+
+def kept_activation_bytes(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> int:
+    """Host bytes of the activations ``h`` the recomputing layers keep: r positions of
+    ``workload.rows`` rows per layer, d_model values each in the model's dtype
+    (``models.tensors.activation_bytes``; KVPR's stored activations)."""
+    return sum(activation_bytes(spec, "h", workload.rows, min(plan.recompute(layer),
+                                                              workload.cache_slots))
+               for layer in range(plan.n_layers))
 
 
 def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:

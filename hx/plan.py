@@ -14,10 +14,18 @@ against a ``ModelSpec`` without running anything; the executor interprets it. Th
   whose weights live here has them copied in like streamed ones);
   ``"disk"`` -- kept on the disk tier (NVMe), read into host memory every step and, for an
   accelerator op, copied on like a streamed one (FlexGen's weights on disk; ``hx.disk``);
-* KV-cache home per layer: ``"accelerator"``, ``"host"``, or ``"disk"`` (read into host memory
+* KV-cache home per layer: ``"accelerator"``, ``"host"``, ``"disk"`` (read into host memory
   every step and attended there: FlexGen's KV on disk; planned and simulated only, the
-  executor refuses it). SCORE runs where its layer's KV cache lives (on the host for a disk
-  cache), in both phases.
+  executor refuses it), or ``"streamed"`` (kept in host memory and attended on the
+  accelerator: each step copies the layer's cache in, H2D, and the new positions' K, V back,
+  D2H -- FlexGen's and KVPR's setting; planned and simulated only, the executor refuses it).
+  SCORE runs on the host for a ``host`` or ``disk`` cache, on the accelerator for an
+  ``accelerator`` or ``streamed`` one, in both phases (``score_device``);
+* KV recompute per layer (``kv_recompute``, KVPR: Jiang et al. 2024, "KVPR: Efficient LLM
+  Inference with I/O-Aware KV Cache Partial Recomputation"): for a ``streamed`` cache, the
+  first r positions cross the link as the layer's input activations ``h`` (d_model values a
+  position instead of 2 x n_kv_heads x head_dim) and their K, V are recomputed on the
+  accelerator while the K, V of positions [r, S) cross; 0: the whole cache crosses.
 
 JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 
@@ -25,7 +33,10 @@ JSON form (``layers`` may be a single object meaning every layer; a missing entr
      "prefill": {"EMBED": "host", "HEAD": "accelerator", "layers": [{"Q": "accelerator", ...}]},
      "decode":  {...same shape...},
      "weights": {"EMBED": "host", "HEAD": "streamed", "layers": [{"Q": "resident", ...}]},
-     "kv": ["host", "accelerator", ...], "prefill_chunk": 256}
+     "kv": ["host", "accelerator", ...], "prefill_chunk": 256,
+     "kv_recompute": [0, 512, ...]}
+
+``kv_recompute`` is written only when some layer recomputes (files without it load as 0).
 """
 
 from __future__ import annotations
@@ -40,15 +51,23 @@ from hx.errors import HxError
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
 
 PHASES = ("prefill", "decode")
-KV_HOMES = (*DEVICE_NAMES, "disk")
 RESIDENT, STREAMED, DISK = "resident", "streamed", "disk"
+KV_HOMES = (*DEVICE_NAMES, DISK, STREAMED)
 WEIGHT_HOMES = (RESIDENT, STREAMED, HOST, DISK)
 WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != SCORE)  # SCORE owns no weights
 
 
 def score_device(kv_home: str) -> str:
-    """The device SCORE runs on for a layer whose KV cache lives at ``kv_home``."""
-    return HOST if kv_home == DISK else kv_home
+    """The device SCORE runs on for a layer whose KV cache lives at ``kv_home``: the host for
+    a ``disk`` cache (read into host memory), the accelerator for a ``streamed`` one (copied
+    in each step)."""
+    return {DISK: HOST, STREAMED: ACCELERATOR}.get(kv_home, kv_home)
+
+
+def _recompute(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HxError(f"plan's kv_recompute entries are token counts >= 0, got {value!r}")
+    return value
 
 
 def _kv_home(value: Any) -> str:
@@ -158,10 +177,14 @@ class ExecutionPlan:
     Attributes:
       prefill / decode: ``Placement`` of each phase.
       weights: ``WeightHomes`` (shared by both phases).
-      kv: per layer, where its KV cache lives: a device, or ``disk`` (SCORE on the host).
+      kv: per layer, where its KV cache lives: a device, ``disk`` (SCORE on the host) or
+        ``streamed`` (host memory, SCORE on the accelerator).
       name: label for reports.
       prefill_chunk: prefill runs the prompt in steps of at most this many tokens, which
         bounds its activations and XLA temporaries (None: the whole prompt in one step).
+      kv_recompute: per layer, r: the cache positions [0, r) whose K, V a ``streamed`` layer
+        recomputes on the accelerator from their activations ``h`` (tokens; KVPR) instead
+        of copying them; () means 0 for every layer.
     """
 
     prefill: Placement
@@ -170,11 +193,38 @@ class ExecutionPlan:
     kv: tuple[str, ...]
     name: str = "custom"
     prefill_chunk: int | None = None
+    kv_recompute: tuple[int, ...] = ()
 
     @property
     def n_layers(self) -> int:
         """Number of decoder layers the plan covers."""
         return len(self.kv)
+
+    def recompute(self, layer: int) -> int:
+        """r of ``layer``: cache positions whose K, V it recomputes (0 without recompute)."""
+        return self.kv_recompute[layer] if self.kv_recompute else 0
+
+    def with_recompute(self, r: int | Iterable[int]) -> "ExecutionPlan":
+        """The same plan with r (one count for every ``streamed`` layer, or one per layer;
+        layers with other KV homes keep 0)."""
+        rs = [r] * self.n_layers if isinstance(r, int) else list(r)
+        rs = tuple(x if home == STREAMED else 0 for x, home in zip(rs, self.kv))
+        return dataclasses.replace(self, kv_recompute=rs if any(rs) else ())
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the executor cannot run this plan yet (None: it can): KV caches on disk, or
+        streamed to the accelerator (with or without recompute) -- both planned and
+        simulated only."""
+        if DISK in self.kv:
+            return (f"plan {self.name!r} keeps KV caches on disk: hx plans and simulates them "
+                    "there (hx simulate, hx ablate --hardware) but does not run it yet; keep "
+                    "them in host memory to run it")
+        if STREAMED in self.kv:
+            return (f"plan {self.name!r} streams KV caches from host memory to the "
+                    "accelerator (KV recompute): hx plans and simulates it but does not run "
+                    "it yet; keep them on the host or the accelerator to run it")
+        return None
 
     def phase(self, phase: str) -> Placement:
         """The ``Placement`` of ``"prefill"`` or ``"decode"``."""
@@ -226,13 +276,20 @@ class ExecutionPlan:
         """Everything on the host CPU."""
         return cls.uniform(n_layers, (EMBED, *LAYER_OPS, HEAD), name="all-host")
 
-    def validate(self, spec: ModelSpec) -> None:
+    def validate(self, spec: ModelSpec, to_run: bool = True) -> None:
         """Check the plan's structure against the model (memory is checked by
         ``hx.memory.check_fits``).
 
+        Args:
+          to_run: also refuse what the executor does not run yet: KV caches ``streamed`` to
+            the accelerator (``refusal``; the executor calls this with the default). False
+            checks a plan to simulate.
+
         Raises:
           HxError: a layer count that differs from the model's; SCORE not where its layer's
-            KV cache lives; a host op whose weights are not at home on the host.
+            KV cache lives; a host op whose weights are not at home on the host; a recompute
+            count on a layer whose cache is not ``streamed``, or not one per layer; with
+            ``to_run``, a ``streamed`` KV cache.
         """
         for phase in PHASES:
             n = len(self.phase(phase).layers)
@@ -255,12 +312,28 @@ class ExecutionPlan:
                     raise HxError(f"plan {self.name!r}: {phase} {where} runs on the host but "
                                   f"its weights are {home}; host ops need weights at home "
                                   "on the host")
+        self._validate_recompute()
+        if to_run and STREAMED in self.kv:
+            raise HxError(self.refusal)
+
+    def _validate_recompute(self) -> None:
+        if self.kv_recompute and len(self.kv_recompute) != len(self.kv):
+            raise HxError(f"plan {self.name!r} gives {len(self.kv_recompute)} kv_recompute "
+                          f"entries for {len(self.kv)} layers")
+        for layer, r in enumerate(self.kv_recompute):
+            if r and self.kv[layer] != STREAMED:
+                raise HxError(f"plan {self.name!r}: layer {layer} recomputes {r} positions' "
+                              f"K, V but its cache is {self.kv[layer]}; recompute needs a "
+                              "streamed cache")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form shown in the module docstring."""
-        return {"name": self.name, "prefill": self.prefill.to_json(),
+        data = {"name": self.name, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "weights": self.weights.to_json(),
                 "kv": list(self.kv), "prefill_chunk": self.prefill_chunk}
+        if any(self.kv_recompute):
+            data["kv_recompute"] = list(self.kv_recompute)
+        return data
 
     def with_prefill_chunk(self, chunk: int | None) -> "ExecutionPlan":
         """The same plan with prefill in chunks of at most ``chunk`` tokens."""
@@ -304,8 +377,15 @@ class ExecutionPlan:
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise HxError(f"plan's prefill_chunk must be a positive integer or null, got "
                           f"{chunk!r}")
+        recompute = data.get("kv_recompute") or ()
+        if isinstance(recompute, int):
+            recompute = [recompute] * n_layers
+        if recompute and len(recompute) != n_layers:
+            raise HxError(f"plan gives {len(recompute)} kv_recompute entries; the model has "
+                          f"{n_layers} layers")
+        recompute = tuple(_recompute(r) for r in recompute)
         return cls(prefill, decode, weights, tuple(_kv_home(d) for d in kv), plan.name,
-                   chunk)
+                   chunk, recompute if any(recompute) else ())
 
     def save(self, path: str) -> None:
         """Write ``to_json`` to ``path``."""

@@ -21,8 +21,24 @@ Instruction kinds, in the order the executor issues them for each segment i:
 
 and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
 just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
-before its launch: planned and simulated, not yet executed). Every instruction lists the earlier
-instructions it depends on (``Instruction.deps``): data-flow edges are recorded here, once.
+before its launch: planned and simulated, not yet executed). A segment attending a
+``streamed`` KV cache (host memory, SCORE on the accelerator; planned and simulated, not yet
+executed) issues, per micro-batch (KVPR, Jiang et al. 2024, with r = ``plan.recompute``):
+
+  ``act load``   H2D: the layer's input activations ``h`` of positions [0, r)
+  ``kv load``    H2D: the K, V of positions [r, S)
+  ``recompute``  accelerator: the K and V ops (RoPE included) on the r positions, after
+                 ``act load`` and while ``kv load`` crosses
+  ``kv store``   D2H: the new positions' K, V (and in prefill, with r > 0, their ``h``)
+                 back into the host cache, after the launch; frees the copied cache
+
+The loads of the next such (segment, micro-batch) are issued before this one's launch, behind
+the store of the one before it (prefetch depth 1): at most two copied caches are in
+accelerator memory at once (owner ``kv``), double-buffered as staged weights are; the
+recompute's own temporaries are not sized (it writes into the copied cache).
+
+Every instruction lists the earlier instructions it depends on (``Instruction.deps``):
+data-flow edges are recorded here, once.
 
 The next streaming segment's weights are staged when a streaming segment i is reached, ahead
 of i's input copies -- unless those inputs are ready at once (step inputs, embeddings gathered
@@ -50,11 +66,12 @@ from typing import Callable, Hashable
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
 from hx.models.tensors import activation_bytes, kv_bytes, step_bytes
-from hx.plan import DISK, ExecutionPlan
+from hx.plan import DISK, STREAMED, ExecutionPlan
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
 READ, KV_READ = "read", "kv read"  # disk -> host memory: disk-homed weights, KV caches
+ACT_LOAD, KV_LOAD, RECOMPUTE, KV_STORE = "act load", "kv load", "recompute", "kv store"
 DISK_READ = "disk"  # the resource both occupy
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
 INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
@@ -73,6 +90,32 @@ def staging_key(segment: int) -> tuple:
 def act_key(name: str, micro: int = 0) -> tuple:
     """Accountant key of a held activation of micro-batch ``micro``."""
     return ("act", name, micro)
+
+
+def copy_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the KV cache copied in for segment ``segment``, micro-batch ``micro``
+    (a ``streamed`` cache)."""
+    return ("kv copy", segment, micro)
+
+
+def recompute_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the activations copied in to recompute K, V from."""
+    return ("kv act", segment, micro)
+
+
+def streamed_layers(plan: ExecutionPlan, segment: Segment) -> tuple[tuple[int, int], ...]:
+    """(layer, r) of each layer whose ``streamed`` KV cache ``segment`` attends."""
+    return tuple((layer, plan.recompute(layer)) for layer in segment.cache_layers
+                 if plan.kv[layer] == STREAMED)
+
+
+def kv_link_bytes(spec: ModelSpec, rows: int, positions: int, recompute: int) -> tuple[int, int]:
+    """(activation bytes, K/V bytes) a ``streamed`` layer copies H2D for ``positions`` cache
+    positions of ``rows`` rows with r = ``recompute`` (clipped to ``positions``): the ``h`` of
+    [0, r), r·B·d_model·itemsize (``models.tensors.activation_bytes``), and the K, V of
+    [r, positions) (``models.tensors.kv_bytes``)."""
+    r = min(recompute, positions)
+    return activation_bytes(spec, "h", rows, r), kv_bytes(spec, rows, positions - r)
 
 
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
@@ -127,6 +170,8 @@ class Instruction:
         what it moves or reads, its segment's stage, disk reads and input copy, and the
         stream's last wait (the step's data-flow edges; the executor's timeline and the
         simulator both take them from here).
+      tokens: ``act load``, ``recompute``: the positions r whose K, V are recomputed (summed
+        over the segment's streamed layers; 0 for the others).
     """
 
     kind: str
@@ -138,6 +183,7 @@ class Instruction:
     frees: tuple[Hashable, ...] = ()
     allocs: tuple[tuple[Hashable, str, int], ...] = ()
     deps: tuple[int, ...] = ()
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,6 +267,11 @@ class _Builder:
         self.previous_stream: int | None = None
         self.stepped: set[tuple[str, int]] = set()
         self.held: set[tuple[str, int]] = set()
+        # (segment, micro) pairs attending a streamed cache, in launch order; their loads
+        self.kv_pairs = [(i, m) for i, seg in enumerate(segments)
+                         if streamed_layers(plan, seg) for m in range(micro_batches)]
+        self.loads: dict[tuple[int, int], list[int]] = {}
+        self.last_store: dict[tuple[int, int], int] = {}
         first = first_streaming(segments)
         if first is not None:
             self.stage(first)
@@ -308,6 +359,7 @@ class _Builder:
                 self.last.get((MOVE, i)) if self.moves_of[i] else None,
                 self.synced if seg.streams else None, self.kv_read(i, m)]
         deps += [self.producer.get((n, m)) for n in seg.reads]
+        deps += self.streamed_cache(i, m)
         if seg.device == ACCELERATOR:
             temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
             allocs = [(TEMP_KEY, "activations", temp)]
@@ -321,6 +373,60 @@ class _Builder:
             ins = Instruction(LAUNCH, i, m, HOST, seg.writes, frees=dropped)
         index = self.add(ins, deps)
         self.producer.update({(n, m): index for n in seg.writes})
+        self.store(i, m, index)
+
+    def streamed_cache(self, i: int, m: int) -> list[int]:
+        """Before launch (i, m) of a segment attending streamed caches: its loads (unless
+        prefetched), its recompute, then the next pair's loads; returns what the launch
+        waits for (the K/V load and the recompute)."""
+        if (i, m) not in self.kv_pairs:
+            return []
+        k = self.kv_pairs.index((i, m))
+        self.load(k)
+        deps = self.loads[(i, m)][-1:]
+        r = sum(r for _, r in streamed_layers(self.plan, self.segments[i]))
+        if r:
+            deps.append(self.add(Instruction(RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
+                                             frees=(recompute_key(i, m),), tokens=r),
+                                 self.loads[(i, m)][:1]))
+        if k + 1 < len(self.kv_pairs):
+            self.load(k + 1)
+        return deps
+
+    def load(self, k: int) -> None:
+        """H2D loads of pair ``k`` (once): activations of [0, r), then K, V of [r, S), behind
+        the store of pair k - 2, whose buffer they reuse."""
+        pair = self.kv_pairs[k]
+        if pair in self.loads:
+            return
+        i, m = pair
+        after = [self.last_store.get(self.kv_pairs[k - 2])] if k >= 2 else []
+        layers = streamed_layers(self.plan, self.segments[i])
+        acts = sum(kv_link_bytes(self.spec, self.B, self.S, r)[0] for _, r in layers)
+        kvs = sum(kv_link_bytes(self.spec, self.B, self.S, r)[1] for _, r in layers)
+        r = sum(r for _, r in layers)
+        self.loads[pair] = []
+        if r:
+            self.loads[pair].append(self.add(Instruction(
+                ACT_LOAD, i, m, H2D, ("h",), acts,
+                allocs=((recompute_key(i, m), "kv", acts),), tokens=r), after))
+        held = len(layers) * kv_bytes(self.spec, self.B, self.S)  # the cache assembled
+        self.loads[pair].append(self.add(Instruction(
+            KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=((copy_key(i, m), "kv", held),)),
+            after))
+
+    def store(self, i: int, m: int, launch: int) -> None:
+        """D2H of the new positions' K, V (and their ``h`` in prefill with r > 0) after the
+        launch; frees the copied cache."""
+        layers = streamed_layers(self.plan, self.segments[i])
+        if not layers:
+            return
+        nbytes = len(layers) * kv_bytes(self.spec, self.B, self.T)
+        if self.T > 1:
+            nbytes += sum(activation_bytes(self.spec, "h", self.B, self.T)
+                          for _, r in layers if r)
+        self.last_store[(i, m)] = self.add(Instruction(
+            KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(copy_key(i, m),)), [launch])
 
     def finish(self) -> None:
         """The last stream's wait, then the end of the step: free what the step allocated."""

@@ -4,7 +4,9 @@
 A segment is the unit the executor compiles, launches, streams weights for and records in the
 timeline. Segments end where the device changes. An accelerator segment whose weights are copied
 in before use (``streamed`` or ``host`` homes) also ends at a layer boundary, so the double
-buffer of staged weights holds at most two segments of at most one layer each.
+buffer of staged weights holds at most two segments of at most one layer each; so does an
+accelerator segment attending a ``streamed`` KV cache (copied in before the segment runs,
+double-buffered the same way).
 
 A segment's signature (device, op names, which weights are staged, the activations it reads and
 writes) has no layer index, so identical layers share one compiled function.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from hx.devices import ACCELERATOR
 from hx.models.tensors import OPS
-from hx.plan import RESIDENT, ExecutionPlan
+from hx.plan import RESIDENT, STREAMED, ExecutionPlan
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,17 @@ def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
     them. ``writes``: names the segment writes that some later op reads before a later op
     overwrites them, plus the final ``logits``.
     """
+    def copies_in(layer: int | None) -> bool:  # a layer whose KV cache is copied in
+        return layer is not None and plan.kv[layer] == STREAMED
+
     runs: list[dict] = []
     for layer, op, device in plan.phase(phase).sequence():
         staged = device == ACCELERATOR and plan.weights.get(layer, op) not in (None, RESIDENT)
         run = runs[-1] if runs else None
+        previous = run["ops"][-1][0] if run else None
         same = run is not None and run["device"] == device and not (
-            layer != run["ops"][-1][0] and (staged or any(run["staged"])))
+            layer != previous and (staged or any(run["staged"]) or (
+                device == ACCELERATOR and (copies_in(layer) or copies_in(previous)))))
         if same:
             run["ops"].append((layer, op))
             run["staged"].append(staged)

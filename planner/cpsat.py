@@ -69,7 +69,7 @@ class PlannerResult:
 
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
                time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
-               kv_disk: bool = False) -> PlannerResult:
+               kv_disk: bool = False, kv_streamed: bool = False) -> PlannerResult:
     """The plan with the shortest predicted run (prefill, then decode steps: ``simulator.predict_run``)
     of those found by two objectives, under the memory budgets, with the largest prefill
     chunk under which it fits (``policies.fit_prefill_chunk``).
@@ -99,7 +99,7 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
 
     def attempt(chunk: int, whole_run: bool):
         result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
-                                   seed, tolerance, whole_run, kv_disk)
+                                   seed, tolerance, whole_run, kv_disk, kv_streamed)
         run = predict_run(result.plan, spec, profile, workload)
         return result, (run.ttft_s, run.total_s)
 
@@ -155,8 +155,8 @@ def embed_on_accelerator(plan: ExecutionPlan) -> ExecutionPlan:
 
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       workload: Workload, chunk: int, time_limit_s: float, seed: int,
-                      tolerance: float | None, whole_run: bool = False, kv_disk: bool = False
-                      ) -> PlannerResult:
+                      tolerance: float | None, whole_run: bool = False, kv_disk: bool = False,
+                      kv_streamed: bool = False) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
     (``memory.estimate``) with its largest fitting prefill chunk.
 
@@ -173,7 +173,7 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
     disk-homed data are only sized there), the model is solved again with that budget lowered
     by the shortfall (at most ``REPLANS`` times), so the returned plan always fits."""
     result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s, seed,
-                     tolerance, whole_run, MIN_CHUNK, kv_disk)
+                     tolerance, whole_run, MIN_CHUNK, kv_disk, kv_streamed)
     capacity = devices.accelerator.capacity
     if capacity is None:
         return result
@@ -185,7 +185,7 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
         devices.accelerator, capacity=capacity + unused))
     try:
         roomier = _fitted(spec, profile, devices, raised, workload, chunk, time_limit_s, seed,
-                          tolerance, whole_run, chunk, kv_disk)
+                          tolerance, whole_run, chunk, kv_disk, kv_streamed)
     except HxError:
         return result
     runs = [predict_run(r.plan, spec, profile, workload).total_s for r in (result, roomier)]
@@ -194,15 +194,15 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
 
 def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget: Devices,
             workload: Workload, chunk: int, time_limit_s: float, seed: int,
-            tolerance: float | None, whole_run: bool, smallest: int, kv_disk: bool = False
-            ) -> PlannerResult:
+            tolerance: float | None, whole_run: bool, smallest: int, kv_disk: bool = False,
+            kv_streamed: bool = False) -> PlannerResult:
     """``solve`` under ``budget``, lowered by any shortfall until the plan fits ``devices`` in
     prefill chunks of ``smallest`` tokens or more (``plan_with_reserve``)."""
     from hx.planner.policies import fit_prefill_chunk
 
     for attempt in range(REPLANS + 1):
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
-                       whole_run, kv_disk)
+                       whole_run, kv_disk, kv_streamed)
         try:
             fitted = fit_prefill_chunk(result.plan, spec, devices, workload)
             if (fitted.prefill_chunk or workload.prompt_tokens) >= smallest:
@@ -234,8 +234,8 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
 
 def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
           time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
-          prefill_chunk: int = MIN_CHUNK, whole_run: bool = False, kv_disk: bool = False
-          ) -> PlannerResult:
+          prefill_chunk: int = MIN_CHUNK, whole_run: bool = False, kv_disk: bool = False,
+          kv_streamed: bool = False) -> PlannerResult:
     """The plan minimising the predicted decode step (or, ``whole_run``, the run per decode
     step) under the memory budgets.
 
@@ -260,6 +260,9 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         the executor refuses: for plans that are simulated only (``grid.plan_on``). Weights
         go to disk in any case where host memory cannot hold them and the profile has a disk
         read rate.
+      kv_streamed: offer patterns with the KV cache ``streamed`` (host memory, attended on
+        the accelerator, with KVPR's recompute at ``recompute.choose_recompute``'s r), which
+        the executor refuses yet: for plans that are simulated only.
       tolerance: among plans predicted within this fraction of the optimum, the one with the
         fewest device switches is taken (a second solve): differences smaller than the cost
         model's error are noise, and every switch is a launch and a transfer whose cost varies
@@ -279,9 +282,10 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     short = devices.host.capacity is not None and host_need > devices.host.capacity
     disk = short and bool(profile.disk_read_bandwidth)
     if whole_run:
-        costs = prune(whole_run_costs(spec, profile, workload, prefill_chunk, disk, kv_disk))
+        costs = prune(whole_run_costs(spec, profile, workload, prefill_chunk, disk, kv_disk,
+                                      kv_streamed))
     else:
-        costs = list(decode_front(spec, profile, workload, disk, kv_disk))
+        costs = list(decode_front(spec, profile, workload, disk, kv_disk, kv_streamed))
     ends = list(end_costs(spec, profile, workload, disk, prefill_chunk if whole_run else None))
     tokens = min(workload.prompt_tokens, prefill_chunk)
     head_act = head_reserve(spec, workload, tokens)

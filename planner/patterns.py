@@ -25,7 +25,7 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST
 from hx.memory import held_weight_bytes
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
-from hx.models.tensors import kv_bytes, weight_dtype
+from hx.models.tensors import activation_bytes, kv_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
 from hx.planner.profile import HardwareProfile
@@ -39,10 +39,12 @@ OP_STATES = (HOST, RESIDENT, STREAMED)  # per weighted op: runs on host / accele
 
 @dataclass(frozen=True)
 class Pattern:
-    """Placement of one layer: KV home and the state of each weighted op."""
+    """Placement of one layer: KV home, the state of each weighted op and, for a
+    ``streamed`` KV cache, the positions r whose K, V it recomputes (KVPR)."""
 
     kv: str
     ops: tuple[str, ...]  # per WEIGHTED_OPS: host, resident or streamed
+    recompute: int = 0
 
     def devices(self) -> tuple[str, ...]:
         """Device of each op of ``LAYER_OPS``."""
@@ -83,15 +85,21 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str,
 
     placement = Placement(device(embed), tuple(p.devices() for p in patterns), device(head))
     weights = WeightHomes(embed, tuple(p.homes() for p in patterns), head)
-    return ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
+    plan = ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
+    return plan.with_recompute([p.recompute for p in patterns])
 
 
-def layer_patterns(disk: bool = False, kv_disk: bool = False) -> list[Pattern]:
+def layer_patterns(disk: bool = False, kv_disk: bool = False, kv_streamed: bool = False
+                   ) -> list[Pattern]:
     """Every layer pattern: KV on the accelerator or the host, each weighted op host, resident
     or streamed. With ``disk``, every pattern that streams weights has a twin streaming them
     from disk instead of host memory (FlexGen's weights on disk: read into host memory, then
     copied on); with ``kv_disk`` too, every host-KV pattern has a twin with its KV cache on
-    disk (FlexGen's OPT-175B setting: simulated, the executor does not run it)."""
+    disk (FlexGen's OPT-175B setting: simulated, the executor does not run it). With
+    ``kv_streamed``, every pattern whose weighted ops all run on the accelerator (2^6) has a
+    twin with its KV cache ``streamed`` (host memory, attended on the accelerator; its r is
+    set by ``price_patterns``; simulated, the executor does not run it): a layer with host
+    ops attends there at no copy of its cache, so only all-accelerator layers gain."""
     patterns = [Pattern(kv, ops) for kv in (ACCELERATOR, HOST)
                 for ops in itertools.product(OP_STATES, repeat=len(WEIGHTED_OPS))]
     if disk:
@@ -99,6 +107,9 @@ def layer_patterns(disk: bool = False, kv_disk: bool = False) -> list[Pattern]:
                      for p in patterns if STREAMED in p.ops]
         if kv_disk:
             patterns += [Pattern(DISK, p.ops) for p in patterns if p.kv == HOST]
+    if kv_streamed:
+        patterns += [Pattern(STREAMED, p.ops) for p in patterns
+                     if p.kv == ACCELERATOR and HOST not in p.ops]
     return patterns
 
 
@@ -132,41 +143,75 @@ def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
     rows = tuple(tuple(score_device(kv) if op == SCORE else ACCELERATOR for op in LAYER_OPS)
                  for kv in plan.kv)
     return ExecutionPlan(Placement(plan.decode.embed, rows, ACCELERATOR), plan.decode,
-                         plan.weights, plan.kv, plan.name)
+                         plan.weights, plan.kv, plan.name, kv_recompute=plan.kv_recompute)
+
+
+def with_recompute(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
+                   workload: Workload, context: int) -> Pattern:
+    """A ``streamed``-KV ``pattern`` with the r ``recompute.choose_recompute`` picks for a
+    stack of three such layers at the workload's decode shape (other patterns as they are)."""
+    from hx.planner.recompute import choose_recompute
+
+    if pattern.kv != STREAMED:
+        return pattern
+    three = spec.replace(n_layers=3)
+    plan = choose_recompute(layer_plan(three, [pattern] * 3, RESIDENT, "p"), three, profile,
+                            workload.batch, workload.cache_slots, context,
+                            workload.micro_batches)
+    return dataclasses.replace(pattern, recompute=plan.recompute(0))
+
+
+def copied_cache_bytes(spec: ModelSpec, pattern: Pattern, workload: Workload) -> int:
+    """Accelerator bytes one ``streamed`` cache copy of a layer of ``pattern`` holds (a
+    micro-batch's K, V of all S slots and the activations of its r positions; 0 for other
+    KV homes); two are held at once (``hx.schedule``'s double buffer)."""
+    if pattern.kv != STREAMED:
+        return 0
+    return (kv_bytes(spec, workload.batch, workload.cache_slots)
+            + activation_bytes(spec, "h", workload.batch, pattern.recompute))
 
 
 @functools.lru_cache(maxsize=16)
 def price_patterns(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                   context: int, disk: bool = False, kv_disk: bool = False
-                   ) -> tuple[PatternCost, ...]:
+                   context: int, disk: bool = False, kv_disk: bool = False,
+                   kv_streamed: bool = False) -> tuple[PatternCost, ...]:
     """Simulated marginal decode time and bytes of one layer of every pattern of
-    ``layer_patterns(disk, kv_disk)`` (cached: the budget does not enter, so planning at many
-    budgets prices once)."""
-    two = spec.replace(n_layers=2)
+    ``layer_patterns(disk, kv_disk, kv_streamed)`` (``price_pattern``; cached: the budget
+    does not enter, so planning at many budgets prices once)."""
+    return tuple(price_pattern(spec, profile, p, workload, context)
+                 for p in layer_patterns(disk, kv_disk, kv_streamed))
+
+
+def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
+                  workload: Workload, context: int) -> PatternCost:
+    """One layer of ``pattern``: its marginal decode step (``marginal_seconds``) and bytes.
+    A ``streamed`` cache is priced at its r (``with_recompute``); its host bytes are the
+    cache and the kept activations of r positions, its copies count as staged bytes
+    (``copied_cache_bytes``: in the double buffer, like weights)."""
+    p = with_recompute(spec, profile, pattern, workload, context)
+    seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
+                               workload.cache_slots, context, workload.micro_batches)
     kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
-    kv_read = kv_bytes(spec, workload.batch, workload.cache_slots)
-    weights = {op: spec.op_weight_bytes(op) for op in WEIGHTED_OPS}
-    host_weights = {op: spec.op_weight_bytes(op, weight_dtype(spec, HOST))
-                    for op in WEIGHTED_OPS}
-    costs = []
-    for p in layer_patterns(disk, kv_disk):
-        seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
-                                   workload.cache_slots, context, workload.micro_batches)
-        resident = sum(weights[op] for op, s in zip(WEIGHTED_OPS, p.ops) if s == RESIDENT)
-        host = sum(host_weights[op] if s == HOST else weights[op]  # host ops: the host's dtype
-                   for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
-        pair = layer_plan(two, [p, p], HOST, "p")
-        segments = split_segments(pair, "decode")
-        staged = [b for b in (staged_bytes(spec, s) for s in segments) if b]
-        on_disk = [disk_bytes(pair, spec, s) for s in segments]
-        costs.append(PatternCost(
-            p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
-            staged[0] if staged else 0, staged[-1] if staged else 0,
-            host + (kv_layer if p.kv == HOST else 0),
-            ACCELERATOR in p.devices(), _switches(p.devices()),
-            max(on_disk) + (kv_read if p.kv == DISK else 0),
-            staged_pair=max(map(sum, zip(staged, staged[1:])), default=sum(staged))))
-    return tuple(costs)
+    resident = sum(spec.op_weight_bytes(op) for op, s in zip(WEIGHTED_OPS, p.ops)
+                   if s == RESIDENT)
+    host = sum(spec.op_weight_bytes(op, weight_dtype(spec, HOST)) if s == HOST  # host dtype
+               else spec.op_weight_bytes(op)
+               for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
+    pair = layer_plan(spec.replace(n_layers=2), [p, p], HOST, "p")
+    segments = split_segments(pair, "decode")
+    copy = copied_cache_bytes(spec, p, workload)
+    staged = [b for b in (staged_bytes(spec, s) + (copy if s.cache_layers else 0)
+                          for s in segments) if b]
+    on_disk = [disk_bytes(pair, spec, s) for s in segments]
+    kept = activation_bytes(spec, "h", workload.rows, p.recompute)
+    return PatternCost(
+        p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
+        staged[0] if staged else 0, staged[-1] if staged else 0,
+        host + (kv_layer if p.kv in (HOST, STREAMED) else 0) + kept,
+        ACCELERATOR in p.devices(), _switches(p.devices()),
+        max(on_disk) + (kv_bytes(spec, workload.batch, workload.cache_slots)
+                        if p.kv == DISK else 0),
+        staged_pair=max(map(sum, zip(staged, staged[1:])), default=sum(staged)))
 
 
 def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
@@ -182,17 +227,17 @@ def prefill_point(workload: Workload, chunk: int) -> tuple[float, int, int]:
 
 @functools.lru_cache(maxsize=16)
 def decode_front(spec: ModelSpec, profile: HardwareProfile, workload: Workload, disk: bool,
-                 kv_disk: bool = False) -> tuple[PatternCost, ...]:
+                 kv_disk: bool = False, kv_streamed: bool = False) -> tuple[PatternCost, ...]:
     """The patterns no other beats in decode time and every byte count (``prune`` of
     ``price_patterns`` at the decode context; cached)."""
     return tuple(prune(price_patterns(spec, profile, workload, workload.decode_context, disk,
-                                      kv_disk)))
+                                      kv_disk, kv_streamed)))
 
 
 @functools.lru_cache(maxsize=64)
 def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
-                    chunk: int, disk: bool = False, kv_disk: bool = False
-                    ) -> tuple[PatternCost, ...]:
+                    chunk: int, disk: bool = False, kv_disk: bool = False,
+                    kv_streamed: bool = False) -> tuple[PatternCost, ...]:
     """The patterns of ``decode_front``, each with its prefill over a run per decode step
     (``prefill``, seconds): its marginal prefill step at ``chunk`` tokens and mid-prompt
     context, placed as in decode, times the run's prefill steps per decode step
@@ -204,7 +249,7 @@ def whole_run_costs(spec: ModelSpec, profile: HardwareProfile, workload: Workloa
     return tuple(dataclasses.replace(c, prefill=share * marginal_seconds(
         spec, profile, c.pattern, "prefill", workload.prefill_rows, tokens,
         workload.cache_slots, context, workload.prefill_micro_batches))
-        for c in decode_front(spec, profile, workload, disk, kv_disk))
+        for c in decode_front(spec, profile, workload, disk, kv_disk, kv_streamed))
 
 
 def _switches(devices: tuple[str, ...]) -> int:

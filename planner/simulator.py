@@ -25,7 +25,12 @@ M rows takes flops / matmul_rate(M), plus its compressed weights' decompression
 (all S slots on the accelerator, at its S; the used prefix on the host, as ``host_compute``
 does, at the rate of the profiler's probe that reads as many bytes, since the host picks its
 kernel by the bytes of a call) or is compute-bound, whichever is slower; EMBED moves its rows
-at memory bandwidth.
+at memory bandwidth. A ``streamed`` KV cache (host memory, attended on the accelerator) crosses
+the link each step for the positions in the cache before the step (``context`` - ``tokens``):
+the ``h`` of [0, r) and the K, V of [r, ·), each copy latency + bytes / H2D bandwidth
+(``kv_load_seconds``); the recompute is the K and V ops at r new tokens per row on the
+accelerator plus a launch (``recompute_seconds``); the new positions' K, V go back as one D2H
+transfer (KVPR, Jiang et al. 2024: the recompute overlaps the K/V copy).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
-from hx.schedule import D2H, H2D, KV_READ, LAUNCH, MOVE, READ, STAGE, WAIT, compile_schedule
+from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
+                         RECOMPUTE, STAGE, WAIT, compile_schedule, kv_link_bytes,
+                         streamed_layers)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
@@ -104,6 +111,31 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
         rates.dequantize_seconds(fmt, n, dtype) for fmt, n in c.dequantized)
 
 
+def recompute_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int,
+                      positions: int) -> float:
+    """Seconds to recompute the K and V of ``positions`` cache positions of ``batch`` rows on
+    the accelerator from their activations ``h``: the accelerator's launch overhead plus the
+    K and V ops (RoPE riding with K) at T = ``positions`` new tokens per row (``op_seconds``:
+    flops / matmul_rate(B·positions)); 0 for no positions."""
+    if positions <= 0:
+        return 0.0
+    acc = profile.device(ACCELERATOR)
+    return acc.launch_seconds(batch) + sum(
+        op_seconds(spec, profile, ACCELERATOR, op, batch, positions, positions, positions)
+        for op in ("K", "V"))
+
+
+def kv_load_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int, positions: int,
+                    recompute: int) -> tuple[float, float]:
+    """(activation copy, K/V copy) seconds of one ``streamed`` layer's cache of ``positions``
+    positions with r = ``recompute`` (``schedule.kv_link_bytes``): each
+    ``transfer_latency`` + bytes / ``h2d_bandwidth`` (the activation copy is 0 at r = 0)."""
+    acts, kvs = kv_link_bytes(spec, batch, positions, recompute)
+    link = profile.h2d_bandwidth
+    return ((profile.transfer_latency + acts / link) if acts else 0.0,
+            profile.transfer_latency + kvs / link)
+
+
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
                     tokens: int, slots: int, context: int,
                     memo: dict[tuple[str, str], float]) -> float:
@@ -134,6 +166,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                                 micro_batches=micro_batches)
     tasks: list[Task] = []
     task_of: dict[int, int] = {}  # instruction index -> its task
+    prior = min(max(context - tokens, 0), slots)  # cache positions written before the step
     op_memo: dict[tuple[str, str], float] = {}
     compute: dict[int, tuple[float, str]] = {}  # segment -> seconds and name
 
@@ -151,6 +184,13 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             duration = sum(seg.staged) * profile.h2d_latency + nbytes / profile.h2d_bandwidth
         elif ins.kind == WAIT:
             name, duration = f"wait {i}", profile.sync_overhead
+        elif ins.kind in (ACT_LOAD, KV_LOAD, RECOMPUTE):
+            name, duration, nbytes = _streamed_cache(plan, spec, profile, ins.kind, seg, batch,
+                                                     prior)
+            name = f"{name} {i}"
+        elif ins.kind == KV_STORE:
+            name = f"kv store {i}"
+            duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
         elif ins.kind == MOVE:
             bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
             name = " ".join(ins.names)
@@ -166,8 +206,23 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         deps = tuple(task_of[d] for d in ins.deps if d in task_of)
         task_of[index] = len(tasks)
         tasks.append(Task(ins.resource, name, duration, deps, nbytes=nbytes if ins.kind not in (
-            WAIT, LAUNCH) else 0))
+            WAIT, LAUNCH, RECOMPUTE) else 0))
     return tasks
+
+
+def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, kind: str,
+                    seg: Segment, batch: int, prior: int) -> tuple[str, float, int]:
+    """(name, seconds, bytes) of a streamed cache's ``act load``, ``kv load`` or
+    ``recompute`` over the ``prior`` positions in the cache (summed over the segment's
+    streamed layers)."""
+    layers = streamed_layers(plan, seg)
+    if kind == RECOMPUTE:
+        return "recompute K V", sum(recompute_seconds(spec, profile, batch, min(r, prior))
+                                    for _, r in layers), 0
+    part = 0 if kind == ACT_LOAD else 1
+    seconds = sum(kv_load_seconds(spec, profile, batch, prior, r)[part] for _, r in layers)
+    nbytes = sum(kv_link_bytes(spec, batch, prior, r)[part] for _, r in layers)
+    return ("h" if kind == ACT_LOAD else "KV"), seconds, nbytes
 
 
 def _disk(profile: HardwareProfile, plan: ExecutionPlan) -> float:

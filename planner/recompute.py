@@ -3,9 +3,10 @@
 A ``streamed`` KV cache lives in host memory and is attended on the accelerator, so every
 step copies the layer's cache in (``hx.schedule``: ``act load``, ``kv load``, ``recompute``,
 ``kv store``). KVPR (Jiang et al. 2024, "KVPR: Efficient LLM Inference with I/O-Aware KV Cache
-Partial Recomputation", §3-4) sends the layer's input activations ``h`` of positions [0, r)
-instead of their K and V, and recomputes those on the accelerator while the K, V of [r, S)
-cross the link; its LP picks r so that the recompute and the transfer balance.
+Partial Recomputation", arXiv:2411.17089) sends the layer's input activations ``h`` of
+positions [0, r) instead of their K and V, and recomputes those on the accelerator while the
+K, V of [r, S) cross the link; its scheduler picks r from profiled rates so that the
+recompute and the transfer overlap.
 
 Here the step is a pipeline of layers (the next layer's weights and cache are copied while
 this layer computes, ``hx.schedule``'s prefetch), so a layer in steady state takes the larger

@@ -204,3 +204,10 @@ def test_a_streamed_pattern_is_priced_at_its_r_with_its_bytes():
     assert streamed.host == kv_layer + r * rows * LLAMA.d_model * item
     assert streamed.resident == sum(spec.op_weight_bytes(op) for op in WEIGHTED_OPS)
     assert host_kv.host >= kv_layer and streamed.seconds > 0
+
+
+def test_the_executor_refuses_a_streamed_cache():
+    from hx.executor import Executor
+
+    with pytest.raises(HxError, match="does not run it yet"):
+        Executor(SMALL, {}, streamed_plan(SMALL.n_layers, r=8))

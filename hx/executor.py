@@ -129,8 +129,8 @@ class Executor:
     Raises:
       HxError: the plan does not match the model, or its weights and one row's KV cache do not
         fit the budgets (each run's shapes, XLA temporaries included, are checked by
-        ``Engine.check``); it keeps KV caches on disk; it keeps weights on disk that need a
-        spill file and ``spill_dir`` is None.
+        ``Engine.check``); it keeps KV caches on disk or streams them (``plan.refusal``); it
+        keeps weights on disk that need a spill file and ``spill_dir`` is None.
       BudgetExceeded: an allocation passes the accelerator budget (check plans with
         ``hx.memory.check_fits`` first).
     """
@@ -138,11 +138,7 @@ class Executor:
     def __init__(self, spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan,
                  devices: Devices | None = None, timeline: Timeline | None = None,
                  spill_dir: str | None = None):
-        plan.validate(spec)
-        if DISK in plan.kv:
-            raise HxError(f"plan {plan.name!r} keeps KV caches on disk: hx plans and simulates "
-                          "them there (hx simulate, hx ablate --hardware) but does not run it "
-                          "yet; keep them in host memory to run it")
+        plan.validate(spec)  # refuses what the executor does not run (``plan.refusal``)
         self.spec, self.plan = spec, plan
         self.devices = devices or discover()
         self.programs = programs_for(spec, self.devices)

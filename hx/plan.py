@@ -281,15 +281,15 @@ class ExecutionPlan:
         ``hx.memory.check_fits``).
 
         Args:
-          to_run: also refuse what the executor does not run yet: KV caches ``streamed`` to
-            the accelerator (``refusal``; the executor calls this with the default). False
-            checks a plan to simulate.
+          to_run: also refuse what the executor does not run yet (``refusal``: KV caches on
+            disk or ``streamed`` to the accelerator; the executor calls this with the
+            default). False checks a plan to simulate.
 
         Raises:
           HxError: a layer count that differs from the model's; SCORE not where its layer's
             KV cache lives; a host op whose weights are not at home on the host; a recompute
             count on a layer whose cache is not ``streamed``, or not one per layer; with
-            ``to_run``, a ``streamed`` KV cache.
+            ``to_run``, a KV cache on disk or ``streamed``.
         """
         for phase in PHASES:
             n = len(self.phase(phase).layers)
@@ -313,7 +313,7 @@ class ExecutionPlan:
                                   f"its weights are {home}; host ops need weights at home "
                                   "on the host")
         self._validate_recompute()
-        if to_run and STREAMED in self.kv:
+        if to_run and self.refusal:
             raise HxError(self.refusal)
 
     def _validate_recompute(self) -> None:

@@ -167,7 +167,8 @@ def grid_from_options(models: Optional[str], hardware: str, policy_names: str, b
     """The grid ``hx ablate --hardware`` asks for (``weights`` and ``kv``: comma-separated
     formats, two axes; ``auto`` is ``dense`` on a preset); ``--hardware standard`` is
     ``STANDARD`` in those formats."""
-    axes = dict(weights=_names(weights), kv=_names(kv))
+    axes = dict(weights=tuple("dense" if w == "auto" else w for w in _names(weights)),
+                kv=_names(kv))
     if hardware.strip() == "standard":
         return dataclasses.replace(STANDARD, **axes)
     return Grid(models=_names(models or "llama2-7b"), hardware=_names(hardware),

@@ -47,8 +47,8 @@ KvOption = typer.Option(
     "dense", "--kv",
     help="How each layer's KV cache is held, read and moved: dense (in --dtype), int8 or int4 "
          "(group-wise along the head dim, min/max as FlexGen's cache: int8 32 per group, "
-         "int4 64, or the whole head where it is smaller); new keys and values are quantized as they are "
-         "written and decompressed right before attention reads them.")
+         "int4 64, or the whole head where it is smaller); new keys and values are quantized "
+         "as they are written and decompressed right before attention reads them.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

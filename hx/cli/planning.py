@@ -18,8 +18,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, KvOption,
-                           ModelOption, ProfileOption, WeightsOption, app, describe_dtype, err, note, out,
-                           plan_by_name, print_table, say)
+                           ModelOption, ProfileOption, WeightsOption, app, describe_dtype, err,
+                           note, out, plan_by_name, print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.errors import HxError
 from hx.memory import estimate
@@ -272,6 +272,7 @@ def ablate_command(
     if "," in weights or "," in kv:
         raise HxError("a measured ablation runs one weight format and one KV format: lists of "
                       "--weights or --kv are axes of the simulated grid (--hardware)")
+    # auto decides without starting the backends
     loaded = load(model, resolve_dtype(dtype), weights=weights, kv=kv)
     measure_policies(loaded, profile, tuple(float(x) for x in budgets.split(",")),
                      _batches(batches), tuple(p.strip() for p in policy_names.split(",")), runs,

@@ -16,8 +16,8 @@ registers its handlers with ``jax.ffi.register_ffi_target`` and measures, median
 2. the products of a batch-1 step (30 layers of SmolLM2-135M's shapes + the LM head) as
    one jitted program: XLA float32 dense (7 products a layer, hx's ``models.llama.product``)
    and hx's compressed path (Q4_1 layers and a Q8_0 head decompressed by XLA, to float32 and
-   to bfloat16) against the FFI int4 kernel with Q,K,V and gate/up fused (4 calls a layer + the head, all
-   int4), bfloat16 activations/scales on 1 and 2 torch threads, float32 activations/scales,
+   to bfloat16) against the FFI int4 kernel with Q,K,V and gate/up fused (4 calls a layer +
+   the head, all int4), bfloat16 activations/scales on 1 and 2 torch threads, float32 activations/scales,
    float32 activations cast to bfloat16 around each call (hx's float32 path would), the LM
    head instead as per-row int8 (FFI ``_weight_int8pack_mm``), float32 or bfloat16 dense or
    Q8_0 decompressed by XLA, and torch straight from Python as the floor;

@@ -53,7 +53,6 @@ from jax.sharding import SingleDeviceSharding
 
 from hx import disk
 from hx.devices import ACCELERATOR, HOST, Devices, discover
-from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.formats import DENSE

@@ -121,8 +121,9 @@ class MemoryEstimate:
       staging: staged (streamed-in) weights live at the peak moment.
       activations: activations, step inputs and XLA temporaries live at the peak moment.
       host: host memory: host-home and streamed weights, host and ``streamed`` KV caches,
-        the activations ``h`` of the first r positions each recomputing layer keeps, and two
-        read buffers of the largest disk-homed segment and of a disk layer's KV cache.
+        the activations ``h`` of the first r positions each recomputing layer keeps, the disk
+        read buffers (``schedule.read_buffer_bytes``: two consecutive disk-reading segments)
+        and two of a disk layer's KV cache.
       phase: the phase whose step peaks (``prefill`` or ``decode``).
       disk: weights and KV caches kept on the disk tier (not checked against a capacity).
     """

@@ -270,6 +270,7 @@ class _Builder:
         # (segment, micro) pairs attending a streamed cache, in launch order; their loads
         self.kv_pairs = [(i, m) for i, seg in enumerate(segments)
                          if streamed_layers(plan, seg) for m in range(micro_batches)]
+        self.kv_order = {pair: k for k, pair in enumerate(self.kv_pairs)}
         self.loads: dict[tuple[int, int], list[int]] = {}
         self.last_store: dict[tuple[int, int], int] = {}
         first = first_streaming(segments)
@@ -379,9 +380,9 @@ class _Builder:
         """Before launch (i, m) of a segment attending streamed caches: its loads (unless
         prefetched), its recompute, then the next pair's loads; returns what the launch
         waits for (the K/V load and the recompute)."""
-        if (i, m) not in self.kv_pairs:
+        k = self.kv_order.get((i, m))
+        if k is None:
             return []
-        k = self.kv_pairs.index((i, m))
         self.load(k)
         deps = self.loads[(i, m)][-1:]
         r = sum(r for _, r in streamed_layers(self.plan, self.segments[i]))
@@ -402,8 +403,8 @@ class _Builder:
         i, m = pair
         after = [self.last_store.get(self.kv_pairs[k - 2])] if k >= 2 else []
         layers = streamed_layers(self.plan, self.segments[i])
-        acts = sum(kv_link_bytes(self.spec, self.B, self.S, r)[0] for _, r in layers)
-        kvs = sum(kv_link_bytes(self.spec, self.B, self.S, r)[1] for _, r in layers)
+        acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B, self.S, r)
+                                   for _, r in layers)))
         r = sum(r for _, r in layers)
         self.loads[pair] = []
         if r:

@@ -46,7 +46,7 @@ from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
 from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, WAIT, compile_schedule, kv_link_bytes,
-                         streamed_layers)
+                         staged_bytes, streamed_layers)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
@@ -136,6 +136,13 @@ def kv_load_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int, posit
             profile.transfer_latency + kvs / link)
 
 
+def stage_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment) -> float:
+    """Seconds of a ``stage``: one ``device_put`` per staged op, each ``h2d_latency``, plus the
+    segment's staged bytes (``schedule.staged_bytes``) at ``h2d_bandwidth``."""
+    return (sum(segment.staged) * profile.h2d_latency
+            + staged_bytes(spec, segment) / profile.h2d_bandwidth)
+
+
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
                     tokens: int, slots: int, context: int,
                     memo: dict[tuple[str, str], float]) -> float:
@@ -179,9 +186,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         elif ins.kind == KV_READ:  # the prefix of the caches in use
             nbytes = nbytes * host_read_slots(slots, context) // slots
             name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
-        elif ins.kind == STAGE:  # the executor issues one device_put per staged op
-            name = f"weights {i}"
-            duration = sum(seg.staged) * profile.h2d_latency + nbytes / profile.h2d_bandwidth
+        elif ins.kind == STAGE:
+            name, duration = f"weights {i}", stage_seconds(spec, profile, seg)
         elif ins.kind == WAIT:
             name, duration = f"wait {i}", profile.sync_overhead
         elif ins.kind in (ACT_LOAD, KV_LOAD, RECOMPUTE):

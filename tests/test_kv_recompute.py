@@ -16,7 +16,7 @@ from hx.planner.patterns import Pattern, layer_patterns, price_pattern
 from hx.planner.profile import HardwareProfile
 from hx.planner.recompute import choose_recompute, layer_times, balance
 from hx.planner.simulator import kv_load_seconds, predict, recompute_seconds
-from hx.schedule import (ACT_LOAD, KV_LOAD, KV_STORE, RECOMPUTE, compile_schedule, dry_run)
+from hx.schedule import ACT_LOAD, KV_LOAD, KV_STORE, RECOMPUTE, compile_schedule
 from hx.workload import Workload
 
 LLAMA = PRESETS["llama2-7b"].replace(dtype="float16")

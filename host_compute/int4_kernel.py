@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -31,15 +32,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hx.errors import HxError
+from hx.models.formats import Format, unpack
+
 SOURCE = Path(__file__).with_name("int4mm.cc")
 TARGET = "hx_int4mm"
-GROUPS = (32, 64, 128, 256)  # the group sizes torch's kernel takes
-# torch packs output rows in blocks of 64 on AVX-512 CPUs (32 with AVX2 only): a matrix's rows
-# must fill whole blocks; it packs with the running CPU's layout, which only its kernel reads
-ROW_BLOCK = 64
-# torch threads per call: 1 was faster than 2 in every run of the SmolLM2 stack on the 2-core
-# VM (8.1-12.4 vs 9.4-12.6 ms; small matrices, XLA's own pool beside it)
-THREADS = 1
+# Threads and rows, measured on the 2-core VM (median of 9, one call, ms; "xla": the matrix
+# decompressed from this layout in XLA, then XLA's bfloat16 product):
+#
+#   (N x K), rows M     M=1    8      16     32     64
+#   1536 x 576, 1 thr   0.06   0.21   0.35   0.68   1.44
+#               2 thr   0.07   0.22   0.37   0.71   1.37
+#               xla     0.71   0.76   0.78   0.86   1.27
+#   11008 x 4096, 1     2.45   8.61   17.2   34.0   68.2
+#               2       1.30   4.48   8.76   17.1   34.2
+#               xla     47.0   46.0   47.8   52.1   60.9
+#
+# The kernel's time grows with M and XLA's hardly does: past ``KERNEL_ROWS`` rows (a prefill
+# chunk) the matrix is decompressed for XLA's product instead. One thread serves a small
+# product best (XLA's pool runs beside it), all of them a large one: ``SMALL_WORK``.
+KERNEL_ROWS = 32
+SMALL_WORK = 1 << 24  # M * N * K at most this: one torch thread
 
 
 def kernel_dir() -> Path:
@@ -91,15 +104,58 @@ def unavailable() -> str | None:
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", b"") or b""
         return f"building {SOURCE.name} failed: {e} {err.decode(errors='replace')[-300:]}"
+    if row_block() is None:
+        return ("torch packs 4-bit weights in a layout hx does not decode (torch "
+                f"{torch.__version__}); hx knows row blocks of {', '.join(map(str, ROW_BLOCKS))}")
     lib = ctypes.cdll.LoadLibrary(str(so))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.hx_int4mm), platform="cpu")
     return None
 
 
-def eligible(n_out: int, n_in: int, group: int, bits: int) -> bool:
-    """Whether a (n_out, n_in) matrix of 4-bit codes in groups of ``group`` along n_in can be
-    multiplied by the kernel: whole row blocks, a group size torch takes, whole groups."""
-    return bits == 4 and n_out % ROW_BLOCK == 0 and group in GROUPS and n_in % group == 0
+ROW_BLOCKS = (64, 32)  # torch's row blocks: 64 rows with AVX-512, 32 with AVX2 only
+
+
+@functools.lru_cache(maxsize=1)
+def row_block() -> int | None:
+    """The rows B of torch's int4pack row blocks on this CPU, found by packing a probe: of
+    each block of B output rows, for each input k, byte j holds row j's code in its low nibble
+    and row j + B/2's in its high nibble (aten's ``_convert_weight_to_int4pack_for_cpu``: 64
+    rows with AVX-512, 32 with AVX2 only). None where no block size of ``ROW_BLOCKS`` decodes
+    the probe (a torch whose layout hx does not know)."""
+    import torch
+
+    codes = np.random.default_rng(0).integers(0, 16, (128, 64)).astype(np.int32)
+    held = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 1)
+    held = held.numpy()
+    for block in ROW_BLOCKS:
+        if held.shape == (128, 32) and np.array_equal(unpack_rows(held, block), codes):
+            return block
+    return None
+
+
+def unpack_rows(packed, block: int):
+    """Codes (N, K) of torch's int4pack ``packed`` (N, K / 2) uint8 with row blocks of
+    ``block`` (``row_block``); numpy or JAX arrays alike."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    n, half = packed.shape
+    v = packed.reshape(n // block, 2 * half, block // 2)
+    codes = xp.concatenate([v & 15, v >> 4], axis=-1)  # (N / B, K, B)
+    return codes.transpose(0, 2, 1).reshape(n, 2 * half)
+
+
+def dequantize(packed: jax.Array, sz: jax.Array, group: int, dtype,
+               after: jax.Array | None = None) -> jax.Array:
+    """The (N, K) matrix ``pack``'s (``packed``, ``sz``) hold, in ``dtype``: (code - 8) *
+    scale + zero in float32, rounded once; for products of more rows than the kernel serves
+    well (``KERNEL_ROWS``), made inside the program and multiplied by XLA. ``after``: an
+    activation it waits for, as ``models.llama.dequantize``'s."""
+    n, half = packed.shape
+    codes = unpack_rows(packed, row_block()).astype(jnp.float32) - 8
+    scale, zero = (sz[..., i].astype(jnp.float32).T[..., None] for i in (0, 1))  # (N, K/g, 1)
+    if after is not None:
+        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
+    w = codes.reshape(n, 2 * half // group, group) * scale + zero
+    return w.reshape(n, 2 * half).astype(dtype)
 
 
 def pack(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, zero_code: int
@@ -129,10 +185,37 @@ def pack(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, zero_c
     return w, np.ascontiguousarray(sz)
 
 
+def int4pack(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]
+             ) -> dict[str, np.ndarray]:
+    """A matrix of logical ``shape`` (out..., in) held in 4-bit ``fmt`` (``models.formats``:
+    codes, float16 scales[, offsets]) in the kernel's layout, ``{"packed", "sz"}``
+    (``Format.int4pack_arrays``; ``pack``). Works on one matrix at a time: its codes unpacked
+    to int32 (8 bytes a weight) are the largest temporary."""
+    *out, n_in = shape
+    n_out = math.prod(out)
+    codes = unpack(np.asarray(held["codes"]), fmt).reshape(n_out, n_in)
+    groups = (n_out, n_in // fmt.group)
+    offset = held.get("offset")
+    packed, sz = pack(codes, np.asarray(held["scale"]).reshape(groups),
+                      None if offset is None else np.asarray(offset).reshape(groups), fmt.zero)
+    return {"packed": packed, "sz": sz}
+
+
 def matmul(x: jax.Array, w: jax.Array, sz: jax.Array, group: int) -> jax.Array:
     """x (M, K) bfloat16 @ W^T -> (M, N) bfloat16, W held as ``pack``'s (w, sz) with groups
-    of ``group``: torch's kernel through the FFI target (``unavailable()`` must be None), with
-    ``THREADS`` torch threads. Usable inside ``jax.jit`` on a CPU device only."""
+    of ``group``: torch's kernel through the FFI target, on one torch thread up to
+    ``SMALL_WORK`` multiply-adds, else on as many as this process may use. Usable inside
+    ``jax.jit`` on a CPU device only.
+
+    Raises:
+      HxError: the kernel cannot be built or loaded (``unavailable`` says why).
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise HxError(f"torch's int4 kernel is unavailable: {reason}; run with host_matmul "
+                      "xla (--host-matmul xla)")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.bfloat16)
+    work = x.shape[0] * w.shape[0] * x.shape[1]
+    threads = 1 if work <= SMALL_WORK else len(os.sched_getaffinity(0))
     return jax.ffi.ffi_call(TARGET, out)(x, w, sz, group=np.int64(group),
-                                         threads=np.int64(THREADS))
+                                         threads=np.int64(threads))

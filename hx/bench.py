@@ -199,6 +199,7 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
 
 def rows_to_json(rows: list[DecodeBenchRow], devices: Devices, spec: ModelSpec) -> dict:
     """The JSON document ``hx bench`` writes."""
-    return {"model": spec.name, "dtype": spec.dtype, "devices": devices.describe(),
+    return {"model": spec.name, "dtype": spec.dtype, "weights": spec.weight_format,
+            "host_matmul": spec.host_matmul, "devices": devices.describe(),
             "emulated": devices.emulated,
             "rows": [asdict(r) for r in rows]}

@@ -84,7 +84,13 @@ if TYPE_CHECKING:
 
 DENSE = "dense"
 PARTS = ("codes", "scale", "offset")
-_ITEM_BYTES = {"uint8": 1, "float16": 2}
+_ITEM_BYTES = {"uint8": 1, "float16": 2, "bfloat16": 2}
+# torch's CPU int4 kernel (``hx.host_compute.int4_kernel``) reads a 4-bit matrix in its own
+# layout, ``int4pack_arrays``: output rows packed in blocks of 64 (AVX-512; torch packs with the
+# running CPU's layout, which only its kernel reads), group sizes of 32 to 256
+INT4PACK_PARTS = ("packed", "sz")
+INT4PACK_ROW_BLOCK = 64
+INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,25 @@ class Format:
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes held for a matrix of logical ``shape`` (codes, scales and offsets)."""
         return sum(math.prod(s) * _ITEM_BYTES[d] for s, d in self.arrays(shape).values())
+
+    def int4pack_arrays(self, shape: tuple[int, ...]
+                        ) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """(shape, dtype name) of the arrays of a matrix of logical ``shape`` (out..., in) in
+        the layout torch's CPU int4 kernel multiplies (``hx.host_compute.int4_kernel.pack``),
+        with N = prod(out), K = in, g = ``group``: ``packed`` uint8 (N, K / 2), the codes in
+        torch's row-block order; ``sz`` bfloat16 (K / g, N, 2), each group's scale and zero
+        (W = (code - 8) * scale + zero). The same bytes as ``arrays`` for an asymmetric format
+        (4 per group either way), 2 more per group for a symmetric one. None where the kernel
+        cannot take the matrix: not 4 bits, N not whole row blocks
+        (``INT4PACK_ROW_BLOCK``), or a group size it has no kernel for (``INT4PACK_GROUPS``).
+        """
+        *out, n_in = shape
+        n_out = math.prod(out)
+        if self.bits != 4 or n_out % INT4PACK_ROW_BLOCK or self.group not in INT4PACK_GROUPS:
+            return None
+        self.arrays(shape)  # raises on a last axis that is not whole groups
+        return {"packed": ((n_out, n_in // 2), "uint8"),
+                "sz": ((n_in // self.group, n_out, 2), "bfloat16")}
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (

@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from hx.models.formats import DENSE, Format, get_format, hold_tree
+from hx.host_compute import int4_kernel
+from hx.models.formats import DENSE, INT4PACK_PARTS, Format, get_format, hold_tree
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import KV_NAMES, OPS, activation_shape, kv_format, kv_key, layer_key
 
@@ -139,13 +140,17 @@ def dequantize(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...
 
 class Compressed(nn.Module):
     """A matrix held in a compressed format: calling it returns its parameters ``codes``,
-    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize``."""
+    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize`` -- or, where the
+    parameters given hold it in torch's int4 layout (``packed``, ``sz``:
+    ``Format.int4pack_arrays``; ``models.tensors.held_weights`` of a host op), those."""
 
     fmt: Format
     shape: tuple[int, ...]
 
     @nn.compact
     def __call__(self) -> dict[str, jax.Array]:
+        if self.has_variable("params", INT4PACK_PARTS[0]):
+            return {part: self.get_variable("params", part) for part in INT4PACK_PARTS}
         return {part: self.param(part, nn.initializers.zeros_init(), s, jnp.dtype(d))
                 for part, (s, d) in self.fmt.arrays(self.shape).items()}
 
@@ -168,7 +173,9 @@ class Dense(nn.Module):
     ``fmt`` (``dense``, or a compressed format decompressed here to ``param_dtype``);
     ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
     float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
-    the activation dtype once, after what it adds to it. Initialised as ``nn.DenseGeneral``
+    the activation dtype once, after what it adds to it. A kernel held in torch's int4 layout
+    (``Compressed``) is multiplied by torch's CPU int4 kernel instead
+    (``hx.host_compute.int4_kernel.matmul``): x rounded to bfloat16, y a bfloat16 product. Initialised as ``nn.DenseGeneral``
     (LeCun normal over the flattened matrix, zero bias).
     """
 
@@ -186,16 +193,26 @@ class Dense(nn.Module):
                                             out_axis=tuple(range(n_out)))
         shape = self.features + tuple(x.shape[a] for a in axis)
         kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
-        if isinstance(kernel, dict):
-            kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype, after=x)
         # as a 2-D product (..., in) x (out, in)^T: bitcasts of both (the contracted axes are
         # x's last and the kernel's last), which XLA multiplies without copying the kernel
         # (contracting a (D, H, E) kernel over (H, E) as it is, XLA:CPU transposed it each step)
         if axis != tuple(range(x.ndim - n_in, x.ndim)):
             raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
         flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
-        rows = x.reshape(-1, flat_in).astype(kernel.dtype)
-        y = product(rows, kernel.reshape(flat_out, flat_in))
+        rows = x.reshape(-1, flat_in)
+        packed = isinstance(kernel, dict) and INT4PACK_PARTS[0] in kernel
+        if packed and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
+            y = int4_kernel.matmul(rows.astype(jnp.bfloat16), kernel["packed"], kernel["sz"],
+                                   get_format(self.fmt).group).astype(jnp.float32)
+        else:
+            if packed:
+                kernel = int4_kernel.dequantize(kernel["packed"], kernel["sz"],
+                                                get_format(self.fmt).group, self.param_dtype,
+                                                after=x)
+            elif isinstance(kernel, dict):
+                kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype,
+                                    after=x)
+            y = product(rows.astype(kernel.dtype), kernel.reshape(flat_out, flat_in))
         y = y.reshape(*x.shape[:-n_in], *self.features)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), self.features,
@@ -476,7 +493,13 @@ def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format,
     """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
     chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
     chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
-    whole table (SmolLM2's in float32: 113 MB)."""
+    whole table (SmolLM2's in float32: 113 MB). One row's logits decompress into float32
+    whatever ``dtype``: XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway, and
+    SmolLM2's Q8_0 head took 3.2 ms on the host decompressed into float32 against 4.6 ms into
+    bfloat16 (2-core VM, median of 21); on a GPU the product reads the chunk either way, and a
+    float32 chunk costs twice a bfloat16 one's bytes (microseconds at HBM rates)."""
+    if n.shape[0] == 1:
+        dtype = jnp.float32
     D = n.shape[-1]
     rows = max(1, HEAD_CHUNK_ELEMENTS // D)
     parts, after = [], n

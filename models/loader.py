@@ -17,7 +17,8 @@ and holds everything else dense in the dtype; ``dense``, ``int8``, ``int4`` (or 
 format by name) hold every source's matrices so. Files are memory-mapped, never read whole: a
 tensor costs host memory only where hx converts or compresses it (``models.mapped``). The KV
 cache (``kv``) is held in the dtype (``dense``) or compressed group-wise (``int8``, ``int4``:
-``ModelSpec.kv_format``); it changes no weight.
+``ModelSpec.kv_format``); it changes no weight. Host-computed ops multiply 4-bit matrices with
+XLA or with torch's CPU int4 kernel (``host_matmul``, ``resolve_host_matmul``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hx.errors import HxError
-from hx.models.formats import DENSE, FORMATS
+from hx.models.formats import DENSE, FORMATS, INT4PACK_ROW_BLOCK, get_format
 from hx.models.gguf_loader import (AUTO as AUTO_WEIGHTS, held_formats, load_gguf, open_gguf,
                                    read_metadata, spec_from_metadata)
 from hx.models.safetensors_loader import load_safetensors_dir, spec_from_config
 from hx.models.random_weights import NoTokenizer, random_params
-from hx.models.spec import DTYPE_BYTES, PRESETS, ModelSpec, is_preset, preset
+from hx.models.spec import (DTYPE_BYTES, HOST_MATMULS, PRESETS, TORCH_INT4, XLA, ModelSpec,
+                           is_preset, preset)
 from hx.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -99,6 +101,39 @@ def _with_kv(spec: ModelSpec, kv: str) -> ModelSpec:
         (``models.formats.kv_cache_format``).
     """
     return spec if spec.kv_format == kv else spec.replace(kv_format=kv)
+
+
+def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> ModelSpec:
+    """``spec`` with ``host_matmul`` (``ModelSpec.host_matmul``) set. ``auto``/None chooses
+    ``torch-int4`` for a bfloat16 model whose projection matrices are 4-bit in a group size
+    torch's int4 kernel takes, where the kernel builds (``host_compute.int4_kernel``:
+    torch and g++), else ``xla``. Measured on the 2-core VM, one batch-1 SmolLM2 decode step's
+    products: Q4_1 decompressed by XLA 107-118 ms, float32 dense 30.1 ms, the int4 kernel
+    8.3 ms (``scripts/ffi_int4/bench.py``; docs/measurements/log.md, "Bytes, third part"). A
+    float32 model keeps ``xla``: the kernel rounds activations to bfloat16.
+
+    Raises:
+      HxError: an unknown choice, or ``torch-int4`` asked where the kernel cannot be built.
+    """
+    host_matmul = host_matmul or AUTO
+    if host_matmul not in (AUTO, *HOST_MATMULS):
+        raise HxError(f"unknown host matmul {host_matmul!r}; choose "
+                      f"{', '.join((AUTO, *HOST_MATMULS))}")
+    fmt = get_format(spec.weight_format)
+    fits = fmt is not None and fmt.int4pack_arrays((INT4PACK_ROW_BLOCK, fmt.group)) is not None
+    if host_matmul == AUTO:
+        host_matmul = TORCH_INT4 if spec.dtype == "bfloat16" and fits else XLA
+        if host_matmul == TORCH_INT4 and _int4_kernel_unavailable():
+            host_matmul = XLA
+    elif host_matmul == TORCH_INT4 and (reason := _int4_kernel_unavailable()):
+        raise HxError(f"--host-matmul {TORCH_INT4}: {reason}; use --host-matmul xla")
+    return spec if spec.host_matmul == host_matmul else spec.replace(host_matmul=host_matmul)
+
+
+def _int4_kernel_unavailable() -> str | None:
+    from hx.host_compute.int4_kernel import unavailable
+
+    return unavailable()
 
 
 def _dense_if_auto(weights: str) -> str:
@@ -217,7 +252,8 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None,
 
 
 def load(path_or_name: str | None = None, dtype: str | None = None,
-         weights: str | None = None, kv: str | None = None) -> Model:
+         weights: str | None = None, kv: str | None = None, host_matmul: str | None = None
+         ) -> Model:
     """Load a model: a ``.gguf`` file, a Hugging Face Llama folder, ``"smollm2-135m"`` (the
     real default model), or a preset ``NAME[:NL]`` (random weights, see ``load_random``).
 
@@ -230,10 +266,12 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
       kv: the format of the KV cache (``KV_FORMATS``; ``ModelSpec.kv_format``): ``dense``/None
         (in ``dtype``), ``int8`` or ``int4`` (FlexGen's group-wise min/max, grouped along the
         head dim: ``models.formats.kv_cache_format``), ...
+      host_matmul: how host ops multiply 4-bit matrices (``ModelSpec.host_matmul``):
+        ``auto``/None (``resolve_host_matmul``), ``xla`` or ``torch-int4``.
     Raises:
       HxError: missing or unreadable file, unsupported architecture/quantisation/tokenizer, an
-        unknown preset, dtype, weight or KV format, a head dim the KV format cannot group, or
-        a bad layer count.
+        unknown preset, dtype, weight or KV format, a head dim the KV format cannot group, a
+        bad layer count, or ``torch-int4`` where torch's int4 kernel cannot be built.
     """
     start = time.perf_counter()
     dtype, weights, kv = resolve_dtype(dtype), resolve_weights(weights), resolve_kv(kv)
@@ -248,7 +286,7 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
             contents = load_gguf(path, dtype, weights)
             tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
             model = Model(contents.spec, contents.params, tokenizer, path)
-    model.spec = _with_kv(model.spec, kv)
+    model.spec = resolve_host_matmul(_with_kv(model.spec, kv), host_matmul)
     model.load_s = time.perf_counter() - start
     return model
 

@@ -25,6 +25,8 @@ EMBED, HEAD = "EMBED", "HEAD"
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 ARCHITECTURES = ("llama", "opt")
+XLA, TORCH_INT4 = "xla", "torch-int4"
+HOST_MATMULS = (XLA, TORCH_INT4)  # ``ModelSpec.host_matmul``
 
 
 def host_dtype(dtype: str) -> str:
@@ -90,6 +92,13 @@ class ModelSpec:
         format of ``models.formats.FORMATS`` (``int8``, ``int4``: FlexGen's), grouped along
         the head dim (``models.formats.kv_cache_format``), quantized as K and V are written
         and decompressed right before attention reads them (``models.tensors.kv_arrays``).
+      host_matmul: how host-computed ops multiply their 4-bit projection matrices
+        (``HOST_MATMULS``): ``xla`` decompresses each in the program before an XLA product;
+        ``torch-int4`` holds each matrix torch's CPU int4 kernel can take in its layout
+        (``models.formats.Format.int4pack_arrays``) and calls that kernel
+        (``hx.host_compute.int4_kernel``: bfloat16 activations, a bfloat16 scale and zero per
+        group), where XLA:CPU cannot come close (it writes each decompressed matrix out and
+        reads it back). ``models.loader.resolve_host_matmul`` chooses it.
       architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
         Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
         (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
@@ -115,6 +124,7 @@ class ModelSpec:
     weight_format: str = DENSE
     embedding_format: str = DENSE
     kv_format: str = DENSE
+    host_matmul: str = XLA
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -131,6 +141,8 @@ class ModelSpec:
                              f"{', '.join(DTYPE_BYTES)}")
         for name in (self.weight_format, self.embedding_format):
             get_format(name)  # raises on an unknown format
+        if self.host_matmul not in HOST_MATMULS:
+            raise ValueError(f"host_matmul={self.host_matmul!r}; one of {', '.join(HOST_MATMULS)}")
         kv_cache_format(self.kv_format, self.head_dim)  # raises on one that cannot group it
 
     @property
@@ -208,13 +220,22 @@ class ModelSpec:
             return self.embedding_format
         return DENSE
 
-    def op_weight_arrays(self, op: str, dtype: str | None = None
+    def product_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(out, in) of the 2-D product a projection kernel at ``path`` (logical ``shape``)
+        computes (``models.llama.Dense``): Llama's OUT kernel (D, H, E) contracts its last two
+        axes, every other matrix its last."""
+        contracted = 2 if self.architecture == "llama" and path == "wo/kernel" else 1
+        return math.prod(shape[:-contracted]), math.prod(shape[-contracted:])
+
+    def op_weight_arrays(self, op: str, dtype: str | None = None, int4pack: bool = False
                          ) -> dict[str, tuple[tuple[int, ...], str]]:
         """(shape, dtype name) of each array held for ``op``'s weights, keyed by path: a dense
         tensor at its ``op_weight_shapes`` path in ``dtype`` (default: the model's dtype;
         ``host_dtype`` of it for what a host-computed op holds), a compressed matrix as the arrays
         of its format (``models.formats.Format.arrays``) at ``PATH/codes``, ``PATH/scale``
-        and ``PATH/offset``.
+        and ``PATH/offset``; with ``int4pack`` (a host op under ``host_matmul`` torch-int4), a
+        4-bit projection kernel the int4 kernel can take as ``PATH/packed`` and ``PATH/sz``
+        (``Format.int4pack_arrays``).
 
         Raises:
           HxError: a compressed matrix's last axis is not a multiple of its format's group.
@@ -222,8 +243,12 @@ class ModelSpec:
         held = {}
         for path, shape in self.op_weight_shapes(op).items():
             fmt = get_format(self.matrix_format(path))
+            packed = (fmt.int4pack_arrays(self.product_shape(path, shape))
+                      if fmt and int4pack and path.endswith("kernel") else None)
             if fmt is None:
                 held[path] = (shape, dtype or self.dtype)
+            elif packed:
+                held.update({f"{path}/{part}": array for part, array in packed.items()})
             else:
                 held.update({f"{path}/{part}": array
                              for part, array in fmt.arrays(shape).items()})

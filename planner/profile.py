@@ -71,6 +71,11 @@ class DeviceProfile:
         not measured is priced as one memory-bound pass (``dequantize_seconds``).
       dequantize_low: the same decompressing into bfloat16, where measured (the
         accelerator).
+      int4_matmul: ((M, FLOP/s), ...) of torch's CPU int4 kernel (``host_compute.int4_kernel``:
+        bfloat16 activations, 4-bit weights in groups of 64; ``rates.measure_int4_matmul``),
+        where it was measured (the host, when the kernel builds): what a host op multiplying
+        its matrices in that layout (``ModelSpec.host_matmul`` torch-int4) runs at, with no
+        decompression besides.
     """
 
     matmul: tuple[tuple[int, float], ...]
@@ -82,6 +87,7 @@ class DeviceProfile:
     attention_low: tuple[tuple[int, float], ...] = ()
     dequantize: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     dequantize_low: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    int4_matmul: tuple[tuple[int, float], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -91,10 +97,16 @@ class DeviceProfile:
         """``compute_scale`` at ``batch`` (interpolated in log batch)."""
         return _interpolate(self.compute_scale, batch) if self.compute_scale else 1.0
 
-    def matmul_seconds(self, flops: float, rows: int, dtype: str = "float32") -> float:
-        """Seconds of ``flops`` of matmul at M = ``rows`` with operands of ``dtype``."""
+    def matmul_seconds(self, flops: float, rows: int, dtype: str = "float32",
+                       int4: bool = False) -> float:
+        """Seconds of ``flops`` of matmul at M = ``rows`` with operands of ``dtype``; with
+        ``int4``, by torch's int4 kernel (``int4_matmul``; unmeasured, as bfloat16)."""
         if not flops:
             return 0.0
+        if int4 and self.int4_matmul:
+            return flops / _interpolate(self.int4_matmul, rows)
+        if int4:
+            dtype = "bfloat16"
         curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
         return flops / _interpolate(curve, rows)
 
@@ -231,7 +243,7 @@ class HardwareProfile:
                 d["compute_scale"] = tuple((int(b), float(f))
                                            for b, f in d.get("compute_scale", ()))
                 d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
-                for curve in ("matmul_low", "attention_low"):
+                for curve in ("matmul_low", "attention_low", "int4_matmul"):
                     d[curve] = tuple((int(x), float(r)) for x, r in d.get(curve, ()))
                 for curve in ("dequantize", "dequantize_low"):
                     d[curve] = tuple((str(f), tuple((int(n), float(r)) for n, r in points))

@@ -45,7 +45,8 @@ from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measur
 from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
 from hx.planner.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
                               measure_compute_contention, measure_contention, measure_dequantize,
-                              measure_disk_read, measure_matmul, measure_memory_bandwidth)
+                              measure_disk_read, measure_int4_matmul, measure_matmul,
+                              measure_memory_bandwidth)
 from hx.planner.timing import FULL, QUICK, MiB, Effort
 
 TINY = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
@@ -132,8 +133,12 @@ def measure_side(devices: Devices, side: str, kernel, effort: Effort,
             f"{', '.join(f'{n / 1e6:.1f}' for n, _ in table[0][1])} M weights: "
             + "; ".join(f"{f} " + " ".join(f"{t * 1e9:.2f}" for _, t in points)
                         for f, points in table))
+    int4 = measure_int4_matmul(device, effort.matmul_rows, effort) if side == HOST else ()
+    if int4:
+        log(f"{side}: torch's int4 kernel {int4[0][1] / 1e9:.1f} GFLOP/s at M={int4[0][0]}, "
+            f"{int4[-1][1] / 1e9:.1f} at M={int4[-1][0]}")
     return DeviceProfile(
-        matmul=curves[jnp.float32], memory_bandwidth=memory,
+        matmul=curves[jnp.float32], memory_bandwidth=memory, int4_matmul=int4,
         attention=measure_attention(device, kernel, effort.attention_slots, effort),
         attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
                                         LOW_DTYPE),

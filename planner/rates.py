@@ -135,6 +135,57 @@ def measure_matmul(device: jax.Device, dtype=jnp.float32, rows: tuple[int, ...] 
     return tuple(rates)
 
 
+@partial(jax.jit, static_argnums=4)
+def _int4_products(x: jax.Array, packed: jax.Array, sz: jax.Array, count: jax.Array,
+                   group: int) -> jax.Array:
+    """``_products`` by torch's int4 kernel: ``count`` products of x (M, N) bfloat16 with the
+    (P, N) matrix ``packed``/``sz`` holds (``host_compute.int4_kernel.matmul``), each input
+    scaled by the mean of the product before it."""
+    from hx.host_compute import int4_kernel
+
+    def product(i, carry):
+        x, _ = carry
+        y = int4_kernel.matmul(x, packed, sz, group)
+        return x * (1 + jnp.mean(y.astype(jnp.float32)) * 1e-12).astype(x.dtype), y
+
+    first = jnp.zeros((x.shape[0], packed.shape[0]), jnp.bfloat16)
+    return jax.lax.fori_loop(0, count, product, (x, first))[1]
+
+
+def measure_int4_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
+                        effort: Effort = FULL) -> tuple[tuple[int, float], ...]:
+    """((M, FLOP/s), ...) of torch's CPU int4 kernel (``host_compute.int4_kernel``): (M x N)
+    bfloat16 activations times a (P x N) matrix of 4-bit codes in groups of 64 (hx's int4)
+    with random codes, scales and zeros, P as ``measure_matmul``'s float32 product at M = 1
+    (the same weights, an eighth of its bytes), fewer columns at larger M
+    (``matmul_columns``), repeated inside one call until it lasts ``effort.matmul_target_s``;
+    () where the kernel cannot be built (``int4_kernel.unavailable``)."""
+    from hx.host_compute import int4_kernel
+
+    if int4_kernel.unavailable() is not None:
+        return ()
+    group = 64
+    widest = _max_columns(device, jnp.float32, effort.matmul_weight_bytes)
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (widest, MATMUL_N // 2), dtype=np.uint8)
+    sz = (rng.random((MATMUL_N // group, widest, 2), dtype=np.float32) * 1e-2).astype(
+        jnp.bfloat16)
+    rates: list[tuple[int, float]] = []
+    for m in rows:
+        p = matmul_columns(m, widest, rates[-1][1] if rates else None, effort.matmul_target_s)
+        w, s = (jax.device_put(a, device) for a in (packed[:p], sz[:, :p]))
+        x = jax.device_put(jnp.ones((m, MATMUL_N), jnp.bfloat16), device)
+        warmup = None if not rates else min(effort.warmup_s, 0.05)
+
+        def time_one(k: int) -> float:
+            return effort.time(lambda: _int4_products(x, w, s, k, group),
+                               warmup_s=warmup)[0].seconds
+
+        k, seconds = _repeats(time_one, effort.matmul_target_s)
+        rates.append((m, 2.0 * m * MATMUL_N * p * k / seconds))
+    return tuple(rates)
+
+
 def _probe_ffn(width: int) -> int:
     """d_ff of the decompression probe of d_model ``width``: 2.6875 x (Llama-2-7B's 11008 /
     4096), a multiple of 64 (int4's group)."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.models.tensors import weight_dtype
+from hx.models.tensors import int4_matrices, weight_dtype
 from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
@@ -107,6 +107,8 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
     c = op_cost(spec, op, batch, tokens, slots)
     if op == EMBED:
         return c.other_bytes / rates.memory_bandwidth
+    if device == HOST and int4_matrices(spec, op):  # torch's int4 kernel: no decompression
+        return rates.matmul_seconds(c.flops, c.rows, dtype, int4=True)
     return rates.matmul_seconds(c.flops, c.rows, dtype) + sum(
         rates.dequantize_seconds(fmt, n, dtype) for fmt, n in c.dequantized)
 

@@ -4,25 +4,33 @@ threads.
 Usage: python scripts/bench_peers.py [--batches 1,8,32] [--prompt-tokens 64] [--new-tokens 32]
            [--rounds 3] [--llama-python PYTHON] [--json out/bench_peers.json]
 
-Takes about 5-10 minutes with the defaults on the 2-core development VM (estimated from
-``--batches 1 --rounds 1``: 74 s beside other work, of which about 50 s loading and compiling;
-each round times three engines at each batch, the batch-32 runs generating 32x the tokens);
-``--llama-python`` adds the llama.cpp rows.
+Takes about 10-20 minutes with the defaults on the 2-core development VM (each round times five
+engines at each batch, the batch-32 runs generating 32x the tokens); ``--llama-python`` adds the
+llama.cpp rows.
 
-SmolLM2-135M-Instruct from its GGUF, float32, greedy: hx (the plan ``auto`` picks without a
-budget: all-accelerator) as one static batch (``Engine.generate_ids``, latency mode) and with
-iteration-level scheduling over one micro-batch of the batch's rows (throughput mode), and
-transformers (CPU torch loading the same GGUF with ``gguf_file=``, ``torch.set_num_threads`` =
-this machine's cores), the same prompt token ids in all, every row ``--prompt-tokens`` long.
-Each round times one whole generate (prefill + decode) of each engine at each batch,
-interleaved so a slow spell of the machine hits all; tokens/s = generated tokens / seconds;
-medians over the rounds, and the median of the per-round ratios. hx's first call per shape
-compiles and is not timed.
+SmolLM2-135M-Instruct from its GGUF, greedy, two hx paths:
 
-With ``--llama-python`` (an interpreter with ``llama-cpp-python``; its wheel is built from
-source), batch-1 decode tokens/s of hx (``Completion.decode_tok_s``) and of llama.cpp on an F32
-GGUF of the same weights (``scripts/f32_gguf.py``; ``scripts/llama_cpp_decode.py``), with the
-same threads, interleaved; the two greedy continuations are compared.
+* **hx f32** -- the float32 path: the GGUF expanded to dense float32 (``weights="dense"``), the
+  plan ``auto`` picks without a budget (all-accelerator);
+* **hx q4_1** -- the GGUF's weights kept compressed (``weights="auto"``: its Q4_1 matrices and
+  Q8_0 embedding as they are), bfloat16, all-host, the Q4_1 products by torch's CPU int4 kernel
+  (``host_matmul`` auto: ``hx.host_compute.int4_kernel``).
+
+Each as one static batch (``Engine.generate_ids``, latency mode) and with iteration-level
+scheduling over one micro-batch of the batch's rows (throughput mode); transformers is CPU
+torch loading the same GGUF with ``gguf_file=`` in float32, ``torch.set_num_threads`` = this
+machine's cores; the same prompt token ids in all, every row ``--prompt-tokens`` long. Each
+round times one whole generate (prefill + decode) of each engine at each batch, interleaved so
+a slow spell of the machine hits all; tokens/s = generated tokens / seconds; medians over the
+rounds, and the median of the per-round ratios. hx's first call per shape compiles and is not
+timed.
+
+Batch-1 decode tokens/s (``Completion.decode_tok_s``: the tokens after the first, over their
+seconds) of both hx paths, interleaved; with ``--llama-python`` (an interpreter with
+``llama-cpp-python``; its wheel is built from source) beside them llama.cpp on the shipped Q4_1
+GGUF and on an F32 GGUF of the same weights (``scripts/f32_gguf.py``;
+``scripts/llama_cpp_decode.py``), with the same threads; the greedy continuations are compared
+with hx f32's.
 """
 
 from __future__ import annotations
@@ -36,7 +44,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -82,22 +89,29 @@ def main() -> int:
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                               gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    model = hx.load(dtype="float32")
-    engine = Engine(model)
-    ids = prompt_ids(model.tokenizer, args.prompt_tokens)
+    f32 = Engine(hx.load(dtype="float32", weights="dense"))
+    q4 = hx.load(dtype="bfloat16")  # the GGUF's blocks; host_matmul auto
+    devices = hx.discover()
+    q4_plan = hx.policies.build("all-host", q4.spec, devices, hx.Workload(1, 1, 1))
+    q4_1 = Engine(q4, q4_plan, devices)
+    ids = prompt_ids(q4.tokenizer, args.prompt_tokens)
     sampling = SamplingParams(max_new_tokens=args.new_tokens)
 
-    def run_hx(batch: int) -> tuple[int, float]:
-        start = time.perf_counter()
-        out = engine.generate_ids([ids] * batch, sampling)
-        return sum(len(c.token_ids) for c in out), time.perf_counter() - start
+    def latency(engine: Engine):
+        def run(batch: int) -> tuple[int, float]:
+            start = time.perf_counter()
+            out = engine.generate_ids([ids] * batch, sampling)
+            return sum(len(c.token_ids) for c in out), time.perf_counter() - start
+        return run
 
-    def run_hx_throughput(batch: int) -> tuple[int, float]:
-        batcher = ContinuousBatcher(engine, batch)
-        start = time.perf_counter()
-        out = batcher.run([ids] * batch, sampling)
-        return (sum(len(c.token_ids) for c in out),
-                time.perf_counter() - start - out[0].compile_s)
+    def throughput(engine: Engine):
+        def run(batch: int) -> tuple[int, float]:
+            batcher = ContinuousBatcher(engine, batch)
+            start = time.perf_counter()
+            out = batcher.run([ids] * batch, sampling)
+            return (sum(len(c.token_ids) for c in out),
+                    time.perf_counter() - start - out[0].compile_s)
+        return run
 
     def run_hf(batch: int) -> tuple[int, float]:
         tokens = torch.tensor([ids] * batch)
@@ -108,10 +122,12 @@ def main() -> int:
         return int(np.prod(out[:, tokens.shape[1]:].shape)), time.perf_counter() - start
 
     rows = []
-    engines = {"hx latency": run_hx, "hx throughput": run_hx_throughput,
+    engines = {"hx f32 latency": latency(f32), "hx f32 throughput": throughput(f32),
+               "hx q4_1 latency": latency(q4_1), "hx q4_1 throughput": throughput(q4_1),
                "transformers": run_hf}
     for batch in (int(b) for b in args.batches.split(",")):
-        run_hx(batch)  # compiles this batch's shapes
+        for engine in (f32, q4_1):
+            latency(engine)(batch)  # compiles this batch's shapes
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, run in engines.items():
@@ -120,14 +136,15 @@ def main() -> int:
         row = {"batch": batch, "rounds": args.rounds}
         for name in engines:
             row[f"{name} tok/s"] = statistics.median(rates[name])
-        for name in ("hx latency", "hx throughput"):
-            row[f"{name} / transformers"] = statistics.median(
-                a / b for a, b in zip(rates[name], rates["transformers"]))
+        for name in engines:
+            if name != "transformers":
+                row[f"{name} / transformers"] = statistics.median(
+                    a / b for a, b in zip(rates[name], rates["transformers"]))
         rows.append(row)
         print(f"batch {batch} done", file=sys.stderr)
-    llama = decode_vs_llama_cpp(args, engine, ids, threads) if args.llama_python else None
+    decode = batch1_decode(args, {"hx f32": f32, "hx q4_1": q4_1}, ids, threads)
 
-    table = Table(title=f"greedy generate, SmolLM2-135M float32, {args.prompt_tokens} prompt + "
+    table = Table(title=f"greedy generate, SmolLM2-135M, {args.prompt_tokens} prompt + "
                         f"{args.new_tokens} new tokens per row, {threads} threads "
                         f"{escape('[' + hx.discover().describe() + ']')}")
     columns = [k for k in rows[0] if k != "rounds"]
@@ -137,49 +154,64 @@ def main() -> int:
         table.add_row(*(str(r[c]) if c == "batch" else f"{r[c]:.2f}" if "/" in c
                         else f"{r[c]:.1f}" for c in columns))
     print_table(table)
-    if llama:
-        Console().print(f"batch-1 decode: hx {llama['hx_decode_tok_s']:.1f} tok/s, llama.cpp F32 "
-                        f"{llama['llama_cpp_decode_tok_s']:.1f} tok/s, ratio "
-                        f"{llama['ratio']:.2f} (same {llama['same_tokens']} of "
-                        f"{args.new_tokens} greedy tokens)", markup=False, soft_wrap=True)
+    decode_table = Table(title=f"batch-1 decode tokens/s, median of {args.rounds} rounds "
+                               f"(ratio: median of per-round ratios to hx f32)")
+    for col in ("engine", "decode tok/s", "/ hx f32", "same greedy tokens as hx f32"):
+        decode_table.add_column(col, justify="right")
+    for name, r in decode.items():
+        decode_table.add_row(name, f"{r['decode_tok_s']:.1f}", f"{r['vs_hx_f32']:.2f}",
+                             f"{r['same_tokens']} of {args.new_tokens}")
+    print_table(decode_table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"threads": threads, "rows": rows,
-                                               "batch1_decode": llama}, indent=1))
+                                               "batch1_decode": decode}, indent=1))
     return 0
 
 
-def decode_vs_llama_cpp(args, engine: Engine, ids: list[int], threads: int) -> dict:
-    """Batch-1 decode tokens/s of hx and of llama.cpp (F32 GGUF of the same weights, run by
-    ``args.llama_python``), interleaved over ``args.rounds``."""
+def batch1_decode(args, engines: dict[str, Engine], ids: list[int], threads: int) -> dict:
+    """{engine: {decode_tok_s, vs_hx_f32, same_tokens}}: batch-1 decode tokens/s of each hx
+    engine (the first is ``hx f32``) and, with ``args.llama_python``, of llama.cpp on the
+    shipped Q4_1 GGUF and on an F32 GGUF of the same weights, interleaved over
+    ``args.rounds``; ``same_tokens``: greedy tokens equal to hx f32's, position by position."""
     import subprocess
     import tempfile
 
     from f32_gguf import write_f32
 
-    folder = tempfile.mkdtemp(prefix="hx-f32-")
-    gguf = os.path.join(folder, "smollm2-f32.gguf")
-    write_f32(default_model_path(), gguf)
-    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_decode.py")
     sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_ids=())
-    hx_rates, llama_rates, same = [], [], 0
+    ggufs, folder = {}, None
+    if args.llama_python:
+        folder = tempfile.mkdtemp(prefix="hx-f32-")
+        ggufs = {"llama.cpp Q4_1": default_model_path(),
+                 "llama.cpp F32": os.path.join(folder, "smollm2-f32.gguf")}
+        write_f32(default_model_path(), ggufs["llama.cpp F32"])
+    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_decode.py")
+    names = [*engines, *ggufs]
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[int]] = {}
     try:
         for _ in range(args.rounds):
-            mine = engine.generate_ids([ids], sampling)[0]
-            hx_rates.append(mine.decode_tok_s)
-            done = subprocess.run([args.llama_python, helper, gguf, json.dumps(ids),
-                                   str(args.new_tokens), str(threads)],
-                                  capture_output=True, text=True, check=True)
-            theirs = json.loads(done.stdout)
-            llama_rates.append(theirs["decode_tok_s"])
-            same = sum(a == b for a, b in zip(mine.token_ids, theirs["tokens"]))
+            for name, engine in engines.items():
+                done = engine.generate_ids([ids], sampling)[0]
+                rates[name].append(done.decode_tok_s)
+                tokens[name] = list(done.token_ids)
+            for name, gguf in ggufs.items():
+                done = subprocess.run([args.llama_python, helper, gguf, json.dumps(ids),
+                                       str(args.new_tokens), str(threads)],
+                                      capture_output=True, text=True, check=True)
+                theirs = json.loads(done.stdout)
+                rates[name].append(theirs["decode_tok_s"])
+                tokens[name] = theirs["tokens"]
     finally:
-        os.remove(gguf)
-        os.rmdir(folder)
-    return {"hx_decode_tok_s": statistics.median(hx_rates),
-            "llama_cpp_decode_tok_s": statistics.median(llama_rates),
-            "ratio": statistics.median(a / b for a, b in zip(hx_rates, llama_rates)),
-            "same_tokens": same, "rounds": args.rounds}
+        if folder:
+            os.remove(ggufs["llama.cpp F32"])
+            os.rmdir(folder)
+    base = names[0]
+    return {n: {"decode_tok_s": statistics.median(rates[n]),
+                "vs_hx_f32": statistics.median(a / b for a, b in zip(rates[n], rates[base])),
+                "same_tokens": sum(a == b for a, b in zip(tokens[n], tokens[base]))}
+            for n in names}
 
 
 if __name__ == "__main__":

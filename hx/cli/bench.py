@@ -9,8 +9,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ModelOption, WeightsOption, app,
-                           describe_dtype, note, out, plan_by_name, print_table)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption, ModelOption,
+                           WeightsOption, app, describe_dtype, note, out, plan_by_name,
+                           print_table)
 from hx.devices import discover
 from hx.models.loader import load, resolve_dtype
 
@@ -20,6 +21,7 @@ def bench(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
     weights: str = WeightsOption,
+    host_matmul: str = HostMatmulOption,
     batches: str = typer.Option("1,16", help="Comma-separated batch sizes."),
     plans: str = typer.Option("all-accelerator,all-host,stream-all,host:SCORE+MLP1",
                               help="Comma-separated plans: a policy name, layer-split:N, or "
@@ -35,7 +37,7 @@ def bench(
     from hx.memory import check_fits
 
     devices = discover(accelerator_memory)
-    loaded = load(model, resolve_dtype(dtype, devices), weights)
+    loaded = load(model, resolve_dtype(dtype, devices), weights, host_matmul=host_matmul)
     spec = loaded.spec
     rows = []
     for b in (int(x) for x in batches.split(",")):
@@ -46,7 +48,8 @@ def bench(
             rows.append(bench_decode(spec, loaded.params, plan, b, devices, context, steps))
             note(f"measured {plan.name} batch {b}")
 
-    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, context {context}, median of "
+    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, weights {spec.weight_format}, "
+                        f"host matmul {spec.host_matmul}, context {context}, median of "
                         f"{steps} steps; ratio = executor / one jit of the whole model "
                         f"(resident)")
     table.add_column("plan", no_wrap=True)

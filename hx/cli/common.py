@@ -35,7 +35,8 @@ DtypeOption = typer.Option(
     "auto", "--dtype",
     help="Dtype the model is held, streamed and computed in on the accelerator, and of its KV "
          "cache: auto, float32, bfloat16 or float16 (auto: float32 when the accelerator is a "
-         "CPU device, bfloat16 on a GPU). Host ops compute in float32.")
+         "CPU device, bfloat16 on a GPU). Host ops compute in it too, a float16 model's in "
+         "float32.")
 WeightsOption = typer.Option(
     "auto", "--weights",
     help="How the matrices are held, streamed and read: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks "
@@ -49,6 +50,11 @@ KvOption = typer.Option(
          "(group-wise along the head dim, min/max as FlexGen's cache: int8 32 per group, "
          "int4 64, or the whole head where it is smaller); new keys and values are quantized "
          "as they are written and decompressed right before attention reads them.")
+HostMatmulOption = typer.Option(
+    "auto", "--host-matmul",
+    help="How host-computed ops multiply 4-bit matrices: auto (torch's CPU int4 kernel for a "
+         "bfloat16 model whose matrices are 4-bit, where torch and g++ build it; else xla), "
+         "xla (decompressed in the program, then an XLA product) or torch-int4.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

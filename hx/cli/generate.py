@@ -18,9 +18,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, KvOption,
-                           ModelOption, ProfileOption, WeightsOption, app, describe_dtype, err,
-                           note, out, print_table, resolve_plan, say)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption,
+                           HostMemoryOption, KvOption, ModelOption, ProfileOption, WeightsOption,
+                           app, describe_dtype, err, note, out, print_table, resolve_plan, say)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype, resolve_kv
@@ -43,6 +43,7 @@ def generate(
     dtype: str = DtypeOption,
     weights: str = WeightsOption,
     kv: str = KvOption,
+    host_matmul: str = HostMatmulOption,
     max_new_tokens: int = typer.Option(128, help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = all)."),
@@ -102,7 +103,7 @@ def generate(
     options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory,
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
-                                micro_batches), trace, spill_dir, resolve_kv(kv))
+                                micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul)
     with lock:
         if prompt is not None:
             _generate_one(prompt, options)
@@ -137,6 +138,7 @@ class RunOptions:
     trace: Optional[Path]
     spill_dir: Optional[Path] = None
     kv: str = "dense"
+    host_matmul: str = "auto"
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``)."""
@@ -170,7 +172,7 @@ def _load(options: RunOptions):
     """(devices, loaded model) for a run."""
     devices = discover(options.accelerator_memory, options.host_memory)
     return devices, load(options.model, resolve_dtype(options.dtype, devices), options.weights,
-                         options.kv)
+                         options.kv, options.host_matmul)
 
 
 def _hardware(options: RunOptions, devices):
@@ -198,7 +200,7 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
     segments = len(split_segments(chosen, "decode"))
     note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | weights "
          f"{spec.weight_format}/{spec.embedding_format} {format_bytes(spec.weight_bytes)}, "
-         f"KV {spec.kv_format}, loaded in {loaded.load_s:.1f} s | "
+         f"KV {spec.kv_format}, host matmul {spec.host_matmul}, loaded in {loaded.load_s:.1f} s | "
          f"{'throughput' if options.block else 'latency'} mode | plan {chosen.name}, step "
          f"path: segments ({segments} per decode step) | {devices.describe()} | needs "
          f"{format_bytes(need.accelerator)} on the accelerator")

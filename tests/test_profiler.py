@@ -91,7 +91,8 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
                                         dequantize=(("int4", ((1024, 1e-11),)),),
                                         dequantize_low=(("int4", ((1024, 2e-11),
                                                                   (2**24, 3e-11))),
-                                                        ("q8_0", ((1024, 0.0),)))))
+                                                        ("q8_0", ((1024, 0.0),)))),
+        host=dataclasses.replace(base.host, int4_matmul=((1, 5e10), (64, 2e11))))
     profile.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
     old = base.to_json()
@@ -101,4 +102,4 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
     old["matmul_dtype"] = "float32"  # a field older files have: ignored
     loaded = HardwareProfile.from_json(old)
     assert loaded == base and not loaded.quick and loaded.accelerator.matmul_low == ()
-    assert loaded.accelerator.dequantize == ()
+    assert loaded.accelerator.dequantize == () and loaded.host.int4_matmul == ()

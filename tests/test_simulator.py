@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hx.errors import HxError
-from hx.models.spec import PRESETS
+from hx.models.spec import PRESETS, TORCH_INT4
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.cost import dequantized_weights, op_cost
@@ -115,6 +115,34 @@ def test_accelerator_ops_of_a_16_bit_model_are_priced_at_the_low_precision_rates
             assert seconds(low, "host") == pytest.approx(seconds(f32, "host")
                                                          / (10 if host_low else 1))
             assert seconds(low, "accelerator", base) == seconds(f32, "accelerator", base)
+
+
+def test_host_ops_under_the_int4_kernel_are_priced_at_its_rate():
+    """A host op whose 4-bit matrices torch's int4 kernel multiplies (``host_matmul``
+    torch-int4) costs its FLOPs at the profile's ``int4_matmul`` curve with no decompression;
+    unmeasured, at the bfloat16 matmul rate. Accelerator ops, 8-bit matrices (the kernel takes
+    none) and XLA's host path keep the product plus decompression."""
+    base = gpu_like()
+    kernel = dataclasses.replace(base, host=dataclasses.replace(
+        base.host, int4_matmul=((1, 4e10), (256, 8e11))))
+    spec = PRESETS["llama2-7b"].replace(n_layers=2, dtype="bfloat16", weight_format="int4",
+                                        host_matmul=TORCH_INT4)
+    xla = spec.replace(host_matmul="xla")
+
+    def seconds(s, device, profile=kernel, op="MLP1", batch=4):
+        return op_seconds(s, profile, device, op, batch, 1, 256, 256)
+
+    flops = op_cost(spec, "MLP1", 4, 1, 256).flops
+    assert seconds(spec, "host") == pytest.approx(flops / (4e10 + (8e11 - 4e10) * math.log(4)
+                                                           / math.log(256)))
+    assert seconds(spec, "host", base) == pytest.approx(base.host.matmul_seconds(
+        flops, 4, "bfloat16"))
+    assert seconds(xla, "host") == pytest.approx(base.host.matmul_seconds(flops, 4, "bfloat16")
+                                                 + sum(base.host.dequantize_seconds(f, n, "bfloat16")
+                                                       for f, n in dequantized_weights(xla, "MLP1")))
+    assert seconds(spec, "accelerator") == seconds(xla, "accelerator")
+    int8 = spec.replace(weight_format="int8")
+    assert seconds(int8, "host") == seconds(int8.replace(host_matmul="xla"), "host")
 
 
 def test_a_compressed_matrix_costs_its_product_plus_its_decompression():

@@ -201,6 +201,38 @@ def int4pack(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]
     return {"packed": packed, "sz": sz}
 
 
+def int4pack_params(spec, params: dict) -> dict:
+    """``params`` (a parameter tree of ``models/llama.py`` in ``spec``'s formats) with every
+    decoder-layer projection matrix (embedding tables keep their format) that ``spec`` holds
+    in the kernel's layout (``ModelSpec.op_weight_arrays``
+    under ``host_matmul`` torch-int4) converted by ``int4pack``, in place, one matrix at a time:
+    a loader's own tree then never holds both layouts of more than one matrix, and a mapped
+    matrix's pages leave the resident set once converted. Returned as is for other specs."""
+    from hx.models.formats import get_format
+    from hx.models.mapped import release
+    from hx.models.spec import LAYER_OPS, TORCH_INT4
+    from hx.models.tensors import layer_key
+
+    if spec.host_matmul != TORCH_INT4:
+        return params
+    for i in range(spec.n_layers):
+        for op in LAYER_OPS:
+            held = spec.op_weight_arrays(op)
+            for path, shape in spec.op_weight_shapes(op).items():
+                if f"{path}/packed" not in held:
+                    continue
+                *parents, leaf = path.split("/")
+                node = params[layer_key(i)][op]
+                for p in parents:
+                    node = node[p]
+                old = node[leaf]
+                node[leaf] = int4pack(old, get_format(spec.matrix_format(path)),
+                                      spec.product_shape(path, shape))
+                for part in old.values():
+                    release(part)
+    return params
+
+
 def matmul(x: jax.Array, w: jax.Array, sz: jax.Array, group: int) -> jax.Array:
     """x (M, K) bfloat16 @ W^T -> (M, N) bfloat16, W held as ``pack``'s (w, sz) with groups
     of ``group``: torch's kernel through the FFI target, on one torch thread up to

@@ -10,12 +10,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
 
-from hx.devices import Devices
+from hx.devices import HOST, Devices
 from hx.executor import Executor, held_params
 from hx.generate import run_prefill
 from hx.workload import CACHE_BUCKET, Workload, round_up
@@ -161,7 +162,8 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     ref_name = _majority_device(plan)
     ref_device = devices[ref_name]
     ref_params = jax.device_put(held_params(spec, params, ref_name), ref_device)
-    ref_step = jax.jit(forward, static_argnums=0, donate_argnums=(4,))
+    ref_step = jax.jit(partial(forward, host=ref_name == HOST), static_argnums=0,
+                       donate_argnums=(4,))
     ref_caches = jax.device_put(executor.new_cache(batch, slots), ref_device)
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),
                              jax.device_put(prefill, ref_device), ref_caches)

@@ -55,8 +55,7 @@ from hx import disk
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
-from hx.host_compute.int4_kernel import int4pack
-from hx.models.formats import DENSE, get_format
+from hx.models.formats import DENSE
 from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models.tensors import held_weights, kv_arrays, layer_key
@@ -82,44 +81,14 @@ def held_dtype(held: dict[str, tuple], path: tuple) -> np.dtype:
     return numpy_dtype(held["/".join(k.key for k in path)][1])
 
 
-def int4pack_tree(spec: ModelSpec, op: str, device: str, tree: Any, converted: dict) -> Any:
-    """``op``'s weight ``tree`` with each matrix that ``device`` holds in torch's int4 layout
-    (``models.tensors.held_weights``: a host op under ``host_matmul`` torch-int4) converted
-    from its format's arrays (``host_compute.int4_kernel.int4pack``), once per matrix
-    (``converted``: ("int4pack", id of its codes) -> converted arrays); a mapped matrix's pages
-    leave the resident set once converted. Other subtrees and leaves are kept as they are."""
-    held = held_weights(spec, op, device)
-    packed = {path.rpartition("/")[0] for path in held if path.endswith("/packed")}
-
-    def walk(node: dict, prefix: str) -> dict:
-        out = {}
-        for key, value in node.items():
-            path = f"{prefix}/{key}" if prefix else key
-            if path in packed:
-                cache_key = ("int4pack", id(value["codes"]))
-                if cache_key not in converted:
-                    fmt = get_format(spec.matrix_format(path))
-                    shape = spec.product_shape(path, spec.op_weight_shapes(op)[path])
-                    converted[cache_key] = int4pack(value, fmt, shape)
-                    for part in value.values():
-                        release(part)
-                out[key] = converted[cache_key]
-            else:
-                out[key] = walk(value, path) if isinstance(value, dict) else value
-        return out
-
-    return walk(tree, "") if packed else tree
-
-
 def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[str, Any]:
     """The whole parameter tree as ``device`` holds it (``models.tensors.held_weights``: dense
-    tensors converted to its dtype, compressed arrays as they are or in torch's int4 layout);
-    a tied embedding stays one array."""
-    converted: dict[tuple[Any, str], Any] = {}
+    tensors converted to its dtype, compressed arrays as they are); a tied embedding stays one
+    array."""
+    converted: dict[tuple[int, str], Any] = {}
 
     def op_tree(op: str, tree: Any) -> Any:
         held = held_weights(spec, op, device)
-        tree = int4pack_tree(spec, op, device, tree, converted)
 
         def cast(path, leaf):
             want = held_dtype(held, path)
@@ -208,10 +177,8 @@ class Executor:
         ``held_weights`` gives: on disk through ``tier``, else placed (a mapped leaf's pages
         released once placed, accelerator-resident bytes allocated to the accountant).
         ``placed`` ((id(array), home, dtype) -> placed) makes a tied embedding one buffer per
-        home and dtype; it also keeps each matrix converted to torch's int4 layout once
-        (``int4pack_tree``)."""
+        home and dtype."""
         held = held_weights(self.spec, op, device)
-        tree = int4pack_tree(self.spec, op, device, tree, placed)
 
         def put(path, leaf):
             want = held_dtype(held, path)

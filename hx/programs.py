@@ -73,7 +73,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                 out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], kernel)
                 slot += 1
             else:
-                out, _ = apply_op(spec, op, p, acts, step, held=held)
+                out, _ = apply_op(spec, op, p, acts, step, held=held, host=device == HOST)
             acts.update(out)
         return {name: acts[name] for name in writes}, tuple(caches)
 

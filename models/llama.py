@@ -142,7 +142,7 @@ class Compressed(nn.Module):
     """A matrix held in a compressed format: calling it returns its parameters ``codes``,
     ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize`` -- or, where the
     parameters given hold it in torch's int4 layout (``packed``, ``sz``:
-    ``Format.int4pack_arrays``; ``models.tensors.held_weights`` of a host op), those."""
+    ``Format.int4pack_arrays``; ``ModelSpec.host_matmul`` torch-int4), those."""
 
     fmt: Format
     shape: tuple[int, ...]
@@ -174,9 +174,13 @@ class Dense(nn.Module):
     ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
     float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
     the activation dtype once, after what it adds to it. A kernel held in torch's int4 layout
-    (``Compressed``) is multiplied by torch's CPU int4 kernel instead
-    (``hx.host_compute.int4_kernel.matmul``): x rounded to bfloat16, y a bfloat16 product. Initialised as ``nn.DenseGeneral``
-    (LeCun normal over the flattened matrix, zero bias).
+    (``Compressed``; ``ModelSpec.host_matmul`` torch-int4) is multiplied, with ``int4_kernel``
+    (a host op) and up to ``int4_kernel.KERNEL_ROWS`` rows, by torch's CPU int4 kernel
+    (``hx.host_compute.int4_kernel.matmul``: x rounded to bfloat16, y a bfloat16 product), and
+    otherwise decompressed from that layout for XLA's product (``int4_kernel.dequantize``: on
+    the accelerator, and on the host past the rows where the kernel's time, growing with
+    them, passes XLA's). Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened
+    matrix, zero bias).
     """
 
     features: tuple[int, ...]
@@ -184,6 +188,7 @@ class Dense(nn.Module):
     use_bias: bool = False
     param_dtype: Any = jnp.float32
     fmt: str = DENSE
+    int4_kernel: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -201,7 +206,7 @@ class Dense(nn.Module):
         flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
         rows = x.reshape(-1, flat_in)
         packed = isinstance(kernel, dict) and INT4PACK_PARTS[0] in kernel
-        if packed and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
+        if packed and self.int4_kernel and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
             y = int4_kernel.matmul(rows.astype(jnp.bfloat16), kernel["packed"], kernel["sz"],
                                    get_format(self.fmt).group).astype(jnp.float32)
         else:
@@ -248,14 +253,22 @@ def _held(module: nn.Module):
 def _dense(module: nn.Module, features, axis=-1, name=None, use_bias=False) -> Dense:
     features = tuple(features) if isinstance(features, tuple) else (features,)
     axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
-    return Dense(features, axis, use_bias, _held(module), module.spec.weight_format, name=name)
+    return Dense(features, axis, use_bias, _held(module), module.spec.weight_format,
+                 module.host, name=name)
 
 
-class EmbedOp(nn.Module):
-    """EMBED: tokens (B, T) int32 -> x (B, T, D)."""
+class WeightedOp(nn.Module):
+    """An op with weights: ``spec``; ``held``, the dtype its device holds dense weights in
+    (``_held``); ``host``, whether it runs on the host CPU, where a matrix held in torch's
+    int4 layout is multiplied by that kernel (``Dense``)."""
 
     spec: ModelSpec
     held: str | None = None
+    host: bool = False
+
+
+class EmbedOp(WeightedOp):
+    """EMBED: tokens (B, T) int32 -> x (B, T, D)."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -269,14 +282,11 @@ class EmbedOp(nn.Module):
         return (jnp.take(table, tokens, axis=0).astype(s.dtype),)
 
 
-class QOp(nn.Module):
+class QOp(WeightedOp):
     """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq [+ bq]) (B,T,H,E).
 
     The bias bq (H,E) exists when ``spec.qkv_bias`` (Qwen2); likewise bk, bv (K,E) in K and V.
     """
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
@@ -286,11 +296,8 @@ class QOp(nn.Module):
         return h, rope(q, step.positions, s.rope_theta).astype(s.dtype)
 
 
-class KOp(nn.Module):
+class KOp(WeightedOp):
     """K: h (B,T,D) -> k = RoPE(h Wk [+ bk]) (B,T,K,E)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -300,11 +307,8 @@ class KOp(nn.Module):
         return (rope(k, step.positions, s.rope_theta).astype(s.dtype),)
 
 
-class VOp(nn.Module):
+class VOp(WeightedOp):
     """V: h (B,T,D) -> v = h Wv [+ bv] (B,T,K,E)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -428,11 +432,8 @@ class ScoreOp(nn.Module):
         return (self.attend(q, cache, step, fmt),), cache
 
 
-class OutOp(nn.Module):
+class OutOp(WeightedOp):
     """OUT: o (B,T,H,E), x (B,T,D) -> x + o Wo (B,T,D)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -440,11 +441,8 @@ class OutOp(nn.Module):
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
-class Mlp1Op(nn.Module):
+class Mlp1Op(WeightedOp):
     """MLP1: x (B,T,D) -> a = SiLU(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (SwiGLU)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -455,11 +453,8 @@ class Mlp1Op(nn.Module):
         return ((jax.nn.silu(gate) * up).astype(s.dtype),)
 
 
-class Mlp2Op(nn.Module):
+class Mlp2Op(WeightedOp):
     """MLP2: a (B,T,F), x (B,T,D) -> x + a Wdown (B,T,D)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -467,11 +462,8 @@ class Mlp2Op(nn.Module):
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
-class HeadOp(nn.Module):
+class HeadOp(WeightedOp):
     """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head)."""
-
-    spec: ModelSpec
-    held: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -519,8 +511,8 @@ MODULES: dict[str, type[nn.Module]] = {
 
 
 def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
-             step: Step, cache: Cache | None = None, attend=None, held: str | None = None
-             ) -> tuple[dict[str, jax.Array], Cache | None]:
+             step: Step, cache: Cache | None = None, attend=None, held: str | None = None,
+             host: bool = False) -> tuple[dict[str, jax.Array], Cache | None]:
     """Run one op as a pure function.
 
     Args:
@@ -533,6 +525,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       attend: attention kernel for SCORE (default ``attention``).
       held: the dtype the device holds dense weights in and decompresses compressed matrices
         to (``models.tensors.weight_dtype``; default the model's dtype).
+      host: the op runs on the host CPU (``WeightedOp.host``).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     """
@@ -540,7 +533,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
     if d.uses_cache:
         module = module_type(spec, attend) if attend else module_type(spec)
     else:
-        module = module_type(spec, held)
+        module = module_type(spec, held, host)
     inputs = [acts[name] for name in d.reads]
     with jax.named_scope(op):
         if d.uses_cache:
@@ -551,25 +544,26 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
 
 
 def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
-                  cache: Cache) -> tuple[dict[str, jax.Array], Cache]:
+                  cache: Cache, host: bool = False) -> tuple[dict[str, jax.Array], Cache]:
     """One decoder layer: the seven ops composed in order.
 
     Args:
       params: the layer's tree ``{op: op params}``.
       acts: must hold ``x`` (B,T,D).
       cache: the layer's KV cache, (B,S,K,E) each.
+      host: the layer runs on the host CPU (``apply_op``).
     Returns:
       (activations with the layer's output ``x``, updated cache).
     """
     acts = dict(acts)
     for op in LAYER_OPS:
-        out, cache = apply_op(spec, op, params[op], acts, step, cache)
+        out, cache = apply_op(spec, op, params[op], acts, step, cache, host=host)
         acts.update(out)
     return acts, cache
 
 
 def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
-            caches: list[Cache]) -> tuple[jax.Array, list[Cache]]:
+            caches: list[Cache], host: bool = False) -> tuple[jax.Array, list[Cache]]:
     """The whole model as one function: EMBED, every layer, HEAD.
 
     This is the single-jit reference the executor is checked and timed against.
@@ -577,15 +571,16 @@ def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
     Args:
       tokens: (B, T) int32.
       caches: one ``Cache`` per layer.
+      host: it runs on the host CPU (``apply_op``).
     Returns:
       (logits (B, V) float32 of the last position, updated caches).
     """
-    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step)
+    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step, host=host)
     new_caches = []
     for i in range(spec.n_layers):
-        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i])
+        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i], host)
         new_caches.append(cache)
-    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step)
+    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, host=host)
     return out["logits"], new_caches
 
 
@@ -594,8 +589,9 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
 
     Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
     matrices in the spec's formats (initialised dense, then compressed with
-    ``models.formats.quantize``). For a tied model ``HEAD/embedding`` is the same array (or
-    subtree) as ``EMBED/embedding``.
+    ``models.formats.quantize``; under ``host_matmul`` torch-int4 the 4-bit projection
+    matrices then in torch's layout: ``int4_kernel.int4pack_params``). For a tied model
+    ``HEAD/embedding`` is the same array (or subtree) as ``EMBED/embedding``.
     """
     key = jax.random.PRNGKey(seed)
     B, T = 1, 1
@@ -617,4 +613,4 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     params[HEAD] = init(HEAD, next(keys))
     if spec.tie_embeddings:
         params[HEAD] = {**params[HEAD], "embedding": params[EMBED]["embedding"]}
-    return params
+    return int4_kernel.int4pack_params(spec, params)

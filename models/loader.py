@@ -130,6 +130,16 @@ def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> Mode
     return spec if spec.host_matmul == host_matmul else spec.replace(host_matmul=host_matmul)
 
 
+def _int4pack_params(spec: ModelSpec, params: dict) -> dict:
+    """``params`` with the matrices ``spec`` holds in torch's int4 layout converted
+    (``host_compute.int4_kernel.int4pack_params``; nothing for other specs)."""
+    if spec.host_matmul != TORCH_INT4:
+        return params
+    from hx.host_compute.int4_kernel import int4pack_params
+
+    return int4pack_params(spec, params)
+
+
 def _int4_kernel_unavailable() -> str | None:
     from hx.host_compute.int4_kernel import unavailable
 
@@ -287,6 +297,7 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
             tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
             model = Model(contents.spec, contents.params, tokenizer, path)
     model.spec = resolve_host_matmul(_with_kv(model.spec, kv), host_matmul)
+    model.params = _int4pack_params(model.spec, model.params)
     model.load_s = time.perf_counter() - start
     return model
 

@@ -95,7 +95,8 @@ class ModelSpec:
       host_matmul: how host-computed ops multiply their 4-bit projection matrices
         (``HOST_MATMULS``): ``xla`` decompresses each in the program before an XLA product;
         ``torch-int4`` holds each matrix torch's CPU int4 kernel can take in its layout
-        (``models.formats.Format.int4pack_arrays``) and calls that kernel
+        (``models.formats.Format.int4pack_arrays``; made at load, one layout for both
+        devices: the accelerator decompresses it) and calls that kernel
         (``hx.host_compute.int4_kernel``: bfloat16 activations, a bfloat16 scale and zero per
         group), where XLA:CPU cannot come close (it writes each decompressed matrix out and
         reads it back). ``models.loader.resolve_host_matmul`` chooses it.
@@ -227,15 +228,15 @@ class ModelSpec:
         contracted = 2 if self.architecture == "llama" and path == "wo/kernel" else 1
         return math.prod(shape[:-contracted]), math.prod(shape[-contracted:])
 
-    def op_weight_arrays(self, op: str, dtype: str | None = None, int4pack: bool = False
+    def op_weight_arrays(self, op: str, dtype: str | None = None
                          ) -> dict[str, tuple[tuple[int, ...], str]]:
         """(shape, dtype name) of each array held for ``op``'s weights, keyed by path: a dense
         tensor at its ``op_weight_shapes`` path in ``dtype`` (default: the model's dtype;
         ``host_dtype`` of it for what a host-computed op holds), a compressed matrix as the arrays
         of its format (``models.formats.Format.arrays``) at ``PATH/codes``, ``PATH/scale``
-        and ``PATH/offset``; with ``int4pack`` (a host op under ``host_matmul`` torch-int4), a
-        4-bit projection kernel the int4 kernel can take as ``PATH/packed`` and ``PATH/sz``
-        (``Format.int4pack_arrays``).
+        and ``PATH/offset``; under ``host_matmul`` torch-int4, a 4-bit projection kernel the
+        int4 kernel can take as ``PATH/packed`` and ``PATH/sz`` (``Format.int4pack_arrays``),
+        on either device.
 
         Raises:
           HxError: a compressed matrix's last axis is not a multiple of its format's group.
@@ -244,7 +245,8 @@ class ModelSpec:
         for path, shape in self.op_weight_shapes(op).items():
             fmt = get_format(self.matrix_format(path))
             packed = (fmt.int4pack_arrays(self.product_shape(path, shape))
-                      if fmt and int4pack and path.endswith("kernel") else None)
+                      if fmt and self.host_matmul == TORCH_INT4 and path.endswith("kernel")
+                      else None)
             if fmt is None:
                 held[path] = (shape, dtype or self.dtype)
             elif packed:

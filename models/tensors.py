@@ -28,8 +28,7 @@ from typing import Any, Callable, Iterable
 
 from hx.devices import HOST
 from hx.models.formats import Format, kv_cache_format
-from hx.models.spec import (EMBED, HEAD, LAYER_OPS, SCORE, TORCH_INT4, ModelSpec, host_dtype,
-                           numpy_dtype)
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype, numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -161,17 +160,16 @@ def held_weights(spec: ModelSpec, op: str, device: str
                  ) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of every array a segment on ``device`` holds for ``op``'s weights,
     keyed by parameter path (``ModelSpec.op_weight_arrays`` with dense tensors in
-    ``weight_dtype(spec, device)``; on the host under ``host_matmul`` torch-int4, the 4-bit
-    projection matrices the int4 kernel takes in its layout, ``int4pack``)."""
-    return spec.op_weight_arrays(op, weight_dtype(spec, device),
-                                 int4pack=device == HOST and spec.host_matmul == TORCH_INT4)
+    ``weight_dtype(spec, device)``; under ``host_matmul`` torch-int4, the 4-bit projection
+    matrices the int4 kernel takes in its layout)."""
+    return spec.op_weight_arrays(op, weight_dtype(spec, device))
 
 
 @functools.lru_cache(maxsize=256)
 def int4_matrices(spec: ModelSpec, op: str) -> bool:
-    """Whether a host segment holds every compressed matrix of ``op`` in torch's int4 layout
-    (``held_weights``: ``host_matmul`` torch-int4, 4-bit matrices the kernel takes) and so
-    multiplies them all with that kernel."""
+    """Whether every compressed matrix of ``op`` is held in torch's int4 layout
+    (``held_weights``: ``host_matmul`` torch-int4, 4-bit matrices the kernel takes), so that
+    on the host that kernel multiplies them all."""
     held = held_weights(spec, op, HOST)
     return (any(path.endswith("/packed") for path in held)
             and not any(path.endswith("/codes") for path in held if "kernel" in path))

@@ -22,12 +22,36 @@ def _rope(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _torch_int4(tree, shape) -> np.ndarray:
+    """The matrix of logical ``shape`` a (``packed`` (N, K/2) uint8, ``sz`` (K/g, N, 2))
+    pair holds in torch's int4pack layout: of each block of B output rows (B probed from torch
+    by ``int4_kernel.row_block``), for each input k, byte j holds row j's code in its low nibble
+    and row j + B/2's in its high one; W = (code - 8) * scale + zero per group of g inputs."""
+    from hx.host_compute.int4_kernel import row_block
+
+    packed, sz = np.asarray(tree["packed"]), np.asarray(tree["sz"], np.float64)
+    n, k, block = packed.shape[0], 2 * packed.shape[1], row_block()
+    codes = np.zeros((n, k))
+    for b in range(n // block):
+        for j in range(block // 2):
+            byte = packed[b * block:(b + 1) * block].reshape(k, block // 2)[:, j]
+            codes[b * block + j] = byte & 15
+            codes[b * block + j + block // 2] = byte >> 4
+    g = k // sz.shape[0]
+    scale, zero = (np.repeat(sz[..., i].T, g, axis=1) for i in (0, 1))  # (N, K)
+    return ((codes - 8) * scale + zero).reshape(shape)
+
+
 def dense_params(spec, params) -> dict:
-    """``params`` with every compressed matrix (a subtree holding ``codes``) decompressed to
-    float32 (``models.formats.dequantize``: the values the programs compute on)."""
+    """``params`` with every compressed matrix (a subtree holding ``codes``, or torch's int4
+    layout) decompressed (``models.formats.dequantize``: the values the programs compute
+    on)."""
     def walk(tree, path):
         if not isinstance(tree, dict):
             return tree
+        if "packed" in tree:  # torch's int4 layout (``host_matmul`` torch-int4)
+            top, name = path[1], "/".join(path[2:])
+            return _torch_int4(tree, spec.op_weight_shapes(top)[name])
         if "codes" in tree:
             top = path[0] if path[0] in ("EMBED", "HEAD") else path[1]
             name = "/".join(path[path.index(top) + 1:])

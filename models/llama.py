@@ -472,8 +472,10 @@ class HeadOp(WeightedOp):
         table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
                        _held(self), nn.initializers.normal(0.02))  # the EMBED table when tied
         if isinstance(table, dict):
-            return (_compressed_logits(n, table, get_format(s.embedding_format),
-                                       s.vocab_size, _held(self)),)
+            # one row on the host: decompressed into float32 (``_compressed_logits``)
+            wide = self.host and n.shape[0] == 1
+            return (_compressed_logits(n, table, get_format(s.embedding_format), s.vocab_size,
+                                       jnp.float32 if wide else _held(self)),)
         return (product(n.astype(table.dtype), table),)
 
 
@@ -485,13 +487,11 @@ def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format,
     """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
     chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
     chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
-    whole table (SmolLM2's in float32: 113 MB). One row's logits decompress into float32
-    whatever ``dtype``: XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway, and
-    SmolLM2's Q8_0 head took 3.2 ms on the host decompressed into float32 against 4.6 ms into
-    bfloat16 (2-core VM, median of 21); on a GPU the product reads the chunk either way, and a
-    float32 chunk costs twice a bfloat16 one's bytes (microseconds at HBM rates)."""
-    if n.shape[0] == 1:
-        dtype = jnp.float32
+    whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``. ``HeadOp`` on
+    the host passes float32 for one row: XLA:CPU's matrix-vector path widens a bfloat16 matrix
+    anyway, and SmolLM2's Q8_0 head took 3.2 ms decompressed into float32 against 4.6 ms into
+    bfloat16 (2-core VM, median of 21); the accelerator keeps its dtype (a float32 chunk would
+    double its temporaries)."""
     D = n.shape[-1]
     rows = max(1, HEAD_CHUNK_ELEMENTS // D)
     parts, after = [], n

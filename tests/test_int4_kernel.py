@@ -13,7 +13,7 @@ from hx.generate import Engine
 from hx.host_compute import int4_kernel
 from hx.memory import held_weight_bytes
 from hx.models.formats import FORMATS, Format, quantize, unpack
-from hx.models.llama import init_params
+from hx.models.llama import init_params, product
 from hx.models.loader import Model, resolve_host_matmul
 from hx.models.spec import TORCH_INT4, ModelSpec
 from hx.plan import ExecutionPlan
@@ -165,3 +165,25 @@ def test_auto_chooses_the_kernel_for_bfloat16_4_bit_matrices(tokenizer):
     assert resolve_host_matmul(spec, "xla").host_matmul == "xla"
     with pytest.raises(HxError, match="unknown host matmul"):
         resolve_host_matmul(spec, "cublas")
+
+
+def test_decompressing_the_layout_waits_so_temporaries_do_not_grow_with_depth():
+    """``int4_kernel.dequantize`` with ``after``: a chain of 8 decompress-then-multiply steps
+    over (1536 x 576) matrices needs no more XLA temporaries than one (each matrix, its codes,
+    scales and zeros made right before its product; letting the scales or the unpacking run
+    early grew them by 110 KB a matrix)."""
+    n, k = 1536, 576
+
+    def chain(x, held):
+        for packed, sz in held:
+            w = int4_kernel.dequantize(packed, sz, 32, jnp.bfloat16, after=x)
+            x = (x + product(x, w)[:, :k]).astype(jnp.bfloat16)
+        return x
+
+    def temps(depth: int) -> int:
+        held = [(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((k // 32, n, 2), jnp.bfloat16))] * depth
+        x = jax.ShapeDtypeStruct((2, k), jnp.bfloat16)
+        return jax.jit(chain).lower(x, held).compile().memory_analysis().temp_size_in_bytes
+
+    assert temps(8) <= temps(1) + 4096

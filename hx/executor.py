@@ -30,6 +30,8 @@ handler per instruction kind (``_BlockStep``):
   its results are waited for where they are copied to the accelerator, and at the step's end
   (other host segments are dispatched in place: a thread hop each cost this 2-core VM's
   2 x 8 and 4 x 4 SmolLM2 blocks 17 % and 8 %);
+* ``act load``, ``kv load``, ``recompute``, ``kv store``: a ``streamed`` KV cache's copies in
+  and out and its KV recompute (``hx.streamed_kv``);
 * ``free``: end of step.
 
 ``run_block`` runs a block of micro-batches through one such schedule (the zig-zag block
@@ -51,20 +53,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hx import disk
+from hx import disk, streamed_kv
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.formats import DENSE
 from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
-from hx.models.tensors import held_weights, kv_arrays, layer_key
+from hx.models.tensors import held_weights, kv_arrays, layer_key, weight_dtype
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
-from hx.schedule import (FREE, INPUT_KEY, LAUNCH, MOVE, READ, STAGE, STEP, TEMP_KEY, WAIT,
-                         Instruction, Schedule, act_key, compile_schedule, staging_key,
-                         step_key)
+from hx.schedule import (ACT_LOAD, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE, READ,
+                         RECOMPUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction, Schedule,
+                         act_copy_key, act_key, cache_key, compile_schedule, copy_key,
+                         head_key, staging_key, step_key, streamed_layers)
 from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
@@ -128,8 +131,8 @@ class Executor:
     Raises:
       HxError: the plan does not match the model, or its weights and one row's KV cache do not
         fit the budgets (each run's shapes, XLA temporaries included, are checked by
-        ``Engine.check``); it keeps KV caches on disk or streams them (``plan.refusal``); it
-        keeps weights on disk that need a spill file and ``spill_dir`` is None.
+        ``Engine.check``); it keeps KV caches on disk (``plan.refusal``); it keeps weights on
+        disk that need a spill file and ``spill_dir`` is None.
       BudgetExceeded: an allocation passes the accelerator budget (check plans with
         ``hx.memory.check_fits`` first).
     """
@@ -208,15 +211,20 @@ class Executor:
         """Zeroed KV caches on every layer's plan home: K and V of (batch, length, K, E) in
         ``dtype`` (default: the model's), or, with a compressed ``spec.kv_format``, their
         codes, scales and offsets (``models.tensors.kv_arrays``; ``dtype`` is not used: zero
-        codes, scales and offsets decode to 0). ``micro`` names the micro-batch (or other
-        user) they belong to in the accountant, so a block's caches are counted side by
-        side."""
+        codes, scales and offsets decode to 0). A ``streamed`` cache lives on the host, with
+        the kept activations ``h`` (batch, length, D) where its layer recomputes
+        (``hx.streamed_kv``). ``micro`` names the micro-batch (or other user) they belong to
+        in the accountant, so a block's caches are counted side by side."""
         s = self.spec
         own = dtype is not None and s.kv_format == DENSE
         arrays = {name: (shape, jnp.dtype(dtype if own else held))
                   for name, (shape, held) in kv_arrays(s, batch, length).items()}
-        caches = [{name: jnp.zeros(shape, dt, device=self.devices[self.plan.kv[layer]])
-                   for name, (shape, dt) in arrays.items()} for layer in range(s.n_layers)]
+        kept = {streamed_kv.H: ((batch, length, s.d_model), jnp.dtype(s.dtype))}
+        caches = [{name: jnp.zeros(shape, dt, device=self.devices[
+                       HOST if self.plan.kv[layer] == STREAMED else self.plan.kv[layer]])
+                   for name, (shape, dt) in (arrays | (kept if self.plan.recompute(layer)
+                                                       else {})).items()}
+                  for layer in range(s.n_layers)]
         self.account_cache(caches, micro)
         return caches
 
@@ -257,7 +265,9 @@ class Executor:
         key = (phase, index, batch, tokens, slots)
         if key not in self._executables:
             segment = self.segments[phase][index]
-            compiled = self.programs.compiled(segment, batch, tokens, slots)
+            keep_h = tuple(slot for slot, layer in enumerate(segment.cache_layers)
+                           if self.plan.recompute(layer))
+            compiled = self.programs.compiled(segment, batch, tokens, slots, keep_h)
             shapes = (segment.signature, batch, tokens, slots)
             if shapes not in self._shapes:
                 self._shapes.add(shapes)
@@ -338,11 +348,16 @@ class _BlockStep:
         self.staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
         self.read_in: dict[int, tuple] = {}  # segment -> its read disk-homed weight trees
         self.outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
+        # (segment, micro) -> {what: {layer: arrays}}: a streamed cache's copies on the
+        # accelerator ("h", "tail", "cache": before the launch; "out": after it)
+        self.copies: dict[tuple[int, int], dict[str, dict[int, Any]]] = {}
 
     def run(self) -> tuple[list[jax.Array], list[list[Cache]]]:
         """Carry out every instruction in order; (N logits, N cache lists)."""
         handlers = {READ: self.read, STAGE: self.stage, WAIT: self.wait, STEP: self.step,
-                    MOVE: self.move, LAUNCH: self.launch, FREE: self.free}
+                    MOVE: self.move, LAUNCH: self.launch, FREE: self.free,
+                    ACT_LOAD: self.act_load, KV_LOAD: self.kv_load,
+                    RECOMPUTE: self.recompute, KV_STORE: self.kv_store}
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
         return stream.resolve(([env["logits"] for env in self.envs], self.caches))
@@ -423,10 +438,11 @@ class _BlockStep:
         i, m = ins.segment, ins.micro
         seg, env = self.segments[i], self.envs[m]
         moved = self.inputs.pop((i, m), {})
-        params = self.params[i] if not seg.streams else stream.resolve(tuple(
-            t if t is not None else p for p, t in zip(self.params[i], self.staged[i])))
+        params = self.segment_params(i)
         acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
-        caches = tuple(self.caches[m][layer] for layer in seg.cache_layers)
+        copied = self.copies.get((i, m), {}).pop("cache", {})
+        caches = tuple(copied.pop(layer) if layer in copied else self.caches[m][layer]
+                       for layer in seg.cache_layers)
         B, T = self.schedule.batch, self.schedule.tokens
         compiled, temp = self.ex._executable(self.phase, i, B, T, self.schedule.slots)
         dispatch = time.perf_counter()
@@ -445,8 +461,12 @@ class _BlockStep:
             self.acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
                                                      for n, v in out.items()})
         self.outputs.setdefault(i, []).append(out)
+        streamed = dict(streamed_layers(self.ex.plan, seg))
         for layer, cache in zip(seg.cache_layers, caches):
-            self.caches[m][layer] = cache
+            if layer in streamed:  # back to the host cache at the store
+                self.copies[(i, m)].setdefault("out", {})[layer] = cache
+            else:
+                self.caches[m][layer] = cache
         env.update(out)
         ops = " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops)
         self.record(index, ins, ACC_COMPUTE if seg.device == ACCELERATOR else HOST_COMPUTE,
@@ -457,3 +477,91 @@ class _BlockStep:
     def free(self, index: int, ins: Instruction) -> None:
         """End of step: release temporaries, inputs and held activations."""
         self.acct.apply(ins)
+
+    def segment_params(self, i: int) -> tuple:
+        """Segment ``i``'s weight trees as its launch takes them: staged where staged."""
+        if not self.segments[i].streams:
+            return self.params[i]
+        return stream.resolve(tuple(t if t is not None else p
+                                    for p, t in zip(self.params[i], self.staged[i])))
+
+    # -- a streamed KV cache (hx.streamed_kv) ------------------------------------------------
+
+    def written(self, m: int) -> int:
+        """Cache slots micro-batch ``m`` had written before this step (its write index)."""
+        return int(np.asarray(self.steps[m].write_index))
+
+    def act_load(self, index: int, ins: Instruction) -> None:
+        """Copy the kept activations ``h`` of slots [0, r) of the segment's recomputing
+        layers into accelerator memory (H2D)."""
+        i, m = ins.segment, ins.micro
+        dispatch = time.perf_counter()
+        r_of = {layer: min(r, self.schedule.slots)
+                for layer, r in streamed_layers(self.ex.plan, self.segments[i]) if r}
+        moved = {layer: jax.device_put(streamed_kv.host_slice(
+            {streamed_kv.H: self.caches[m][layer][streamed_kv.H]}, 0, r)[streamed_kv.H],
+            self.ex._acc_memory) for layer, r in r_of.items()}
+        self.copies.setdefault((i, m), {})["h"] = moved
+        nbytes = tree_bytes(moved)
+        self.acct.apply(ins, {act_copy_key(i, m): nbytes})
+        self.record(index, ins, H2D, f"h {r_of}", moved, dispatch, bytes=nbytes)
+
+    def kv_load(self, index: int, ins: Instruction) -> None:
+        """Copy K, V of the written slots from r on (``streamed_kv.copy_end``) into
+        accelerator memory (H2D); at r = 0 the copy, padded to S slots, is the cache."""
+        i, m, S = ins.segment, ins.micro, self.schedule.slots
+        dispatch = time.perf_counter()
+        copies = self.copies.setdefault((i, m), {})
+        tails, caches = copies.setdefault("tail", {}), copies.setdefault("cache", {})
+        nbytes = padded = 0  # bytes copied; of copies padded into a cache at once
+        for layer, r in streamed_layers(self.ex.plan, self.segments[i]):
+            parts = streamed_kv.kv_only(self.caches[m][layer])
+            end = streamed_kv.copy_end(S, r, self.written(m))
+            if (r, end) != (0, S):
+                parts = streamed_kv.host_slice(parts, min(r, S), end)
+            tail = jax.device_put(parts, self.ex._acc_memory)
+            nbytes += tree_bytes(tail)
+            if r:
+                tails[layer] = tail
+            else:  # the copy is the cache, or lives until its padding has run
+                caches[layer] = tail if end == S else streamed_kv.assemble({}, tail, S)
+                padded += tree_bytes(tail) if end < S else 0
+        self.acct.apply(ins, {copy_key(i, m): tree_bytes(tails) + padded,
+                              cache_key(i, m): tree_bytes(caches)})
+        self.record(index, ins, H2D, "KV", (tails, caches), dispatch, bytes=nbytes)
+
+    def recompute(self, index: int, ins: Instruction) -> None:
+        """Recompute K, V of slots [0, r) from the copied ``h`` on the accelerator (the
+        layer's K and V ops, dispatched at once: on a GPU they run while the tail crosses),
+        then assemble the cache: head, copied tail, zeros up to S."""
+        i, m = ins.segment, ins.micro
+        seg, copies = self.segments[i], self.copies[(i, m)]
+        dispatch = time.perf_counter()
+        params = dict(zip(seg.ops, self.segment_params(i)))
+        run = streamed_kv.recompute_function(self.ex.spec, weight_dtype(self.ex.spec,
+                                                                        ACCELERATOR))
+        kv_start = self.placed_steps[(ACCELERATOR, m)].kv_start
+        heads = {layer: run(params[(layer, "K")], params[(layer, "V")], h, kv_start)
+                 for layer, h in copies.pop("h").items()}
+        for layer, head in heads.items():
+            copies["cache"][layer] = streamed_kv.assemble(head, copies["tail"].pop(layer),
+                                                          self.schedule.slots)
+        self.acct.apply(ins, {head_key(i, m): tree_bytes(heads),
+                              cache_key(i, m): tree_bytes(copies["cache"])})
+        self.record(index, ins, ACC_COMPUTE, "recompute K V", (heads, copies["cache"]),
+                    dispatch, segment=i, layers=sorted(heads))
+
+    def kv_store(self, index: int, ins: Instruction) -> None:
+        """Copy the new positions' K, V (and ``h`` where kept) of the launch's caches to the
+        host (D2H) and write them into the host caches; the accelerator's copies go."""
+        i, m = ins.segment, ins.micro
+        dispatch = time.perf_counter()
+        w = self.steps[m].write_index
+        new = {layer: jax.device_put(streamed_kv.new_positions(cache, w, self.schedule.tokens),
+                                     self.ex.devices[HOST])
+               for layer, cache in self.copies.pop((i, m))["out"].items()}
+        for layer, part in new.items():
+            self.caches[m][layer] = streamed_kv.write_back(self.caches[m][layer], part,
+                                                           np.int32(self.written(m)))
+        self.acct.apply(ins)
+        self.record(index, ins, D2H, "KV", new, dispatch, bytes=tree_bytes(new))

@@ -93,8 +93,9 @@ class Accountant:
             self._by_owner[owner] -= nbytes
 
     def apply(self, instruction: Instruction, sizes: dict[Hashable, int] | None = None) -> None:
-        """Carry out a schedule instruction's frees, then its allocations; ``sizes`` gives
-        the real bytes of keys whose arrays exist (they replace the schedule's sizes).
+        """Carry out a schedule instruction's frees, then its allocations, then its releases;
+        ``sizes`` gives the real bytes of keys whose arrays exist (they replace the schedule's
+        sizes).
 
         Raises:
           BudgetExceeded: as ``allocate``.
@@ -103,6 +104,8 @@ class Accountant:
             self.free(key)
         for key, owner, nbytes in instruction.allocs:
             self.allocate(owner, key, (sizes or {}).get(key, nbytes))
+        for key in instruction.releases:
+            self.free(key)
 
     def report(self) -> dict:
         """JSON-able summary: capacity, in use, peak and its breakdown (bytes)."""
@@ -121,7 +124,7 @@ class MemoryEstimate:
       staging: staged (streamed-in) weights live at the peak moment.
       activations: activations, step inputs and XLA temporaries live at the peak moment.
       host: host memory: host-home and streamed weights, host and ``streamed`` KV caches,
-        the activations ``h`` of the first r positions each recomputing layer keeps, the disk
+        the activations ``h`` each recomputing layer keeps (every slot's), the disk
         read buffers (``schedule.read_buffer_bytes``: two consecutive disk-reading segments)
         and two of a disk layer's KV cache.
       phase: the phase whose step peaks (``prefill`` or ``decode``).
@@ -253,12 +256,12 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
 
 
 def kept_activation_bytes(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> int:
-    """Host bytes of the activations ``h`` the recomputing layers keep: r positions of
-    ``workload.rows`` rows per layer, d_model values each in the model's dtype
-    (``models.tensors.activation_bytes``; KVPR's stored activations)."""
-    return sum(activation_bytes(spec, "h", workload.rows, min(plan.recompute(layer),
-                                                              workload.cache_slots))
-               for layer in range(plan.n_layers))
+    """Host bytes of the activations ``h`` the recomputing layers keep: every one of S slots
+    of ``workload.rows`` rows per layer with r > 0, d_model values each in the model's dtype
+    (``models.tensors.activation_bytes``; KVPR's stored activations, kept for every slot so
+    that r may change: ``hx.streamed_kv``)."""
+    return sum(activation_bytes(spec, "h", workload.rows, workload.cache_slots)
+               for layer in range(plan.n_layers) if plan.recompute(layer))
 
 
 def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:

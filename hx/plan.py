@@ -18,14 +18,15 @@ against a ``ModelSpec`` without running anything; the executor interprets it. Th
   every step and attended there: FlexGen's KV on disk; planned and simulated only, the
   executor refuses it), or ``"streamed"`` (kept in host memory and attended on the
   accelerator: each step copies the layer's cache in, H2D, and the new positions' K, V back,
-  D2H -- FlexGen's and KVPR's setting; planned and simulated only, the executor refuses it).
+  D2H -- FlexGen's and KVPR's setting; ``hx.streamed_kv``).
   SCORE runs on the host for a ``host`` or ``disk`` cache, on the accelerator for an
   ``accelerator`` or ``streamed`` one, in both phases (``score_device``);
 * KV recompute per layer (``kv_recompute``, KVPR: Jiang et al. 2024, "KVPR: Efficient LLM
   Inference with I/O-Aware KV Cache Partial Recomputation"): for a ``streamed`` cache, the
   first r positions cross the link as the layer's input activations ``h`` (d_model values a
   position instead of 2 x n_kv_heads x head_dim) and their K, V are recomputed on the
-  accelerator while the K, V of positions [r, S) cross; 0: the whole cache crosses.
+  accelerator while the K, V of positions [r, S) cross; 0: the whole cache crosses. Only a
+  layer whose K and V ops run on the accelerator in both phases recomputes.
 
 JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 
@@ -204,26 +205,28 @@ class ExecutionPlan:
         """r of ``layer``: cache positions whose K, V it recomputes (0 without recompute)."""
         return self.kv_recompute[layer] if self.kv_recompute else 0
 
+    def can_recompute(self, layer: int) -> bool:
+        """Whether ``layer`` may recompute K, V (r > 0): its cache is ``streamed`` and its K
+        and V ops run on the accelerator in both phases, beside its SCORE."""
+        return self.kv[layer] == STREAMED and all(
+            self.phase(phase).get(layer, op) == ACCELERATOR for phase in PHASES
+            for op in ("K", "V"))
+
     def with_recompute(self, r: int | Iterable[int]) -> "ExecutionPlan":
         """The same plan with r (one count for every ``streamed`` layer, or one per layer;
-        layers with other KV homes keep 0)."""
+        layers that cannot recompute, ``can_recompute``, keep 0)."""
         rs = [r] * self.n_layers if isinstance(r, int) else list(r)
-        rs = tuple(x if home == STREAMED else 0 for x, home in zip(rs, self.kv))
+        rs = tuple(x if self.can_recompute(layer) else 0 for layer, x in enumerate(rs))
         return dataclasses.replace(self, kv_recompute=rs if any(rs) else ())
 
     @property
     def refusal(self) -> str | None:
-        """Why the executor cannot run this plan yet (None: it can): KV caches on disk, or
-        streamed to the accelerator (with or without recompute) -- both planned and
-        simulated only."""
+        """Why the executor cannot run this plan yet (None: it can): KV caches on disk
+        (planned and simulated only)."""
         if DISK in self.kv:
             return (f"plan {self.name!r} keeps KV caches on disk: hx plans and simulates them "
                     "there (hx simulate, hx ablate --hardware) but does not run it yet; keep "
                     "them in host memory to run it")
-        if STREAMED in self.kv:
-            return (f"plan {self.name!r} streams KV caches from host memory to the "
-                    "accelerator (KV recompute): hx plans and simulates it but does not run "
-                    "it yet; keep them on the host or the accelerator to run it")
         return None
 
     def phase(self, phase: str) -> Placement:
@@ -282,14 +285,14 @@ class ExecutionPlan:
 
         Args:
           to_run: also refuse what the executor does not run yet (``refusal``: KV caches on
-            disk or ``streamed`` to the accelerator; the executor calls this with the
-            default). False checks a plan to simulate.
+            disk; the executor calls this with the default). False checks a plan to
+            simulate.
 
         Raises:
           HxError: a layer count that differs from the model's; SCORE not where its layer's
             KV cache lives; a host op whose weights are not at home on the host; a recompute
-            count on a layer whose cache is not ``streamed``, or not one per layer; with
-            ``to_run``, a KV cache on disk or ``streamed``.
+            count on a layer that cannot recompute (``can_recompute``), or not one per
+            layer; with ``to_run``, a KV cache on disk.
         """
         for phase in PHASES:
             n = len(self.phase(phase).layers)
@@ -325,6 +328,10 @@ class ExecutionPlan:
                 raise HxError(f"plan {self.name!r}: layer {layer} recomputes {r} positions' "
                               f"K, V but its cache is {self.kv[layer]}; recompute needs a "
                               "streamed cache")
+            if r and not self.can_recompute(layer):
+                raise HxError(f"plan {self.name!r}: layer {layer} recomputes {r} positions' "
+                              "K, V but its K or V op runs on the host; recompute runs them "
+                              "on the accelerator: place K and V there or set its r to 0")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form shown in the module docstring."""

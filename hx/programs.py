@@ -46,16 +46,19 @@ from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, k
                                kv_format, weight_dtype)
 from hx.plan import ExecutionPlan
 from hx.segments import Segment, split_segments
+from hx.streamed_kv import H
 
 PROXY_MIDDLE_LAYERS = 1
 
 
 def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
-                     writes: tuple[str, ...], attend: bool = True):
+                     writes: tuple[str, ...], attend: bool = True, keep_h: tuple[int, ...] = ()):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
     with the caches donated. SCORE on the host uses ``xla_attention.blocked_attention``; with
     ``attend=False`` it only appends k and v to its cache -- quantized there when the cache is
-    compressed (``models.llama.append_kv``) -- and ``SplitHostProgram`` attends outside XLA."""
+    compressed (``models.llama.append_kv``) -- and ``SplitHostProgram`` attends outside XLA.
+    The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
+    beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
     held, fmt = weight_dtype(spec, device), kv_format(spec)
 
@@ -71,6 +74,8 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                 continue
             if OPS[op].uses_cache:
                 out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], kernel)
+                if slot in keep_h:
+                    caches[slot] = {**caches[slot], H: acts[H]}
                 slot += 1
             else:
                 out, _ = apply_op(spec, op, p, acts, step, held=held, host=device == HOST)
@@ -219,18 +224,22 @@ class Programs:
                     _struct((batch,), "int32", where))
         return params, acts, caches, step
 
-    def _key(self, segment: Segment, batch: int, tokens: int, slots: int) -> tuple:
+    def _key(self, segment: Segment, batch: int, tokens: int, slots: int,
+             keep_h: tuple[int, ...] = ()) -> tuple:
         device, ops, _, reads, writes = segment.signature
-        return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0)
+        return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0,
+                keep_h)
 
     def _function(self, device: str, ops: tuple[str, ...], writes: tuple[str, ...],
-                  attend: bool):
-        key = (device, ops, writes, attend)
+                  attend: bool, keep_h: tuple[int, ...] = ()):
+        key = (device, ops, writes, attend, keep_h)
         if key not in self._functions:
-            self._functions[key] = segment_function(self.spec, device, ops, writes, attend)
+            self._functions[key] = segment_function(self.spec, device, ops, writes, attend,
+                                                    keep_h)
         return self._functions[key]
 
-    def _lower(self, segment: Segment, batch: int, tokens: int, slots: int):
+    def _lower(self, segment: Segment, batch: int, tokens: int, slots: int,
+               keep_h: tuple[int, ...] = ()):
         """The segment lowered at these shapes: something with ``compile()``."""
         device, ops, _, _, writes = segment.signature
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
@@ -238,7 +247,8 @@ class Programs:
         elements = 2 * batch * slots * s.n_kv_heads * s.head_dim
         if device != HOST or not segment.cache_layers or not attends_in_numpy(
                 batch, slots, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, slots) / elements):
-            return self._function(device, ops, writes, True).lower(params, acts, caches, step)
+            return self._function(device, ops, writes, True, keep_h).lower(params, acts, caches,
+                                                                            step)
         where = self.shardings[HOST]
         lowered, first, slot = [], 0, 0
         for part, part_reads, part_writes in host_pieces(ops, writes):
@@ -250,13 +260,16 @@ class Programs:
             first, slot = first + len(part), slot + attends
         return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s))
 
-    def compiled(self, segment: Segment, batch: int, tokens: int, slots: int):
+    def compiled(self, segment: Segment, batch: int, tokens: int, slots: int,
+                 keep_h: tuple[int, ...] = ()):
         """The executable of ``segment`` at these shapes (compiled on first use). Segments
         that differ only in which weights were staged share it (staged and resident weights
-        are both device-memory arguments), and a segment without SCORE ignores ``slots``."""
-        key = self._key(segment, batch, tokens, slots)
+        are both device-memory arguments), and a segment without SCORE ignores ``slots``.
+        ``keep_h``: ``segment_function``'s (an accelerator segment's cache slots that return
+        their new ``h``)."""
+        key = self._key(segment, batch, tokens, slots, keep_h)
         if key not in self._compiled:
-            self._compiled[key] = self._lower(segment, batch, tokens, slots).compile()
+            self._compiled[key] = self._lower(segment, batch, tokens, slots, keep_h).compile()
             self.compilations += 1
         return self._compiled[key]
 

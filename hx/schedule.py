@@ -22,20 +22,25 @@ Instruction kinds, in the order the executor issues them for each segment i:
 and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
 just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
 before its launch: planned and simulated, not yet executed). A segment attending a
-``streamed`` KV cache (host memory, SCORE on the accelerator; planned and simulated, not yet
-executed) issues, per micro-batch (KVPR, Jiang et al. 2024, with r = ``plan.recompute``):
+``streamed`` KV cache (host memory, SCORE on the accelerator; ``hx.streamed_kv``) issues, per
+micro-batch (KVPR, Jiang et al. 2024, with r = ``plan.recompute``):
 
   ``act load``   H2D: the layer's input activations ``h`` of positions [0, r)
-  ``kv load``    H2D: the K, V of positions [r, S)
+  ``kv load``    H2D: the K, V of positions [r, S) (the executor copies those written so far,
+                 ``streamed_kv.copy_end``; at r = 0 it assembles the cache at once)
   ``recompute``  accelerator: the K and V ops (RoPE included) on the r positions, after
-                 ``act load`` and while ``kv load`` crosses
-  ``kv store``   D2H: the new positions' K, V (and in prefill, with r > 0, their ``h``)
-                 back into the host cache, after the launch; frees the copied cache
+                 ``act load`` and the segment's weights and while ``kv load`` crosses; then
+                 the cache is assembled (recomputed head, copied tail)
+  ``kv store``   D2H: the new positions' K, V (and with r > 0 their ``h``) back into the host
+                 cache, after the launch; frees the copied cache
 
 The loads of the next such (segment, micro-batch) are issued before this one's launch, behind
 the store of the one before it (prefetch depth 1): at most two copied caches are in
-accelerator memory at once (owner ``kv``), double-buffered as staged weights are; the
-recompute's own temporaries are not sized (it writes into the copied cache).
+accelerator memory at once (owner ``kv``), double-buffered as staged weights are. The
+assembly holds a pair's copied ``h`` and tail, its recomputed head and the assembled cache at
+once (``act_copy_key``, ``copy_key``, ``head_key``, ``cache_key``) and releases all but the
+cache (``Instruction.releases``), which the store frees. The recompute's own temporaries are
+not sized.
 
 Every instruction lists the earlier instructions it depends on (``Instruction.deps``):
 data-flow edges are recorded here, once.
@@ -93,14 +98,24 @@ def act_key(name: str, micro: int = 0) -> tuple:
 
 
 def copy_key(segment: int, micro: int = 0) -> tuple:
-    """Accountant key of the KV cache copied in for segment ``segment``, micro-batch ``micro``
-    (a ``streamed`` cache)."""
+    """Accountant key of the K, V copied in for segment ``segment``, micro-batch ``micro``
+    (a ``streamed`` cache's [r, S))."""
     return ("kv copy", segment, micro)
 
 
-def recompute_key(segment: int, micro: int = 0) -> tuple:
+def act_copy_key(segment: int, micro: int = 0) -> tuple:
     """Accountant key of the activations copied in to recompute K, V from."""
     return ("kv act", segment, micro)
+
+
+def head_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the recomputed K, V of [0, r)."""
+    return ("kv head", segment, micro)
+
+
+def cache_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the assembled (B, S) cache the launch attends and appends to."""
+    return ("kv cache", segment, micro)
 
 
 def streamed_layers(plan: ExecutionPlan, segment: Segment) -> tuple[tuple[int, int], ...]:
@@ -166,6 +181,8 @@ class Instruction:
       nbytes: bytes copied (``stage``, ``move``).
       frees: accountant keys released first.
       allocs: (key, owner, bytes) allocated on the accelerator after the frees.
+      releases: keys freed once it is done, after its allocations (what it consumed: the
+        copies a streamed cache is assembled from).
       deps: indices of the earlier instructions it must follow: the launches that produced
         what it moves or reads, its segment's stage, disk reads and input copy, and the
         stream's last wait (the step's data-flow edges; the executor's timeline and the
@@ -182,6 +199,7 @@ class Instruction:
     nbytes: int = 0
     frees: tuple[Hashable, ...] = ()
     allocs: tuple[tuple[Hashable, str, int], ...] = ()
+    releases: tuple[Hashable, ...] = ()
     deps: tuple[int, ...] = ()
     tokens: int = 0
 
@@ -385,18 +403,26 @@ class _Builder:
             return []
         self.load(k)
         deps = self.loads[(i, m)][-1:]
-        r = sum(r for _, r in streamed_layers(self.plan, self.segments[i]))
+        layers = streamed_layers(self.plan, self.segments[i])
+        r = sum(r for _, r in layers)
         if r:
-            deps.append(self.add(Instruction(RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
-                                             frees=(recompute_key(i, m),), tokens=r),
-                                 self.loads[(i, m)][:1]))
+            head = sum(kv_bytes(self.spec, self.B, min(r, self.S)) for _, r in layers)
+            held = len(layers) * kv_bytes(self.spec, self.B, self.S)
+            after = [self.last.get((STAGE, i)), self.synced if self.segments[i].streams
+                     else None]
+            deps.append(self.add(Instruction(
+                RECOMPUTE, i, m, ACCELERATOR, ("k", "v"), tokens=r,
+                allocs=((head_key(i, m), "kv", head), (cache_key(i, m), "kv", held)),
+                releases=(act_copy_key(i, m), copy_key(i, m), head_key(i, m))),
+                self.loads[(i, m)][:1] + after))
         if k + 1 < len(self.kv_pairs):
             self.load(k + 1)
         return deps
 
     def load(self, k: int) -> None:
-        """H2D loads of pair ``k`` (once): activations of [0, r), then K, V of [r, S), behind
-        the store of pair k - 2, whose buffer they reuse."""
+        """H2D loads of pair ``k`` (once): activations of [0, r), then K, V of [r, S) (at
+        r = 0 the assembled cache itself), behind the store of pair k - 2, whose buffer they
+        reuse."""
         pair = self.kv_pairs[k]
         if pair in self.loads:
             return
@@ -407,27 +433,28 @@ class _Builder:
                                    for _, r in layers)))
         r = sum(r for _, r in layers)
         self.loads[pair] = []
+        allocs = [(copy_key(i, m), "kv", kvs)]
         if r:
             self.loads[pair].append(self.add(Instruction(
                 ACT_LOAD, i, m, H2D, ("h",), acts,
-                allocs=((recompute_key(i, m), "kv", acts),), tokens=r), after))
-        held = len(layers) * kv_bytes(self.spec, self.B, self.S)  # the cache assembled
+                allocs=((act_copy_key(i, m), "kv", acts),), tokens=r), after))
+        else:  # the copy, padded to S slots, is the cache
+            allocs.append((cache_key(i, m), "kv", len(layers) * kv_bytes(self.spec, self.B,
+                                                                         self.S)))
         self.loads[pair].append(self.add(Instruction(
-            KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=((copy_key(i, m), "kv", held),)),
-            after))
+            KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=tuple(allocs),
+            releases=() if r else (copy_key(i, m),)), after))
 
     def store(self, i: int, m: int, launch: int) -> None:
-        """D2H of the new positions' K, V (and their ``h`` in prefill with r > 0) after the
-        launch; frees the copied cache."""
+        """D2H of the new positions' K, V (and with r > 0 their ``h``) after the launch;
+        frees the assembled cache."""
         layers = streamed_layers(self.plan, self.segments[i])
         if not layers:
             return
         nbytes = len(layers) * kv_bytes(self.spec, self.B, self.T)
-        if self.T > 1:
-            nbytes += sum(activation_bytes(self.spec, "h", self.B, self.T)
-                          for _, r in layers if r)
+        nbytes += sum(activation_bytes(self.spec, "h", self.B, self.T) for _, r in layers if r)
         self.last_store[(i, m)] = self.add(Instruction(
-            KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(copy_key(i, m),)), [launch])
+            KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(cache_key(i, m),)), [launch])
 
     def finish(self) -> None:
         """The last stream's wait, then the end of the step: free what the step allocated."""
@@ -452,8 +479,8 @@ class DryRun:
 
 
 def dry_run(schedule: Schedule) -> DryRun:
-    """Replay ``schedule``'s allocations and frees in order; the peak is what the step needs
-    on top of resident weights and KV caches."""
+    """Replay ``schedule``'s frees, allocations and releases in order; the peak is what the
+    step needs on top of resident weights and KV caches."""
     live: dict[Hashable, tuple[str, int]] = {}
     result = DryRun()
     total = 0  # bytes live
@@ -468,4 +495,6 @@ def dry_run(schedule: Schedule) -> DryRun:
                 for o, b in live.values():
                     by_owner[o] = by_owner.get(o, 0) + b
                 result.peak, result.peak_by_owner = total, by_owner
+        for key in ins.releases:
+            total -= live.pop(key, (None, 0))[1]
     return result

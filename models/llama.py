@@ -395,19 +395,22 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None)
     return o.reshape(B, T, H, E).astype(q.dtype)
 
 
+def kv_parts(k: jax.Array, v: jax.Array, fmt: Format | None, dtype) -> Cache:
+    """Keys and values k, v (B,T,K,E) as a cache holds them: {"k", "v"} in ``dtype``, or
+    quantized into ``fmt``'s codes, scales and offsets (``quantize_kv``)."""
+    if fmt is None:
+        return {"k": k.astype(dtype), "v": v.astype(dtype)}
+    return {kv_key(name, p): a for name, x in zip(KV_NAMES, (k, v))
+            for p, a in quantize_kv(x, fmt).items()}
+
+
 def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array,
               fmt: Format | None = None) -> Cache:
     """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``: as they are
     (in the cache's dtype), or quantized into ``fmt`` (``quantize_kv``: only the new
     positions; the slots before are never touched)."""
-    new = {"k": k, "v": v}
-    if fmt is None:
-        parts = {name: new[name].astype(cache[name].dtype) for name in KV_NAMES}
-    else:
-        parts = {kv_key(name, p): a for name in KV_NAMES
-                 for p, a in quantize_kv(new[name], fmt).items()}
     out = dict(cache)
-    for key, a in parts.items():
+    for key, a in kv_parts(k, v, fmt, cache["k"].dtype).items():
         at = (0, write_index) + (0,) * (a.ndim - 2)
         out[key] = jax.lax.dynamic_update_slice(cache[key], a, at)
     return out

@@ -162,12 +162,13 @@ def with_recompute(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
 
 
 def copied_cache_bytes(spec: ModelSpec, pattern: Pattern, workload: Workload) -> int:
-    """Accelerator bytes one ``streamed`` cache copy of a layer of ``pattern`` holds (a
-    micro-batch's K, V of all S slots and the activations of its r positions; 0 for other
-    KV homes); two are held at once (``hx.schedule``'s double buffer)."""
+    """Accelerator bytes one ``streamed`` cache copy of a layer of ``pattern`` holds at most
+    (``hx.schedule``: a micro-batch's copied K, V and the assembled cache, each up to all S
+    slots, and the activations of its r positions; 0 for other KV homes); two are held at
+    once (the double buffer)."""
     if pattern.kv != STREAMED:
         return 0
-    return (kv_bytes(spec, workload.batch, workload.cache_slots)
+    return (2 * kv_bytes(spec, workload.batch, workload.cache_slots)
             + activation_bytes(spec, "h", workload.batch, pattern.recompute))
 
 
@@ -186,7 +187,7 @@ def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
                   workload: Workload, context: int) -> PatternCost:
     """One layer of ``pattern``: its marginal decode step (``marginal_seconds``) and bytes.
     A ``streamed`` cache is priced at its r (``with_recompute``); its host bytes are the
-    cache and the kept activations of r positions, its copies count as staged bytes
+    cache and, with r > 0, the kept activations of every slot (``hx.streamed_kv``), its copies count as staged bytes
     (``copied_cache_bytes``: in the double buffer, like weights)."""
     p = with_recompute(spec, profile, pattern, workload, context)
     seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
@@ -203,7 +204,7 @@ def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
     staged = [b for b in (staged_bytes(spec, s) + (copy if s.cache_layers else 0)
                           for s in segments) if b]
     on_disk = [disk_bytes(pair, spec, s) for s in segments]
-    kept = activation_bytes(spec, "h", workload.rows, p.recompute)
+    kept = activation_bytes(spec, "h", workload.rows, workload.cache_slots) if p.recompute else 0
     return PatternCost(
         p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),
         staged[0] if staged else 0, staged[-1] if staged else 0,

@@ -54,12 +54,10 @@ def test_plan_json_round_trip_and_old_files(tmp_path):
         ExecutionPlan.from_json({**data, "kv_recompute": [-1, 0, 0]}, 3)
 
 
-def test_validate_streamed_cache_scores_on_the_accelerator_and_is_refused_to_run():
+def test_validate_streamed_cache_scores_on_the_accelerator():
     plan = streamed_plan(SMALL.n_layers, r=64)
-    plan.validate(SMALL, to_run=False)
-    assert "streams KV caches" in plan.refusal
-    with pytest.raises(HxError, match="does not run"):
-        plan.validate(SMALL)  # the executor's call
+    plan.validate(SMALL)  # the executor's call: it runs streamed caches
+    assert plan.refusal is None
     # SCORE on the host with a streamed cache: SCORE must run where the cache is attended
     host_score = Placement.uniform(SMALL.n_layers,
                                    lambda op: HOST if op == SCORE else ACCELERATOR)
@@ -84,7 +82,7 @@ def test_schedule_bytes_equal_a_hand_count(phase, tokens):
     assert [i.nbytes for i in by_kind(schedule, KV_LOAD)] == [kv] * 3
     assert [i.tokens for i in by_kind(schedule, RECOMPUTE)] == [r] * 3
     new = 2 * tokens * B * LLAMA.n_kv_heads * LLAMA.head_dim * item
-    new += tokens * B * LLAMA.d_model * item if tokens > 1 else 0  # prefill keeps its h
+    new += tokens * B * LLAMA.d_model * item  # and their h, kept for the recompute
     assert [i.nbytes for i in by_kind(schedule, KV_STORE)] == [new] * 3
     # recompute after its activations arrive; each launch after its cache and recompute
     out = schedule.instructions
@@ -125,13 +123,14 @@ def test_estimate_counts_the_copied_cache_double_buffered_and_the_host_side():
     item = 2
     cache = 2 * S * B * KV_DIM * item  # one layer's K, V of all S slots
     plain = estimate(streamed_plan(SMALL.n_layers), SMALL, workload, sizing=UNSIZED)
-    assert plain.kv == 2 * cache  # two layers' copies live at once
+    # a layer's assembled cache, and the next layer's copy while it is padded into its own
+    assert plain.kv == 3 * cache
     with_r = estimate(streamed_plan(SMALL.n_layers, r=r), SMALL, workload, sizing=UNSIZED)
     act = r * B * LLAMA.d_model * item
-    assert with_r.kv == 2 * cache + act  # plus the next layer's activations to recompute from
-    assert with_r.accelerator - plain.accelerator == act
-    # host: every layer's cache, plus the kept activations of r positions
-    assert with_r.host - plain.host == SMALL.n_layers * act
+    # one layer's assembly: its copied h and [r, S), its recomputed [0, r) and the cache
+    assert with_r.kv == 2 * cache + act
+    # host: every layer's cache, plus the kept activations of every slot
+    assert with_r.host - plain.host == SMALL.n_layers * S * B * LLAMA.d_model * item
     on_acc = estimate(streamed_plan(SMALL.n_layers).with_recompute(0), SMALL, workload,
                       sizing=UNSIZED)
     assert on_acc == plain
@@ -197,17 +196,12 @@ def test_a_streamed_pattern_is_priced_at_its_r_with_its_bytes():
     assert r == choose_recompute(plan, spec.replace(n_layers=3), profile, 32, 2112, 2080,
                                  4).recompute(0)
     item, rows = 2, workload.rows
-    cache = 2 * 2112 * 32 * KV_DIM * item + r * 32 * LLAMA.d_model * item  # one copy
+    # one copy at most: copied K, V and the assembled cache, and the activations of r slots
+    cache = 2 * 2 * 2112 * 32 * KV_DIM * item + r * 32 * LLAMA.d_model * item
     assert streamed.first_staged == streamed.last_staged == cache
     assert streamed.staged_pair == 2 * cache
     kv_layer = 2 * 2112 * rows * KV_DIM * item
-    assert streamed.host == kv_layer + r * rows * LLAMA.d_model * item
+    assert streamed.host == kv_layer + (2112 * rows * LLAMA.d_model * item if r else 0)
     assert streamed.resident == sum(spec.op_weight_bytes(op) for op in WEIGHTED_OPS)
     assert host_kv.host >= kv_layer and streamed.seconds > 0
 
-
-def test_the_executor_refuses_a_streamed_cache():
-    from hx.executor import Executor
-
-    with pytest.raises(HxError, match="does not run it yet"):
-        Executor(SMALL, {}, streamed_plan(SMALL.n_layers, r=8))

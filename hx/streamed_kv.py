@@ -1,0 +1,113 @@
+"""Streamed KV caches: what crosses the link for a layer whose cache lives in host memory and
+is attended on the accelerator, and the KV recompute that replaces part of it (KVPR: Jiang et
+al. 2024, "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation").
+
+A ``streamed`` layer's cache is held on the host device: its K, V arrays (B, S, ...) as
+``models.tensors.kv_arrays`` gives them (dense or compressed) and, where the plan recomputes
+(r > 0), ``h`` (B, S, D) in the model's dtype: the layer's normed attention input of every
+slot, the input of its K and V ops (``models.llama.QOp``). Every slot's, not only [0, r)'s as
+in KVPR, so that a re-plan may raise r and re-framing a continuous batch moves ``h`` with K
+and V. Per micro-batch, ``hx.executor`` carries out ``hx.schedule``'s instructions with these
+programs:
+
+  ``act load``   ``host_slice`` of ``h`` [0, r), copied H2D
+  ``kv load``    ``host_slice`` of K, V [r, end), copied H2D: ``end`` (``copy_end``) is the
+                 slots written before the step rounded up to ``COPY_QUANTUM`` (one program
+                 per quantum, not per step); at r = 0 the copy is ``assemble``d at once
+  ``recompute``  ``recompute`` of K, V at [0, r) on the accelerator from ``h`` (the layer's K
+                 and V ops, RoPE at each slot's position ``max(slot - kv_start, 0)``,
+                 compressed into the cache's format), then ``assemble``: recomputed head,
+                 copied tail, zeros up to S (slots no query reads yet)
+  ``launch``     the segment appends the new positions to the assembled cache in place and
+                 returns their ``h`` beside it (``hx.programs.segment_function``'s ``keep_h``)
+  ``kv store``   ``new_positions`` of the launch's cache, copied D2H, then ``write_back``
+                 into the host cache (donated)
+
+Each program is dispatched asynchronously, so on a GPU the recompute runs while the tail of
+the cache is still crossing the link (it waits only for ``h``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import jax
+import jax.numpy as jnp
+
+from hx.models.llama import Cache, Step, apply_op, kv_parts
+from hx.models.spec import ModelSpec
+from hx.models.tensors import kv_format
+
+COPY_QUANTUM = 128  # cache slots: a kv load copies whole quanta of the written slots
+H = "h"  # the key of a recomputing layer's kept activations in its host cache
+
+
+def copy_end(slots: int, recompute: int, written: int) -> int:
+    """End of the slots a ``kv load`` copies, [r, end): the ``written`` slots (the step's
+    write index) rounded up to ``COPY_QUANTUM``, at least r, at most S. Slots from ``written``
+    on hold no key a query of this step reads before the step writes it."""
+    return min(slots, max(recompute, math.ceil(written / COPY_QUANTUM) * COPY_QUANTUM))
+
+
+def kv_only(cache: Cache) -> Cache:
+    """The cache's K, V arrays (without the kept activations ``h``)."""
+    return {name: a for name, a in cache.items() if name != H}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def host_slice(parts: Cache, start: int, stop: int) -> Cache:
+    """Slots [start, stop) of every array of ``parts`` (B, S, ...), on the arrays' device."""
+    return {name: a[:, start:stop] for name, a in parts.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def assemble(head: Cache, tail: Cache, slots: int) -> Cache:
+    """The accelerator's copy of a streamed cache, (B, S, ...) each: ``head``'s slots (the
+    recomputed [0, r); {} at r = 0), then ``tail``'s ([r, end)), then zeros up to ``slots``."""
+    out = {}
+    for name, t in tail.items():
+        pieces = [head[name].astype(t.dtype)] if name in head else []
+        pieces.append(t)
+        filled = sum(p.shape[1] for p in pieces)
+        if filled < slots:
+            pieces.append(jnp.zeros((t.shape[0], slots - filled) + t.shape[2:], t.dtype))
+        out[name] = jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else t
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def recompute_function(spec: ModelSpec, held: str):
+    """``(K params, V params, h (B, r, D), kv_start (B,)) -> head``: the K, V of slots [0, r)
+    from their kept activations, by the layer's own K and V ops (``models.llama.apply_op``,
+    weights in ``held``), in the cache's format (``models.llama.kv_parts``; dense in the
+    model's dtype). Jitted; runs where its arguments are (the accelerator)."""
+    fmt = kv_format(spec)
+
+    def run(k_params, v_params, h, kv_start):
+        r = h.shape[1]
+        positions = jnp.maximum(jnp.arange(r, dtype=jnp.int32)[None, :] - kv_start[:, None], 0)
+        step = Step(positions, jnp.int32(0), kv_start)
+        k, _ = apply_op(spec, "K", k_params, {H: h}, step, held=held)
+        v, _ = apply_op(spec, "V", v_params, {H: h}, step, held=held)
+        return kv_parts(k["k"], v["v"], fmt, spec.dtype)
+
+    return jax.jit(run)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def new_positions(cache: Cache, write_index: jax.Array, tokens: int) -> Cache:
+    """The ``tokens`` slots from ``write_index`` of a launch's cache (its new positions), and
+    ``h`` as it is (the launch returns only the new positions' ``h``)."""
+    return {name: a if name == H else jax.lax.dynamic_slice_in_dim(a, write_index, tokens, 1)
+            for name, a in cache.items()}
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def write_back(host: Cache, new: Cache, write_index: jax.Array) -> Cache:
+    """``host`` (donated) with ``new``'s slots written from ``write_index``."""
+    out = dict(host)
+    for name, a in new.items():
+        out[name] = jax.lax.dynamic_update_slice(host[name], a.astype(host[name].dtype),
+                                                 (0, write_index) + (0,) * (a.ndim - 2))
+    return out
+

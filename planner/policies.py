@@ -9,6 +9,7 @@ table to the accelerator to gather B rows would never pay.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, UNSIZED, check_fits, estimate
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.plan import DISK, ExecutionPlan, Placement
+from hx.plan import DISK, STREAMED, ExecutionPlan, Placement
 from hx.workload import MIN_CHUNK, Workload
 
 if TYPE_CHECKING:
@@ -40,6 +41,21 @@ def stream_all(n_layers: int) -> ExecutionPlan:
     placement = Placement.uniform(
         n_layers, lambda op: HOST if op in (SCORE, EMBED) else ACCELERATOR)
     return ExecutionPlan.from_placement(placement, name="stream-all", streamed=True)
+
+
+def kv_streamed(n_layers: int, recompute: int = 0, weights_streamed: bool = True,
+                layers: tuple[int, ...] | None = None) -> ExecutionPlan:
+    """Every op but EMBED on the accelerator (weights streamed, or resident), the KV caches of
+    ``layers`` (default: all) in host memory and copied in every step (``streamed``: FlexGen's
+    KV on the CPU with attention on the GPU), the first ``recompute`` positions recomputed
+    from their activations instead (KVPR, Jiang et al. 2024); the other layers' caches on the
+    accelerator."""
+    placement = Placement.uniform(n_layers, lambda op: HOST if op == EMBED else ACCELERATOR)
+    base = ExecutionPlan.from_placement(placement, streamed=weights_streamed,
+                                        name=f"kv-streamed-r{recompute}")
+    kv = tuple(STREAMED if layers is None or i in layers else ACCELERATOR
+               for i in range(n_layers))
+    return dataclasses.replace(base, kv=kv).with_recompute(recompute)
 
 
 def layer_split(n_layers: int, gpu_layers: int) -> ExecutionPlan:

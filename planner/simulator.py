@@ -29,8 +29,10 @@ at memory bandwidth. A ``streamed`` KV cache (host memory, attended on the accel
 the link each step for the positions in the cache before the step (``context`` - ``tokens``):
 the ``h`` of [0, r) and the K, V of [r, ·), each copy latency + bytes / H2D bandwidth
 (``kv_load_seconds``); the recompute is the K and V ops at r new tokens per row on the
-accelerator plus a launch (``recompute_seconds``); the new positions' K, V go back as one D2H
-transfer (KVPR, Jiang et al. 2024: the recompute overlaps the K/V copy).
+accelerator plus a launch (``recompute_seconds``); the cache is then assembled on the
+accelerator at its memory bandwidth, before the launch (``assemble_seconds``); the new
+positions' K, V (and ``h``) go back as one D2H transfer (KVPR, Jiang et al. 2024: the
+recompute overlaps the K/V copy).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.models.tensors import int4_matrices, weight_dtype
+from hx.models.tensors import int4_matrices, kv_bytes, weight_dtype
 from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
@@ -48,6 +50,7 @@ from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH,
                          RECOMPUTE, STAGE, WAIT, compile_schedule, kv_link_bytes,
                          staged_bytes, streamed_layers)
 from hx.segments import Segment
+from hx.streamed_kv import copy_end
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
 
@@ -127,6 +130,21 @@ def recompute_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int,
         for op in ("K", "V"))
 
 
+def assemble_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
+                     segment: Segment, batch: int, slots: int, prior: int) -> float:
+    """Accelerator seconds to assemble ``segment``'s ``streamed`` caches before its launch
+    (``hx.streamed_kv.assemble``): a launch, and the copied and recomputed slots read and all
+    S written at the accelerator's memory bandwidth; 0 for a cache copied whole (r = 0 and the
+    written slots' quanta reach S: the copy is the cache)."""
+    acc, seconds = profile.device(ACCELERATOR), 0.0
+    for _, r in streamed_layers(plan, segment):
+        end = copy_end(slots, r, prior)
+        if r or end < slots:
+            seconds += acc.launch_seconds(batch) + (
+                kv_bytes(spec, batch, end) + kv_bytes(spec, batch, slots)) / acc.memory_bandwidth
+    return seconds
+
+
 def kv_load_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int, positions: int,
                     recompute: int) -> tuple[float, float]:
     """(activation copy, K/V copy) seconds of one ``streamed`` layer's cache of ``positions``
@@ -194,7 +212,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             name, duration = f"wait {i}", profile.sync_overhead
         elif ins.kind in (ACT_LOAD, KV_LOAD, RECOMPUTE):
             name, duration, nbytes = _streamed_cache(plan, spec, profile, ins.kind, seg, batch,
-                                                     prior)
+                                                     slots, prior)
             name = f"{name} {i}"
         elif ins.kind == KV_STORE:
             name = f"kv store {i}"
@@ -207,7 +225,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             if i not in compute:
                 compute[i] = (
                     profile.device(seg.device).launch_seconds(batch)
-                    + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo),
+                    + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo)
+                    + assemble_seconds(plan, spec, profile, seg, batch, slots, prior),
                     " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops))
             duration, name = compute[i]
             name = name if micro_batches == 1 else f"{name} [mb {ins.micro}]"
@@ -219,17 +238,25 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
 
 
 def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, kind: str,
-                    seg: Segment, batch: int, prior: int) -> tuple[str, float, int]:
+                    seg: Segment, batch: int, slots: int, prior: int) -> tuple[str, float, int]:
     """(name, seconds, bytes) of a streamed cache's ``act load``, ``kv load`` or
     ``recompute`` over the ``prior`` positions in the cache (summed over the segment's
-    streamed layers)."""
+    streamed layers). A copy of part of the host cache is sliced there first
+    (``hx.streamed_kv.host_slice``: the ``h`` of [0, r) always, K and V unless the whole
+    cache crosses): a host launch and the bytes read and written at its memory bandwidth."""
     layers = streamed_layers(plan, seg)
     if kind == RECOMPUTE:
         return "recompute K V", sum(recompute_seconds(spec, profile, batch, min(r, prior))
                                     for _, r in layers), 0
     part = 0 if kind == ACT_LOAD else 1
-    seconds = sum(kv_load_seconds(spec, profile, batch, prior, r)[part] for _, r in layers)
-    nbytes = sum(kv_link_bytes(spec, batch, prior, r)[part] for _, r in layers)
+    host = profile.device(HOST)
+    seconds = nbytes = 0
+    for _, r in layers:
+        moved = kv_link_bytes(spec, batch, prior, r)[part]
+        seconds += kv_load_seconds(spec, profile, batch, prior, r)[part]
+        if kind == ACT_LOAD or r or copy_end(slots, 0, prior) < slots:  # sliced on the host
+            seconds += host.launch_seconds(batch) + 2 * moved / host.memory_bandwidth
+        nbytes += moved
     return ("h" if kind == ACT_LOAD else "KV"), seconds, nbytes
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import LAYER_OPS
-from hx.plan import STREAMED, ExecutionPlan, Placement
+from hx.plan import ExecutionPlan, Placement
 from hx.planner import policies
 
 
@@ -16,17 +14,6 @@ def kv_host_odd(n_layers: int) -> ExecutionPlan:
                    for i in range(n_layers))
     return ExecutionPlan.from_placement(Placement(ACCELERATOR, layers, ACCELERATOR),
                                         name="kv-host-odd")
-
-
-def kv_streamed(n_layers: int, r: int = 0, weights_streamed: bool = True,
-                layers: tuple[int, ...] | None = None) -> ExecutionPlan:
-    """Every op on the accelerator (weights streamed or resident); the KV caches of ``layers``
-    (default: all) streamed from host memory, recomputing r positions (KVPR)."""
-    base = ExecutionPlan.from_placement(Placement.uniform(n_layers, lambda op: ACCELERATOR),
-                                        streamed=weights_streamed, name=f"kv-streamed-r{r}")
-    kv = tuple(STREAMED if layers is None or i in layers else ACCELERATOR
-               for i in range(n_layers))
-    return dataclasses.replace(base, kv=kv).with_recompute(r)
 
 
 def alternating(n_layers: int) -> ExecutionPlan:

@@ -12,12 +12,12 @@ from hx.memory import estimate
 from hx.sampling import SamplingParams
 from hx.workload import new_tokens
 
-from plans import kv_host_odd, kv_streamed
+from plans import kv_host_odd
 from hx.planner import policies
 
 MAX_NEW = 24
 PLANS = {"all-accelerator": policies.all_accelerator(3), "stream-all": policies.stream_all(3),
-         "kv-host-odd": kv_host_odd(3), "kv-streamed": kv_streamed(3, 6, layers=(0, 2))}
+         "kv-host-odd": kv_host_odd(3), "kv-streamed": policies.kv_streamed(3, 6, layers=(0, 2))}
 
 
 @pytest.fixture(scope="module")

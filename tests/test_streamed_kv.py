@@ -17,12 +17,12 @@ from hx.memory import estimate
 from hx.models.llama import forward
 from hx.models.loader import Model
 from hx.plan import STREAMED, ExecutionPlan, Placement
+from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.schedule import KV_LOAD, KV_STORE, RECOMPUTE
 from hx.timeline import ACC_COMPUTE, D2H, H2D, Timeline
 from hx.workload import Workload
 
-from plans import kv_streamed
 from steps import left_padded_steps
 
 B, T, S, DECODE_STEPS = 2, 8, 32, 4
@@ -68,7 +68,7 @@ def test_logits_equal_the_whole_model_for_any_r(tiny_model, reference, monkeypat
     """r = 0 (the whole cache crosses), 1, half the prompt, half the slots, all of them; the
     copies whole (a quantum past S) or in quanta of 4 slots (padded on the accelerator)."""
     monkeypatch.setattr(streamed_kv, "COPY_QUANTUM", quantum)
-    plan = kv_streamed(tiny_model.spec.n_layers, r, weights_streamed)
+    plan = policies.kv_streamed(tiny_model.spec.n_layers, r, weights_streamed)
     assert plan.recompute(0) == r
     ex, out, caches = run(tiny_model, plan)
     for logits, ref in zip(out, reference):
@@ -84,8 +84,8 @@ def test_kept_h_and_cache_equal_an_accelerator_homed_run(tiny_model):
     """The host cache a streamed layer keeps is the cache an accelerator-homed layer holds, bit
     for bit, and its ``h`` is the layer's normed input (recomputing K from it gives K)."""
     n = tiny_model.spec.n_layers
-    _, _, plain = run(tiny_model, kv_streamed(n, 0, layers=()))
-    _, _, kept = run(tiny_model, kv_streamed(n, S))
+    _, _, plain = run(tiny_model, policies.kv_streamed(n, 0, layers=()))
+    _, _, kept = run(tiny_model, policies.kv_streamed(n, S))
     for a, b in zip(plain, kept):
         for name in ("k", "v"):
             np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
@@ -119,7 +119,7 @@ def test_the_timeline_shows_the_copies_and_the_recompute(tiny_model):
     positions' K, V and h -- the bytes the schedule names, at r = S/2 in decode."""
     tl = Timeline()
     n, r = tiny_model.spec.n_layers, S // 2
-    ex, _, _ = run(tiny_model, kv_streamed(n, r), tl)
+    ex, _, _ = run(tiny_model, policies.kv_streamed(n, r), tl)
     events = [e for e in tl.events if e.step == tl.events[-1].step]  # the last decode step
     loads = [e for e in events if e.resource == H2D and e.name == "KV"]
     stores = [e for e in events if e.resource == D2H and e.name == "KV"]
@@ -138,9 +138,9 @@ def test_compressed_kv_streams_its_compressed_bytes(tiny_model):
     model = Model(tiny_model.spec.replace(kv_format="int8"), tiny_model.params,
                   tiny_model.tokenizer, "tiny-int8")
     n = model.spec.n_layers
-    _, homed, _ = run(model, kv_streamed(n, 0, layers=()))
-    _, plain, caches = run(model, kv_streamed(n, 0))
-    _, recomputed, _ = run(model, kv_streamed(n, S // 2))
+    _, homed, _ = run(model, policies.kv_streamed(n, 0, layers=()))
+    _, plain, caches = run(model, policies.kv_streamed(n, 0))
+    _, recomputed, _ = run(model, policies.kv_streamed(n, S // 2))
     for a, b, c in zip(homed, plain, recomputed):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(c, a, rtol=0, atol=2e-2 * np.abs(a).max())
@@ -154,7 +154,7 @@ def test_greedy_generation_with_a_chunked_prefill(tiny_model):
     prompts = [[5, 9, 13, 200, 7, 7, 42], [300, 301, 302], [11] * 12, [4, 4]]
     sampling = SamplingParams(max_new_tokens=6)
     want = Engine(tiny_model, ExecutionPlan.all_accelerator(3)).generate_ids(prompts, sampling)
-    plan = dataclasses.replace(kv_streamed(3, 5), prefill_chunk=4)
+    plan = dataclasses.replace(policies.kv_streamed(3, 5), prefill_chunk=4)
     got = Engine(tiny_model, plan).generate_ids(prompts, sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
@@ -167,6 +167,6 @@ def test_smollm2_greedy_outputs_do_not_change(smollm):
     n = smollm.spec.n_layers
     want = Engine(smollm, ExecutionPlan.all_accelerator(n)).generate_ids([prompt], sampling)
     for r in (0, len(prompt) // 2, 1024):
-        got = Engine(smollm, kv_streamed(n, r, weights_streamed=False)).generate_ids(
+        got = Engine(smollm, policies.kv_streamed(n, r, weights_streamed=False)).generate_ids(
             [prompt], sampling)
         assert got[0].token_ids == want[0].token_ids, r

@@ -174,6 +174,10 @@ class ContinuousBatcher:
             fit the memory budget at this run's shapes.
         """
         spec = self.engine.model.spec
+        if len(self.engine.stints) > 1:
+            raise HxError("an engine whose plans follow the context (stints) runs static "
+                          "batches (Engine.generate): iteration-level batching mixes rows at "
+                          "different contexts")
         if not prompts:
             return []
         lengths = [len(p) for p in prompts]
@@ -236,7 +240,7 @@ class BlockRunner:
                 state = (self._join(state, decision) if isinstance(decision, Join)
                          else self._decode(state, decision))
         finally:
-            ex.release_cache()
+            self.engine.executor.release_cache()  # the run may have switched executors
         return self.results
 
     def _join(self, state: BatchState, join: Join) -> BatchState:
@@ -287,6 +291,9 @@ class BlockRunner:
         for reframe in decode.reframes:
             self._reframe(state.micro_batches[reframe.micro_batch], reframe)
             state = state.reframed(reframe)
+        if len(self.engine.stints) > 1:  # plans that follow the context (a static batch)
+            self.caches = self.engine.follow(state.micro_batches[0].frontier - self.config.pad,
+                                             self.caches)
         for block in decode.blocks:
             state = self._step(state, block)
         return state

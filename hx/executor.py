@@ -55,6 +55,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hx import disk, streamed_kv
 from hx.devices import ACCELERATOR, HOST, Devices, discover
+from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.formats import DENSE
@@ -204,6 +205,55 @@ class Executor:
 
         return jax.tree_util.tree_map_with_path(put, tree)
 
+    # -- another plan ------------------------------------------------------------------------
+
+    def params_tree(self) -> dict[str, Any]:
+        """The weights as placed, in the loader's tree (``{"EMBED", "layer_i": {op}, "HEAD"}``):
+        each op's trees as its decode segment holds them (a tied embedding: EMBED's)."""
+        tree: dict[str, Any] = {}
+        for seg, params in zip(self.segments["decode"], self._params["decode"]):
+            for (layer, op), p in zip(seg.ops, params):
+                if layer is None:
+                    tree[op] = p
+                else:
+                    tree.setdefault(layer_key(layer), {})[op] = p
+        if self.spec.tie_embeddings:
+            tree[HEAD] = {**tree[HEAD], "embedding": tree[EMBED]["embedding"]}
+        return tree
+
+    def switched(self, plan: ExecutionPlan, spill_dir: str | None = None) -> "Executor":
+        """An executor of ``plan`` on the same devices, made from this one's placed weights
+        (those whose home and dtype stay are not copied; this executor is not usable after).
+        Its accountant carries this one's peak. Raises as ``Executor``."""
+        params, self._params = self.params_tree(), {}
+        new = Executor(self.spec, params, plan, self.devices, self.timeline, spill_dir)
+        if self.accountant.peak > new.accountant.peak:
+            new.accountant.peak = self.accountant.peak
+            new.accountant.peak_by_owner = dict(self.accountant.peak_by_owner)
+        return new
+
+    def adopt_cache(self, caches: list[Cache], micro: Hashable = 0) -> list[Cache]:
+        """``caches`` (another plan's, e.g. the executor this one was ``switched`` from) moved
+        to this plan's KV homes and accounted for ``micro``: a layer that recomputes keeps its
+        ``h``, the others drop it.
+
+        Raises:
+          HxError: a layer recomputes here but its cache kept no ``h``.
+        """
+        out = []
+        for layer, cache in enumerate(caches):
+            home = self.plan.kv[layer]
+            device = self.devices[HOST if home == STREAMED else home]
+            if self.plan.recompute(layer) and streamed_kv.H not in cache:
+                raise HxError(f"plan {self.plan.name!r} recomputes layer {layer}'s K, V but "
+                              "its cache kept no activations h: a plan recomputes only where "
+                              "every plan before it in the run did (hx.planner.replan)")
+            kept = {name: a for name, a in cache.items()
+                    if name != streamed_kv.H or self.plan.recompute(layer)}
+            out.append(jax.device_put(kept, device))
+        self.account_cache(out, micro)
+        return out
+
     # -- KV caches ---------------------------------------------------------------------------
 
     def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
@@ -265,9 +315,8 @@ class Executor:
         key = (phase, index, batch, tokens, slots)
         if key not in self._executables:
             segment = self.segments[phase][index]
-            keep_h = tuple(slot for slot, layer in enumerate(segment.cache_layers)
-                           if self.plan.recompute(layer))
-            compiled = self.programs.compiled(segment, batch, tokens, slots, keep_h)
+            compiled = self.programs.compiled(segment, batch, tokens, slots,
+                                              streamed_kv.keep_h(self.plan, segment))
             shapes = (segment.signature, batch, tokens, slots)
             if shapes not in self._shapes:
                 self._shapes.add(shapes)

@@ -22,13 +22,15 @@ from hx.devices import Devices, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import check_fits
-from hx.models.llama import Step
+from hx.models.llama import Cache, Step
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
 from hx.models.tokenizer import Tokenizer
-from hx.plan import ExecutionPlan
+from hx.plan import ExecutionPlan, Stint, plan_at, recompute_consistent
 from hx.sampling import SamplingParams, sample
 from hx.scheduler import BlockConfig, Completion
+from hx.segments import split_segments
+from hx.streamed_kv import keep_h
 from hx.timeline import Timeline
 from hx.workload import Workload, new_tokens, padded_length, prefill_chunks
 
@@ -114,6 +116,9 @@ class Engine:
       timeline: records every segment and transfer when given (``--trace``).
       spill_dir: where disk-homed weights that are no file hx can map are written once
         (``hx.disk``; None refuses such plans).
+      stints: plans that follow the context as it grows (``hx.planner.replan``): the first
+        prefills and decodes from step 0, each other from its ``start``; the engine switches
+        between decode steps (``follow``). ``plan`` is then the first stint's (or omitted).
     Attributes:
       model: ``model`` without its weight tree (``params`` is empty): once placed, the
         weights live where the plan put them, and the caller's ``Model`` is the only other
@@ -121,12 +126,27 @@ class Engine:
       on_status: when set, called with a short line as a batch moves through compiling,
         each prefill chunk and decoding (a progress display: compiling and a long prompt's
         prefill can take minutes).
+      plan_log: (first decode step, plan name) of each plan the last run ran under.
+    Raises:
+      HxError: ``plan`` is not the first stint's; a stint recomputes where one before kept
+        no ``h`` (``hx.plan.recompute_consistent``); the executor's.
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
                  devices: Devices | None = None, timeline: Timeline | None = None,
-                 spill_dir: str | None = None):
-        self.plan = plan or ExecutionPlan.all_accelerator(model.spec.n_layers)
+                 spill_dir: str | None = None, stints: Sequence[Stint] = ()):
+        if stints and plan is not None and plan != stints[0].plan:
+            raise HxError("plan and stints disagree: the first stint's plan is the one that "
+                          "prefills; pass one of them")
+        if stints and list(stints) != recompute_consistent(stints):
+            raise HxError("a stint recomputes K, V of a layer whose cache a stint before it "
+                          "kept no activations h for; hx.plan.recompute_consistent(stints) "
+                          "sets those r to 0")
+        self.plan = (stints[0].plan if stints else plan) or ExecutionPlan.all_accelerator(
+            model.spec.n_layers)
+        self.stints = tuple(stints) or (Stint(0, self.plan),)
+        self.plan_log: list[tuple[int, str]] = [(0, self.plan.name)]
+        self._spill_dir = spill_dir
         self.executor = Executor(model.spec, model.params, self.plan, devices, timeline,
                                  spill_dir)
         # the executor holds the weights where the plan put them; keep no second reference to
@@ -150,15 +170,33 @@ class Engine:
         return encode_prompt(self.model.tokenizer, prompt, chat)
 
     def check(self, workload: Workload):
-        """Reject the job before it runs if the plan does not fit the memory budgets.
+        """Reject the job before it runs if a plan (of any stint) does not fit the memory
+        budgets.
 
         Returns:
-          the ``hx.memory.MemoryEstimate``.
+          the first stint's ``hx.memory.MemoryEstimate``.
         Raises:
-          HxError: naming the limit and the bytes over.
+          HxError: naming the plan, the limit and the bytes over.
         """
-        return check_fits(self.plan, self.model.spec, self.executor.devices, workload,
-                          self.executor.programs)
+        for stint in self.stints[1:]:
+            check_fits(stint.plan, self.model.spec, self.executor.devices, workload,
+                       self.executor.programs)
+        return check_fits(self.stints[0].plan, self.model.spec, self.executor.devices,
+                          workload, self.executor.programs)
+
+    def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:
+        """Switch to the plan of decode step ``step`` (``stints``) if it is not the one in
+        use: a new executor from this one's placed weights (``Executor.switched``), the
+        caches moved to its KV homes (``Executor.adopt_cache``). Returns the caches (the
+        same lists when nothing changes)."""
+        plan = plan_at(self.stints, step)
+        if plan == self.plan:
+            return list(caches)
+        self.executor.release_cache()
+        self.executor = self.executor.switched(plan, self._spill_dir)
+        self.plan = plan
+        self.plan_log.append((step, plan.name))
+        return [self.executor.adopt_cache(c, micro=m) for m, c in enumerate(caches)]
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams = SamplingParams(),
                  chat: bool = False, cache_slots: int | None = None) -> list[Completion]:
@@ -208,6 +246,9 @@ class Engine:
         for chunk in set(prefill_chunks(workload.prompt_tokens, self.plan.prefill_chunk)):
             self.executor.compile("prefill", B, chunk, S)
         self.executor.compile("decode", B, 1, S)
+        for stint in self.stints[1:]:  # the plans switched to later decode only
+            self.executor.programs.prepare([(seg, B, 1, S, keep_h(stint.plan, seg))
+                                            for seg in split_segments(stint.plan, "decode")])
         for phase in ("prefill", "decode"):
             device = self.executor.devices[self.plan.phase(phase).head]
             zeros = jax.device_put(np.zeros((B, self.model.spec.vocab_size), np.float32), device)
@@ -245,6 +286,8 @@ class Engine:
         """
         from hx.continuous import BlockRunner  # hx.continuous imports this module
 
+        self.follow(0, [])  # a run starts under the first stint's plan
+        self.plan_log = [(0, self.plan.name)]
         spec = self.model.spec
         lengths = self._check(prompts)
         B, longest = len(prompts), int(lengths.max())

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from hx.devices import ACCELERATOR, DEVICE_NAMES, HOST
 from hx.errors import HxError
@@ -414,3 +414,31 @@ class ExecutionPlan:
         except json.JSONDecodeError as e:
             raise HxError(f"plan file {path} is not valid JSON: {e}") from None
         return cls.from_json(data, n_layers)
+
+
+@dataclass(frozen=True)
+class Stint:
+    """``plan`` runs from decode step ``start`` (0: the first decode step; prefill runs under
+    the first stint's plan) until the next stint's start: a schedule of plans that follows
+    the context as it grows (``hx.planner.replan``)."""
+
+    start: int
+    plan: ExecutionPlan
+
+
+def plan_at(stints: Sequence[Stint], step: int) -> ExecutionPlan:
+    """The plan of decode step ``step`` under ``stints`` (in order, the first at 0)."""
+    return next(s.plan for s in reversed(stints) if s.start <= step)
+
+
+def recompute_consistent(stints: Sequence[Stint]) -> list[Stint]:
+    """``stints`` with r set to 0 for a layer from the first stint where it does not
+    recompute on: the host keeps a layer's activations ``h`` only while it recomputes
+    (``hx.streamed_kv``), so a later plan cannot recompute positions written before."""
+    kept = [True] * stints[0].plan.n_layers
+    out = []
+    for stint in stints:
+        rs = [stint.plan.recompute(i) if keep else 0 for i, keep in enumerate(kept)]
+        kept = [keep and r > 0 for keep, r in zip(kept, rs)]
+        out.append(Stint(stint.start, stint.plan.with_recompute(rs)))
+    return out

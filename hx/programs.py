@@ -273,17 +273,19 @@ class Programs:
             self.compilations += 1
         return self._compiled[key]
 
-    def prepare(self, wanted: list[tuple[Segment, int, int, int]]) -> None:
-        """Compile the (segment, batch, tokens, slots) not compiled yet, on every CPU core at
-        once: each is handed to a compiling thread as soon as it is lowered (XLA compiles
-        without holding Python's lock, so compiles overlap the tracing and lowering of the
-        next segments, which stay serial)."""
+    def prepare(self, wanted: list[tuple]) -> None:
+        """Compile the (segment, batch, tokens, slots[, keep_h]) not compiled yet, on every
+        CPU core at once: each is handed to a compiling thread as soon as it is lowered (XLA
+        compiles without holding Python's lock, so compiles overlap the tracing and lowering
+        of the next segments, which stay serial)."""
         todo: dict[tuple, Any] = {}
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for segment, batch, tokens, slots in wanted:
-                key = self._key(segment, batch, tokens, slots)
+            for segment, batch, tokens, slots, *keep_h in wanted:
+                keep = tuple(keep_h[0]) if keep_h else ()
+                key = self._key(segment, batch, tokens, slots, keep)
                 if key not in self._compiled and key not in todo:
-                    todo[key] = pool.submit(self._lower(segment, batch, tokens, slots).compile)
+                    todo[key] = pool.submit(
+                        self._lower(segment, batch, tokens, slots, keep).compile)
             for key, compiling in todo.items():
                 self._compiled[key] = compiling.result()
                 self.compilations += 1

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from hx.models.llama import Cache, Step, apply_op, kv_parts
 from hx.models.spec import ModelSpec
 from hx.models.tensors import kv_format
+from hx.plan import ExecutionPlan
+from hx.segments import Segment
 
 COPY_QUANTUM = 128  # cache slots: a kv load copies whole quanta of the written slots
 H = "h"  # the key of a recomputing layer's kept activations in its host cache
@@ -47,6 +49,13 @@ def copy_end(slots: int, recompute: int, written: int) -> int:
     write index) rounded up to ``COPY_QUANTUM``, at least r, at most S. Slots from ``written``
     on hold no key a query of this step reads before the step writes it."""
     return min(slots, max(recompute, math.ceil(written / COPY_QUANTUM) * COPY_QUANTUM))
+
+
+def keep_h(plan: ExecutionPlan, segment: Segment) -> tuple[int, ...]:
+    """The cache slots of ``segment`` (``Segment.cache_layers``) whose layer recomputes:
+    its program returns their new positions' ``h`` (``hx.programs.segment_function``)."""
+    return tuple(slot for slot, layer in enumerate(segment.cache_layers)
+                 if plan.recompute(layer))
 
 
 def kv_only(cache: Cache) -> Cache:

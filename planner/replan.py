@@ -1,0 +1,173 @@
+"""Re-planning as the context grows (TwinPilots' online re-planning): a schedule of plans over a
+run's decode steps.
+
+A plan solved for one context goes stale as the context grows: attention's cost and the KV
+bytes grow with every token, so the best split of ops and caches between the accelerator and
+the host moves. The context at every decode step of a batch is known before the run starts
+(step i attends over P + i positions), so the plans are solved ahead, like compilation, not
+while decoding: the run's decode steps are cut into windows of ``every`` steps, CP-SAT solves
+each window's decode step at its middle context (``cpsat.solve``, decode-only objective, every
+window under the run's budgets and S cache slots), and a dynamic program over (window,
+candidate plan) picks the cheapest sequence of plans: each window's predicted steps
+(``simulator.predict`` at its middle context) plus, where the plan changes, the predicted
+switch (``switch_seconds``). The executor switches between steps (``hx.generate.Engine``):
+weights and KV caches whose homes change cross the link, segments compile once per plan.
+
+A plan only recomputes K, V of a ``streamed`` layer (KVPR, r > 0) in a stint whose layer has
+recomputed since the first decode step: the host keeps a layer's activations ``h`` only while
+it recomputes (``hx.streamed_kv``), so a later plan cannot start recomputing past positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from hx.devices import ACCELERATOR, Devices
+from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.tensors import kv_bytes
+from hx.plan import RESIDENT, WEIGHTED_OPS, ExecutionPlan, Stint, plan_at, recompute_consistent
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import predict, predict_run
+from hx.workload import Workload
+
+Solve = Callable[[Workload], ExecutionPlan]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Decode steps [start, start + steps) of a run, priced at ``context`` positions."""
+
+    start: int
+    steps: int
+    context: int
+
+
+@dataclass(frozen=True)
+class PlanSchedule:
+    """Plans over a run's decode steps, in order (``stints[0].start`` is 0).
+
+    Attributes:
+      stints: the plans and where each starts.
+      predicted_s: predicted run (prefill + decode steps + switches), seconds.
+      fixed: the best single plan of the candidates for the whole run, and its predicted run.
+      solve_s: wall seconds CP-SAT took over all windows.
+      windows: the windows solved.
+    """
+
+    stints: tuple[Stint, ...]
+    predicted_s: float
+    fixed: tuple[ExecutionPlan, float]
+    solve_s: float
+    windows: tuple[Window, ...]
+
+    def plan_at(self, step: int) -> ExecutionPlan:
+        """The plan of decode step ``step``."""
+        return plan_at(self.stints, step)
+
+
+def windows(workload: Workload, every: int) -> list[Window]:
+    """The run's ``Workload.decode_steps`` decode steps in windows of ``every`` (the last
+    shorter), each at the context of its middle step (step i attends over P + i + 1
+    positions)."""
+    P, n = workload.prompt_tokens, workload.decode_steps
+    return [Window(a, min(every, n - a), P + a + min(every, n - a) // 2 + 1)
+            for a in range(0, n, every)]
+
+
+def window_workload(workload: Workload, window: Window) -> Workload:
+    """``workload`` with its decode context (``Workload.decode_context``) at the window's."""
+    return dataclasses.replace(workload, new_tokens=2 * (window.context - workload.prompt_tokens))
+
+
+def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
+                   profile: HardwareProfile, workload: Workload, context: int) -> float:
+    """Predicted seconds of switching from ``old`` to ``new`` between two decode steps (0 for
+    the same homes): the
+    weights that become resident cross H2D, those that stop being resident D2H (their host
+    copy is made from the accelerator's), and every KV cache whose device changes crosses with
+    its ``context`` positions of every row, each at the link's bandwidth plus its latency per
+    copy. Segments of ``new`` are compiled ahead (the run's compile time)."""
+    h2d = d2h = 0
+    copies = 0
+
+    def resident(plan: ExecutionPlan, layer: int | None, op: str) -> bool:
+        return plan.weights.get(layer, op) == RESIDENT
+
+    owners = [(None, EMBED), (None, HEAD)] + [(i, op) for i in range(spec.n_layers)
+                                               for op in WEIGHTED_OPS]
+    for layer, op in owners:
+        was, now = resident(old, layer, op), resident(new, layer, op)
+        if was != now:
+            nbytes = spec.op_weight_bytes(op)
+            h2d, d2h, copies = h2d + nbytes * now, d2h + nbytes * was, copies + 1
+    for layer in range(spec.n_layers):
+        before, after = old.kv[layer] == ACCELERATOR, new.kv[layer] == ACCELERATOR
+        if before != after:  # host, streamed: host memory both
+            nbytes = kv_bytes(spec, workload.rows, context)
+            h2d, d2h, copies = h2d + nbytes * after, d2h + nbytes * before, copies + 1
+    if not copies:
+        return 0.0
+    return (copies * profile.transfer_latency + h2d / profile.h2d_bandwidth
+            + d2h / profile.d2h_bandwidth)
+
+
+def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
+                  workload: Workload, every: int, solve: Solve) -> PlanSchedule:
+    """The cheapest schedule of plans for ``workload``'s run, re-planned every ``every``
+    decode steps (module docstring).
+
+    Args:
+      devices: the budgets every plan fits (``solve`` sizes its plans for them).
+      every: decode steps per window (> 0).
+      solve: a window's workload -> its plan (e.g. ``cpsat.solve``'s, decode-only).
+    Raises:
+      ValueError: ``every`` < 1.
+      HxError: ``solve``'s (no plan fits).
+    """
+    if every < 1:
+        raise ValueError(f"every={every}: re-plan every 1 or more decode steps")
+    spans = windows(workload, every)
+    started = time.perf_counter()
+    candidates: list[ExecutionPlan] = []
+    for window in spans:
+        plan = solve(window_workload(workload, window))
+        if plan not in candidates:
+            candidates.append(plan)
+    solve_s = time.perf_counter() - started
+    B, N, S = workload.batch, workload.micro_batches, workload.cache_slots
+    memo: dict[tuple[ExecutionPlan, Window], float] = {}
+
+    def window_s(plan: ExecutionPlan, window: Window) -> float:
+        if (plan, window) not in memo:
+            memo[(plan, window)] = window.steps * predict(plan, spec, profile, "decode", B, 1, S,
+                                                          window.context, N).seconds
+        return memo[(plan, window)]
+
+    def switch_s(old: ExecutionPlan, new: ExecutionPlan, window: Window) -> float:
+        return switch_seconds(old, new, spec, profile, workload,
+                              workload.prompt_tokens + window.start)
+
+    def run_s(stints: list[Stint]) -> float:
+        """The run under ``stints``: prefill, windows, switches."""
+        total = predict_run(stints[0].plan, spec, profile, workload).ttft_s
+        for k, window in enumerate(spans):
+            plan = plan_at(stints, window.start)
+            before = plan_at(stints, spans[k - 1].start) if k else plan
+            total += window_s(plan, window) + switch_s(before, plan, window)
+        return total
+
+    # best[c]: the cheapest (cost, stints) over the windows so far, ending under candidate c
+    best = [(run_s([Stint(0, c)]) - sum(window_s(c, w) for w in spans[1:]), [Stint(0, c)])
+            for c in candidates]
+    for window in spans[1:]:
+        best = [min(((cost + window_s(c, window), stints) if stints[-1].plan == c else
+                     (cost + window_s(c, window) + switch_s(stints[-1].plan, c, window),
+                      stints + [Stint(window.start, c)]) for cost, stints in best),
+                    key=lambda option: option[0]) for c in candidates]
+    stints = recompute_consistent(min(best, key=lambda option: option[0])[1])
+    fixed = min(candidates, key=lambda c: run_s([Stint(0, c)]))
+    return PlanSchedule(tuple(stints), run_s(stints), (fixed, run_s([Stint(0, fixed)])),
+                        solve_s, tuple(spans))

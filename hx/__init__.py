@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Completion": "hx.scheduler", "Engine": "hx.generate",
     "Devices": "hx.devices", "discover": "hx.devices",
-    "ExecutionPlan": "hx.plan", "HxError": "hx.errors",
+    "ExecutionPlan": "hx.plan", "Stint": "hx.plan", "HxError": "hx.errors",
     "Model": "hx.models.loader", "load": "hx.models.loader",
     "ModelSpec": "hx.models.spec", "SamplingParams": "hx.sampling",
     "Timeline": "hx.timeline", "Workload": "hx.workload",

@@ -31,7 +31,7 @@ from hx.sampling import SamplingParams, sample
 from hx.scheduler import BlockConfig, Completion
 from hx.segments import split_segments
 from hx.streamed_kv import keep_h
-from hx.timeline import Timeline
+from hx.timeline import H2D, Timeline
 from hx.workload import Workload, new_tokens, padded_length, prefill_chunks
 
 def check_prompts(lengths: Sequence[int], spec: ModelSpec, labels: Sequence[str] | None = None
@@ -187,16 +187,23 @@ class Engine:
     def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:
         """Switch to the plan of decode step ``step`` (``stints``) if it is not the one in
         use: a new executor from this one's placed weights (``Executor.switched``), the
-        caches moved to its KV homes (``Executor.adopt_cache``). Returns the caches (the
-        same lists when nothing changes)."""
+        caches moved to its KV homes (``Executor.adopt_cache``), a ``re-plan`` event on the
+        timeline (when there is one). Returns the caches (the same lists when nothing
+        changes)."""
         plan = plan_at(self.stints, step)
         if plan == self.plan:
             return list(caches)
+        started = time.perf_counter()
         self.executor.release_cache()
         self.executor = self.executor.switched(plan, self._spill_dir)
         self.plan = plan
         self.plan_log.append((step, plan.name))
-        return [self.executor.adopt_cache(c, micro=m) for m, c in enumerate(caches)]
+        moved = [self.executor.adopt_cache(c, micro=m) for m, c in enumerate(caches)]
+        if self.executor.timeline is not None:  # until the weights and caches are in place
+            jax.block_until_ready((moved, self.executor.params_tree()))
+            self.executor.timeline.record(H2D, f"re-plan to {plan.name}", (), [],
+                                          dispatch=started, decode_step=step)
+        return moved
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams = SamplingParams(),
                  chat: bool = False, cache_slots: int | None = None) -> list[Completion]:

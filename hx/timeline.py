@@ -74,7 +74,10 @@ class Timeline:
 
         while True:
             event, arrays = q.get()
-            jax.block_until_ready(stream.resolve(arrays))
+            try:
+                jax.block_until_ready(stream.resolve(arrays))
+            except RuntimeError:  # deleted: donated to a later program, so defined by now
+                pass
             event.end = time.perf_counter()
             q.task_done()
 

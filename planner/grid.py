@@ -83,7 +83,8 @@ class Grid:
         return [(w, k) for w in self.weights for k in self.kv]
 
 
-# 4 models x 3 machines x 6 policies x 3 workloads: the grid docs/ablation.md shows.
+# 4 models x 3 machines x 6 policies x 4 workloads: the grid docs/ablation.md shows. The long
+# generation is where a plan goes stale as the context grows (scripts/replan.py re-plans it).
 STANDARD = Grid(
     models=("llama2-7b", "llama3-8b", "opt-30b", "llama2-70b"),
     hardware=("t4", "a10g", "h100-80gb"),
@@ -91,7 +92,8 @@ STANDARD = Grid(
     budgets=(1.0,),
     scenarios=(Scenario("chat b1 512+128", 1, 512, 128),
                Scenario("batch b16 512+32", 16, 512, 32),
-               Scenario("offline 4x16 512+32", 16, 512, 32, micro_batches=4)))
+               Scenario("offline 4x16 512+32", 16, 512, 32, micro_batches=4),
+               Scenario("long b1 256+4096", 1, 256, 4096)))
 
 
 def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,

@@ -53,6 +53,7 @@ class PlanSchedule:
       stints: the plans and where each starts.
       predicted_s: predicted run (prefill + decode steps + switches), seconds.
       fixed: the best single plan of the candidates for the whole run, and its predicted run.
+      single_s: every candidate's name -> its predicted run as the only plan.
       solve_s: wall seconds CP-SAT took over all windows.
       windows: the windows solved.
     """
@@ -60,6 +61,7 @@ class PlanSchedule:
     stints: tuple[Stint, ...]
     predicted_s: float
     fixed: tuple[ExecutionPlan, float]
+    single_s: dict[str, float]
     solve_s: float
     windows: tuple[Window, ...]
 
@@ -115,7 +117,8 @@ def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
 
 
 def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
-                  workload: Workload, every: int, solve: Solve) -> PlanSchedule:
+                  workload: Workload, every: int, solve: Solve,
+                  also: tuple[ExecutionPlan, ...] = ()) -> PlanSchedule:
     """The cheapest schedule of plans for ``workload``'s run, re-planned every ``every``
     decode steps (module docstring).
 
@@ -123,6 +126,9 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
       devices: the budgets every plan fits (``solve`` sizes its plans for them).
       every: decode steps per window (> 0).
       solve: a window's workload -> its plan (e.g. ``cpsat.solve``'s, decode-only).
+      also: plans every window may take besides the solved ones (e.g. the plan solved once
+        for the whole run, which weighs its prefill): the schedule is never predicted slower
+        than any of them alone.
     Raises:
       ValueError: ``every`` < 1.
       HxError: ``solve``'s (no plan fits).
@@ -131,11 +137,13 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
         raise ValueError(f"every={every}: re-plan every 1 or more decode steps")
     spans = windows(workload, every)
     started = time.perf_counter()
-    candidates: list[ExecutionPlan] = []
+    found: dict[ExecutionPlan, ExecutionPlan] = {}  # the plan without its name -> the first
+    for plan in also:
+        found.setdefault(dataclasses.replace(plan, name=""), plan)
     for window in spans:
         plan = solve(window_workload(workload, window))
-        if plan not in candidates:
-            candidates.append(plan)
+        found.setdefault(dataclasses.replace(plan, name=""), plan)
+    candidates = list(found.values())
     solve_s = time.perf_counter() - started
     B, N, S = workload.batch, workload.micro_batches, workload.cache_slots
     memo: dict[tuple[ExecutionPlan, Window], float] = {}
@@ -168,6 +176,26 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       stints + [Stint(window.start, c)]) for cost, stints in best),
                     key=lambda option: option[0]) for c in candidates]
     stints = recompute_consistent(min(best, key=lambda option: option[0])[1])
-    fixed = min(candidates, key=lambda c: run_s([Stint(0, c)]))
-    return PlanSchedule(tuple(stints), run_s(stints), (fixed, run_s([Stint(0, fixed)])),
+    single = {c.name: run_s([Stint(0, c)]) for c in candidates}
+    fixed = min(candidates, key=lambda c: single[c.name])
+    return PlanSchedule(tuple(stints), run_s(stints), (fixed, single[fixed.name]), single,
                         solve_s, tuple(spans))
+
+
+def cpsat_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
+                   workload: Workload, every: int, time_limit_s: float = 2.0,
+                   kv_streamed: bool = False) -> PlanSchedule:
+    """``plan_schedule`` with CP-SAT's decode-step plan of each window (``cpsat.solve``),
+    named ``cpsat@<context>`` by the context it was solved at, and the plan hx takes without
+    re-planning (``cpsat.plan_cpsat`` for the whole run, prefill weighed) named ``cpsat@run``."""
+    from hx.planner.cpsat import plan_cpsat, solve
+
+    def at(window: Workload) -> ExecutionPlan:
+        plan = solve(spec, profile, devices, window, time_limit_s,
+                     kv_streamed=kv_streamed).plan
+        return dataclasses.replace(plan, name=f"{plan.name}@{window.decode_context}")
+
+    once = plan_cpsat(spec, profile, devices, workload, time_limit_s,
+                      kv_streamed=kv_streamed).plan
+    return plan_schedule(spec, profile, devices, workload, every, at,
+                         (dataclasses.replace(once, name="cpsat@run"),))

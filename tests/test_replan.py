@@ -14,6 +14,7 @@ from hx.planner.hardware import hardware_profile
 from hx.planner.replan import plan_schedule, switch_seconds, windows
 from hx.planner.simulator import predict, predict_run
 from hx.sampling import SamplingParams
+from hx.timeline import Timeline
 from hx.workload import Workload
 
 from plans import kv_host_odd
@@ -97,3 +98,16 @@ def test_the_schedule_switches_only_where_it_pays():
     fixed = {p.name: predict_run(p, spec, profile, workload).total_s for p in (a, b)}
     assert schedule.predicted_s <= schedule.fixed[1] + 1e-9
     assert schedule.fixed[1] == pytest.approx(min(fixed.values()), rel=0.05)
+
+
+def test_the_timeline_shows_each_switch(tiny_model):
+    n = tiny_model.spec.n_layers
+    stints = recompute_consistent(forced_every_8(n))
+    timeline = Timeline()
+    engine = Engine(tiny_model, stints=stints, timeline=timeline)
+    engine.generate_ids([[5, 9, 13]], SamplingParams(max_new_tokens=40))
+    timeline.wait()
+    switches = [e for e in timeline.events if e.name.startswith("re-plan to ")]
+    assert [(e.args["decode_step"], e.name[len("re-plan to "):]) for e in switches] == [
+        (s.start, s.plan.name) for s in stints[1:]]
+    assert all(e.end >= e.start for e in switches)

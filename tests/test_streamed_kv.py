@@ -16,7 +16,7 @@ from hx.generate import Engine
 from hx.memory import estimate
 from hx.models.llama import forward
 from hx.models.loader import Model
-from hx.plan import STREAMED, ExecutionPlan, Placement
+from hx.plan import STREAMED, ExecutionPlan, Placement, Stint
 from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.schedule import KV_LOAD, KV_STORE, RECOMPUTE
@@ -24,14 +24,8 @@ from hx.timeline import ACC_COMPUTE, D2H, H2D, Timeline
 from hx.workload import Workload
 
 from steps import left_padded_steps
+from test_executor import B, DECODE_STEPS, S, T, token_batches
 
-B, T, S, DECODE_STEPS = 2, 8, 32, 4
-
-
-def token_batches(spec):
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, spec.vocab_size, (B, T), dtype=np.int32)] + [
-        rng.integers(0, spec.vocab_size, (B, 1), dtype=np.int32) for _ in range(DECODE_STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +154,18 @@ def test_greedy_generation_with_a_chunked_prefill(tiny_model):
 
 
 def test_smollm2_greedy_outputs_do_not_change(smollm):
-    """The README's prompt, 16 tokens: every layer's cache streamed, r = 0, half the prompt and
-    every slot, equal to the all-accelerator plan's tokens."""
+    """The README's prompt, 24 tokens: every layer's cache streamed, r = 0, half the prompt and
+    every slot, then a different plan every 8 tokens: the all-accelerator plan's tokens."""
     prompt = smollm.tokenizer.encode("The capital of France is")
-    sampling = SamplingParams(max_new_tokens=16)
+    sampling = SamplingParams(max_new_tokens=24)
     n = smollm.spec.n_layers
     want = Engine(smollm, ExecutionPlan.all_accelerator(n)).generate_ids([prompt], sampling)
     for r in (0, len(prompt) // 2, 1024):
         got = Engine(smollm, policies.kv_streamed(n, r, weights_streamed=False)).generate_ids(
             [prompt], sampling)
         assert got[0].token_ids == want[0].token_ids, r
+    stints = [Stint(0, policies.kv_streamed(n, 3, weights_streamed=False)),
+              Stint(8, policies.stream_all(n)), Stint(16, ExecutionPlan.all_accelerator(n))]
+    engine = Engine(smollm, stints=stints)
+    assert engine.generate_ids([prompt], sampling)[0].token_ids == want[0].token_ids
+    assert [start for start, _ in engine.plan_log] == [0, 8, 16]

@@ -74,6 +74,11 @@ def generate(
         None, help="Rows per micro-batch in throughput mode (default: planned)."),
     micro_batches: Optional[int] = typer.Option(
         None, help="Micro-batches per block in throughput mode (default: planned)."),
+    replan_every: int = typer.Option(
+        0, "--replan-every",
+        help="With --prompt: re-plan every N decode steps as the context grows (CP-SAT per "
+             "window of N steps at its middle context; the plan switches between steps where "
+             "the predicted gain beats moving weights and KV caches); 0: one plan."),
     trace: Optional[Path] = typer.Option(None, "--trace",
                                          help="Write a Chrome/Perfetto trace of the run."),
     spill_dir: Optional[Path] = typer.Option(
@@ -93,6 +98,9 @@ def generate(
         raise HxError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompts is not None and output is None:
         raise HxError("--prompts needs --output OUT.jsonl")
+    if replan_every and (prompt is None or plan is not None or policy not in (None, "cpsat")):
+        raise HxError("--replan-every plans with CP-SAT for one --prompt: drop --prompts, "
+                      "--plan and --policy other than cpsat")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
     lock = contextlib.nullcontext()
@@ -103,7 +111,8 @@ def generate(
     options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory,
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
-                                micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul)
+                                micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul,
+                         replan_every)
     with lock:
         if prompt is not None:
             _generate_one(prompt, options)
@@ -139,6 +148,7 @@ class RunOptions:
     spill_dir: Optional[Path] = None
     kv: str = "dense"
     host_matmul: str = "auto"
+    replan_every: int = 0
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``)."""
@@ -186,17 +196,20 @@ def _hardware(options: RunOptions, devices):
     return for_policy(options.policy or "auto", path, devices, say)
 
 
-def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, hardware):
-    """The engine of a run on plan ``chosen``, checked against the budget, with its header
-    line (and, when a layer split stands in for CP-SAT, why) on stderr."""
+def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, hardware,
+            stints=()):
+    """The engine of a run on plan ``chosen`` (or on ``stints``, the first ``chosen``),
+    checked against the budget, with its header line (and, when a layer split stands in for
+    CP-SAT, why) on stderr."""
     from hx.generate import Engine
     from hx.memory import check_fits
     from hx.timeline import Timeline
 
     spec = loaded.spec
     need = check_fits(chosen, spec, devices, workload)
-    engine = Engine(loaded, chosen, devices, Timeline() if options.trace else None,
-                    str(options.spill_dir or tempfile.gettempdir()))
+    engine = Engine(loaded, None if stints else chosen, devices,
+                    Timeline() if options.trace else None,
+                    str(options.spill_dir or tempfile.gettempdir()), stints)
     segments = len(split_segments(chosen, "decode"))
     note(f"{spec.name} | {describe_dtype(spec.dtype, options.dtype, devices)} | weights "
          f"{spec.weight_format}/{spec.embedding_format} {format_bytes(spec.weight_bytes)}, "
@@ -220,8 +233,9 @@ def _generate_one(prompt: str, options: RunOptions) -> None:
     check_prompts([len(ids)], spec)
     workload = Workload.for_prompts(1, len(ids), sampling.max_new_tokens, spec)
     hardware = _hardware(options, devices)
-    engine = _engine(loaded, options.place(spec, devices, workload, hardware), devices,
-                     workload, options, hardware)
+    stints = _replan(spec, devices, workload, options, hardware) if options.replan_every else ()
+    chosen = stints[0].plan if stints else options.place(spec, devices, workload, hardware)
+    engine = _engine(loaded, chosen, devices, workload, options, hardware, stints)
     del loaded  # frees the loader's weight arrays: the executor holds the weights now
     with err.status("starting", spinner="dots") as status:
         engine.on_status = lambda line: status.update(Text(line))
@@ -236,7 +250,31 @@ def _generate_one(prompt: str, options: RunOptions) -> None:
     if result.finish_reason == "context":
         say(f"stopped at the model's context of {spec.context_length} tokens: "
             f"{len(result.token_ids)} of the {sampling.max_new_tokens} new tokens asked for")
+    if options.replan_every:
+        ends = [start for start, _ in engine.plan_log[1:]] + [len(result.token_ids) - 1]
+        note("plans: " + ", ".join(f"decode steps {start}-{end - 1} {name}" for (start, name), end
+                                   in zip(engine.plan_log, ends)))
     _report_memory(engine, options.trace)
+
+
+def _replan(spec, devices, workload: Workload, options: RunOptions, hardware):
+    """The stints of a run re-planned every ``options.replan_every`` decode steps
+    (``planner.replan.cpsat_schedule``), with what they are predicted to gain on stderr.
+
+    Raises:
+      HxError: no hardware profile (``hx profile`` makes one).
+    """
+    from hx.planner.replan import cpsat_schedule
+
+    if hardware is None:
+        raise HxError("--replan-every plans with CP-SAT, which needs a hardware profile: run "
+                      "`hx profile` once")
+    schedule = cpsat_schedule(spec, hardware, devices, workload, options.replan_every)
+    note(f"re-planned every {options.replan_every} decode steps: {len(schedule.stints)} "
+         f"plan(s), predicted run {schedule.predicted_s:.2f} s against "
+         f"{schedule.fixed[1]:.2f} s for the best single plan ({schedule.fixed[0].name}); "
+         f"solved in {schedule.solve_s:.1f} s")
+    return schedule.stints
 
 
 def _generate_file(prompts: Path, output: Path, options: RunOptions) -> None:

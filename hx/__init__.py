@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from hx.generate import Engine
     from hx.models.loader import Model, load
     from hx.models.spec import ModelSpec
-    from hx.plan import ExecutionPlan
+    from hx.plan import ExecutionPlan, Stint
     from hx.planner import policies
     from hx.sampling import SamplingParams
     from hx.scheduler import Completion

@@ -67,7 +67,7 @@ from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.programs import SplitHostProgram, programs_for
 from hx.schedule import (ACT_LOAD, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction, Schedule,
-                         act_copy_key, act_key, cache_key, compile_schedule, copy_key,
+                         act_copy_key, act_key, cache_key, compile_schedule, copy_end, copy_key,
                          head_key, staging_key, step_key, streamed_layers)
 from hx.segments import split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
@@ -556,7 +556,7 @@ class _BlockStep:
         self.record(index, ins, H2D, f"h {r_of}", moved, dispatch, bytes=nbytes)
 
     def kv_load(self, index: int, ins: Instruction) -> None:
-        """Copy K, V of the written slots from r on (``streamed_kv.copy_end``) into
+        """Copy K, V of the written slots from r on (``schedule.copy_end``) into
         accelerator memory (H2D); at r = 0 the copy, padded to S slots, is the cache."""
         i, m, S = ins.segment, ins.micro, self.schedule.slots
         dispatch = time.perf_counter()
@@ -565,7 +565,7 @@ class _BlockStep:
         nbytes = padded = 0  # bytes copied; of copies padded into a cache at once
         for layer, r in streamed_layers(self.ex.plan, self.segments[i]):
             parts = streamed_kv.kv_only(self.caches[m][layer])
-            end = streamed_kv.copy_end(S, r, self.written(m))
+            end = copy_end(S, r, self.written(m))
             if (r, end) != (0, S):
                 parts = streamed_kv.host_slice(parts, min(r, S), end)
             tail = jax.device_put(parts, self.ex._acc_memory)

@@ -39,8 +39,8 @@ the store of the one before it (prefetch depth 1): at most two copied caches are
 accelerator memory at once (owner ``kv``), double-buffered as staged weights are. The
 assembly holds a pair's copied ``h`` and tail, its recomputed head and the assembled cache at
 once (``act_copy_key``, ``copy_key``, ``head_key``, ``cache_key``) and releases all but the
-cache (``Instruction.releases``), which the store frees. The recompute's own temporaries are
-not sized.
+cache (``Instruction.releases``), which the store frees; the recompute's temporaries are
+counted as its K and V products in float32 (``recompute_temp_key``).
 
 Every instruction lists the earlier instructions it depends on (``Instruction.deps``):
 data-flow edges are recorded here, once.
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -80,6 +81,7 @@ ACT_LOAD, KV_LOAD, RECOMPUTE, KV_STORE = "act load", "kv load", "recompute", "kv
 DISK_READ = "disk"  # the resource both occupy
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
 INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
+COPY_QUANTUM = 128  # cache slots: a streamed cache's kv load copies whole quanta of its slots
 
 
 def step_key(micro: int = 0) -> tuple:
@@ -113,6 +115,11 @@ def head_key(segment: int, micro: int = 0) -> tuple:
     return ("kv head", segment, micro)
 
 
+def recompute_temp_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the recompute's temporaries (its float32 products)."""
+    return ("kv recompute", segment, micro)
+
+
 def cache_key(segment: int, micro: int = 0) -> tuple:
     """Accountant key of the assembled (B, S) cache the launch attends and appends to."""
     return ("kv cache", segment, micro)
@@ -131,6 +138,14 @@ def kv_link_bytes(spec: ModelSpec, rows: int, positions: int, recompute: int) ->
     [r, positions) (``models.tensors.kv_bytes``)."""
     r = min(recompute, positions)
     return activation_bytes(spec, "h", rows, r), kv_bytes(spec, rows, positions - r)
+
+
+def copy_end(slots: int, recompute: int, written: int) -> int:
+    """End of the slots a ``kv load`` copies, [r, end): the ``written`` slots (the step's
+    write index) rounded up to ``COPY_QUANTUM``, at least r, at most S (``hx.streamed_kv``).
+    Slots from ``written`` on hold no key a query of this step reads before the step writes
+    it."""
+    return min(slots, max(recompute, math.ceil(written / COPY_QUANTUM) * COPY_QUANTUM))
 
 
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
@@ -410,10 +425,15 @@ class _Builder:
             held = len(layers) * kv_bytes(self.spec, self.B, self.S)
             after = [self.last.get((STAGE, i)), self.synced if self.segments[i].streams
                      else None]
+            # the K and V products in float32 before their cast: the recompute's temporaries
+            temp = sum(2 * self.B * min(r, self.S) * self.spec.n_kv_heads
+                       * self.spec.head_dim * 4 for _, r in layers)
             deps.append(self.add(Instruction(
                 RECOMPUTE, i, m, ACCELERATOR, ("k", "v"), tokens=r,
-                allocs=((head_key(i, m), "kv", head), (cache_key(i, m), "kv", held)),
-                releases=(act_copy_key(i, m), copy_key(i, m), head_key(i, m))),
+                allocs=((head_key(i, m), "kv", head), (cache_key(i, m), "kv", held),
+                        (recompute_temp_key(i, m), "activations", temp)),
+                releases=(act_copy_key(i, m), copy_key(i, m), head_key(i, m),
+                          recompute_temp_key(i, m))),
                 self.loads[(i, m)][:1] + after))
         if k + 1 < len(self.kv_pairs):
             self.load(k + 1)

@@ -11,9 +11,10 @@ and V. Per micro-batch, ``hx.executor`` carries out ``hx.schedule``'s instructio
 programs:
 
   ``act load``   ``host_slice`` of ``h`` [0, r), copied H2D
-  ``kv load``    ``host_slice`` of K, V [r, end), copied H2D: ``end`` (``copy_end``) is the
-                 slots written before the step rounded up to ``COPY_QUANTUM`` (one program
-                 per quantum, not per step); at r = 0 the copy is ``assemble``d at once
+  ``kv load``    ``host_slice`` of K, V [r, end), copied H2D: ``end``
+                 (``hx.schedule.copy_end``) is the slots written before the step rounded up
+                 to ``COPY_QUANTUM`` (one program per quantum, not per step); at r = 0 the
+                 copy is ``assemble``d at once
   ``recompute``  ``recompute`` of K, V at [0, r) on the accelerator from ``h`` (the layer's K
                  and V ops, RoPE at each slot's position ``max(slot - kv_start, 0)``,
                  compressed into the cache's format), then ``assemble``: recomputed head,
@@ -30,7 +31,6 @@ the cache is still crossing the link (it waits only for ``h``).
 from __future__ import annotations
 
 import functools
-import math
 import jax
 import jax.numpy as jnp
 
@@ -40,15 +40,7 @@ from hx.models.tensors import kv_format
 from hx.plan import ExecutionPlan
 from hx.segments import Segment
 
-COPY_QUANTUM = 128  # cache slots: a kv load copies whole quanta of the written slots
 H = "h"  # the key of a recomputing layer's kept activations in its host cache
-
-
-def copy_end(slots: int, recompute: int, written: int) -> int:
-    """End of the slots a ``kv load`` copies, [r, end): the ``written`` slots (the step's
-    write index) rounded up to ``COPY_QUANTUM``, at least r, at most S. Slots from ``written``
-    on hold no key a query of this step reads before the step writes it."""
-    return min(slots, max(recompute, math.ceil(written / COPY_QUANTUM) * COPY_QUANTUM))
 
 
 def keep_h(plan: ExecutionPlan, segment: Segment) -> tuple[int, ...]:

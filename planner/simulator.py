@@ -47,10 +47,9 @@ from hx.planner.cost import op_cost
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
 from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
-                         RECOMPUTE, STAGE, WAIT, compile_schedule, kv_link_bytes,
+                         RECOMPUTE, STAGE, WAIT, compile_schedule, copy_end, kv_link_bytes,
                          staged_bytes, streamed_layers)
 from hx.segments import Segment
-from hx.streamed_kv import copy_end
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
 

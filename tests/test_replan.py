@@ -37,10 +37,13 @@ def test_switching_every_8_tokens_keeps_the_tokens(tiny_model):
     stints = recompute_consistent(forced_every_8(n))
     assert stints[0].plan.recompute(0) == 5 and stints[4].plan.recompute(0) == 0
     engine = Engine(tiny_model, stints=stints)
-    for _ in range(2):  # a second run starts under the first plan again
-        got = engine.generate_ids(prompts, sampling)
-        assert [c.token_ids for c in got] == [c.token_ids for c in want]
-        assert engine.plan_log == [(s.start, s.plan.name) for s in stints]
+    got = engine.generate_ids(prompts, sampling)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert engine.plan_log == [(s.start, s.plan.name) for s in stints]
+    # a second run starts under the first plan again
+    again = engine.generate_ids(prompts, SamplingParams(max_new_tokens=12))
+    assert [c.token_ids for c in again] == [c.token_ids[:12] for c in want]
+    assert engine.plan_log == [(s.start, s.plan.name) for s in stints[:2]]
     # caches released, every plan's resident weights placed once at a time
     assert engine.accountant.in_use == engine.accountant.by_owner()["weights"]
 

@@ -20,13 +20,13 @@ from profiles import LARGE_HOST, gpu_like
 
 # (budget as a fraction of the weights, batch, prompt tokens), a fraction of the cost of their
 # full product (CP-SAT and the dry runs dominate CI time): Llama-2-70B the batch-1 point
-# (CP-SAT's costliest: whole-run candidates), Llama-2-7B the largest activations (16 x 1000)
-# and the largest budget.
+# (CP-SAT's costliest: whole-run candidates), Llama-2-7B the largest activations (16 x 1000);
+# the largest budget is left to tests/test_planner.py's sweeps.
 SCENARIOS = ((0.25, 1, 1000), (0.5, 16, 1000), (1.2, 16, 128))
 NEW_TOKENS = 32
 
 
-@pytest.mark.parametrize("model,scenarios", [("llama2-7b", SCENARIOS[1:]),
+@pytest.mark.parametrize("model,scenarios", [("llama2-7b", SCENARIOS[1:2]),
                                              ("llama2-70b", SCENARIOS[:1])])
 def test_every_policy_fits_its_dry_run_or_states_the_minimum(model, scenarios):
     spec, profile = PRESETS[model], gpu_like()

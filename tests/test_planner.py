@@ -20,10 +20,10 @@ def workload(spec, batch=1):
     return Workload.for_prompts(batch, 128, 128, spec)
 
 
-@pytest.mark.parametrize("model,fractions", [("smollm2-135m", FRACTIONS),
+@pytest.mark.parametrize("model,fractions", [("smollm2-135m", FRACTIONS[::2]),
                                              ("llama2-70b", FRACTIONS[1::2])])
 def test_cpsat_proves_optimality_at_every_budget(model, fractions):
-    """Ten budgets at SmolLM2's shapes, five of them at Llama-2-70B's (CI time)."""
+    """Five budgets each, between them the ten from barely feasible to fitting (CI time)."""
     spec, profile = PRESETS[model], gpu_like()
     w = workload(spec)
     previous = None

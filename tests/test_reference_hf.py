@@ -1,8 +1,8 @@
 """SmolLM2-135M through hx vs Hugging Face transformers on the same GGUF.
 
 float32 (hx's float32 on any backend, HF float32 on CPU torch): for every acceptance plan
-(all-accelerator, all-host, stream-all, layer-split 10, KV on the host for odd layers,
-alternating op devices, SCORE + MLP1 on the host): last-position logits within 1e-4 relative and
+(all-accelerator, all-host, stream-all, layer-split 10, alternating op devices, SCORE + MLP1
+on the host): last-position logits within 1e-4 relative and
 identical 32-token greedy continuations, while the accelerator budget is set to exactly what the
 plan claims to need (the accountant raises if it is ever passed). hx runs each prompt set as one
 left-padded batch; the reference runs each prompt alone.
@@ -41,7 +41,8 @@ GREEDY_PROMPTS = LOGIT_PROMPTS[:3] + [
     "Water boils at a temperature of",
     "A haiku about autumn:\n",
 ]
-PLANS = acceptance_plans(30, splits=(10,))
+PLANS = {name: plan for name, plan in acceptance_plans(30, splits=(10,)).items()
+         if name != "kv-host-odd"}  # host KV: all-host, stream-all (CI time)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ micro-batch (KVPR, Jiang et al. 2024, with r = ``plan.recompute``):
 
   ``act load``   H2D: the layer's input activations ``h`` of positions [0, r)
   ``kv load``    H2D: the K, V of positions [r, S) (the executor copies those written so far,
-                 ``streamed_kv.copy_end``; at r = 0 it assembles the cache at once)
+                 ``copy_end``; at r = 0 it assembles the cache at once)
   ``recompute``  accelerator: the K and V ops (RoPE included) on the r positions, after
                  ``act load`` and the segment's weights and while ``kv load`` crosses; then
                  the cache is assembled (recomputed head, copied tail)

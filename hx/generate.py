@@ -178,11 +178,8 @@ class Engine:
         Raises:
           HxError: naming the plan, the limit and the bytes over.
         """
-        for stint in self.stints[1:]:
-            check_fits(stint.plan, self.model.spec, self.executor.devices, workload,
-                       self.executor.programs)
-        return check_fits(self.stints[0].plan, self.model.spec, self.executor.devices,
-                          workload, self.executor.programs)
+        return [check_fits(stint.plan, self.model.spec, self.executor.devices, workload,
+                           self.executor.programs) for stint in self.stints][0]
 
     def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:
         """Switch to the plan of decode step ``step`` (``stints``) if it is not the one in

@@ -116,6 +116,15 @@ def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
             + d2h / profile.d2h_bandwidth)
 
 
+def distinct(plans: list[ExecutionPlan]) -> list[ExecutionPlan]:
+    """``plans`` without repeats of a placement (names aside), each kept under its first
+    name."""
+    found: dict[ExecutionPlan, ExecutionPlan] = {}
+    for plan in plans:
+        found.setdefault(dataclasses.replace(plan, name=""), plan)
+    return list(found.values())
+
+
 def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                   workload: Workload, every: int, solve: Solve,
                   also: tuple[ExecutionPlan, ...] = ()) -> PlanSchedule:
@@ -137,15 +146,10 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
         raise ValueError(f"every={every}: re-plan every 1 or more decode steps")
     spans = windows(workload, every)
     started = time.perf_counter()
-    found: dict[ExecutionPlan, ExecutionPlan] = {}  # the plan without its name -> the first
-    for plan in also:
-        found.setdefault(dataclasses.replace(plan, name=""), plan)
-    for window in spans:
-        plan = solve(window_workload(workload, window))
-        found.setdefault(dataclasses.replace(plan, name=""), plan)
-    candidates = list(found.values())
+    candidates = distinct(list(also) + [solve(window_workload(workload, w)) for w in spans])
     solve_s = time.perf_counter() - started
     B, N, S = workload.batch, workload.micro_batches, workload.cache_slots
+    prefill = {c: predict_run(c, spec, profile, workload).ttft_s for c in candidates}
     memo: dict[tuple[ExecutionPlan, Window], float] = {}
 
     def window_s(plan: ExecutionPlan, window: Window) -> float:
@@ -160,7 +164,7 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
 
     def run_s(stints: list[Stint]) -> float:
         """The run under ``stints``: prefill, windows, switches."""
-        total = predict_run(stints[0].plan, spec, profile, workload).ttft_s
+        total = prefill[stints[0].plan]
         for k, window in enumerate(spans):
             plan = plan_at(stints, window.start)
             before = plan_at(stints, spans[k - 1].start) if k else plan
@@ -168,13 +172,12 @@ def plan_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
         return total
 
     # best[c]: the cheapest (cost, stints) over the windows so far, ending under candidate c
-    best = [(run_s([Stint(0, c)]) - sum(window_s(c, w) for w in spans[1:]), [Stint(0, c)])
-            for c in candidates]
+    best = [(prefill[c] + window_s(c, spans[0]), [Stint(0, c)]) for c in candidates]
     for window in spans[1:]:
-        best = [min(((cost + window_s(c, window), stints) if stints[-1].plan == c else
-                     (cost + window_s(c, window) + switch_s(stints[-1].plan, c, window),
-                      stints + [Stint(window.start, c)]) for cost, stints in best),
-                    key=lambda option: option[0]) for c in candidates]
+        best = [min(((cost + window_s(c, window) + switch_s(stints[-1].plan, c, window),
+                      stints if stints[-1].plan == c else stints + [Stint(window.start, c)])
+                     for cost, stints in best), key=lambda option: option[0])
+                for c in candidates]
     stints = recompute_consistent(min(best, key=lambda option: option[0])[1])
     single = {c.name: run_s([Stint(0, c)]) for c in candidates}
     fixed = min(candidates, key=lambda c: single[c.name])

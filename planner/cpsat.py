@@ -23,7 +23,7 @@ from hx.memory import PROXY, activation_reserve, check_fits, estimate
 from hx.models.spec import HEAD, ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import RESIDENT, ExecutionPlan
-from hx.planner.cpsat_model import solve_counts
+from hx.planner.cpsat_model import Hint, solve_counts
 from hx.planner.patterns import (Pattern, decode_front, end_costs, layer_plan,
                                  offloaded_prefill, prune, whole_run_costs)
 from hx.planner.profile import HardwareProfile
@@ -52,6 +52,7 @@ class PlannerResult:
         fewest device switches); ``tolerance``: the fraction used.
       model_bytes: accelerator bytes of the plan taken as the model counts them (the
         activation reserve included; ``memory.estimate`` sizes the plan exactly).
+      hint: the counts taken, as a warm start for a later solve (``solve``'s ``hint``).
     """
 
     plan: ExecutionPlan
@@ -65,6 +66,7 @@ class PlannerResult:
     chosen_s: float
     tolerance: float
     model_bytes: int
+    hint: Hint
 
 
 def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
@@ -235,7 +237,7 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
 def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload: Workload,
           time_limit_s: float = 5.0, seed: int = 0, tolerance: float | None = None,
           prefill_chunk: int = MIN_CHUNK, whole_run: bool = False, kv_disk: bool = False,
-          kv_streamed: bool = False) -> PlannerResult:
+          kv_streamed: bool = False, hint: Hint | None = None) -> PlannerResult:
     """The plan minimising the predicted decode step (or, ``whole_run``, the run per decode
     step) under the memory budgets.
 
@@ -270,6 +272,8 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         starts from the optimum as a hint and gets what is left of the time limit; if it finds
         nothing, the optimum is taken. ``status`` is the first solve's (optimality of
         ``objective_s``).
+      hint: a solution to start the first solve from (``PlannerResult.hint`` of an earlier
+        solve, e.g. at a shorter context: ``replan.cpsat_schedule``'s warm start).
     Raises:
       HxError: no plan fits the budgets; the message gives the smallest accelerator budget
         that admits one (and says when a profile without a disk read rate kept weights off
@@ -293,7 +297,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     tolerance = profile.model_error if tolerance is None else tolerance
     try:
         found = solve_counts(spec, costs, ends, act, head_act, devices, workload, time_limit_s,
-                             seed, tolerance)
+                             seed, tolerance, hint)
     except HxError as e:
         if short and not disk:
             raise HxError(f"{e}. The hardware profile {profile.name!r} has no disk read rate, "
@@ -310,7 +314,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     return PlannerResult(plan, found.status, objective, found.bound_s,
                          (objective - found.bound_s) / objective if objective else 0.0,
                          found.solve_s, len(costs), found.counts, found.chosen_s, tolerance,
-                         found.model_bytes)
+                         found.model_bytes, found.hint)
 
 
 def head_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int) -> int:

@@ -133,6 +133,16 @@ def _solver(time_limit_s: float, seed: int) -> cp_model.CpSolver:
     return solver
 
 
+@dataclass(frozen=True)
+class Hint:
+    """A solution to start a later search from (warm start): layers per pattern and the
+    EMBED/HEAD pair (``patterns.end_states``)."""
+
+    counts: dict[Pattern, int]
+    embed: str
+    head: str
+
+
 @dataclass
 class Solution:
     """CP-SAT's answer: layers per pattern, EMBED's and HEAD's states, and how it got there.
@@ -157,15 +167,22 @@ class Solution:
     solve_s: float
     model_bytes: int
 
+    @property
+    def hint(self) -> Hint:
+        """This solution as a warm start (``solve_counts``' ``hint``)."""
+        return Hint(self.counts, self.embed, self.head)
+
 
 def solve_counts(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost], act: int,
                  head_act: int, devices: Devices, workload: Workload, time_limit_s: float,
-                 seed: int, tolerance: float) -> Solution:
+                 seed: int, tolerance: float, hint: Hint | None = None) -> Solution:
     """Minimise the objective over pattern counts under the budgets of ``devices`` with
     ``act`` bytes of activations reserved where anything runs on the accelerator and
     ``head_act`` more where HEAD does (``cpsat.head_reserve``); then, with ``tolerance`` > 0, the device switches
     among counts within that fraction of the optimum (best effort: the optimum stands if the
-    second solve finds nothing). Arguments as ``cpsat.solve``'s.
+    second solve finds nothing). ``hint``: a solution to start the search from (warm start,
+    e.g. the previous context's while re-planning: ``_hint``); the rest of the arguments as
+    ``cpsat.solve``'s.
 
     Raises:
       HxError: CP-SAT found nothing in its time limit, or no counts fit (the message gives
@@ -174,6 +191,8 @@ def solve_counts(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost],
     built = _build(spec, costs, ends, act, head_act, devices.accelerator.capacity,
                    devices.host.capacity)
     built.model.Minimize(built.seconds)
+    if hint is not None:
+        _hint(built, costs, ends, hint)
     solver = _solver(time_limit_s, seed)
     start = time.perf_counter()
     status = solver.Solve(built.model)
@@ -197,6 +216,16 @@ def solve_counts(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost],
                     solver.BestObjectiveBound() * TIME_UNIT,
                     _step_units(costs, ends, n, end) * TIME_UNIT, time.perf_counter() - start,
                     model_bytes)
+
+
+def _hint(built: _Model, costs: list[PatternCost], ends: list[EndCost], hint: Hint) -> None:
+    """Hint ``built`` with ``hint``'s counts and EMBED/HEAD pair (0 layers of every pattern
+    it does not use). A hint is where the search starts: one that does not fit the budgets
+    or that names patterns this model does not offer only starts it elsewhere."""
+    for c, n in zip(costs, built.n):
+        built.model.AddHint(n, hint.counts.get(c.pattern, 0))
+    for e, x in zip(ends, built.ends):
+        built.model.AddHint(x, int((e.embed, e.head) == (hint.embed, hint.head)))
 
 
 def _fewest_switches(built: _Model, solver: cp_model.CpSolver, variables: list, values: list,

@@ -190,15 +190,21 @@ def cpsat_schedule(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                    kv_streamed: bool = False) -> PlanSchedule:
     """``plan_schedule`` with CP-SAT's decode-step plan of each window (``cpsat.solve``),
     named ``cpsat@<context>`` by the context it was solved at, and the plan hx takes without
-    re-planning (``cpsat.plan_cpsat`` for the whole run, prefill weighed) named ``cpsat@run``."""
+    re-planning (``cpsat.plan_cpsat`` for the whole run, prefill weighed) named ``cpsat@run``.
+    Each window's solve is warm-started from the plan before it (the whole run's, then the
+    previous window's: ``cpsat.solve``'s ``hint``); ``PlanSchedule.solve_s`` counts the
+    windows' solves."""
     from hx.planner.cpsat import plan_cpsat, solve
 
-    def at(window: Workload) -> ExecutionPlan:
-        plan = solve(spec, profile, devices, window, time_limit_s,
-                     kv_streamed=kv_streamed).plan
-        return dataclasses.replace(plan, name=f"{plan.name}@{window.decode_context}")
+    once = plan_cpsat(spec, profile, devices, workload, time_limit_s, kv_streamed=kv_streamed)
+    previous = [once.hint]
 
-    once = plan_cpsat(spec, profile, devices, workload, time_limit_s,
-                      kv_streamed=kv_streamed).plan
+    def at(window: Workload) -> ExecutionPlan:
+        result = solve(spec, profile, devices, window, time_limit_s, kv_streamed=kv_streamed,
+                       hint=previous[-1])
+        previous.append(result.hint)
+        return dataclasses.replace(result.plan,
+                                   name=f"{result.plan.name}@{window.decode_context}")
+
     return plan_schedule(spec, profile, devices, workload, every, at,
-                         (dataclasses.replace(once, name="cpsat@run"),))
+                         (dataclasses.replace(once.plan, name="cpsat@run"),))

@@ -48,6 +48,26 @@ def test_cpsat_is_deterministic():
     assert a.plan == b.plan and a.objective_s == b.objective_s
 
 
+def test_a_warm_start_changes_where_the_search_starts_not_its_optimum():
+    """A hint from a larger budget (a solution that does not fit here): the same proven
+    optimum as the cold solve, and the plan fits."""
+    spec, profile = PRESETS["llama2-7b"], gpu_like()
+    w = workload(spec)
+
+    def at(fraction, hint=None):
+        devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),
+                           host_memory=LARGE_HOST)
+        return devices, solve(spec, profile, devices, w, 1.0, tolerance=0, hint=hint)
+
+    _, roomy = at(0.5)
+    devices, cold = at(0.1)
+    assert roomy.counts != cold.counts  # the hint is a plan that does not fit at 0.1
+    _, warm = at(0.1, roomy.hint)
+    assert warm.status == "OPTIMAL"
+    assert warm.objective_s == pytest.approx(cold.objective_s, rel=1e-9)
+    check_fits(warm.plan, spec, devices, w)
+
+
 def switches(plan) -> int:
     devices = [device for _, _, device in plan.decode.sequence()]
     return sum(a != b for a, b in zip(devices, devices[1:]))

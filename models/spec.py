@@ -268,6 +268,31 @@ class ModelSpec:
         """Bytes of one decoder layer's weights."""
         return sum(self.op_weight_bytes(op) for op in LAYER_OPS)
 
+    def shard(self, tp: int) -> "ModelSpec":
+        """The part of the model one of ``tp`` accelerators holds and computes under tensor
+        parallelism (Megatron-LM, Shoeybi et al. 2019, §3): Q, K, V split by column into
+        heads (KV heads ceil(K / tp) per device, each query head beside its KV head; where K <
+        tp, one KV head per device, copied where devices share it), OUT by row over the same
+        heads, MLP1 by column and MLP2 by row over the feed-forward size (ceil(F / tp)), the
+        embedding and HEAD over the vocabulary (ceil(V / tp)); D, norms and biases of
+        row-split products whole on every device. Counts that ``tp`` does not divide are
+        rounded up: a device holds zero-padded heads, as an executor with equal shards must.
+        ``tp`` = 1 is the model itself.
+
+        Raises:
+          ValueError: ``tp`` < 1.
+        """
+        if tp < 1:
+            raise ValueError(f"tensor-parallel degree {tp}: 1 or more accelerators")
+        if tp == 1:
+            return self
+        kv = -(-self.n_kv_heads // tp)
+        heads = (kv * (self.n_heads // self.n_kv_heads) if self.n_kv_heads >= tp
+                 else -(-self.n_heads // tp))
+        return self.replace(name=f"{self.name} (TP shard 1/{tp})", n_heads=heads,
+                            n_kv_heads=kv, d_ff=-(-self.d_ff // tp),
+                            vocab_size=-(-self.vocab_size // tp))
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of all distinct weights (a tied embedding counted once)."""

@@ -27,11 +27,13 @@ the preset says so (``GpuSheet.note``) and stands in the nearest sourced figure.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager
 
 from hx.errors import HxError
+from hx.planner.mesh import Interconnect
 from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
 
 GB, GiB = 10**9, 2**30
@@ -195,6 +197,35 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+@dataclass(frozen=True)
+class Machine:
+    """Several GPUs of one preset in one host (``PRESETS[preset]``: its GPU sheet is each
+    GPU's, its host sheet the machine's), joined by ``interconnect`` (``planner.mesh``)."""
+
+    name: str
+    preset: str
+    gpus: int
+    interconnect: Interconnect
+
+
+# docs/hardware-sources.md §8 gives each figure's source in full.
+MACHINES: dict[str, Machine] = {
+    "4xa10g": Machine(
+        "4 x A10G-24GB (AWS g5.12xlarge: the a10g preset's host), PCIe, no NVLink", "a10g", 4,
+        Interconnect(
+            3.10 * GB, 11e-6,
+            "all-reduce bus bandwidth 3.10 GB/s: nccl-tests all_reduce_perf on 4 x A10G, "
+            "29.4 MB, NCCL 2.18.5 (pytorch/pytorch #127077, abdulfatir; the faster of the two "
+            "NCCL versions in that report); 11 us a small all-reduce: 4 x RTX A5000 on one "
+            "PCIe host, 32-256 B (NVIDIA/nccl #757), no A10G figure found")),
+}
+
+
+def machine(name: str) -> Machine | None:
+    """The several-GPU machine ``name`` names (``MACHINES``), or None for a one-GPU preset."""
+    return MACHINES.get(name.strip().lower())
+
+
 def _scaled(curve: tuple[tuple[int, float], ...], factor: float, cap: float
                   ) -> tuple[tuple[int, float], ...]:
     return tuple((m, min(rate * factor, cap)) for m, rate in curve)
@@ -263,7 +294,9 @@ def memory_sizing(name: str) -> ContextManager[None]:
 
 
 def hardware_profile(name: str) -> HardwareProfile:
-    """The profile of a preset (``PRESETS`` keys) or ``"local"`` (this machine's saved one).
+    """The profile of a preset (``PRESETS`` keys) or ``"local"`` (this machine's saved one);
+    of a several-GPU machine (``MACHINES``), one of its GPUs beside the whole host
+    (``mesh.tensor_parallel`` gives a GPU its share of the host under tensor parallelism).
 
     Raises:
       HxError: an unknown name (the message lists the presets), or ``local`` with no profile
@@ -275,7 +308,10 @@ def hardware_profile(name: str) -> HardwareProfile:
         if profile is None:
             raise HxError("no measured profile of this machine: run `hx profile` first")
         return profile
+    if key in MACHINES:
+        several = MACHINES[key]
+        return dataclasses.replace(build(PRESETS[several.preset]), name=several.name)
     if key not in PRESETS:
         raise HxError(f"unknown hardware preset {name!r}; presets: "
-                      f"{', '.join([*PRESETS, LOCAL])}")
+                      f"{', '.join([*PRESETS, *MACHINES, LOCAL])}")
     return build(PRESETS[key])

@@ -188,6 +188,12 @@ class HardwareProfile:
         from the page cache: ``rates.measure_disk_read``), 0 in a profile measured before it
         did (``hx profile`` again); nothing prices writes.
       disk_memory: bytes of the disk tier (None: none or unknown).
+      tensor_parallel: accelerators each step's ops are split over (``planner.mesh``): this
+        profile is then one of them beside its share of the host (``mesh.tensor_parallel``),
+        and every row-split product on the accelerator ends in an all-reduce.
+      allreduce_bandwidth / allreduce_latency: the accelerators' all-reduce, NCCL's "bus
+        bandwidth" in bytes/s and the seconds of a small one (``mesh.allreduce_seconds``);
+        0 on one accelerator.
     """
 
     name: str
@@ -210,6 +216,9 @@ class HardwareProfile:
     disk_write_bandwidth: float = 0.0
     disk_memory: int | None = None
     compute_contention: float = 0.0
+    tensor_parallel: int = 1
+    allreduce_bandwidth: float = 0.0
+    allreduce_latency: float = 0.0
 
     def excursion_seconds(self, batch: int = 1, nbytes: int = 0) -> float:
         """Seconds the simulator adds for one accelerator -> host -> accelerator excursion of a

@@ -44,6 +44,7 @@ from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.models.tensors import int4_matrices, kv_bytes, weight_dtype
 from hx.plan import ExecutionPlan
 from hx.planner.cost import op_cost
+from hx.planner.mesh import collective_seconds
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
 from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
@@ -83,10 +84,15 @@ class Prediction:
 def op_seconds(spec: ModelSpec, profile: HardwareProfile, device: str, op: str, batch: int,
                tokens: int, slots: int, context: int) -> float:
     """Seconds of one op on ``device``: ``tokens`` new tokens per row, ``slots`` cache slots,
-    ``context`` of them in use (the host SCORE kernel reads only those)."""
+    ``context`` of them in use (the host SCORE kernel reads only those); on the accelerator
+    under tensor parallelism, with the collective that ends it (``mesh.collective_seconds``:
+    ``spec`` is then the shard)."""
     rates = profile.device(device)
-    return rates.scale(batch) * _op_seconds(spec, rates, device, op, batch, tokens, slots,
-                                            context)
+    seconds = rates.scale(batch) * _op_seconds(spec, rates, device, op, batch, tokens, slots,
+                                               context)
+    if device == ACCELERATOR:  # its all-reduce under tensor parallelism
+        seconds += collective_seconds(spec, profile, op, batch, tokens)
+    return seconds
 
 
 def host_read_slots(slots: int, context: int) -> int:

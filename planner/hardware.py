@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from hx.errors import HxError
-from hx.planner.mesh import Interconnect
+from hx.planner.mesh import Interconnect, tensor_parallel
 from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
 
 GB, GiB = 10**9, 2**30
@@ -224,6 +224,24 @@ MACHINES: dict[str, Machine] = {
 def machine(name: str) -> Machine | None:
     """The several-GPU machine ``name`` names (``MACHINES``), or None for a one-GPU preset."""
     return MACHINES.get(name.strip().lower())
+
+
+def tensor_parallel_profile(name: str, tp: int) -> HardwareProfile:
+    """One GPU of machine ``name`` under ``tp``-way tensor parallelism with its share of the
+    host (``mesh.tensor_parallel``); ``hardware_profile(name)`` at ``tp`` = 1.
+
+    Raises:
+      HxError: ``tp`` > 1 on a one-GPU preset, or more than the machine's GPUs.
+    """
+    profile = hardware_profile(name)
+    if tp == 1:
+        return profile
+    several = machine(name)
+    gpus = several.gpus if several else 1
+    if not 1 <= tp <= gpus:
+        raise HxError(f"tensor parallelism over {tp} GPUs: {name!r} has {gpus}; several-GPU "
+                      f"machines: {', '.join(f'{k} ({m.gpus})' for k, m in MACHINES.items())}")
+    return tensor_parallel(profile, tp, several.interconnect)
 
 
 def _scaled(curve: tuple[tuple[int, float], ...], factor: float, cap: float

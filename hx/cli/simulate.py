@@ -19,7 +19,7 @@ from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
 from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
-from hx.planner.hardware import LOCAL, hardware_profile
+from hx.planner.hardware import LOCAL, hardware_profile, tensor_parallel_profile
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import as_timeline
 
@@ -62,8 +62,8 @@ def simulate_command(
     weights: str = WeightsOption,
     kv: str = KvOption,
     hardware: Optional[str] = typer.Option(
-        None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, or local (the "
-                   "profile `hx profile` saved); default local."),
+        None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, 4xa10g (four A10Gs: "
+                   "see --tp), or local (the profile `hx profile` saved); default local."),
     profile: Optional[Path] = ProfileOption,
     policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}."),
     budget: float = typer.Option(1.0, help="Accelerator budget, a fraction of its memory."),
@@ -73,10 +73,17 @@ def simulate_command(
     trace: Optional[Path] = typer.Option(None, help="Write the simulated decode step as a "
                                                     "Chrome/Perfetto trace (as --trace of "
                                                     "hx generate)."),
+    tp: int = typer.Option(1, help="Tensor parallelism over this many GPUs of a several-GPU "
+                                   "machine (--hardware 4xa10g): the plan is one GPU's shard, "
+                                   "its budget one GPU's memory."),
 ) -> None:
     """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, utilisation."""
-    spec = load_spec(model, _dtype(dtype), weights, kv)
-    hw = _profile(hardware, profile)
+    spec = load_spec(model, _dtype(dtype), weights, kv).shard(tp)
+    if tp > 1 and profile is not None:
+        raise HxError("--tp prices a several-GPU preset (--hardware 4xa10g); a measured "
+                      "profile (--profile) is one accelerator's")
+    hw = tensor_parallel_profile(hardware or LOCAL, tp) if tp > 1 else _profile(hardware,
+                                                                                 profile)
     if hw.accelerator_memory is None:
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
     (scenario,) = parse_scenarios(workload)

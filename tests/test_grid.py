@@ -112,6 +112,13 @@ def test_simulate_writes_a_trace(tmp_path):
     assert len(tracks) >= 2 and all(e["args"]["simulated"] for e in events if e["ph"] == "X")
 
 
+def test_simulate_splits_a_model_over_the_gpus_of_a_machine():
+    result = hx("simulate", "-m", "llama2-7b:2L", "--hardware", "4xa10g", "--tp", "2",
+                "--policy", "all-accelerator", "--workload", "4:128+8")
+    assert result.returncode == 0, result.stderr
+    assert "TP shard 1/2" in result.stdout and "1 of 2 (tensor" in result.stdout
+
+
 def test_ablate_hardware_grid_writes_table_csv_json_and_figures(tmp_path):
     pytest.importorskip("matplotlib")
     result = hx("ablate", "-m", "llama2-7b:2L", "--hardware", "t4,h100-80gb",

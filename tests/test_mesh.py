@@ -9,7 +9,8 @@ from hx.devices import ACCELERATOR, HOST, discover
 from hx.memory import check_fits
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, PRESETS, SCORE
 from hx.planner.cpsat import plan_cpsat
-from hx.planner.hardware import hardware_profile
+from hx.errors import HxError
+from hx.planner.hardware import hardware_profile, tensor_parallel_profile
 from hx.planner.mesh import Interconnect, allreduce_seconds, tensor_parallel
 from hx.planner.simulator import op_seconds, predict
 from hx.workload import Workload
@@ -75,6 +76,9 @@ def test_links_share_the_hosts_memory_bandwidth():
     assert tensor_parallel(profile, 1, None) is profile
     with pytest.raises(ValueError, match="interconnect"):
         tensor_parallel(profile, 2, None)
+    with pytest.raises(HxError, match="'a10g' has 1"):
+        tensor_parallel_profile("a10g", 2)
+    assert tensor_parallel_profile("4xa10g", 4).tensor_parallel == 4
 
 
 def test_a_tensor_parallel_plan_fits_each_device_and_resident_steps_shrink():

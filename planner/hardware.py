@@ -200,12 +200,19 @@ PRESETS: dict[str, Preset] = {
 @dataclass(frozen=True)
 class Machine:
     """Several GPUs of one preset in one host (``PRESETS[preset]``: its GPU sheet is each
-    GPU's, its host sheet the machine's), joined by ``interconnect`` (``planner.mesh``)."""
+    GPU's; ``host`` the machine's, or the preset's), joined by ``interconnect``
+    (``planner.mesh``)."""
 
     name: str
     preset: str
     gpus: int
     interconnect: Interconnect
+    host: HostSheet | None = None
+
+    def sheets(self) -> Preset:
+        """One GPU of the machine beside its host, as a one-GPU preset."""
+        one = PRESETS[self.preset]
+        return dataclasses.replace(one, name=self.name, host=self.host or one.host)
 
 
 # docs/hardware-sources.md §8 gives each figure's source in full.
@@ -218,6 +225,19 @@ MACHINES: dict[str, Machine] = {
             "29.4 MB, NCCL 2.18.5 (pytorch/pytorch #127077, abdulfatir; the faster of the two "
             "NCCL versions in that report); 11 us a small all-reduce: 4 x RTX A5000 on one "
             "PCIe host, 32-256 B (NVIDIA/nccl #757), no A10G figure found")),
+    "8xh100": Machine(
+        "8 x H100-80GB SXM (NVLink 4, NVSwitch), DGX H100 host", "h100-80gb", 8,
+        Interconnect(
+            370 * GB, 26e-6,
+            "ring all-reduce bus bandwidth about 370 GB/s on 8 H100 SXM (NVIDIA/nccl-tests "
+            "#212, sjeaugey; NVIDIA/nccl #1455: 365-370 GB/s from 2 to 8 GPUs); 26 us a 1 KB "
+            "all-reduce on 8 H100 (Azure/AI-benchmarking-guide ND_H100_v5_results.md, "
+            "NVLink SHARP forced: 0.07 GB/s busbw x 8/14)"),
+        HostSheet(112, 2 * 10**12,
+                  "DGX H100: 2 x Xeon Platinum 8480C, 56 cores each, 2.0 TB (NVIDIA's MLPerf "
+                  "system description, mlcommons/inference_results_v3.1 closed/NVIDIA/systems/"
+                  "DGX-H100_H100-SXM-80GBx8_TRT.json); memory bandwidth UNSOURCED: the "
+                  "measured reference host's stands in")),
 }
 
 
@@ -327,8 +347,7 @@ def hardware_profile(name: str) -> HardwareProfile:
             raise HxError("no measured profile of this machine: run `hx profile` first")
         return profile
     if key in MACHINES:
-        several = MACHINES[key]
-        return dataclasses.replace(build(PRESETS[several.preset]), name=several.name)
+        return build(MACHINES[key].sheets())
     if key not in PRESETS:
         raise HxError(f"unknown hardware preset {name!r}; presets: "
                       f"{', '.join([*PRESETS, *MACHINES, LOCAL])}")

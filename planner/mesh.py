@@ -103,6 +103,18 @@ def _host_share(host: DeviceProfile, tp: int) -> DeviceProfile:
         dequantize=slower(host.dequantize), dequantize_low=slower(host.dequantize_low))
 
 
+def host_share(profile: HardwareProfile, n: int) -> HardwareProfile:
+    """``profile`` as one of ``n`` accelerators using the host at once: host rates / ``n``,
+    each link at most the host's memory bandwidth / ``n`` (``profile`` itself at ``n`` = 1)."""
+    if n == 1:
+        return profile
+    host_bw = profile.host.memory_bandwidth / n
+    return dataclasses.replace(
+        profile, host=_host_share(profile.host, n),
+        h2d_bandwidth=min(profile.h2d_bandwidth, host_bw),
+        d2h_bandwidth=min(profile.d2h_bandwidth, host_bw))
+
+
 def tensor_parallel(profile: HardwareProfile, tp: int, link: Interconnect | None
                     ) -> HardwareProfile:
     """One of ``tp`` accelerators of ``profile``'s kind under tensor parallelism, with its
@@ -118,12 +130,8 @@ def tensor_parallel(profile: HardwareProfile, tp: int, link: Interconnect | None
     if link is None:
         raise ValueError(f"{profile.name}: {tp} accelerators need an interconnect to price "
                          "their all-reduces (a preset with several GPUs names one)")
-    host_bw = profile.host.memory_bandwidth / tp
     return dataclasses.replace(
-        profile, name=f"{profile.name}, 1 of {tp} (tensor parallel)",
-        host=_host_share(profile.host, tp),
-        h2d_bandwidth=min(profile.h2d_bandwidth, host_bw),
-        d2h_bandwidth=min(profile.d2h_bandwidth, host_bw),
+        host_share(profile, tp), name=f"{profile.name}, 1 of {tp} (tensor parallel)",
         host_memory=None if profile.host_memory is None else profile.host_memory // tp,
         tensor_parallel=tp, allreduce_bandwidth=link.bandwidth,
         allreduce_latency=link.latency)

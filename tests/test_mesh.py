@@ -8,9 +8,11 @@ import pytest
 from hx.devices import ACCELERATOR, HOST, discover
 from hx.memory import check_fits
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, PRESETS, SCORE
-from hx.planner.cpsat import plan_cpsat
+from hx.planner import policies
 from hx.errors import HxError
+from hx.planner import hardware
 from hx.planner.hardware import hardware_profile, tensor_parallel_profile
+from hx.planner.layouts import Layout, price, stage_spec, stages
 from hx.planner.mesh import Interconnect, allreduce_seconds, tensor_parallel
 from hx.planner.simulator import op_seconds, predict
 from hx.workload import Workload
@@ -82,21 +84,53 @@ def test_links_share_the_hosts_memory_bandwidth():
 
 
 def test_a_tensor_parallel_plan_fits_each_device_and_resident_steps_shrink():
-    """Llama-2-70B at batch 4 on 4 A10G-class GPUs: CP-SAT plans a shard within one GPU's
-    memory and a quarter of the host's; with every layer resident on 8 GPUs the step is
-    shorter than on 4 (half the bytes each), all-reduces included."""
-    spec, profile = PRESETS["llama2-70b"].replace(dtype="float16"), hardware_profile("a10g")
-    workload = Workload(4, 512, 544, new_tokens=32)
-    view = tensor_parallel(profile, 4, LINK)
-    devices = discover(accelerator_memory=profile.accelerator_memory,
-                       host_memory=view.host_memory)
-    plan = plan_cpsat(spec.shard(4), view, devices, workload, time_limit_s=2.0).plan
-    check_fits(plan, spec.shard(4), devices, workload)
-    from hx.planner import policies
-
-    steps = []
-    for tp in (8, 16):
-        shard, tp_view = spec.shard(tp), tensor_parallel(profile, tp, LINK)
-        resident = policies.build("all-accelerator", shard, discover(), workload)
-        steps.append(predict(resident, shard, tp_view, "decode", 4, 1, 544, 528).seconds)
+    """Llama-2-7B at batch 4 over 2 GPUs of 2 GiB: a priced policy plans a shard within one
+    GPU's memory and half the host's; with every layer resident, Llama-2-70B's step on 16
+    GPUs is shorter than on 8 (half the bytes each), all-reduces included."""
+    spec, profile = PRESETS["llama2-7b"].replace(dtype="float16"), hardware_profile("a10g")
+    workload = Workload(4, 128, 160, new_tokens=32)
+    view = tensor_parallel(profile, 2, LINK)
+    devices = discover(accelerator_memory=2 * 2**30, host_memory=view.host_memory)
+    plan = policies.build("min-max", spec.shard(2), devices, workload, profile=view)
+    check_fits(plan, spec.shard(2), devices, workload)
+    assert plan.weights != policies.all_accelerator(spec.n_layers).weights  # it offloads
+    spec = PRESETS["llama2-70b"].replace(dtype="float16")
+    steps = [predict(policies.all_accelerator(spec.n_layers), spec.shard(tp),
+                     tensor_parallel(profile, tp, LINK), "decode", 4, 1, 544, 528).seconds
+             for tp in (8, 16)]
     assert steps[1] < steps[0]
+
+
+def test_stages_cut_the_layers_evenly_and_in_order():
+    assert stages(80, 3) == [range(0, 27), range(27, 54), range(54, 80)]
+    assert stages(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(HxError, match="1 to 2 stages"):
+        stages(2, 3)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_stages_hold_the_model_once_with_one_more_norm_and_token_tables(pp):
+    """Untied Llama-2-70B: the first stage holds EMBED's table (and HEAD's norm, priced as
+    tied), the last HEAD's; a middle stage a 1-token table twice (tied) and a norm."""
+    spec = PRESETS["llama2-70b"]
+    parts = [stage_spec(spec, r, s == 0, s == pp - 1) for s, r in enumerate(stages(80, pp))]
+    D = spec.d_model * spec.dtype_bytes
+    assert sum(p.weight_bytes for p in parts) - spec.weight_bytes == D * (1 + 2 * (pp - 2))
+    assert stage_spec(spec, range(80), True, True) is spec
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_a_pipeline_step_is_its_slowest_stage_plus_the_others_fill(micro):
+    """GPipe's fill: N micro-batches in flight wait for each other stage once per
+    micro-batch's share; one micro-batch runs the stages in turn."""
+    spec = PRESETS["llama2-7b"].replace(dtype="float16")
+    workload = Workload(4, 128, 136, new_tokens=8, micro_batches=micro)
+    run = price(spec, "4xa10g", Layout(2, 2, "all-accelerator"), workload)
+    steps = [s.run.tpot_s for s in run.stages]
+    link = hardware.machine("4xa10g").interconnect
+    hop = link.latency + 4 * spec.d_model * spec.dtype_bytes / link.bandwidth
+    assert len(steps) == 2 and [s.layers for s in run.stages] == stages(32, 2)
+    assert run.tpot_s == pytest.approx(max(steps) + min(steps) / micro + hop, rel=1e-12)
+    assert run.total_s == pytest.approx(run.ttft_s + 7 * run.tpot_s, rel=1e-12)
+    with pytest.raises(HxError, match="takes 8 GPUs"):
+        price(spec, "4xa10g", Layout(4, 2), workload)

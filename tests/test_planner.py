@@ -139,7 +139,7 @@ def test_cpsat_runs_as_fast_as_all_accelerator_where_the_model_fits(batch):
 def test_no_policy_returns_a_plan_that_does_not_fit():
     """At SmolLM2's shapes, down to a zero budget (tests/test_budgets.py does 7B and 70B)."""
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
-    for batch, fractions in ((1, (0.0, 0.02, 0.25, 0.8, 1.3)), (16, (0.02, 0.8))):
+    for batch, fractions in ((1, (0.0, 0.25, 1.3)), (16, (0.02, 0.8))):
         w = workload(spec, batch)
         for fraction in fractions:
             devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),

@@ -32,6 +32,7 @@ from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.hardware import hardware_profile, memory_sizing
+from hx.planner.layouts import Layout, price, split_hardware
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import RunPrediction, predict_run
 from hx.workload import CACHE_BUCKET, Workload, round_up
@@ -94,6 +95,21 @@ STANDARD = Grid(
                Scenario("batch b16 512+32", 16, 512, 32),
                Scenario("offline 4x16 512+32", 16, 512, 32, micro_batches=4),
                Scenario("long b1 256+4096", 1, 256, 4096)))
+
+
+# The standard grid's several-GPU part: Llama-2-70B on 2 and 4 GPUs of two machines, each
+# layout of them (``layouts.split_hardware``), each stage planned by CP-SAT, FlexGen's LP
+# (FlexGen's layers per GPU as pipeline stages) or TwinPilots' load balancing; bfloat16 (a
+# float16 model's host ops would hold float32 copies).
+MULTI_GPU = Grid(
+    models=("llama2-70b",),
+    hardware=tuple(f"{m}:{layout}" for m in ("4xa10g", "8xh100")
+                   for layout in ("tp2", "pp2", "tp4", "pp4", "tp2xpp2")),
+    policies=("cpsat", "flexgen-lp", "min-max"),
+    budgets=(1.0,),
+    scenarios=(Scenario("chat b4 512+32", 4, 512, 32),
+               Scenario("batch b16 512+32", 16, 512, 32)),
+    dtype="bfloat16")
 
 
 def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
@@ -204,8 +220,12 @@ def run_part(grid: Grid, model: str, machine: str, time_limit_s: float,
 
 def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
                  log: Callable[[str], None]) -> list[Outcome]:
-    """``run_part``'s rows for ``spec``, a model in one (weight format, KV format)."""
-    profile = hardware_profile(machine)
+    """``run_part``'s rows for ``spec``, a model in one (weight format, KV format); a
+    ``machine`` with a layout (``layouts.split_hardware``) prices each policy's layout
+    (``layouts.price``: each stage planned by the policy, the row's bytes the largest stage's
+    on one GPU, its utilisation the slowest stage's)."""
+    machine_name, tp, pp = split_hardware(machine)
+    profile = hardware_profile(machine_name)
     formats = (spec.weight_format, spec.kv_format)
     named = "" if formats == (DENSE, DENSE) else f", weights {formats[0]}, KV {formats[1]}"
     out: list[Outcome] = []
@@ -216,17 +236,24 @@ def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
                 row = GridRow(spec.name, machine, fraction, budget, scenario.name, policy,
                               *formats)
                 try:
-                    plan, need = plan_on(policy, spec, machine, profile, budget,
-                                         scenario.workload(), time_limit_s)
+                    if (tp, pp) == (1, 1):
+                        plan, need = plan_on(policy, spec, machine, profile, budget,
+                                             scenario.workload(), time_limit_s)
+                        run = simulate_run(plan, spec, profile, scenario)
+                        accelerator, whole = need.accelerator, run
+                    else:
+                        whole = price(spec, machine_name, Layout(tp, pp, policy),
+                                      scenario.workload(), time_limit_s, budget=budget)
+                        plan, run = None, whole.slowest.run
+                        accelerator = max(s.need.accelerator for s in whole.stages)
                 except HxError as e:
                     row.error = str(e).splitlines()[0]
                     out.append((row, None, None))
                     continue
-                run = simulate_run(plan, spec, profile, scenario)
-                row.plan = plan.name
-                row.accelerator_bytes = need.accelerator
+                row.plan = policy if plan is None else plan.name
+                row.accelerator_bytes = accelerator
                 row.tokens_per_s, row.ttft_s, row.tpot_s = (
-                    run.tokens_per_s, run.ttft_s, run.tpot_s)
+                    whole.tokens_per_s, whole.ttft_s, whole.tpot_s)
                 row.utilisation = run.utilisation
                 out.append((row, plan, run))
             best = max((r for r, _, _ in out[-len(grid.policies):] if r.tokens_per_s),

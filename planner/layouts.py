@@ -28,9 +28,11 @@ at 70B shapes), and every stage pays EMBED's and HEAD's launches.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from hx.errors import HxError
+from hx.memory import MemoryEstimate
 from hx.models.spec import ModelSpec
 from hx.models.tensors import activation_bytes
 from hx.plan import ExecutionPlan
@@ -61,6 +63,24 @@ class Layout:
         return f"tp{self.tp}xpp{self.pp} {self.policy}"
 
 
+def split_hardware(name: str) -> tuple[str, int, int]:
+    """``"4xa10g:tp2xpp2"`` -> (``"4xa10g"``, tp 2, pp 2): a grid's hardware entry, a machine
+    and optionally its layout (``tpA``, ``ppB``, ``tpAxppB``; none: one GPU).
+
+    Raises:
+      HxError: a layout not of that form.
+    """
+    machine_name, _, layout = name.partition(":")
+    if not layout:
+        return machine_name, 1, 1
+    match = re.fullmatch(r"(?:tp(\d+))?x?(?:pp(\d+))?", layout.strip().lower())
+    if match is None or not any(match.groups()):
+        raise HxError(f"bad layout {layout!r} in {name!r}: write tpA, ppB or tpAxppB after the "
+                      "machine, e.g. 4xa10g:tp2xpp2")
+    tp, pp = (int(g or 1) for g in match.groups())
+    return machine_name, tp, pp
+
+
 def stages(n_layers: int, pp: int) -> list[range]:
     """``n_layers`` cut into ``pp`` contiguous ranges, the first ones a layer longer where
     ``pp`` does not divide it.
@@ -89,24 +109,33 @@ def stage_spec(spec: ModelSpec, layers: range, first: bool, last: bool) -> Model
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of a priced layout: its layers, spec (one GPU's shard), plan and run."""
+    """One stage of a priced layout: its layers, spec (one GPU's shard), plan, the plan's
+    memory on one GPU and the host, and its run."""
 
     layers: range
     spec: ModelSpec
     plan: ExecutionPlan
+    need: MemoryEstimate
     run: RunPrediction
 
 
 @dataclass(frozen=True)
 class LayoutRun:
-    """A layout's predicted run (``price``): seconds of its prefill, decode step and whole run
-    (prefill + decode steps), and its stages."""
+    """A layout's predicted run (``price``): generated tokens over the run's seconds (as
+    ``simulator.RunPrediction``), seconds of its prefill, decode step and whole run (prefill
+    + decode steps), and its stages."""
 
     layout: Layout
+    tokens_per_s: float
     ttft_s: float
     tpot_s: float
     total_s: float
     stages: tuple[Stage, ...]
+
+    @property
+    def slowest(self) -> Stage:
+        """The stage with the longest decode step (the pipeline's pace)."""
+        return max(self.stages, key=lambda stage: stage.run.tpot_s)
 
 
 def crossing_seconds(spec: ModelSpec, link: Interconnect, rows: int, tokens: int) -> float:
@@ -123,10 +152,12 @@ def stage_view(profile: HardwareProfile, pp: int, concurrent: int) -> HardwarePr
 
 
 def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload,
-          time_limit_s: float = 2.0, link: Interconnect | None = None) -> LayoutRun:
+          time_limit_s: float = 2.0, link: Interconnect | None = None,
+          budget: int | None = None) -> LayoutRun:
     """Plan each stage of ``layout`` on ``machine_name`` (a preset of ``hardware.MACHINES``,
     or a one-GPU preset for 1 x 1) with its policy and price the run (module docstring);
-    ``link`` in place of the machine's interconnect (a what-if).
+    ``link`` in place of the machine's interconnect (a what-if); ``budget``: bytes of each
+    GPU's memory the plans may use (default all of it).
 
     Raises:
       HxError: more GPUs than the machine has, or a stage that no plan of the policy fits.
@@ -148,9 +179,9 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     with memory_sizing(machine_name):
         for s, layers in enumerate(cuts):
             part = stage_spec(shard, layers, s == 0, s == len(cuts) - 1)
-            plan, _ = plan_on(layout.policy, part, machine_name, view, view.accelerator_memory,
-                              workload, time_limit_s)
-            parts.append(Stage(layers, part, plan, predict_run(plan, part, view, workload)))
+            plan, need = plan_on(layout.policy, part, machine_name, view,
+                                 budget or view.accelerator_memory, workload, time_limit_s)
+            parts.append(Stage(layers, part, plan, need, predict_run(plan, part, view, workload)))
     hops = layout.pp - 1
     cross_prefill = hops * (crossing_seconds(spec, link, workload.prefill_rows,
                                              workload.prompt_tokens) if hops else 0.0)
@@ -159,7 +190,10 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     longest = max(steps)
     tpot = longest + (sum(steps) - longest) / workload.micro_batches + cross_decode
     ttft = sum(p.run.ttft_s for p in parts) + cross_prefill
-    return LayoutRun(layout, ttft, tpot, ttft + workload.decode_steps * tpot, tuple(parts))
+    total = ttft + workload.decode_steps * tpot
+    rows = workload.batch * workload.micro_batches
+    return LayoutRun(layout, rows * workload.generated / total, ttft, tpot, total,
+                     tuple(parts))
 
 
 def layouts(gpus: int, policy: str = "cpsat") -> list[Layout]:

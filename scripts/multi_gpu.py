@@ -1,10 +1,13 @@
 """Several GPUs, simulated: the survey's table (issue 28) in hx's terms, latency against GPUs.
 
 Usage: python scripts/multi_gpu.py [--machine 4xa10g] [--gpus 1,2,3,4] [--model llama2-70b]
-           [--batch 4] [--prompt 512] [--new 32] [--time-limit 2] [--what-if-bandwidth 19.5e9]
+           [--dtype bfloat16] [--batch 4] [--prompt 512] [--new 32] [--time-limit 2]
+           [--what-if-bandwidth 19.5e9]
            [--markdown OUT.md] [--json OUT.json]
 
-For k of ``--gpus`` (default 1 .. the machine's GPUs), Llama-2-70B in float16 at ``--batch`` rows of ``--prompt`` +
+For k of ``--gpus`` (default 1 .. the machine's GPUs), Llama-2-70B in ``--dtype`` (bfloat16:
+the host's ops then hold its own weights; float16 ones hold float32 copies, which a 70B model's
+host share does not fit at one GPU) at ``--batch`` rows of ``--prompt`` +
 ``--new`` tokens (one micro-batch: latency), the run's predicted seconds (prefill and every
 decode step: "user response latency") under each layout of ``planner.layouts``:
 
@@ -71,6 +74,7 @@ def main() -> int:
     parser.add_argument("--machine", default="4xa10g")
     parser.add_argument("--gpus", help="GPU counts, comma-separated (default: 1 .. all)")
     parser.add_argument("--model", default="llama2-70b")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=32)
@@ -82,7 +86,7 @@ def main() -> int:
     several = hardware.machine(args.machine)
     if several is None:
         raise SystemExit(f"{args.machine!r} is not a several-GPU machine preset")
-    spec = PRESETS[args.model].replace(dtype="float16")
+    spec = PRESETS[args.model].replace(dtype=args.dtype)
     workload = Workload(args.batch, args.prompt, args.prompt + args.new, new_tokens=args.new)
     fast = dataclasses.replace(several.interconnect, bandwidth=args.what_if_bandwidth)
     rows = []
@@ -98,7 +102,7 @@ def main() -> int:
                     latency(spec, args.machine, Layout(k, 1), workload, args.time_limit, fast)}
         rows.append(row)
         print(f"k={k}: {row}", file=sys.stderr, flush=True)
-    table = Table(title=f"{spec.name} float16 on {several.name}: batch {args.batch}, "
+    table = Table(title=f"{spec.name} {args.dtype} on {several.name}: batch {args.batch}, "
                         f"{args.prompt} + {args.new} tokens, latency s (simulated; survey's "
                         "in brackets)")
     names = [n for n in rows[0] if n != "gpus"]
@@ -118,7 +122,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": args.machine, "interconnect": dataclasses.asdict(
-                several.interconnect), "model": args.model, "batch": args.batch,
+                several.interconnect), "model": args.model, "dtype": args.dtype,
+                "batch": args.batch,
                 "prompt": args.prompt, "new_tokens": args.new, "survey": SURVEY,
                 "rows": rows}, f, indent=1)
     return 0

@@ -12,7 +12,8 @@ from hx.planner import policies
 from hx.errors import HxError
 from hx.planner import hardware
 from hx.planner.hardware import hardware_profile, tensor_parallel_profile
-from hx.planner.layouts import Layout, price, stage_spec, stages
+from hx.planner.grid import Grid, Scenario, run_grid
+from hx.planner.layouts import Layout, price, split_hardware, stage_spec, stages
 from hx.planner.mesh import Interconnect, allreduce_seconds, tensor_parallel
 from hx.planner.simulator import op_seconds, predict
 from hx.workload import Workload
@@ -134,3 +135,20 @@ def test_a_pipeline_step_is_its_slowest_stage_plus_the_others_fill(micro):
     assert run.total_s == pytest.approx(run.ttft_s + 7 * run.tpot_s, rel=1e-12)
     with pytest.raises(HxError, match="takes 8 GPUs"):
         price(spec, "4xa10g", Layout(4, 2), workload)
+
+
+def test_a_grid_prices_a_machines_layouts_beside_one_gpu():
+    grid = Grid(models=("llama2-7b:2L",), hardware=("4xa10g", "4xa10g:tp2", "4xa10g:pp2"),
+                policies=("all-accelerator",), budgets=(1.0,),
+                scenarios=(Scenario("b4", 4, 128, 8),), dtype="bfloat16")
+    one, tp, pp = run_grid(grid)
+    spec = PRESETS["llama2-7b"].replace(n_layers=2, dtype="bfloat16", name="Llama-2-7B:2L")
+    two_gpus = price(spec, "4xa10g", Layout(2, 1, "all-accelerator"), Scenario(
+        "b4", 4, 128, 8).workload())
+    assert tp.tokens_per_s == pytest.approx(two_gpus.tokens_per_s, rel=1e-12)
+    assert tp.accelerator_bytes < one.accelerator_bytes  # each GPU holds half the weights
+    assert pp.tokens_per_s and pp.error is None and one.error is None
+    assert split_hardware("8xh100:tp2xpp4") == ("8xh100", 2, 4)
+    assert split_hardware("t4") == ("t4", 1, 1)
+    with pytest.raises(HxError, match="tpA, ppB or tpAxppB"):
+        split_hardware("4xa10g:2x2")

@@ -245,9 +245,11 @@ def ablate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON."),
     hardware: Optional[str] = typer.Option(
         None, help="Simulate instead of measuring: hardware presets (comma-separated: t4, "
-                   "a10g, a100-40gb, l4, h100-80gb, local), or `standard` for the standard "
-                   "grid of docs/ablation.md. -m then takes presets, comma-separated; "
-                   "--budgets are fractions of each machine's accelerator memory."),
+                   "a10g, a100-40gb, l4, h100-80gb, local; a several-GPU machine with its "
+                   "layout, e.g. 4xa10g:tp2xpp2, 8xh100:tp4, 4xa10g:pp4), `standard` for the "
+                   "standard grid of docs/ablation.md, or `multi-gpu` for its several-GPU part. "
+                   "-m then takes presets, comma-separated; --budgets are fractions of each "
+                   "GPU's memory."),
     workloads: str = typer.Option("1:512+128,16:512+32,4x16:512+32",
                                   help="Simulated workloads, [Nx]B:PROMPT+NEW each."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Simulated: write CSV."),

@@ -17,7 +17,7 @@ from hx.devices import format_bytes
 from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
-from hx.planner.grid import (STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on, point,
+from hx.planner.grid import (MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import LOCAL, hardware_profile, tensor_parallel_profile
 from hx.planner.profile import HardwareProfile
@@ -173,11 +173,12 @@ def grid_from_options(models: Optional[str], hardware: str, policy_names: str, b
                       ) -> Grid:
     """The grid ``hx ablate --hardware`` asks for (``weights`` and ``kv``: comma-separated
     formats, two axes; ``auto`` is ``dense`` on a preset); ``--hardware standard`` is
-    ``STANDARD`` in those formats."""
+    ``STANDARD`` in those formats, ``--hardware multi-gpu`` ``MULTI_GPU``."""
     axes = dict(weights=tuple("dense" if w == "auto" else w for w in _names(weights)),
                 kv=_names(kv))
-    if hardware.strip() == "standard":
-        return dataclasses.replace(STANDARD, **axes)
+    named = {"standard": STANDARD, "multi-gpu": MULTI_GPU}
+    if hardware.strip() in named:
+        return dataclasses.replace(named[hardware.strip()], **axes)
     return Grid(models=_names(models or "llama2-7b"), hardware=_names(hardware),
                 policies=_names(policy_names),
                 budgets=tuple(float(b) for b in budgets.split(",")),

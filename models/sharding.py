@@ -1,0 +1,117 @@
+"""Tensor parallelism of the model's arrays: which axis of each weight and cache a group of
+accelerators splits (Megatron-LM, Shoeybi et al. 2019, §3), and the zero heads that make the
+split even. The arithmetic is the same as ``ModelSpec.shard`` (what the planner prices); this
+module is what a mesh of JAX devices holds (issue 28; docs/architecture.md, "Planner": several
+accelerators).
+
+Split along ``TP_AXIS``, each weight in the checkpoint's (out..., in) layout
+(``ModelSpec.op_weight_shapes``):
+
+* Q, K, V kernels (heads, E, D) and biases (heads, E) by heads (column-parallel);
+* OUT's kernel (D, H, E) by heads (row-parallel: its product is a partial sum, which XLA
+  all-reduces);
+* MLP1's gate and up (F, D) by F (column-parallel), MLP2's down (D, F) by F (row-parallel);
+* the embedding (V, D) by the vocabulary, where ``tp`` divides it (else whole on every device);
+* norms whole on every device; KV caches (B, S, K, E) by KV heads.
+
+Where ``tp`` does not divide the KV heads K (and K is not a divisor of ``tp`` whose heads every
+device can hold a copy of), ``pad`` appends zero KV heads up to a multiple of ``tp`` and their
+query groups (H' = K' x H / K), and zero rows of F up to a multiple of ``tp``: a padded query head
+attends zero keys to zero values, and OUT's and MLP2's zero columns add nothing, so outputs are
+the unpadded model's. Only dense weights are split (compressed formats: ``HxError``).
+
+Not yet as the planner prices it: with fewer KV heads than devices (Llama-2-70B's 8 over 16),
+every device here holds all K heads of K, V and the cache, where ``ModelSpec.shard`` prices one
+per device (Megatron's copies of a KV head on tp / K devices: a two-axis mesh, KV heads over one
+axis, query heads over both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hx.errors import HxError
+from hx.models.formats import DENSE
+from hx.models.spec import ModelSpec
+
+TP_AXIS = "tp"
+# leaf name -> the axis split under tensor parallelism (None: whole on every device)
+_SPLIT_AXIS = {"wq/kernel": 0, "wk/kernel": 0, "wv/kernel": 0, "wq/bias": 0, "wk/bias": 0,
+               "wv/bias": 0, "wo/kernel": 1, "w_gate/kernel": 0, "w_up/kernel": 0,
+               "w_down/kernel": 1, "embedding": 0}
+_HEAD_AXES = {"wq/kernel": ("H", 0), "wq/bias": ("H", 0), "wk/kernel": ("K", 0),
+              "wk/bias": ("K", 0), "wv/kernel": ("K", 0), "wv/bias": ("K", 0),
+              "wo/kernel": ("H", 1), "w_gate/kernel": ("F", 0), "w_up/kernel": ("F", 0),
+              "w_down/kernel": ("F", 1)}
+KV_AXIS = 2  # of a cache's (B, S, K, E)
+
+
+def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """``spec`` with zero heads and feed-forward rows added so that ``tp`` splits them evenly
+    (module docstring); ``spec`` itself where it already does.
+
+    Raises:
+      HxError: ``tp`` < 1, or compressed weights (only dense ones are split).
+    """
+    if tp < 1:
+        raise HxError(f"tensor-parallel degree {tp}: 1 or more accelerators")
+    if (spec.weight_format, spec.embedding_format) != (DENSE, DENSE):
+        raise HxError(f"tensor parallelism splits dense weights; {spec.name} holds "
+                      f"{spec.weight_format} ones: load it with --weights dense")
+    K, group = spec.n_kv_heads, spec.n_heads // spec.n_kv_heads
+    if K % tp and tp % K:
+        K = -(-K // tp) * tp
+    F = -(-spec.d_ff // tp) * tp
+    if (K, F) == (spec.n_kv_heads, spec.d_ff):
+        return spec
+    return spec.replace(n_kv_heads=K, n_heads=K * group, d_ff=F)
+
+
+def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
+    """(``padded_spec``, ``params`` with zeros appended along the padded axes): the same
+    outputs, split evenly by ``tp``. ``params`` is the model's tree (``models.llama``), numpy
+    or JAX arrays; unpadded leaves are returned as they are."""
+    wider = padded_spec(spec, tp)
+    if wider is spec:
+        return spec, params
+    sizes = {"H": (spec.n_heads, wider.n_heads), "K": (spec.n_kv_heads, wider.n_kv_heads),
+             "F": (spec.d_ff, wider.d_ff)}
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+        leaf = "/".join(path.split("/")[-2:])
+        if leaf not in _HEAD_AXES:
+            return node
+        size, axis = _HEAD_AXES[leaf]
+        old, new = sizes[size]
+        if old == new:
+            return node
+        widths = [(0, 0)] * np.ndim(node)
+        widths[axis] = (0, new - old)
+        return np.pad(np.asarray(node), widths)
+
+    return wider, walk(params, "")
+
+
+def partition(path: str, shape: tuple[int, ...], tp: int) -> tuple[str | None, ...]:
+    """The ``jax.sharding.PartitionSpec`` entries of the weight at ``path`` (its tree path,
+    ``.../wq/kernel``) of ``shape`` under ``tp``-way tensor parallelism: ``TP_AXIS`` on the
+    split axis where ``tp`` divides it, else whole (all None)."""
+    leaf = "/".join(path.split("/")[-2:]) if "/" in path else path
+    axis = _SPLIT_AXIS.get(leaf, _SPLIT_AXIS.get(path.split("/")[-1]))
+    entries: list[str | None] = [None] * len(shape)
+    if axis is not None and shape[axis] % tp == 0:
+        entries[axis] = TP_AXIS
+    return tuple(entries)
+
+
+def cache_partition(shape: tuple[int, ...], tp: int) -> tuple[str | None, ...]:
+    """PartitionSpec entries of a dense KV cache (B, S, K, E): by KV heads where ``tp``
+    divides them (else a copy on every device)."""
+    entries: list[str | None] = [None] * len(shape)
+    if shape[KV_AXIS] % tp == 0:
+        entries[KV_AXIS] = TP_AXIS
+    return tuple(entries)

@@ -63,7 +63,7 @@ from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models.tensors import held_weights, kv_arrays, layer_key, weight_dtype
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
-from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
+from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
 from hx.programs import SplitHostProgram, programs_for
 from hx.schedule import (ACT_LOAD, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction, Schedule,
@@ -224,8 +224,27 @@ class Executor:
     def switched(self, plan: ExecutionPlan, spill_dir: str | None = None) -> "Executor":
         """An executor of ``plan`` on the same devices, made from this one's placed weights
         (those whose home and dtype stay are not copied; this executor is not usable after).
-        Its accountant carries this one's peak. Raises as ``Executor``."""
+        Weights that leave accelerator memory go first, before any weight arrives, so the
+        switch holds at most what either plan holds, not both. Its accountant carries this
+        one's peak. Raises as ``Executor``."""
         params, self._params = self.params_tree(), {}
+        moved: dict[int, Any] = {}  # id(old leaf) -> its new copy: a tied embedding stays one
+
+        def leave(tree, home: str):
+            target = self._homes[home if home in (STREAMED, HOST) else HOST]
+            return jax.tree.map(lambda a: moved.setdefault(id(a), jax.device_put(a, target)),
+                                tree)
+
+        for layer, op in weight_owners(self.spec):
+            key, old = (op, None) if layer is None else (layer_key(layer), op)
+            home = plan.weights.get(layer, op) or HOST
+            if self.plan.weights.get(layer, op) == RESIDENT and home != RESIDENT:
+                node = params[key] if old is None else params[key][old]
+                node = leave(node, home)
+                if old is None:
+                    params[key] = node
+                else:
+                    params[key][old] = node
         new = Executor(self.spec, params, plan, self.devices, self.timeline, spill_dir)
         if self.accountant.peak > new.accountant.peak:
             new.accountant.peak = self.accountant.peak

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from hx.devices import Devices, release_free_heap
+from hx.devices import ACCELERATOR, HOST, Devices, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import check_fits
@@ -183,15 +183,20 @@ class Engine:
 
     def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:
         """Switch to the plan of decode step ``step`` (``stints``) if it is not the one in
-        use: a new executor from this one's placed weights (``Executor.switched``), the
-        caches moved to its KV homes (``Executor.adopt_cache``), a ``re-plan`` event on the
-        timeline (when there is one). Returns the caches (the same lists when nothing
-        changes)."""
+        use: caches that leave the accelerator moved out first, a new executor from this
+        one's placed weights (``Executor.switched``: weights that leave go before any
+        arrives), the caches moved to its KV homes (``Executor.adopt_cache``), a ``re-plan``
+        event on the timeline (when there is one). Returns the caches (the same lists when
+        nothing changes)."""
         plan = plan_at(self.stints, step)
         if plan == self.plan:
             return list(caches)
         started = time.perf_counter()
         self.executor.release_cache()
+        host, old = self.executor.devices[HOST], self.plan.kv
+        caches = [[jax.device_put(cache, host)  # caches leaving the accelerator go first
+                   if old[layer] == ACCELERATOR != plan.kv[layer] else cache
+                   for layer, cache in enumerate(block)] for block in caches]
         self.executor = self.executor.switched(plan, self._spill_dir)
         self.plan = plan
         self.plan_log.append((step, plan.name))

@@ -58,6 +58,13 @@ WEIGHT_HOMES = (RESIDENT, STREAMED, HOST, DISK)
 WEIGHTED_OPS = tuple(op for op in LAYER_OPS if op != SCORE)  # SCORE owns no weights
 
 
+def weight_owners(spec: ModelSpec) -> list[tuple[int | None, str]]:
+    """Every (layer, op) that owns weights: EMBED and HEAD (layer None), then each layer's
+    weighted ops in order."""
+    return [(None, EMBED), (None, HEAD)] + [(i, op) for i in range(spec.n_layers)
+                                             for op in WEIGHTED_OPS]
+
+
 def score_device(kv_home: str) -> str:
     """The device SCORE runs on for a layer whose KV cache lives at ``kv_home``: the host for
     a ``disk`` cache (read into host memory), the accelerator for a ``streamed`` one (copied

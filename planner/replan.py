@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hx.devices import ACCELERATOR, Devices
-from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.spec import ModelSpec
 from hx.models.tensors import kv_bytes
-from hx.plan import RESIDENT, WEIGHTED_OPS, ExecutionPlan, Stint, plan_at, recompute_consistent
+from hx.plan import (RESIDENT, ExecutionPlan, Stint, plan_at, recompute_consistent,
+                     weight_owners)
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict, predict_run
 from hx.workload import Workload
@@ -98,9 +99,7 @@ def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
     def resident(plan: ExecutionPlan, layer: int | None, op: str) -> bool:
         return plan.weights.get(layer, op) == RESIDENT
 
-    owners = [(None, EMBED), (None, HEAD)] + [(i, op) for i in range(spec.n_layers)
-                                               for op in WEIGHTED_OPS]
-    for layer, op in owners:
+    for layer, op in weight_owners(spec):
         was, now = resident(old, layer, op), resident(new, layer, op)
         if was != now:
             nbytes = spec.op_weight_bytes(op)

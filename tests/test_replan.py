@@ -48,6 +48,34 @@ def test_switching_every_8_tokens_keeps_the_tokens(tiny_model):
     assert engine.accountant.in_use == engine.accountant.by_owner()["weights"]
 
 
+def test_a_switch_moves_out_what_leaves_the_accelerator_before_anything_arrives(
+        tiny_model, monkeypatch):
+    """All on the accelerator, then stream-all (weights streamed, caches on the host): when
+    the new executor starts placing, no weight or cache of the old plan is still in
+    accelerator memory (a switch holds what one plan holds, not both)."""
+    import jax
+
+    from hx import executor as executor_module
+
+    n = tiny_model.spec.n_layers
+    engine = Engine(tiny_model, stints=[Stint(0, ExecutionPlan.all_accelerator(n)),
+                                        Stint(3, policies.stream_all(n))])
+    device = engine.executor.devices.accelerator.device
+    seen, build = [], executor_module.Executor.__init__
+
+    def watched(self, *args, **kwargs):
+        seen.append(sum(a.nbytes for a in jax.live_arrays() if a.devices() == {device}
+                        and a.sharding.memory_kind == "device"))
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(executor_module.Executor, "__init__", watched)
+    out = engine.generate_ids([[5, 9, 13], [7, 8]], SamplingParams(max_new_tokens=6))
+    assert engine.plan_log == [(0, "all-accelerator"), (3, "stream-all")]
+    weights = tiny_model.spec.weight_bytes
+    assert len(seen) == 1 and seen[0] < weights / 10, (seen, weights)
+    assert all(len(c.token_ids) == 6 for c in out)
+
+
 def test_recompute_after_a_plan_that_kept_no_h_is_refused(tiny_model):
     n = tiny_model.spec.n_layers
     stints = [Stint(0, ExecutionPlan.all_accelerator(n)), Stint(4, policies.kv_streamed(n, 5))]

@@ -118,12 +118,13 @@ def pool_headroom(budget: int) -> int:
 _CONFIGURED = False
 
 
-def configure_runtime() -> None:
+def configure_runtime(cpu_devices: int = 2) -> None:
     """Process set-up hx needs before any JAX computation; ``discover`` and the CLI call it
     (``import hx`` does not: importing has no side effects), and later calls do nothing.
 
-    * Ask XLA for two CPU devices (the emulated accelerator is the second); a no-op once JAX's
-      backends are initialised.
+    * Ask XLA for ``cpu_devices`` CPU devices (the host, then emulated accelerators: two for
+      one accelerator, ``discover(accelerators=k)`` asks 1 + k); a no-op once JAX's backends
+      are initialised.
     * ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the environment already sets it (a user's
       value wins): XLA's GPU allocator then grows its pool on demand instead of taking 75 % of
       the GPU's memory when the backend starts, so two hx processes (a CLI test's subprocess
@@ -150,7 +151,7 @@ def configure_runtime() -> None:
     import jax
 
     try:
-        jax.config.update("jax_num_cpu_devices", 2)
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
     except RuntimeError:
         pass  # backends already up; ``discover`` reports if that leaves too few devices
     os.environ.setdefault(PREALLOCATE_ENV, "false")
@@ -186,16 +187,27 @@ class Accelerator:
 
     Attributes:
       device: the JAX device.
-      capacity: bytes hx may allocate on it (None = no limit given).
+      capacity: bytes hx may allocate on it (None = no limit given); on each of ``group``.
       emulated: True when ``device`` is an XLA CPU device standing in for a GPU.
       pool_limit: bytes XLA's allocator for the device may hold at most (its ``bytes_limit``),
         fixed when JAX's backends started; None when the device reports none (XLA:CPU).
+      group: every accelerator of a ``discover(accelerators=k)`` (``device`` first), one
+        budget each; ``mesh`` lays them out for tensor parallelism.
     """
 
     device: jax.Device
     capacity: int | None
     emulated: bool
     pool_limit: int | None = None
+    group: tuple[jax.Device, ...] = ()
+
+    def mesh(self, axis: str = "tp") -> "jax.sharding.Mesh":
+        """A one-axis ``jax.sharding.Mesh`` named ``axis`` over the group (``device`` alone
+        when there is none)."""
+        import numpy as np
+        from jax.sharding import Mesh
+
+        return Mesh(np.array(self.group or (self.device,)), (axis,))
 
 
 @dataclass(frozen=True)
@@ -300,8 +312,9 @@ def _cap_pool(limit: int) -> bool:
 
 
 def discover(accelerator_memory: int | str | None = None,
-             host_memory: int | str | None = None) -> Devices:
-    """Find the accelerator and the host and set their memory budgets.
+             host_memory: int | str | None = None, accelerators: int = 1) -> Devices:
+    """Find the accelerator (or ``accelerators`` of them: ``Accelerator.group``) and the host
+    and set their memory budgets.
 
     XLA's memory pool on a GPU: XLA reads its allocator settings once, when JAX's backends
     start (the first JAX computation or device query of the process). If this call starts them,
@@ -330,15 +343,18 @@ def discover(accelerator_memory: int | str | None = None,
       host_memory: bytes hx may use on the host: its weights (a float16 model's float32 copies for host
         compute included), host KV caches and disk read buffers. Default: ``default_host_memory()``,
         the memory available now minus max(1 GiB, 10 %).
+      accelerators: how many accelerators to take (the first ones JAX lists; emulated: CPU
+        devices 1 .. k, the process asking XLA for 1 + k), each with ``accelerator_memory``.
     Raises:
-      HxError: no accelerator exists and JAX was initialised with a single CPU device (call
-        ``discover`` or ``configure_runtime`` before running any JAX computation, or set
-        XLA_FLAGS to provide two CPU devices);
-        or a size cannot be read.
+      HxError: fewer accelerators than asked, or none and JAX initialised with too few CPU
+        devices to emulate them (call ``discover`` or ``configure_runtime`` before running
+        any JAX computation); or a size cannot be read.
     """
     import jax
 
-    configure_runtime()
+    if accelerators < 1:
+        raise HxError(f"accelerators={accelerators}: take 1 or more")
+    configure_runtime(1 + accelerators)
     budget = None if accelerator_memory is None else parse_bytes(accelerator_memory)
     host = default_host_memory() if host_memory is None else parse_bytes(host_memory)
     capped = budget is not None and not _backends_started() and _cap_pool(
@@ -348,15 +364,18 @@ def discover(accelerator_memory: int | str | None = None,
     finally:
         if capped:
             os.environ.pop(MEM_FRACTION_ENV, None)
-    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
-    if accelerators:
-        device, emulated = accelerators[0], False
-    elif len(cpus) >= 2:
-        device, emulated = cpus[1], True
-    else:
-        raise HxError("no accelerator and only one XLA CPU device: call hx.discover() (or "
-                      "hx.devices.configure_runtime()) before running any JAX computation, so "
-                      "that hx can create a second CPU device to emulate one")
+    found = [d for d in jax.devices() if d.platform != "cpu"]
+    emulated = not found
+    group = found[:accelerators] if found else cpus[1:1 + accelerators]
+    if len(group) < accelerators:
+        kind = "accelerators" if found else "XLA CPU devices besides the host's"
+        raise HxError(f"{accelerators} accelerators asked, {len(group)} {kind} found: "
+                      + ("" if found else "call hx.discover() (or hx.devices.configure_runtime"
+                         "()) before running any JAX computation, so that hx can create CPU "
+                         "devices to emulate them"))
+    device = group[0]
     pool_limit = (device.memory_stats() or {}).get("bytes_limit")
     capacity = pool_limit if budget is None else budget
-    return Devices(Accelerator(device, capacity, emulated, pool_limit), Host(cpus[0], host))
+    return Devices(Accelerator(device, capacity, emulated, pool_limit,
+                               tuple(group) if accelerators > 1 else ()),
+                   Host(cpus[0], host))

@@ -4,7 +4,8 @@ and KV caches split by ``models.sharding`` against the same model on one device.
 Usage: python scripts/tp_exactness.py [--model tiny|smollm2-135m|llama2-7b:2L] [--tp 2,4]
            [--prompt 16] [--decode 4] [--json OUT.json]
 
-The process asks XLA for 1 + max(tp) CPU devices (on a GPU machine the GPUs are the mesh).
+The accelerators are ``hx.discover(accelerators=max(tp))``'s (emulated: the process asks XLA for
+1 + max(tp) CPU devices; on a GPU machine its GPUs); the reference runs on the first of them.
 For each tp: ``sharding.pad`` adds zero heads and feed-forward rows where tp does not divide
 them (SmolLM2's 3 KV heads), every weight and cache is placed with its ``NamedSharding`` over a
 mesh of tp devices, and ``models.llama.forward`` runs a prefill of two rows (the second
@@ -34,10 +35,11 @@ def main() -> int:
     degrees = [int(t) for t in args.tp.split(",")]
 
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 1 + max(degrees))
-    jax.config.update("jax_default_matmul_precision", "highest")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hx.devices import discover
+
+    group = discover(accelerators=max(degrees)).accelerator.group  # emulated: CPU devices
 
     from hx.models.llama import Step, forward, init_params
     from hx.models.sharding import cache_partition, pad, partition
@@ -72,14 +74,14 @@ def main() -> int:
             out.append(current[:, 0].tolist())
         return logits, out
 
-    one = jax.devices()[0]
+    one = group[0]
     ref_caches = [{n: jax.device_put(np.zeros(kv_shape(spec, B, S), np.float32), one)
                    for n in ("k", "v")} for _ in range(spec.n_layers)]
     ref_logits, ref_tokens = generate(spec, jax.device_put(params, one), ref_caches,
                                       lambda a: jax.device_put(a, one))
     results = []
     for tp in degrees:
-        mesh = Mesh(np.array(jax.devices()[1:1 + tp]), ("tp",))
+        mesh = Mesh(np.array(group[:tp]), ("tp",))
         wide, padded = pad(spec, params, tp)
 
         def place(path, leaf):

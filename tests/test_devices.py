@@ -10,9 +10,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hx.devices import (ACCELERATOR, MEM_FRACTION_ENV, MEM_FRACTION_ENVS, PREALLOCATE_ENV,
                         discover, pool_headroom)
+from hx.errors import HxError
 
 GiB = 2**30
 
@@ -100,3 +102,15 @@ def test_a_budget_for_other_hardware_is_kept_and_the_pool_is_not_changed(devices
 
 def test_describe_says_emulated_exactly_when_it_is(devices):
     assert ("EMULATED" in devices.describe()) == devices.emulated
+
+
+def test_several_accelerators_are_a_group_with_one_budget_each(devices):
+    """In a fresh process: 3 emulated accelerators (CPU devices 1-3) and their mesh; here, where
+    JAX started with two CPU devices, asking for 4 says why it cannot."""
+    out = python("from hx.devices import discover; d = discover('1GiB', accelerators=3); "
+                 "a = d.accelerator; print([x.id for x in a.group], dict(a.mesh().shape), "
+                 "a.capacity, d.host.device.id)")
+    assert out.splitlines()[-1] == f"[1, 2, 3] {{'tp': 3}} {GiB} 0"
+    with pytest.raises(HxError, match="4 accelerators asked, 1 XLA CPU devices"):
+        discover(accelerators=4)
+    assert devices.accelerator.group == ()  # one accelerator: no group

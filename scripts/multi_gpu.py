@@ -22,7 +22,7 @@ TwinPilots PP 5.44 / 5.29 / 4.39 / 3.57, TP 5.95 / 3.45 / 2.43 / 2.03; its promp
 lengths were not found (docs/hardware-sources.md §8), so the rows are compared by shape: TP falls
 fastest, PP stays below FlexGen's layers per GPU, CP-SAT's layout is at least the best of them.
 ``--what-if-bandwidth`` adds CP-SAT TP at an all-reduce bus bandwidth of the PCIe link (the A10's
-measured H2D rate) beside the sourced 3.10 GB/s. Runtime: about 10 minutes on the 2-core VM
+measured H2D rate) beside the sourced 3.10 GB/s. Runtime: about 20 minutes on the 2-core VM
 (CP-SAT at 70B shapes; no JAX computation).
 """
 

@@ -45,6 +45,8 @@ launch.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Any, Hashable, Sequence
 
@@ -61,6 +63,7 @@ from hx.memory import UNSIZED, Accountant, check_fits
 from hx.models.formats import DENSE
 from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
+from hx.models import sharding
 from hx.models.tensors import held_weights, kv_arrays, layer_key, weight_dtype
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
@@ -108,9 +111,31 @@ def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[st
             for key, tree in params.items()}
 
 
+def _refuse_on_a_mesh(plan: ExecutionPlan, tp: int) -> None:
+    """What the executor does not run over several accelerators yet (issue 28): disk-homed
+    weights and streamed KV caches.
+
+    Raises:
+      HxError: the plan has either.
+    """
+    if any(home == DISK for _, _, home in plan.weights.sequence()) or STREAMED in plan.kv:
+        raise HxError(f"plan {plan.name!r} keeps weights on disk or KV caches streamed: over "
+                      f"{tp} accelerators hx runs weights resident, streamed or on the host, and "
+                      "KV caches on either side, not yet these")
+
+
+def device_bytes(x: Any) -> int:
+    """Bytes of array ``x`` on each device that holds it: its shard where a mesh splits it
+    (``jax.sharding.Sharding.shard_shape``), else all of it."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return x.nbytes
+    return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
 def tree_bytes(tree: Any) -> int:
-    """Total bytes of the arrays in ``tree``."""
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    """Bytes of the arrays in ``tree`` on each device that holds them (``device_bytes``)."""
+    return sum(device_bytes(x) for x in jax.tree.leaves(tree))
 
 
 class Executor:
@@ -124,8 +149,15 @@ class Executor:
       timeline: records segments and transfers when given.
       spill_dir: where disk-homed weights that are not views of a file in the held dtype are
         written once, to an unnamed spill file (``hx.disk``); None refuses such plans.
+
+    On a group of accelerators (``discover(accelerators=k)``) the model runs tensor parallel
+    over their mesh: heads and feed-forward rows padded to split evenly and every weight and
+    KV cache on the accelerators split as ``models.sharding`` says, activations whole on each;
+    XLA partitions the segments and adds the all-reduces. Budgets are per accelerator.
     Attributes:
-      accountant: every accelerator allocation, with the peak.
+      accountant: every accelerator allocation, with the peak (bytes on each accelerator).
+      sizing: (spec, devices) that memory checks of its plans take: the shard each accelerator
+        holds (``ModelSpec.shard``) beside its share of the host.
       programs: the shared ``hx.programs.Programs`` its segments are compiled by.
       compilations: distinct segment executables (signature and shapes) it has used.
       spilled_bytes: bytes of disk-homed weights written to the spill file.
@@ -142,20 +174,27 @@ class Executor:
                  devices: Devices | None = None, timeline: Timeline | None = None,
                  spill_dir: str | None = None):
         plan.validate(spec)  # refuses what the executor does not run (``plan.refusal``)
-        self.spec, self.plan = spec, plan
         self.devices = devices or discover()
+        tp = len(self.devices.accelerator.group) or 1
+        if tp > 1:  # tensor parallel over the accelerators' mesh: heads padded to split evenly
+            _refuse_on_a_mesh(plan, tp)
+            spec, params = sharding.pad(spec, params, tp)
+        self.spec, self.plan = spec, plan
         self.programs = programs_for(spec, self.devices)
+        # each accelerator's bytes are its shard's, beside a tp-th of the host (as the planner
+        # prices them: planner.mesh); one accelerator: the model itself
+        host = self.devices.host
+        self.sizing = (spec.shard(tp), dataclasses.replace(self.devices, host=dataclasses.replace(
+            host, capacity=None if host.capacity is None else host.capacity // tp)))
         # before placing any weight: do its weights and one row's KV cache fit at all? (each
         # workload's exact check is ``Engine.check``'s; temporaries are not sized here)
-        check_fits(plan, spec, self.devices, Workload(1, 1, 1), self.programs, UNSIZED)
+        check_fits(plan, *self.sizing, Workload(1, 1, 1), self.programs, UNSIZED)
         self.timeline = timeline
         self.accountant = Accountant(self.devices.accelerator.capacity)
         self.compilations = 0
         acc = self.devices.accelerator.device
         self._acc_memory = self.programs.shardings[ACCELERATOR]
-        self._homes = {RESIDENT: self._acc_memory,
-                       STREAMED: SingleDeviceSharding(acc, memory_kind="pinned_host"),
-                       HOST: self.programs.shardings[HOST]}
+        self._pinned = SingleDeviceSharding(acc, memory_kind="pinned_host")  # disk reads
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
         tier = disk.DiskTier(spill_dir, plan.name)
@@ -193,14 +232,18 @@ class Executor:
                 placed[key] = tier.hold(leaf, want, op if layer is None
                                         else f"layer {layer} {op}")
             else:
+                where = (self.programs.shardings[HOST] if home == HOST else
+                         self.programs.weight_sharding(
+                             ACCELERATOR, "/".join(str(k.key) for k in path), leaf.shape,
+                             "pinned_host" if home == STREAMED else "device"))
                 placed[key] = jax.device_put(
-                    leaf if leaf.dtype == want else leaf.astype(want), self._homes[home])
+                    leaf if leaf.dtype == want else leaf.astype(want), where)
                 if is_mapped(leaf):  # once the placed buffer holds it, drop the file's pages
                     placed[key].block_until_ready()
                     release(leaf)
                 if home == RESIDENT:
                     self.accountant.allocate("weights", ("weights", key),
-                                             placed[key].nbytes)
+                                             device_bytes(placed[key]))
             return placed[key]
 
         return jax.tree_util.tree_map_with_path(put, tree)
@@ -230,9 +273,10 @@ class Executor:
         params, self._params = self.params_tree(), {}
         moved: dict[int, Any] = {}  # id(old leaf) -> its new copy: a tied embedding stays one
 
-        def leave(tree, home: str):
-            target = self._homes[home if home in (STREAMED, HOST) else HOST]
-            return jax.tree.map(lambda a: moved.setdefault(id(a), jax.device_put(a, target)),
+        host = self.programs.shardings[HOST]
+
+        def leave(tree):
+            return jax.tree.map(lambda a: moved.setdefault(id(a), jax.device_put(a, host)),
                                 tree)
 
         for layer, op in weight_owners(self.spec):
@@ -240,7 +284,7 @@ class Executor:
             home = plan.weights.get(layer, op) or HOST
             if self.plan.weights.get(layer, op) == RESIDENT and home != RESIDENT:
                 node = params[key] if old is None else params[key][old]
-                node = leave(node, home)
+                node = leave(node)
                 if old is None:
                     params[key] = node
                 else:
@@ -262,14 +306,15 @@ class Executor:
         out = []
         for layer, cache in enumerate(caches):
             home = self.plan.kv[layer]
-            device = self.devices[HOST if home == STREAMED else home]
+            device = HOST if home == STREAMED else home
             if self.plan.recompute(layer) and streamed_kv.H not in cache:
                 raise HxError(f"plan {self.plan.name!r} recomputes layer {layer}'s K, V but "
                               "its cache kept no activations h: a plan recomputes only where "
                               "every plan before it in the run did (hx.planner.replan)")
             kept = {name: a for name, a in cache.items()
                     if name != streamed_kv.H or self.plan.recompute(layer)}
-            out.append(jax.device_put(kept, device))
+            out.append({name: jax.device_put(a, self.programs.cache_sharding(device, a.shape))
+                        for name, a in kept.items()})
         self.account_cache(out, micro)
         return out
 
@@ -289,8 +334,8 @@ class Executor:
         arrays = {name: (shape, jnp.dtype(dtype if own else held))
                   for name, (shape, held) in kv_arrays(s, batch, length).items()}
         kept = {streamed_kv.H: ((batch, length, s.d_model), jnp.dtype(s.dtype))}
-        caches = [{name: jnp.zeros(shape, dt, device=self.devices[
-                       HOST if self.plan.kv[layer] == STREAMED else self.plan.kv[layer]])
+        caches = [{name: jnp.zeros(shape, dt, device=self.programs.cache_sharding(
+                       HOST if self.plan.kv[layer] == STREAMED else self.plan.kv[layer], shape))
                    for name, (shape, dt) in (arrays | (kept if self.plan.recompute(layer)
                                                        else {})).items()}
                   for layer in range(s.n_layers)]
@@ -445,7 +490,7 @@ class _BlockStep:
         self.read_in[ins.segment] = disk.read(
             tuple(p if on_disk else None for p, on_disk in zip(
                 self.params[ins.segment], self.ex._on_disk[self.phase][ins.segment])),
-            self.ex._homes[STREAMED])
+            self.ex._pinned)
 
     def stage(self, index: int, ins: Instruction) -> None:
         """Copy a streaming segment's weights into accelerator memory (H2D); those read from
@@ -456,8 +501,14 @@ class _BlockStep:
         read_in = self.read_in.get(ins.segment, (None,) * len(params))
         sources = tuple((r if r is not None else p) if staged else None
                         for p, r, staged in zip(params, read_in, seg.staged))
+        where = self.ex.programs.weight_sharding
+
+        def put(path, x):  # into device memory, split as the mesh holds it
+            return jax.device_put(x, where(ACCELERATOR, "/".join(str(k.key) for k in path),
+                                           x.shape))
+
         trees = disk.put(sources, acc) if ins.segment in self.read_in else tuple(
-            None if p is None else jax.device_put(p, acc) for p in sources)
+            None if p is None else jax.tree_util.tree_map_with_path(put, p) for p in sources)
         self.staged[ins.segment] = trees
         nbytes = sum(tree_bytes(p) for p, staged in zip(params, seg.staged) if staged)
         self.acct.apply(ins, {staging_key(ins.segment): nbytes})  # a copy's bytes: its source's
@@ -483,7 +534,7 @@ class _BlockStep:
     def step(self, index: int, ins: Instruction) -> None:
         """Put micro-batch ``ins.micro``'s step inputs on the segment's device."""
         device = self.segments[ins.segment].device
-        placed = jax.device_put(self.steps[ins.micro], self.ex.devices[device])
+        placed = jax.device_put(self.steps[ins.micro], self.ex.programs.shardings[device])
         self.placed_steps[(device, ins.micro)] = placed
         self.acct.apply(ins, {step_key(ins.micro): tree_bytes(placed)})
 
@@ -491,9 +542,11 @@ class _BlockStep:
         """Everything a segment reads from elsewhere, in one call."""
         i, m = ins.segment, ins.micro
         dispatch = time.perf_counter()
-        moved = jax.device_put(stream.resolve([self.envs[m][n] for n in ins.names]),
-                               self.ex.devices[self.segments[i].device])
-        nbytes = sum(x.nbytes for x in moved)
+        device, values = self.segments[i].device, stream.resolve(
+            [self.envs[m][n] for n in ins.names])
+        moved = jax.device_put(values, [self.ex.programs.activation_sharding(device, n, x.shape)
+                                        for n, x in zip(ins.names, values)])
+        nbytes = tree_bytes(moved)
         self.acct.apply(ins, {INPUT_KEY: nbytes})
         if ins.resource is not None:
             self.record(index, ins, H2D if ins.resource == "H2D" else D2H,
@@ -526,7 +579,7 @@ class _BlockStep:
             self.acct.apply(ins)  # host launches allocate nothing on the accelerator
         else:
             out, caches = compiled(*args)
-            self.acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): v.nbytes
+            self.acct.apply(ins, {TEMP_KEY: temp} | {act_key(n, m): device_bytes(v)
                                                      for n, v in out.items()})
         self.outputs.setdefault(i, []).append(out)
         streamed = dict(streamed_layers(self.ex.plan, seg))

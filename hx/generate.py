@@ -178,7 +178,7 @@ class Engine:
         Raises:
           HxError: naming the plan, the limit and the bytes over.
         """
-        return [check_fits(stint.plan, self.model.spec, self.executor.devices, workload,
+        return [check_fits(stint.plan, *self.executor.sizing, workload,
                            self.executor.programs) for stint in self.stints][0]
 
     def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:

@@ -26,6 +26,7 @@ weights in float32), which the extrapolation follows.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -35,12 +36,13 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.llama import Step, append_kv, apply_op
+from hx.models.sharding import TP_AXIS, activation_partition, cache_partition, partition
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, kv_bytes,
                                kv_format, weight_dtype)
@@ -149,16 +151,17 @@ class SplitHostProgram:
         return SimpleNamespace(temp_size_in_bytes=temp)
 
 
-def param_tree(spec: ModelSpec, op: str, device: str, sharding) -> dict:
+def param_tree(spec: ModelSpec, op: str, device: str, where) -> dict:
     """Abstract parameter tree of ``op`` as a segment on ``device`` holds it
-    (``models.tensors.held_weights``), nested as the Flax modules nest it."""
+    (``models.tensors.held_weights``), nested as the Flax modules nest it, each leaf on the
+    sharding ``where(path, shape)`` gives."""
     tree: dict = {}
     for path, (shape, dtype) in held_weights(spec, op, device).items():
         node = tree
         *parents, leaf = path.split("/")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = _struct(shape, dtype, sharding)
+        node[leaf] = _struct(shape, dtype, where(path, shape))
     return tree
 
 
@@ -207,17 +210,53 @@ class Programs:
         self._functions: dict[tuple, Any] = {}
         self._compiled: dict[tuple, Any] = {}
         self._temps: dict[tuple, int] = {}
-        acc = devices.accelerator.device
-        self.shardings = {ACCELERATOR: SingleDeviceSharding(acc, memory_kind="device"),
+        acc = devices.accelerator
+        self.tp = len(acc.group) or 1
+        self.mesh = acc.mesh(TP_AXIS) if self.tp > 1 else None
+        self.shardings = {ACCELERATOR: (NamedSharding(self.mesh, PartitionSpec())
+                                        if self.mesh else
+                                        SingleDeviceSharding(acc.device, memory_kind="device")),
                           HOST: SingleDeviceSharding(devices.host.device)}
+
+    def weight_sharding(self, device: str, path: str, shape: tuple[int, ...],
+                        memory_kind: str = "device"):
+        """Where a weight at ``path`` (``.../wq/kernel``) of ``shape`` held for a segment on
+        ``device`` lives: the host's CPU device, the accelerator (``memory_kind``: ``device``
+        or ``pinned_host``), or split over the accelerators' mesh by ``models.sharding``."""
+        if device == HOST:
+            return self.shardings[HOST]
+        if self.mesh is None:
+            return SingleDeviceSharding(self.devices.accelerator.device,
+                                        memory_kind=memory_kind)
+        return NamedSharding(self.mesh, PartitionSpec(*partition(path, shape, self.tp)),
+                             memory_kind=memory_kind)
+
+    def activation_sharding(self, device: str, name: str, shape: tuple[int, ...]):
+        """Where activation ``name`` of ``shape`` on ``device`` lives: on a mesh, the heads
+        of q, k, v, o and the feed-forward rows of a split as the ops that make or take them
+        split (``models.sharding.activation_partition``), the rest whole on each."""
+        if device == HOST or self.mesh is None:
+            return self.shardings[device]
+        return NamedSharding(self.mesh, PartitionSpec(*activation_partition(name, shape,
+                                                                            self.tp)))
+
+    def cache_sharding(self, device: str, shape: tuple[int, ...]):
+        """Where a dense KV cache array of ``shape`` (B, S, K, E) on ``device`` lives: on a
+        mesh, split by KV heads (``models.sharding.cache_partition``)."""
+        if device == HOST or self.mesh is None:
+            return self.shardings[device]
+        return NamedSharding(self.mesh, PartitionSpec(*cache_partition(shape, self.tp)))
 
     def abstract_args(self, segment: Segment, batch: int, tokens: int, slots: int) -> tuple:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
-        params = tuple(param_tree(s, op, segment.device, where) for _, op in segment.ops)
-        acts = _activation_structs(s, segment.reads, batch, tokens, where)
-        cache = {name: _struct(shape, dtype, where)
+        params = tuple(param_tree(s, op, segment.device, functools.partial(
+            self.weight_sharding, segment.device)) for _, op in segment.ops)
+        acts = {n: _struct(shape, dtype, self.activation_sharding(segment.device, n, shape))
+                for n in segment.reads
+                for shape, dtype in [activation_shape(s, n, batch, tokens)]}
+        cache = {name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
                  for name, (shape, dtype) in kv_arrays(s, batch, slots).items()}
         caches = tuple(dict(cache) for _ in segment.cache_layers)
         step = Step(_struct((batch, tokens), "int32", where), _struct((), "int32", where),
@@ -382,7 +421,7 @@ def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     shape = spec.replace(n_layers=1, name="", architecture="llama")
     if _ABSENT_ACCELERATOR.get():
         shape = shape.replace(dtype="float32")
-    key = (shape, devices.accelerator.device, devices.host.device)
+    key = (shape, devices.accelerator.device, devices.accelerator.group, devices.host.device)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = Programs(shape, devices)
     return _PROGRAMS[key]

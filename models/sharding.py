@@ -108,6 +108,21 @@ def partition(path: str, shape: tuple[int, ...], tp: int) -> tuple[str | None, .
     return tuple(entries)
 
 
+_ACTIVATION_AXIS = {"q": 2, "k": 2, "v": 2, "o": 2, "a": 2}  # (B, T, heads, E), (B, T, F)
+
+
+def activation_partition(name: str, shape: tuple[int, ...], tp: int
+                         ) -> tuple[str | None, ...]:
+    """PartitionSpec entries of activation ``name`` (``models.tensors.ACTIVATIONS``) crossing
+    onto a mesh: q, k, v, o by heads and a by F, as the ops that take them split, where ``tp``
+    divides them; x, h and the logits whole on every device."""
+    entries: list[str | None] = [None] * len(shape)
+    axis = _ACTIVATION_AXIS.get(name)
+    if axis is not None and shape[axis] % tp == 0:
+        entries[axis] = TP_AXIS
+    return tuple(entries)
+
+
 def cache_partition(shape: tuple[int, ...], tp: int) -> tuple[str | None, ...]:
     """PartitionSpec entries of a dense KV cache (B, S, K, E): by KV heads where ``tp``
     divides them (else a copy on every device)."""

@@ -217,7 +217,8 @@ def _mlp_probe(side: str, devices: Devices, width: int, dtype, fmt: str
 
     ops = ("MLP1", "MLP2")
     sharding = SingleDeviceSharding(device)
-    params = tuple(jax.tree.map(random, param_tree(spec, op, side, sharding)) for op in ops)
+    params = tuple(jax.tree.map(random, param_tree(spec, op, side, lambda *_: sharding))
+                   for op in ops)
     x = jax.device_put(np.ones((1, 1, width), dtype), device)
     step = jax.device_put(Step(np.zeros((1, 1), np.int32), np.int32(0), np.zeros(1, np.int32)),
                           device)

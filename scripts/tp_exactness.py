@@ -2,7 +2,7 @@
 and KV caches split by ``models.sharding`` against the same model on one device.
 
 Usage: python scripts/tp_exactness.py [--model tiny|smollm2-135m|llama2-7b:2L] [--tp 2,4]
-           [--prompt 16] [--decode 4] [--json OUT.json]
+           [--prompt 16] [--decode 4] [--executor] [--json OUT.json]
 
 The accelerators are ``hx.discover(accelerators=max(tp))``'s (emulated: the process asks XLA for
 1 + max(tp) CPU devices; on a GPU machine its GPUs); the reference runs on the first of them.
@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--tp", default="2,4")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--decode", type=int, default=4)
+    parser.add_argument("--executor", action="store_true",
+                        help="also run hx's executor on the mesh (part 2)")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
     degrees = [int(t) for t in args.tp.split(",")]
@@ -54,6 +56,8 @@ def main() -> int:
     else:
         spec = load_spec(args.model, "float32", "dense", "dense")
     params = jax.tree.map(np.asarray, init_params(spec, seed=1))
+    if spec.tie_embeddings:  # one array, as a loader gives it
+        params["HEAD"]["embedding"] = params["EMBED"]["embedding"]
     B, P, S = 2, args.prompt, args.prompt + args.decode
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, spec.vocab_size, (B, P)).astype(np.int32)
@@ -112,11 +116,65 @@ def main() -> int:
               f"largest logit difference {diff:.2e} of the largest logit, greedy "
               f"{'equal' if row['greedy_equal'] else 'DIFFERENT'}, bytes per device "
               f"{row['device_bytes']} (whole / tp {whole / tp:.0f})", flush=True)
+    runs = executor_rows(spec, params, degrees, args.decode) if args.executor else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": spec.name, "rows": results}, f, indent=1)
+            json.dump({"model": spec.name, "rows": results, "executor": runs}, f, indent=1)
     return 0 if all(r["max_rel_logit_diff"] <= 1e-5 and r["greedy_equal"]
-                    for r in results) else 1
+                    for r in results + runs) else 1
+
+
+def executor_rows(spec, params, degrees: list[int], decode: int) -> list[dict]:
+    """Part 2: ``hx.Engine`` on ``discover(accelerators=tp)`` against one accelerator, for a
+    plan with everything on the accelerators, one with KV caches on the host in odd layers,
+    and stream-all (weights streamed, attention on the host): prefill logits, greedy tokens,
+    and each accelerator's peak (the accountant) run at exactly the plan's estimate as its
+    budget (``Engine.check``: the shard beside a tp-th of the host)."""
+    from hx.devices import discover
+    from hx.generate import Engine
+    from hx.models.loader import Model
+    from hx.models.spec import LAYER_OPS, SCORE
+    from hx.plan import ACCELERATOR, HOST, ExecutionPlan, Placement
+    from hx.planner import policies
+    from hx.sampling import SamplingParams
+    from hx.workload import Workload
+
+    class NoText:  # token ids in, token ids out
+        eos_id = None
+
+        def decode(self, ids):
+            return ""
+
+    n = spec.n_layers
+    odd = ExecutionPlan.from_placement(Placement(ACCELERATOR, tuple(
+        tuple(HOST if op == SCORE and i % 2 else ACCELERATOR for op in LAYER_OPS)
+        for i in range(n)), ACCELERATOR), name="kv-host-odd")
+    plans = {"all-accelerator": ExecutionPlan.all_accelerator(n), "kv-host-odd": odd,
+             "stream-all": policies.stream_all(n)}
+    model = Model(spec, params, NoText(), spec.name)
+    prompts = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]
+    sampling = SamplingParams(max_new_tokens=decode)
+    workload = Workload.for_prompts(2, 8, decode, spec)
+    rows = []
+    for name, plan in plans.items():
+        one = Engine(model, plan, discover())
+        want_logits = one.last_logits(prompts)
+        want = [c.token_ids for c in one.generate_ids(prompts, sampling)]
+        for tp in degrees:
+            need = Engine(model, plan, discover(accelerators=tp)).check(workload).accelerator
+            engine = Engine(model, plan, discover(need, accelerators=tp))
+            logits = engine.last_logits(prompts)
+            got = [c.token_ids for c in engine.generate_ids(prompts, sampling)]
+            diff = float(np.abs(logits - want_logits).max() / np.abs(want_logits).max())
+            rows.append({"plan": name, "tp": tp, "max_rel_logit_diff": diff,
+                         "greedy_equal": got == want, "budget": need,
+                         "peak": engine.accountant.peak,
+                         "one_accelerator_peak": one.accountant.peak})
+            print(f"executor {name} tp={tp}: logits {diff:.2e}, greedy "
+                  f"{'equal' if got == want else 'DIFFERENT'}, peak per accelerator "
+                  f"{engine.accountant.peak} of a {need}-byte budget (one accelerator: "
+                  f"{one.accountant.peak})", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -239,8 +239,9 @@ class Devices:
     def describe(self) -> str:
         """One line for reports, saying whether the accelerator is emulated, its budget and the
         cap of XLA's memory pool on it (when the device has one)."""
-        d = self.accelerator.device
-        acc = f"{d.platform}:{d.id}"
+        d, group = self.accelerator.device, self.accelerator.group
+        acc = (f"{len(group)} x {d.platform} ({', '.join(str(g.id) for g in group)}), tensor "
+               "parallel" if group else f"{d.platform}:{d.id}")
         if self.accelerator.capacity is not None:
             acc += f" budget {format_bytes(self.accelerator.capacity)}"
         if self.accelerator.pool_limit is not None:

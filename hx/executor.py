@@ -111,6 +111,20 @@ def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[st
             for key, tree in params.items()}
 
 
+def per_accelerator(spec: ModelSpec, devices: Devices) -> tuple[ModelSpec, Devices]:
+    """(spec, devices) that plans and memory checks take for a model on ``devices``: on a
+    group of k accelerators, the shard each holds (``ModelSpec.shard`` of the padded model)
+    beside a k-th of the host's budget, as the planner prices them (``planner.mesh``); on one
+    accelerator, ``spec`` and ``devices`` themselves."""
+    tp = len(devices.accelerator.group) or 1
+    if tp == 1:
+        return spec, devices
+    host = devices.host
+    return sharding.padded_spec(spec, tp).shard(tp), dataclasses.replace(
+        devices, host=dataclasses.replace(
+            host, capacity=None if host.capacity is None else host.capacity // tp))
+
+
 def _refuse_on_a_mesh(plan: ExecutionPlan, tp: int) -> None:
     """What the executor does not run over several accelerators yet (issue 28): disk-homed
     weights and streamed KV caches.
@@ -181,11 +195,7 @@ class Executor:
             spec, params = sharding.pad(spec, params, tp)
         self.spec, self.plan = spec, plan
         self.programs = programs_for(spec, self.devices)
-        # each accelerator's bytes are its shard's, beside a tp-th of the host (as the planner
-        # prices them: planner.mesh); one accelerator: the model itself
-        host = self.devices.host
-        self.sizing = (spec.shard(tp), dataclasses.replace(self.devices, host=dataclasses.replace(
-            host, capacity=None if host.capacity is None else host.capacity // tp)))
+        self.sizing = per_accelerator(spec, self.devices)
         # before placing any weight: do its weights and one row's KV cache fit at all? (each
         # workload's exact check is ``Engine.check``'s; temporaries are not sized here)
         check_fits(plan, *self.sizing, Workload(1, 1, 1), self.programs, UNSIZED)

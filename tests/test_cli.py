@@ -165,6 +165,17 @@ def test_quarter_budget_stream_all_with_trace(tmp_path):
         "accelerator compute", "host compute", "H2D", "D2H"}
 
 
+def test_generate_over_two_accelerators():
+    """SmolLM2 (its 3 KV heads padded to 4) tensor parallel over two emulated accelerators,
+    weights streamed at an eighth of its weights per accelerator: the same answer."""
+    result = hx("generate", "-p", "The capital of France is", "--max-new-tokens", "4",
+                "--devices", "2", "--weights", "dense", "--policy", "stream-all",
+                "--accelerator-memory", str(538_060_032 // 8))
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "2 x cpu (1, 2), tensor parallel" in result.stderr
+
+
 def test_plan_over_budget_is_rejected():
     result = hx("generate", "-p", "hi", "--accelerator-memory", QUARTER, "--weights", "dense",
                 "--policy", "all-accelerator")

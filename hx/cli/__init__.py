@@ -29,13 +29,25 @@ def main() -> None:
     from hx.devices import configure_runtime
     from hx.errors import HxError
 
-    configure_runtime()
+    configure_runtime(1 + _accelerators(sys.argv[1:]))
     widen_piped_help()
     try:
         app()
     except HxError as e:
         err.print(f"hx: error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
+
+
+def _accelerators(argv: list[str]) -> int:
+    """The ``--devices N`` of the command line (1 without one, or one not a number: the
+    command's own parsing reports that): emulated accelerators are CPU devices, which XLA
+    creates when JAX starts, before any command's options are parsed."""
+    for i, arg in enumerate(argv):
+        value = (arg.split("=", 1)[1] if arg.startswith("--devices=") else
+                 argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 if __name__ == "__main__":

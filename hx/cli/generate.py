@@ -81,6 +81,10 @@ def generate(
              "the predicted gain beats moving weights and KV caches); 0: one plan."),
     trace: Optional[Path] = typer.Option(None, "--trace",
                                          help="Write a Chrome/Perfetto trace of the run."),
+    accelerators: int = typer.Option(
+        1, "--devices", help="Accelerators to run on, tensor parallel over their mesh "
+                             "(emulated: CPU devices); --accelerator-memory is each one's "
+                             "budget, and plans are made for one accelerator's shard."),
     spill_dir: Optional[Path] = typer.Option(
         None, "--spill-dir",
         help="Directory of the unnamed file that disk-homed weights are written to once when "
@@ -98,9 +102,10 @@ def generate(
         raise HxError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompts is not None and output is None:
         raise HxError("--prompts needs --output OUT.jsonl")
-    if replan_every and (prompt is None or plan is not None or policy not in (None, "cpsat")):
-        raise HxError("--replan-every plans with CP-SAT for one --prompt: drop --prompts, "
-                      "--plan and --policy other than cpsat")
+    if replan_every and (prompt is None or plan is not None or policy not in (None, "cpsat")
+                         or accelerators > 1):
+        raise HxError("--replan-every plans with CP-SAT for one --prompt on one accelerator: "
+                      "drop --prompts, --devices, --plan and --policy other than cpsat")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
     lock = contextlib.nullcontext()
@@ -112,7 +117,7 @@ def generate(
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul,
-                         replan_every)
+                         replan_every, accelerators)
     with lock:
         if prompt is not None:
             _generate_one(prompt, options)
@@ -149,11 +154,15 @@ class RunOptions:
     kv: str = "dense"
     host_matmul: str = "auto"
     replan_every: int = 0
+    accelerators: int = 1
 
     def place(self, spec, devices, workload: Workload, hardware):
-        """The plan these options ask for (``common.resolve_plan``)."""
-        return resolve_plan(spec, devices, workload, self.plan, self.host_ops, self.policy,
-                            self.gpu_layers, hardware)
+        """The plan these options ask for (``common.resolve_plan``), made for what each
+        accelerator holds (``executor.per_accelerator``)."""
+        from hx.executor import per_accelerator
+
+        return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
+                            self.host_ops, self.policy, self.gpu_layers, hardware)
 
 
 def _block(mode: str, prompts_file: bool, batch_size: Optional[int],
@@ -180,7 +189,7 @@ def _block(mode: str, prompts_file: bool, batch_size: Optional[int],
 
 def _load(options: RunOptions):
     """(devices, loaded model) for a run."""
-    devices = discover(options.accelerator_memory, options.host_memory)
+    devices = discover(options.accelerator_memory, options.host_memory, options.accelerators)
     return devices, load(options.model, resolve_dtype(options.dtype, devices), options.weights,
                          options.kv, options.host_matmul)
 
@@ -201,12 +210,13 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
     """The engine of a run on plan ``chosen`` (or on ``stints``, the first ``chosen``),
     checked against the budget, with its header line (and, when a layer split stands in for
     CP-SAT, why) on stderr."""
+    from hx.executor import per_accelerator
     from hx.generate import Engine
     from hx.memory import check_fits
     from hx.timeline import Timeline
 
     spec = loaded.spec
-    need = check_fits(chosen, spec, devices, workload)
+    need = check_fits(chosen, *per_accelerator(spec, devices), workload)
     engine = Engine(loaded, None if stints else chosen, devices,
                     Timeline() if options.trace else None,
                     str(options.spill_dir or tempfile.gettempdir()), stints)

@@ -2,7 +2,7 @@
 and KV caches split by ``models.sharding`` against the same model on one device.
 
 Usage: python scripts/tp_exactness.py [--model tiny|smollm2-135m|llama2-7b:2L] [--tp 2,4]
-           [--prompt 16] [--decode 4] [--executor] [--json OUT.json]
+           [--prompt 16] [--decode 4] [--executor] [--plans P,Q] [--json OUT.json]
 
 The accelerators are ``hx.discover(accelerators=max(tp))``'s (emulated: the process asks XLA for
 1 + max(tp) CPU devices; on a GPU machine its GPUs); the reference runs on the first of them.
@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--executor", action="store_true",
                         help="also run hx's executor on the mesh (part 2)")
+    parser.add_argument("--plans", default="all-accelerator,kv-host-odd,stream-all",
+                        help="part 2's plans, comma-separated")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
     degrees = [int(t) for t in args.tp.split(",")]
@@ -116,7 +118,8 @@ def main() -> int:
               f"largest logit difference {diff:.2e} of the largest logit, greedy "
               f"{'equal' if row['greedy_equal'] else 'DIFFERENT'}, bytes per device "
               f"{row['device_bytes']} (whole / tp {whole / tp:.0f})", flush=True)
-    runs = executor_rows(spec, params, degrees, args.decode) if args.executor else []
+    runs = executor_rows(spec, params, degrees, args.decode,
+                         args.plans.split(",")) if args.executor else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": spec.name, "rows": results, "executor": runs}, f, indent=1)
@@ -124,7 +127,8 @@ def main() -> int:
                     for r in results + runs) else 1
 
 
-def executor_rows(spec, params, degrees: list[int], decode: int) -> list[dict]:
+def executor_rows(spec, params, degrees: list[int], decode: int, names: list[str]
+                  ) -> list[dict]:
     """Part 2: ``hx.Engine`` on ``discover(accelerators=tp)`` against one accelerator, for a
     plan with everything on the accelerators, one with KV caches on the host in odd layers,
     and stream-all (weights streamed, attention on the host): prefill logits, greedy tokens,
@@ -151,6 +155,7 @@ def executor_rows(spec, params, degrees: list[int], decode: int) -> list[dict]:
         for i in range(n)), ACCELERATOR), name="kv-host-odd")
     plans = {"all-accelerator": ExecutionPlan.all_accelerator(n), "kv-host-odd": odd,
              "stream-all": policies.stream_all(n)}
+    plans = {name: plans[name] for name in names}
     model = Model(spec, params, NoText(), spec.name)
     prompts = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]
     sampling = SamplingParams(max_new_tokens=decode)

@@ -282,7 +282,6 @@ class Executor:
         one's peak. Raises as ``Executor``."""
         params, self._params = self.params_tree(), {}
         moved: dict[int, Any] = {}  # id(old leaf) -> its new copy: a tied embedding stays one
-
         host = self.programs.shardings[HOST]
 
         def leave(tree):
@@ -513,12 +512,12 @@ class _BlockStep:
                         for p, r, staged in zip(params, read_in, seg.staged))
         where = self.ex.programs.weight_sharding
 
-        def put(path, x):  # into device memory, split as the mesh holds it
-            return jax.device_put(x, where(ACCELERATOR, "/".join(str(k.key) for k in path),
-                                           x.shape))
+        def target(path, x):  # device memory, split as the mesh holds it
+            return where(ACCELERATOR, "/".join(str(k.key) for k in path), x.shape)
 
         trees = disk.put(sources, acc) if ins.segment in self.read_in else tuple(
-            None if p is None else jax.tree_util.tree_map_with_path(put, p) for p in sources)
+            None if p is None else jax.device_put(p, jax.tree_util.tree_map_with_path(target, p))
+            for p in sources)
         self.staged[ins.segment] = trees
         nbytes = sum(tree_bytes(p) for p, staged in zip(params, seg.staged) if staged)
         self.acct.apply(ins, {staging_key(ins.segment): nbytes})  # a copy's bytes: its source's

@@ -1,8 +1,8 @@
-"""Tensor parallelism of the model's arrays: which axis of each weight and cache a group of
-accelerators splits (Megatron-LM, Shoeybi et al. 2019, §3), and the zero heads that make the
-split even. The arithmetic is the same as ``ModelSpec.shard`` (what the planner prices); this
-module is what a mesh of JAX devices holds (issue 28; docs/architecture.md, "Planner": several
-accelerators).
+"""Tensor parallelism of the model's arrays: which axis of each weight, cache and activation
+a group of accelerators splits (Megatron-LM, Shoeybi et al. 2019, §3), and the zero heads that
+make the split even. The arithmetic is the same as ``ModelSpec.shard`` (what the planner
+prices); this module is what a mesh of JAX devices holds (``hx.programs.Programs``' shardings;
+issue 28; docs/architecture.md, "Devices and memory").
 
 Split along ``TP_AXIS``, each weight in the checkpoint's (out..., in) layout
 (``ModelSpec.op_weight_shapes``):
@@ -12,7 +12,9 @@ Split along ``TP_AXIS``, each weight in the checkpoint's (out..., in) layout
   all-reduces);
 * MLP1's gate and up (F, D) by F (column-parallel), MLP2's down (D, F) by F (row-parallel);
 * the embedding (V, D) by the vocabulary, where ``tp`` divides it (else whole on every device);
-* norms whole on every device; KV caches (B, S, K, E) by KV heads.
+* norms whole on every device; KV caches (B, S, K, E) by KV heads;
+* activations crossing onto the mesh (from the host): q, k, v, o by heads and a by F, as the
+  ops that take them split; x, h and the logits whole on every device.
 
 Where ``tp`` does not divide the KV heads K (and K is not a divisor of ``tp`` whose heads every
 device can hold a copy of), ``pad`` appends zero KV heads up to a multiple of ``tp`` and their

@@ -27,9 +27,10 @@ demo: install
 	$(BIN)/hx generate --chat --prompts examples/prompts.jsonl --output out/completions.jsonl
 
 ## The test suite (includes the comparison against Hugging Face transformers). Two worker
-## processes: most of its time is single-threaded XLA compilation and Python.
+## processes: most of its time is single-threaded XLA compilation and Python; idle workers
+## steal queued tests, so the slowest ones do not finish alone at the end.
 test: install-test
-	$(BIN)/python -m pytest -q -n 2 --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25
 
 ## Decode benchmark: tokens/s and executor overhead; writes out/bench_decode.json.
 bench: install

@@ -26,7 +26,7 @@ def test_cpsat_throughput_never_falls_as_memory_grows():
     (or stays) along a budget sweep."""
     grid = Grid(models=("llama2-7b:4L",), hardware=("a10g",), policies=("cpsat",),
                 budgets=(0.1, 0.8), scenarios=(SCENARIO,))
-    rows = run_grid(grid, time_limit_s=5)
+    rows = run_grid(grid, time_limit_s=2)
     for machine in grid.hardware:
         rates = [r.tokens_per_s or 0.0 for r in rows if r.hardware == machine]
         assert rates[-1] > 0

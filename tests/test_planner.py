@@ -20,10 +20,10 @@ def workload(spec, batch=1):
     return Workload.for_prompts(batch, 128, 128, spec)
 
 
-@pytest.mark.parametrize("model,fractions", [("smollm2-135m", FRACTIONS[::2]),
-                                             ("llama2-70b", FRACTIONS[1::2])])
+@pytest.mark.parametrize("model,fractions", [("smollm2-135m", FRACTIONS[::3]),
+                                             ("llama2-70b", FRACTIONS[1::4])])
 def test_cpsat_proves_optimality_at_every_budget(model, fractions):
-    """Five budgets each, between them the ten from barely feasible to fitting (CI time)."""
+    """Four and three budgets, between them barely feasible to fitting (CI time)."""
     spec, profile = PRESETS[model], gpu_like()
     w = workload(spec)
     previous = None
@@ -138,7 +138,7 @@ def test_cpsat_runs_as_fast_as_all_accelerator_where_the_model_fits(batch):
 def test_no_policy_returns_a_plan_that_does_not_fit():
     """At SmolLM2's shapes, down to a zero budget (tests/test_budgets.py does 7B and 70B)."""
     spec, profile = PRESETS["smollm2-135m"], gpu_like()
-    for batch, fractions in ((1, (0.0, 0.25, 1.3)), (16, (0.02, 0.8))):
+    for batch, fractions in ((1, (0.0, 1.3)), (16, (0.02, 0.8))):
         w = workload(spec, batch)
         for fraction in fractions:
             devices = discover(accelerator_memory=int(spec.weight_bytes * fraction),

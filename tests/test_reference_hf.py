@@ -41,8 +41,9 @@ GREEDY_PROMPTS = LOGIT_PROMPTS[:3] + [
     "Water boils at a temperature of",
     "A haiku about autumn:\n",
 ]
-PLANS = {name: plan for name, plan in acceptance_plans(30, splits=(10,)).items()
-         if name != "kv-host-odd"}  # host KV: all-host, stream-all (CI time)
+PLANS = {name: plan for name, plan in acceptance_plans(30, splits=()).items()
+         if name != "kv-host-odd"}  # host KV: all-host, stream-all; layer splits: the tiny
+# model's tests/test_executor.py (CI time)
 
 
 @pytest.fixture(scope="module")

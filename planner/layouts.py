@@ -1,6 +1,7 @@
 """Layouts of a model over several GPUs: tensor parallelism within a group, pipeline stages
 across groups, each GPU's part planned and priced as one accelerator (docs/architecture.md,
-"Planner"; issue 28). Simulated only: the executor runs one accelerator.
+"Planner"; issue 28). The executor runs tensor parallelism (``hx.discover(accelerators=k)``);
+pipeline stages are simulated only.
 
 A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages (``stages``, as
 even as the count allows), each stage on a group of ``tp`` GPUs that split its ops

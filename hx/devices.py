@@ -370,10 +370,10 @@ def discover(accelerator_memory: int | str | None = None,
     group = found[:accelerators] if found else cpus[1:1 + accelerators]
     if len(group) < accelerators:
         kind = "accelerators" if found else "XLA CPU devices besides the host's"
-        raise HxError(f"{accelerators} accelerators asked, {len(group)} {kind} found: "
-                      + ("" if found else "call hx.discover() (or hx.devices.configure_runtime"
-                         "()) before running any JAX computation, so that hx can create CPU "
-                         "devices to emulate them"))
+        raise HxError(f"{accelerators} accelerators asked, {len(group)} {kind} found"
+                      + ("" if found else ": call hx.discover() (or hx.devices."
+                         "configure_runtime()) before running any JAX computation, so that hx "
+                         "can create CPU devices to emulate them"))
     device = group[0]
     pool_limit = (device.memory_stats() or {}).get("bytes_limit")
     capacity = pool_limit if budget is None else budget

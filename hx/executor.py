@@ -82,10 +82,16 @@ def op_params(params: dict[str, Any], layer: int | None, op: str) -> Any:
     return params[op] if op in (EMBED, HEAD) else params[layer_key(layer)][op]
 
 
+def leaf_path(path: tuple) -> str:
+    """A ``jax.tree_util`` key path of a parameter tree as the ``wq/kernel`` names that
+    ``models.tensors.held_weights`` and ``models.sharding.partition`` take."""
+    return "/".join(str(k.key) for k in path)
+
+
 def held_dtype(held: dict[str, tuple], path: tuple) -> np.dtype:
     """The numpy dtype ``held`` (``models.tensors.held_weights`` of an op) gives the leaf at
     ``path`` (a ``jax.tree_util`` key path) of that op's tree."""
-    return numpy_dtype(held["/".join(k.key for k in path)][1])
+    return numpy_dtype(held[leaf_path(path)][1])
 
 
 def held_params(spec: ModelSpec, params: dict[str, Any], device: str) -> dict[str, Any]:
@@ -244,7 +250,7 @@ class Executor:
             else:
                 where = (self.programs.shardings[HOST] if home == HOST else
                          self.programs.weight_sharding(
-                             ACCELERATOR, "/".join(str(k.key) for k in path), leaf.shape,
+                             ACCELERATOR, leaf_path(path), leaf.shape,
                              "pinned_host" if home == STREAMED else "device"))
                 placed[key] = jax.device_put(
                     leaf if leaf.dtype == want else leaf.astype(want), where)
@@ -513,7 +519,7 @@ class _BlockStep:
         where = self.ex.programs.weight_sharding
 
         def target(path, x):  # device memory, split as the mesh holds it
-            return where(ACCELERATOR, "/".join(str(k.key) for k in path), x.shape)
+            return where(ACCELERATOR, leaf_path(path), x.shape)
 
         trees = disk.put(sources, acc) if ins.segment in self.read_in else tuple(
             None if p is None else jax.device_put(p, jax.tree_util.tree_map_with_path(target, p))

@@ -170,9 +170,14 @@ def _struct(shape: tuple[int, ...], dtype: str, sharding) -> jax.ShapeDtypeStruc
 
 
 def _activation_structs(spec: ModelSpec, names: tuple[str, ...], batch: int, tokens: int,
-                        sharding) -> dict[str, jax.ShapeDtypeStruct]:
-    """Abstract activations ``names`` at (B, T) (``models.tensors.activation_shape``)."""
-    return {n: _struct(*activation_shape(spec, n, batch, tokens), sharding) for n in names}
+                        where) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract activations ``names`` at (B, T) (``models.tensors.activation_shape``), each on
+    the sharding ``where(name, shape)`` gives."""
+    structs = {}
+    for n in names:
+        shape, dtype = activation_shape(spec, n, batch, tokens)
+        structs[n] = _struct(shape, dtype, where(n, shape))
+    return structs
 
 
 def middle_layers(segment: Segment) -> int:
@@ -253,9 +258,8 @@ class Programs:
         s, where = self.spec, self.shardings[segment.device]
         params = tuple(param_tree(s, op, segment.device, functools.partial(
             self.weight_sharding, segment.device)) for _, op in segment.ops)
-        acts = {n: _struct(shape, dtype, self.activation_sharding(segment.device, n, shape))
-                for n in segment.reads
-                for shape, dtype in [activation_shape(s, n, batch, tokens)]}
+        acts = _activation_structs(s, segment.reads, batch, tokens, functools.partial(
+            self.activation_sharding, segment.device))
         cache = {name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
                  for name, (shape, dtype) in kv_arrays(s, batch, slots).items()}
         caches = tuple(dict(cache) for _ in segment.cache_layers)
@@ -292,7 +296,7 @@ class Programs:
         lowered, first, slot = [], 0, 0
         for part, part_reads, part_writes in host_pieces(ops, writes):
             attends = int(OPS[part[-1]].uses_cache)
-            ins = _activation_structs(self.spec, part_reads, batch, tokens, where)
+            ins = _activation_structs(self.spec, part_reads, batch, tokens, lambda *_: where)
             lowered.append((self._function(HOST, part, part_writes, False).lower(
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends))

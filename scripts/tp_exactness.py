@@ -42,6 +42,7 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from hx.devices import discover
+    from hx.executor import leaf_path
 
     group = discover(accelerators=max(degrees)).accelerator.group  # emulated: CPU devices
 
@@ -91,9 +92,8 @@ def main() -> int:
         wide, padded = pad(spec, params, tp)
 
         def place(path, leaf):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
             return jax.device_put(leaf, NamedSharding(mesh, PartitionSpec(
-                *partition(name, leaf.shape, tp))))
+                *partition(leaf_path(path), leaf.shape, tp))))
 
         sharded = jax.tree_util.tree_map_with_path(place, padded)
         shape = kv_shape(wide, B, S)

@@ -44,7 +44,8 @@ def main() -> int:
     from hx.devices import discover
     from hx.executor import leaf_path
 
-    group = discover(accelerators=max(degrees)).accelerator.group  # emulated: CPU devices
+    accelerator = discover(accelerators=max(degrees)).accelerator  # emulated: CPU devices
+    group = accelerator.group or (accelerator.device,)  # tp 1: one accelerator, no group
 
     from hx.models.llama import Step, forward, init_params
     from hx.models.sharding import cache_partition, pad, partition
@@ -129,8 +130,8 @@ def main() -> int:
 
 def executor_rows(spec, params, degrees: list[int], decode: int, names: list[str]
                   ) -> list[dict]:
-    """Part 2: ``hx.Engine`` on ``discover(accelerators=tp)`` against one accelerator, for a
-    plan with everything on the accelerators, one with KV caches on the host in odd layers,
+    """Part 2: ``hx.Engine`` on ``discover(accelerators=tp)`` against everything on one
+    accelerator (tp 1: the plan on one accelerator beside the host), for a plan with everything on the accelerators, one with KV caches on the host in odd layers,
     and stream-all (weights streamed, attention on the host): prefill logits, greedy tokens,
     and each accelerator's peak (the accountant) run at exactly the plan's estimate as its
     budget (``Engine.check``: the shard beside a tp-th of the host)."""
@@ -160,11 +161,14 @@ def executor_rows(spec, params, degrees: list[int], decode: int, names: list[str
     prompts = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]
     sampling = SamplingParams(max_new_tokens=decode)
     workload = Workload.for_prompts(2, 8, decode, spec)
+    reference = Engine(model, ExecutionPlan.all_accelerator(n), discover())
+    want_logits = reference.last_logits(prompts)
+    want = [c.token_ids for c in reference.generate_ids(prompts, sampling)]
     rows = []
     for name, plan in plans.items():
         one = Engine(model, plan, discover())
-        want_logits = one.last_logits(prompts)
-        want = [c.token_ids for c in one.generate_ids(prompts, sampling)]
+        one.last_logits(prompts)
+        one.generate_ids(prompts, sampling)  # its peak: the same work as each tp's
         for tp in degrees:
             need = Engine(model, plan, discover(accelerators=tp)).check(workload).accelerator
             engine = Engine(model, plan, discover(need, accelerators=tp))

@@ -116,7 +116,6 @@ def main() -> int:
         print(f"{label}: {seconds * 1e3:.2f} ms, {seconds / values * 1e9:.4f} ns/value, "
               f"counted {rate / 1e9:.0f} GB/s, copy {copy_rate / 1e9:.0f} GB/s, "
               f"efficiency {rate / copy_rate:.2f}", flush=True)
-        del codes, pairs, dense
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "runs": args.runs,

@@ -332,6 +332,26 @@ def decompress_bytes(fmt: Format, interleaved: bool, value_bytes: int = 2) -> fl
     return 6 * codes + (6 if interleaved else 5) * value_bytes + pairs
 
 
+# The rate FlexGen's decompression reaches on the bytes ``decompress_bytes`` counts, over the
+# memory bandwidth the presets scale from (planner/hardware.py ``REFERENCE``: the H100's 2.38
+# TB/s, hx's probe), measured by ``scripts/flexgen_decompress.py`` on an H100 80GB HBM3
+# (docs/measurements/h100-2026-11-26/flexgen-decompress.json): weights (groups along rows)
+# 1,146-1,180 GB/s, the cache (groups along the contiguous head axis) 1,344-1,345 GB/s; a
+# float16 copy ran at 2,850-2,960 GB/s beside them. A preset's bandwidth times these is the
+# H100's measured rate scaled by the GPUs' peak bandwidth ratio, the rule every preset's
+# memory bandwidth follows (hardware-sources.md §7f). Keyed by ``interleaved``.
+DECOMPRESS_EFFICIENCY = {False: 0.489, True: 0.565}
+
+
+def decompress_seconds(values: float, fmt: Format, interleaved: bool, bandwidth: float
+                       ) -> float:
+    """Seconds the GPU spends decompressing ``values`` elements of ``fmt`` into float16:
+    ``decompress_bytes`` per element at ``bandwidth`` (B/s, the GPU's memory bandwidth) times
+    ``DECOMPRESS_EFFICIENCY`` (FlexGen's eager kernels, measured)."""
+    return (values * decompress_bytes(fmt, interleaved)
+            / (bandwidth * DECOMPRESS_EFFICIENCY[interleaved]))
+
+
 def compress_bytes(fmt: Format, value_bytes: int = 2) -> float:
     """Bytes of GPU memory traffic per element of FlexGen's compression of float16 cache
     values (``TorchCompressedDevice.compress``, flexgen/compression.py; 4 bits, groups along
@@ -348,14 +368,14 @@ def compress_bytes(fmt: Format, value_bytes: int = 2) -> float:
 def gpu_decode_attention_seconds(spec, profile, batch: int, slots: int) -> float:
     """Seconds of FlexGen's decode attention on the GPU (``mha_gen`` without ``--cpu``) over
     ``slots`` copied cache slots of ``batch`` rows, K and V: a compressed cache is first
-    decompressed whole into float16 (``decompress_bytes`` per element); the two ``bmm``s at one
-    query row read each float16 K and V value once (2 bytes), on strided views (no copy) --
-    memory-bound at the GPU's memory bandwidth (the mask and softmax over (B·H, 1, S) are
-    S/D of that, not counted)."""
+    decompressed whole into float16 (``decompress_seconds``); the two ``bmm``s at one query row
+    read each float16 K and V value once (2 bytes), on strided views (no copy) -- memory-bound
+    at the GPU's memory bandwidth (the mask and softmax over (B·H, 1, S) are S/D of that, not
+    counted)."""
     elements = 2 * batch * slots * spec.n_heads * spec.head_dim
-    fmt = kv_format(spec)
-    per_element = spec.dtype_bytes + (decompress_bytes(fmt, True) if fmt else 0.0)
-    return elements * per_element / profile.accelerator.memory_bandwidth
+    fmt, bandwidth = kv_format(spec), profile.accelerator.memory_bandwidth
+    return (elements * spec.dtype_bytes / bandwidth
+            + (decompress_seconds(elements, fmt, True, bandwidth) if fmt else 0.0))
 
 
 def kv_part_bytes(spec, rows: int, slots: int) -> tuple[int, int]:
@@ -493,13 +513,13 @@ def _attention_extra(loop: _Loop, layer: FlexGenLayer, tokens: int) -> float:
     """Seconds a layer's GPU compute adds beyond its dense products: decompressing its
     compressed weights (every GPU batch: ``mha``, ``mha_gen``, ``mlp`` and the embeddings
     decompress what they were given) and, for attention with a compressed cache, compressing
-    the ``tokens`` new K, V positions (``decompress_bytes``, ``compress_bytes`` at the GPU's
-    memory bandwidth)."""
+    the ``tokens`` new K, V positions (``decompress_seconds``; ``compress_bytes`` at the GPU's
+    memory bandwidth: FlexGen's compression is not measured)."""
     spec, bandwidth = loop.spec, loop.profile.accelerator.memory_bandwidth
     seconds = 0.0
     if layer.compressed:
-        seconds += (layer.compressed * decompress_bytes(get_format(spec.weight_format), False)
-                    / bandwidth)
+        seconds += decompress_seconds(layer.compressed, get_format(spec.weight_format), False,
+                                      bandwidth)
     fmt = kv_format(spec)
     if layer.kind == ATTENTION and fmt:
         new = 2 * loop.B * tokens * spec.n_heads * spec.head_dim

@@ -59,7 +59,7 @@ from hx import disk, streamed_kv
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.host_compute import stream
-from hx.memory import UNSIZED, Accountant, check_fits
+from hx.memory import UNSIZED, Accountant, MemoryEstimate, check_fits
 from hx.models.formats import DENSE
 from hx.models.llama import Cache, Step
 from hx.models.mapped import is_mapped, release
@@ -378,6 +378,15 @@ class Executor:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def check(self, plan: ExecutionPlan, workload: Workload) -> MemoryEstimate:
+        """``hx.memory.check_fits`` of ``plan`` on this executor's devices (``sizing``) at
+        ``workload``'s shapes, XLA temporaries included.
+
+        Raises:
+          HxError: it does not fit (naming the plan, the limit and the bytes over).
+        """
+        return check_fits(plan, *self.sizing, workload, self.programs)
+
     def schedule(self, phase: str, batch: int, tokens: int, slots: int,
                  micro_batches: int = 1) -> Schedule:
         """The instructions of one step of ``phase`` at (B, T, S) for a block of
@@ -433,7 +442,8 @@ class Executor:
         micro-batch before the next segment.
 
         Args:
-          tokens: N arrays (B, T) int32, one per micro-batch (equal shapes).
+          tokens: N arrays (B, T) int32, one per micro-batch (equal shapes); in a pipeline
+            stage after the first, the residual stream x (B, T, D) (``ModelSpec.embeds``).
           steps: N ``Step``s, one per micro-batch (each its own write index and row starts).
           caches: N lists of per-layer KV caches of equal shape (B, S, K, E) (or their
             compressed arrays, B and S first); consumed.
@@ -444,9 +454,9 @@ class Executor:
           BudgetExceeded: an allocation passes the accelerator budget (a bug).
         """
         N = len(tokens)
-        B, T = np.shape(tokens[0])
+        B, T = np.shape(tokens[0])[:2]  # a pipeline stage's input: x (B, T, D)
         S = caches[0][0]["k"].shape[1]
-        if any(np.shape(t) != (B, T) for t in tokens) or any(
+        if any(np.shape(t)[:2] != (B, T) for t in tokens) or any(
                 c[0]["k"].shape[:2] != (B, S) for c in caches) or len(steps) != N or len(
                 caches) != N:
             raise ValueError("a block's micro-batches need one step and one cache list each, "

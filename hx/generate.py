@@ -21,11 +21,11 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST, Devices, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
-from hx.memory import check_fits
 from hx.models.llama import Cache, Step
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
 from hx.models.tokenizer import Tokenizer
+from hx.pipeline import Pipeline
 from hx.plan import ExecutionPlan, Stint, plan_at, recompute_consistent
 from hx.sampling import SamplingParams, sample
 from hx.scheduler import BlockConfig, Completion
@@ -112,7 +112,9 @@ class Engine:
     Args:
       model: a loaded model (``hx.load``).
       plan: op placement and memory homes; all-accelerator when omitted.
-      devices: accelerator (with its memory budget) and host; discovered when omitted.
+      devices: accelerator (with its memory budget) and host; discovered when omitted. A
+        list of them, one per pipeline stage (``hx.pipeline.stage_devices``), runs the model's
+        layers in that many stages (``hx.pipeline.Pipeline``), each with its own budget.
       timeline: records every segment and transfer when given (``--trace``).
       spill_dir: where disk-homed weights that are no file hx can map are written once
         (``hx.disk``; None refuses such plans).
@@ -133,8 +135,8 @@ class Engine:
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
-                 devices: Devices | None = None, timeline: Timeline | None = None,
-                 spill_dir: str | None = None, stints: Sequence[Stint] = ()):
+                 devices: Devices | Sequence[Devices] | None = None,
+                 timeline: Timeline | None = None, spill_dir: str | None = None, stints: Sequence[Stint] = ()):
         if stints and plan is not None and plan != stints[0].plan:
             raise HxError("plan and stints disagree: the first stint's plan is the one that "
                           "prefills; pass one of them")
@@ -147,8 +149,15 @@ class Engine:
         self.stints = tuple(stints) or (Stint(0, self.plan),)
         self.plan_log: list[tuple[int, str]] = [(0, self.plan.name)]
         self._spill_dir = spill_dir
-        self.executor = Executor(model.spec, model.params, self.plan, devices, timeline,
-                                 spill_dir)
+        if isinstance(devices, (list, tuple)):  # pipeline stages, one ``Devices`` each
+            if len(self.stints) > 1:
+                raise HxError("plans that follow the context (stints) over pipeline stages: "
+                              "not yet; run one plan, or one stage")
+            self.executor = Pipeline(model.spec, model.params, self.plan, devices, timeline,
+                                     spill_dir)
+        else:
+            self.executor = Executor(model.spec, model.params, self.plan, devices, timeline,
+                                     spill_dir)
         # the executor holds the weights where the plan put them; keep no second reference to
         # the loader's host copies, so dropping the ``Model`` frees them (one copy per weight)
         self.model = dataclasses.replace(model, params={})
@@ -174,12 +183,12 @@ class Engine:
         budgets.
 
         Returns:
-          the first stint's ``hx.memory.MemoryEstimate``.
+          the first stint's ``hx.memory.MemoryEstimate`` (over pipeline stages, a list of
+          them, one per stage).
         Raises:
           HxError: naming the plan, the limit and the bytes over.
         """
-        return [check_fits(stint.plan, *self.executor.sizing, workload,
-                           self.executor.programs) for stint in self.stints][0]
+        return [self.executor.check(stint.plan, workload) for stint in self.stints][0]
 
     def follow(self, step: int, caches: Sequence[list[Cache]]) -> list[list[Cache]]:
         """Switch to the plan of decode step ``step`` (``stints``) if it is not the one in

@@ -124,6 +124,12 @@ class OpTable:
         row = tuple(value_of(op) for op in cls.OPS)
         return cls(value_of(EMBED), (row,) * n_layers, value_of(HEAD))
 
+    def stage(self, layers: range, embed: str, head: str) -> "OpTable":
+        """The table of a pipeline stage: ``layers``' rows, and ``embed`` and ``head`` for its
+        ends."""
+        return dataclasses.replace(self, embed=embed, layers=self.layers[layers.start:layers.stop],
+                                   head=head)
+
     def to_json(self) -> dict[str, Any]:
         """``{"EMBED": value, "HEAD": value, "layers": [{op: value}, ...]}``."""
         return {EMBED: self.embed, HEAD: self.head,
@@ -235,6 +241,30 @@ class ExecutionPlan:
                     "there (hx simulate, hx ablate --hardware) but does not run it yet; keep "
                     "them in host memory to run it")
         return None
+
+    def stage(self, layers: range, first: bool, last: bool) -> "ExecutionPlan":
+        """The plan of one pipeline stage (``ModelSpec.pipeline_stage``): ``layers``' rows, KV
+        homes and recompute counts; EMBED and HEAD as planned at the model's ends, and
+        elsewhere the pass-through where its neighbour runs (EMBED on the device of the
+        stage's first op, HEAD on that of its last), so the residual stream crosses between
+        stages straight from device to device."""
+        placements = []
+        for placement in (self.prefill, self.decode):
+            embed = placement.embed if first else placement.layers[layers.start][0]
+            head = placement.head if last else placement.layers[layers.stop - 1][-1]
+            placements.append(placement.stage(layers, embed, head))
+        prefill, decode = placements
+
+        def home(device: str) -> str:
+            return RESIDENT if device == ACCELERATOR else HOST
+
+        weights = self.weights.stage(layers, self.weights.embed if first else home(decode.embed),
+                                     self.weights.head if last else home(decode.head))
+        return dataclasses.replace(
+            self, prefill=prefill, decode=decode, weights=weights,
+            kv=self.kv[layers.start:layers.stop],
+            kv_recompute=self.kv_recompute[layers.start:layers.stop],
+            name=f"{self.name} [layers {layers.start}-{layers.stop - 1}]")
 
     def phase(self, phase: str) -> Placement:
         """The ``Placement`` of ``"prefill"`` or ``"decode"``."""

@@ -268,11 +268,14 @@ class WeightedOp(nn.Module):
 
 
 class EmbedOp(WeightedOp):
-    """EMBED: tokens (B, T) int32 -> x (B, T, D)."""
+    """EMBED: tokens (B, T) int32 -> x (B, T, D); in a pipeline stage after the first
+    (``ModelSpec.embeds`` False) the previous stage's x (B, T, D), passed on."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
+        if not s.embeds:
+            return (tokens,)
         table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
                        _held(self), nn.initializers.normal(0.02))  # (V,D)
         if isinstance(table, dict):  # decompress only the rows looked up
@@ -466,11 +469,15 @@ class Mlp2Op(WeightedOp):
 
 
 class HeadOp(WeightedOp):
-    """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head)."""
+    """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head);
+    in a pipeline stage before the last (``ModelSpec.heads`` False) x itself, every position,
+    for the next stage."""
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
+        if not s.heads:
+            return (x,)
         n = RMSNorm(s.norm_eps, _held(self), name="final_norm")(x[:, -1])  # (B,D)
         table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
                        _held(self), nn.initializers.normal(0.02))  # the EMBED table when tied

@@ -100,6 +100,10 @@ class ModelSpec:
         (``hx.host_compute.int4_kernel``: bfloat16 activations, a bfloat16 scale and zero per
         group), where XLA:CPU cannot come close (it writes each decompressed matrix out and
         reads it back). ``models.loader.resolve_host_matmul`` chooses it.
+      embeds / heads: False in a pipeline stage (``pipeline_stage``) that does not hold the
+        model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
+        in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
+        where logits go (each without weights).
       architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
         Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
         (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
@@ -126,6 +130,8 @@ class ModelSpec:
     embedding_format: str = DENSE
     kv_format: str = DENSE
     host_matmul: str = XLA
+    embeds: bool = True
+    heads: bool = True
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -155,6 +161,18 @@ class ModelSpec:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
+    def pipeline_stage(self, n_layers: int, first: bool, last: bool) -> "ModelSpec":
+        """The part of the model one pipeline stage holds and computes (GPipe, Huang et al.
+        2019): ``n_layers`` consecutive decoder layers, EMBED's table only in the ``first``
+        stage and HEAD's only in the ``last`` (a tied table is held by both ends; between
+        stages the residual stream x crosses: ``embeds``, ``heads``); the model itself for a
+        stage holding all of it."""
+        if first and last and n_layers == self.n_layers:
+            return self
+        return self.replace(name=f"{self.name} (stage of {n_layers} layers)", n_layers=n_layers,
+                            embeds=self.embeds and first, heads=self.heads and last,
+                            tie_embeddings=self.tie_embeddings and first and last)
+
     def op_weight_shapes(self, op: str) -> dict[str, tuple[int, ...]]:
         """Logical shapes of the weight tensors owned by ``op``, keyed by parameter path.
 
@@ -168,6 +186,8 @@ class ModelSpec:
         positions (context + 2 rows, OPT's offset) with the embedding, LayerNorm biases,
         projection biases, fc1/fc2; its LM head is tied to the embedding.
         """
+        if (op == EMBED and not self.embeds) or (op == HEAD and not self.heads):
+            return {}  # a pipeline stage's pass-through
         if self.architecture == "opt":
             return self._opt_weight_shapes()[op]
         D, H, K, E, F, V = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,

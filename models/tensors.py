@@ -83,12 +83,15 @@ def axis_sizes(spec: ModelSpec, batch: int, tokens: int) -> dict[str, int]:
 def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
                      ) -> tuple[tuple[int, ...], str]:
     """(shape, dtype name) of activation ``name`` at B = ``batch``, T = ``tokens``: the model's
-    dtype on either device; token ids int32, logits float32.
+    dtype on either device; token ids int32, logits float32 (a pipeline stage's ``tokens`` in
+    and ``logits`` out are the residual stream x: ``ModelSpec.embeds``, ``heads``).
 
     Raises:
       KeyError: ``name`` is not in ``ACTIVATIONS``.
     """
     axes, dtype = ACTIVATIONS[name]
+    if (name == "tokens" and not spec.embeds) or (name == "logits" and not spec.heads):
+        axes, dtype = ACTIVATIONS["x"]  # a pipeline stage's residual stream, in or out
     sizes = axis_sizes(spec, batch, tokens)
     return tuple(sizes[a] for a in axes), spec.dtype if dtype == MODEL_DTYPE else dtype
 

@@ -65,11 +65,15 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
       2·M·D·F for OPT's single fc1);
       MLP2: 2·M·F·D;  HEAD: 2·B·D·V;  SCORE: q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading
       2·B·S·K·E cache elements and appending 2·B·T·K·E;  EMBED: B·T·D elements gathered.
+    A pipeline stage's pass-through EMBED or HEAD (``ModelSpec.embeds``, ``heads``) costs
+    nothing.
     """
     s, w = spec, spec.dtype_bytes
     D, H, K, E, F, V = s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.d_ff, s.vocab_size
     M = batch * tokens
     weights = s.op_weight_bytes(op)
+    if (op == EMBED and not s.embeds) or (op == HEAD and not s.heads):
+        return OpCost(0.0, M, 0)
     if op == EMBED:
         return OpCost(0.0, M, 0, other_bytes=M * D * w)
     if op == SCORE:

@@ -1,12 +1,13 @@
 """Layouts of a model over several GPUs: tensor parallelism within a group, pipeline stages
 across groups, each GPU's part planned and priced as one accelerator (docs/architecture.md,
-"Planner"; issue 28). The executor runs tensor parallelism (``hx.discover(accelerators=k)``);
-pipeline stages are simulated only.
+"Planner"; issue 28). The executor runs both (``hx.discover(accelerators=k)``,
+``hx.pipeline``).
 
 A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages (``stages``, as
 even as the count allows), each stage on a group of ``tp`` GPUs that split its ops
 (``ModelSpec.shard``, ``mesh.tensor_parallel``). A stage is planned by a policy (CP-SAT,
-FlexGen's LP, ...) as a model of its own layers (``stage_spec``) on one GPU's memory and a share
+FlexGen's LP, ...) as a model of its own layers (``ModelSpec.pipeline_stage``, as the executor
+runs it: ``hx.pipeline``) on one GPU's memory and a share
 of the host, and priced by the simulator (``simulator.predict_run``); activations cross to the
 next stage over the interconnect (latency + bytes / bandwidth, a point-to-point copy).
 
@@ -19,11 +20,9 @@ A run's time (``price``):
 When stages run at once (N > 1) they share the host: each stage's view has the host's rates and
 links / min(pp, N) (``mesh.host_share``); its host memory is the host's / pp either way.
 
-A stage's spec keeps the vocabulary table of the end it holds (the first stage's EMBED, the last
-one's HEAD, held once: ``tie_embeddings``), and a vocabulary of 1 in the middle stages, where
-EMBED and HEAD are absent; the boundary stages still price the other end's op on their table
-(HEAD's product on the first stage, the embedding gather on the last: at most a few ms per step
-at 70B shapes), and every stage pays EMBED's and HEAD's launches.
+A stage's spec holds EMBED's table only in the first stage and HEAD's only in the last (a tied
+table in both); elsewhere EMBED and HEAD pass the residual stream through, at no cost but
+their launches, and a stage's output is x (B, T, D), the bytes that cross.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from hx.errors import HxError
 from hx.memory import MemoryEstimate
 from hx.models.spec import ModelSpec
 from hx.models.tensors import activation_bytes
+from hx.pipeline import stages
 from hx.plan import ExecutionPlan
 from hx.planner.hardware import hardware_profile, machine, memory_sizing
 from hx.planner.mesh import Interconnect, host_share, tensor_parallel
@@ -80,32 +80,6 @@ def split_hardware(name: str) -> tuple[str, int, int]:
                       "machine, e.g. 4xa10g:tp2xpp2")
     tp, pp = (int(g or 1) for g in match.groups())
     return machine_name, tp, pp
-
-
-def stages(n_layers: int, pp: int) -> list[range]:
-    """``n_layers`` cut into ``pp`` contiguous ranges, the first ones a layer longer where
-    ``pp`` does not divide it.
-
-    Raises:
-      HxError: more stages than layers.
-    """
-    if not 1 <= pp <= n_layers:
-        raise HxError(f"{pp} pipeline stages of {n_layers} layers: 1 to {n_layers} stages")
-    size, extra = divmod(n_layers, pp)
-    bounds = [0]
-    for s in range(pp):
-        bounds.append(bounds[-1] + size + (s < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def stage_spec(spec: ModelSpec, layers: range, first: bool, last: bool) -> ModelSpec:
-    """The model of one stage: its layers, and the vocabulary table of the end it holds
-    (module docstring); the model itself for a stage holding both ends."""
-    if first and last:
-        return spec
-    vocab = spec.vocab_size if first or last else 1
-    return spec.replace(name=f"{spec.name} layers {layers.start}-{layers.stop - 1}",
-                        n_layers=len(layers), vocab_size=vocab, tie_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -179,7 +153,7 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     cuts = stages(spec.n_layers, layout.pp)
     with memory_sizing(machine_name):
         for s, layers in enumerate(cuts):
-            part = stage_spec(shard, layers, s == 0, s == len(cuts) - 1)
+            part = shard.pipeline_stage(len(layers), s == 0, s == len(cuts) - 1)
             plan, need = plan_on(layout.policy, part, machine_name, view,
                                  budget or view.accelerator_memory, workload, time_limit_s)
             parts.append(Stage(layers, part, plan, need, predict_run(plan, part, view, workload)))

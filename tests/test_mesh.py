@@ -13,7 +13,8 @@ from hx.errors import HxError
 from hx.planner import hardware
 from hx.planner.hardware import hardware_profile, tensor_parallel_profile
 from hx.planner.grid import Grid, Scenario, run_grid
-from hx.planner.layouts import Layout, price, split_hardware, stage_spec, stages
+from hx.pipeline import stages
+from hx.planner.layouts import Layout, price, split_hardware
 from hx.planner.mesh import Interconnect, allreduce_seconds, tensor_parallel
 from hx.planner.simulator import op_seconds, predict
 from hx.workload import Workload
@@ -110,14 +111,18 @@ def test_stages_cut_the_layers_evenly_and_in_order():
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
-def test_stages_hold_the_model_once_with_one_more_norm_and_token_tables(pp):
-    """Untied Llama-2-70B: the first stage holds EMBED's table (and HEAD's norm, priced as
-    tied), the last HEAD's; a middle stage a 1-token table twice (tied) and a norm."""
-    spec = PRESETS["llama2-70b"]
-    parts = [stage_spec(spec, r, s == 0, s == pp - 1) for s, r in enumerate(stages(80, pp))]
-    D = spec.d_model * spec.dtype_bytes
-    assert sum(p.weight_bytes for p in parts) - spec.weight_bytes == D * (1 + 2 * (pp - 2))
-    assert stage_spec(spec, range(80), True, True) is spec
+def test_stages_hold_the_model_once_but_a_tied_table_at_both_ends(pp):
+    """Llama-2-70B (untied): the stages' weights sum to the model's; SmolLM2 (tied): the last
+    stage holds its own copy of the table, as the first's is on another device."""
+    for name, extra in (("llama2-70b", 0), ("smollm2-135m", 1)):
+        spec = PRESETS[name]
+        cuts = stages(spec.n_layers, pp)
+        parts = [spec.pipeline_stage(len(r), s == 0, s == pp - 1) for s, r in enumerate(cuts)]
+        table = spec.vocab_size * spec.d_model * spec.dtype_bytes
+        assert sum(p.weight_bytes for p in parts) == spec.weight_bytes + extra * table
+        assert [(p.embeds, p.heads) for p in parts] == [(s == 0, s == pp - 1)
+                                                        for s in range(pp)]
+    assert spec.pipeline_stage(spec.n_layers, True, True) is spec
 
 
 @pytest.mark.parametrize("micro", [1, 4])

@@ -1,0 +1,206 @@
+"""Pipeline parallelism in the executor: the model's layers cut into consecutive stages, each
+run by its own ``Executor`` on its own accelerator (or tensor-parallel group of them), with its
+own budget and accountant, all beside the one host.
+
+A stage is a model of its own (``ModelSpec.pipeline_stage``): its layers, EMBED's table only in
+the first stage and HEAD's only in the last; between stages the residual stream x (B, T, D)
+crosses from one accelerator to the next where token ids or logits would go (JAX moves it:
+``jax.device_put`` onto the next stage's sharding; on GPUs a peer-to-peer or staged copy, on
+one host's emulated devices a memory copy). Each stage's plan is the model's plan cut at its
+layers (``ExecutionPlan.stage``), so a plan that streams weights or keeps KV caches on the
+host does so in every stage that holds such layers. The host's memory is shared: each stage
+is checked against its share (``stage_devices``).
+
+GPipe (Huang et al. 2019) runs micro-batches through the stages so that each stage works on
+one while the next works on the one before; here ``run_block`` hands each stage the whole
+block in turn, and JAX's asynchronous dispatch lets stage s + 1 start on micro-batch 0 while
+stage s still computes later ones, wherever nothing on the host waits in between (a stage's
+host attention in numpy does wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from hx.devices import Devices
+from hx.errors import HxError
+from hx.executor import Executor
+from hx.memory import Accountant, MemoryEstimate
+from hx.models.llama import Cache, Step
+from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.models.tensors import layer_key
+from hx.plan import ExecutionPlan
+from hx.timeline import Timeline
+from hx.workload import Workload
+
+
+def stages(n_layers: int, pp: int) -> list[range]:
+    """``n_layers`` cut into ``pp`` contiguous ranges, the first ones a layer longer where
+    ``pp`` does not divide it.
+
+    Raises:
+      HxError: more stages than layers.
+    """
+    if not 1 <= pp <= n_layers:
+        raise HxError(f"{pp} pipeline stages of {n_layers} layers: 1 to {n_layers} stages")
+    size, extra = divmod(n_layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def stage_params(params: dict[str, Any], layers: range, first: bool, last: bool
+                 ) -> dict[str, Any]:
+    """The loader's parameter tree of one stage: its layers renumbered from 0, EMBED's tree
+    in the first stage and HEAD's in the last (empty elsewhere: the pass-through ops)."""
+    tree = {layer_key(i): params[layer_key(layer)] for i, layer in enumerate(layers)}
+    return {EMBED: params[EMBED] if first else {}, **tree, HEAD: params[HEAD] if last else {}}
+
+
+def stage_devices(devices: Devices, pp: int) -> list[Devices]:
+    """``devices``' accelerators cut into ``pp`` stages of equal tensor-parallel groups (in
+    order; one accelerator each where there are ``pp``), each keeping the accelerator budget
+    and taking a ``pp``-th of the host's.
+
+    Raises:
+      HxError: ``pp`` does not divide the accelerators.
+    """
+    acc = devices.accelerator
+    group = acc.group or (acc.device,)
+    if pp < 1 or len(group) % pp:
+        raise HxError(f"{pp} pipeline stages over {len(group)} accelerators: the stages need "
+                      "equal groups; ask for a multiple of the stage count")
+    tp = len(group) // pp
+    host = devices.host
+    if host.capacity is not None:
+        host = dataclasses.replace(host, capacity=host.capacity // pp)
+    return [dataclasses.replace(devices, host=host, accelerator=dataclasses.replace(
+        acc, device=group[s * tp], group=tuple(group[s * tp:(s + 1) * tp]) if tp > 1 else ()))
+        for s in range(pp)]
+
+
+def with_budgets(devices: Sequence[Devices], budgets: Sequence[int | None]) -> list[Devices]:
+    """Each stage's devices with its own accelerator budget (bytes on each accelerator)."""
+    return [dataclasses.replace(d, accelerator=dataclasses.replace(d.accelerator, capacity=b))
+            for d, b in zip(devices, budgets)]
+
+
+class Accountants:
+    """The stages' accountants seen as one (``Engine.accountant``): an allocation made
+    through it (a cache rewrite's temporary, ``hx.continuous``) is made on every stage, as
+    each stage's layers are rewritten in turn; ``peak`` is the highest stage's, the most
+    bytes any one accelerator held."""
+
+    def __init__(self, accountants: Sequence[Accountant]):
+        self.accountants = list(accountants)
+
+    def allocate(self, owner: str, key: Hashable, nbytes: int) -> None:
+        """``Accountant.allocate`` on every stage."""
+        for a in self.accountants:
+            a.allocate(owner, key, nbytes)
+
+    def free(self, key: Hashable) -> None:
+        """``Accountant.free`` on every stage."""
+        for a in self.accountants:
+            a.free(key)
+
+    @property
+    def peak(self) -> int:
+        """The highest stage's peak (bytes on one accelerator)."""
+        return max(a.peak for a in self.accountants)
+
+    @property
+    def capacity(self) -> int | None:
+        """The budget of the stage with the highest peak."""
+        return max(self.accountants, key=lambda a: a.peak).capacity
+
+
+class Pipeline:
+    """A model run as pipeline stages, each an ``Executor`` (module docstring), behind the
+    executor's own surface (``run``, ``run_block``, ``new_cache``, ``compile``, ``check``...):
+    KV caches are one list over the model's layers, as one executor's, each layer's on its
+    stage's devices; ``hx.Engine`` runs it when given a device list per stage.
+
+    Args:
+      spec: model shapes; params: the loader's (host) parameter tree; plan: the model's plan.
+      devices: one ``Devices`` per stage (``stage_devices``), with their budgets.
+      timeline, spill_dir: as ``Executor`` takes them (shared by the stages).
+    Attributes:
+      stages: each stage's layer range (of the model) and executor.
+      accountant: the stages' accountants (``Accountants``).
+      devices: the last stage's devices (where HEAD's logits are).
+    Raises:
+      HxError: as ``Executor`` raises for a stage's plan; more stages than layers.
+    """
+
+    def __init__(self, spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan,
+                 devices: Sequence[Devices], timeline: Timeline | None = None,
+                 spill_dir: str | None = None):
+        plan.validate(spec)
+        cuts = stages(spec.n_layers, len(devices))
+        self.spec, self.plan, self.timeline = spec, plan, timeline
+        self.stages: list[tuple[range, Executor]] = []
+        for s, (layers, stage_devs) in enumerate(zip(cuts, devices)):
+            first, last = s == 0, s == len(cuts) - 1
+            self.stages.append((layers, Executor(
+                spec.pipeline_stage(len(layers), first, last),
+                stage_params(params, layers, first, last), plan.stage(layers, first, last),
+                stage_devs, timeline, spill_dir)))
+        self.accountant = Accountants([ex.accountant for _, ex in self.stages])
+        self.devices = self.stages[-1][1].devices
+
+    def check(self, plan: ExecutionPlan, workload: Workload) -> list[MemoryEstimate]:
+        """Each stage's ``Executor.check`` of its part of ``plan``.
+
+        Raises:
+          HxError: a stage's part does not fit its budgets (naming the stage's plan).
+        """
+        n = len(self.stages)
+        return [ex.check(plan.stage(layers, s == 0, s == n - 1), workload)
+                for s, (layers, ex) in enumerate(self.stages)]
+
+    def compile(self, phase: str, batch: int, tokens: int, slots: int) -> None:
+        """Every stage's segments of ``phase`` at (B, T, S), ahead of time."""
+        for _, ex in self.stages:
+            ex.compile(phase, batch, tokens, slots)
+
+    def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
+                  ) -> list[Cache]:
+        """Zeroed KV caches of every layer (``Executor.new_cache`` of each stage), in order."""
+        return [c for _, ex in self.stages for c in ex.new_cache(batch, length, dtype, micro)]
+
+    def account_cache(self, caches: list[Cache], micro: Hashable = 0) -> None:
+        """``Executor.account_cache`` of each stage's layers."""
+        for layers, ex in self.stages:
+            ex.account_cache(caches[layers.start:layers.stop], micro)
+
+    def release_cache(self, micro: Hashable | None = None) -> None:
+        """Forget every stage's KV caches of ``micro`` (None: all)."""
+        for _, ex in self.stages:
+            ex.release_cache(micro)
+
+    def run(self, phase: str, tokens: np.ndarray | Any, step: Step, caches: list[Cache]
+            ) -> tuple[Any, list[Cache]]:
+        """One forward step of ``phase`` through every stage, as ``Executor.run``: (logits
+        (B, V) float32 of the last position on the last stage's HEAD device, the updated
+        caches of every layer)."""
+        logits, out = self.run_block(phase, [tokens], [step], [caches])
+        return logits[0], out[0]
+
+    def run_block(self, phase: str, tokens: Sequence[Any], steps: Sequence[Step],
+                  caches: Sequence[list[Cache]]) -> tuple[list[Any], list[list[Cache]]]:
+        """One step of a block of N micro-batches, as ``Executor.run_block``: each stage runs
+        the block on what the stage before it gave (the residual stream x of each
+        micro-batch), over its layers' caches (consumed)."""
+        carried = list(tokens)
+        updated: list[list[Cache]] = [[] for _ in tokens]
+        for layers, ex in self.stages:
+            carried, out = ex.run_block(phase, carried, steps,
+                                        [c[layers.start:layers.stop] for c in caches])
+            for m, part in enumerate(out):
+                updated[m].extend(part)
+        return carried, updated

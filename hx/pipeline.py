@@ -27,8 +27,8 @@ import numpy as np
 
 from hx.devices import Devices
 from hx.errors import HxError
-from hx.executor import Executor
-from hx.memory import Accountant, MemoryEstimate
+from hx.executor import Executor, per_accelerator
+from hx.memory import Accountant, MemoryEstimate, check_fits
 from hx.models.llama import Cache, Step
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.models.tensors import layer_key
@@ -83,6 +83,20 @@ def stage_devices(devices: Devices, pp: int) -> list[Devices]:
         for s in range(pp)]
 
 
+def check_stages(spec: ModelSpec, plan: ExecutionPlan, devices: Sequence[Devices],
+                 workload: Workload) -> list[MemoryEstimate]:
+    """``hx.memory.check_fits`` of each stage's part of ``plan`` on its devices (the shard
+    each of its accelerators holds, ``executor.per_accelerator``), before anything is placed.
+
+    Raises:
+      HxError: a stage's part does not fit (naming the stage's plan and the bytes over).
+    """
+    cuts, n = stages(spec.n_layers, len(devices)), len(devices)
+    return [check_fits(plan.stage(layers, s == 0, s == n - 1), *per_accelerator(
+        spec.pipeline_stage(len(layers), s == 0, s == n - 1), d), workload)
+        for s, (layers, d) in enumerate(zip(cuts, devices))]
+
+
 def with_budgets(devices: Sequence[Devices], budgets: Sequence[int | None]) -> list[Devices]:
     """Each stage's devices with its own accelerator budget (bytes on each accelerator)."""
     return [dataclasses.replace(d, accelerator=dataclasses.replace(d.accelerator, capacity=b))
@@ -114,9 +128,19 @@ class Accountants:
         return max(a.peak for a in self.accountants)
 
     @property
+    def highest(self) -> Accountant:
+        """The stage's accountant with the highest peak."""
+        return max(self.accountants, key=lambda a: a.peak)
+
+    @property
     def capacity(self) -> int | None:
         """The budget of the stage with the highest peak."""
-        return max(self.accountants, key=lambda a: a.peak).capacity
+        return self.highest.capacity
+
+    @property
+    def peak_by_owner(self) -> dict[str, int]:
+        """Bytes by owner at the highest stage's peak."""
+        return self.highest.peak_by_owner
 
 
 class Pipeline:

@@ -266,6 +266,24 @@ class ExecutionPlan:
             kv_recompute=self.kv_recompute[layers.start:layers.stop],
             name=f"{self.name} [layers {layers.start}-{layers.stop - 1}]")
 
+    @classmethod
+    def joined(cls, parts: Sequence["ExecutionPlan"], name: str) -> "ExecutionPlan":
+        """One plan of the model from its pipeline stages' plans, in order (what ``stage``
+        cuts): EMBED as the first stage places it, HEAD as the last, every stage's layers, KV
+        homes and recompute counts, and the smallest prefill chunk any stage needs (None
+        where none needs one)."""
+        first, last = parts[0], parts[-1]
+
+        def table(of):
+            return dataclasses.replace(of(first), layers=tuple(
+                row for p in parts for row in of(p).layers), head=of(last).head)
+
+        recompute = tuple(p.recompute(i) for p in parts for i in range(p.n_layers))
+        chunks = [p.prefill_chunk for p in parts if p.prefill_chunk is not None]
+        return cls(table(lambda p: p.prefill), table(lambda p: p.decode),
+                   table(lambda p: p.weights), tuple(k for p in parts for k in p.kv), name,
+                   min(chunks) if chunks else None, recompute if any(recompute) else ())
+
     def phase(self, phase: str) -> Placement:
         """The ``Placement`` of ``"prefill"`` or ``"decode"``."""
         if phase not in PHASES:

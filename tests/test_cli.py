@@ -165,15 +165,22 @@ def test_quarter_budget_stream_all_with_trace(tmp_path):
         "accelerator compute", "host compute", "H2D", "D2H"}
 
 
-def test_generate_over_two_accelerators():
-    """SmolLM2 (its 3 KV heads padded to 4) tensor parallel over two emulated accelerators,
-    weights streamed at an eighth of its weights per accelerator: the same answer."""
+def test_generate_over_a_mesh_of_two_stages_of_two():
+    """SmolLM2 (its 3 KV heads padded to 4) in 2 pipeline stages of 2 tensor-parallel
+    emulated accelerators, weights streamed at an eighth of its weights per accelerator: the
+    same answer, each stage's peak reported against its budget."""
     result = hx("generate", "-p", "The capital of France is", "--max-new-tokens", "4",
-                "--devices", "2", "--weights", "dense", "--policy", "stream-all",
+                "--mesh", "tp=2,pp=2", "--weights", "dense", "--policy", "stream-all",
                 "--accelerator-memory", str(538_060_032 // 8))
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    assert "2 x cpu (1, 2), tensor parallel" in result.stderr
+    assert "4 x cpu (1, 2, 3, 4), tensor parallel" in result.stderr
+    assert "2 pipeline stages" in result.stderr
+    peaks = re.search(r"peak by stage: ([\d.]+) MiB of ([\d.]+) MiB, ([\d.]+) MiB of", result.stderr)
+    assert peaks and 0 < float(peaks[1]) <= float(peaks[2]) and float(peaks[3]) > 0
+    assert_clean_error(hx("generate", "-p", "hi", "--mesh", "tp=2", "--devices", "2"),
+                       "not both")
+    assert_clean_error(hx("generate", "-p", "hi", "--mesh", "dp=2"), "write tp=A,pp=B")
 
 
 def test_plan_over_budget_is_rejected():

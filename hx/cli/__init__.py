@@ -39,15 +39,40 @@ def main() -> None:
 
 
 def _accelerators(argv: list[str]) -> int:
-    """The ``--devices N`` of the command line (1 without one, or one not a number: the
-    command's own parsing reports that): emulated accelerators are CPU devices, which XLA
-    creates when JAX starts, before any command's options are parsed."""
+    """The accelerators the command line asks for: ``--devices N``, or tp x pp of ``--mesh
+    tp=A,pp=B`` (1 without either, or with one that does not parse: the command's own parsing
+    reports that): emulated accelerators are CPU devices, which XLA creates when JAX starts,
+    before any command's options are parsed."""
     for i, arg in enumerate(argv):
-        value = (arg.split("=", 1)[1] if arg.startswith("--devices=") else
-                 argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
+        for flag in ("--devices", "--mesh"):
+            value = (arg.split("=", 1)[1] if arg.startswith(flag + "=") else
+                     argv[i + 1] if arg == flag and i + 1 < len(argv) else None)
+            if value is None:
+                continue
+            if flag == "--devices" and value.isdigit() and int(value) > 0:
+                return int(value)
+            if flag == "--mesh":
+                try:
+                    tp, pp = mesh_shape(value)
+                except ValueError:
+                    continue
+                return tp * pp
     return 1
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """(tp, pp) of a mesh written ``tp=A,pp=B`` (either may be left out: 1).
+
+    Raises:
+      ValueError: another form, or a size below 1.
+    """
+    sizes = {"tp": 1, "pp": 1}
+    for part in text.split(","):
+        axis, _, size = part.strip().partition("=")
+        if axis not in sizes or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"mesh {text!r}: write tp=A,pp=B (sizes from 1), e.g. tp=2,pp=2")
+        sizes[axis] = int(size)
+    return sizes["tp"], sizes["pp"]
 
 
 if __name__ == "__main__":

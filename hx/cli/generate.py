@@ -25,6 +25,7 @@ from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype, resolve_kv
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
+from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.segments import split_segments
@@ -85,6 +86,11 @@ def generate(
         1, "--devices", help="Accelerators to run on, tensor parallel over their mesh "
                              "(emulated: CPU devices); --accelerator-memory is each one's "
                              "budget, and plans are made for one accelerator's shard."),
+    mesh: Optional[str] = typer.Option(
+        None, "--mesh", help="tp=A,pp=B: A x B accelerators, the layers in B pipeline stages "
+                             "of A tensor-parallel accelerators each (instead of --devices); "
+                             "each stage planned for its own layers on one accelerator's "
+                             "budget and its share of the host."),
     spill_dir: Optional[Path] = typer.Option(
         None, "--spill-dir",
         help="Directory of the unnamed file that disk-homed weights are written to once when "
@@ -102,10 +108,11 @@ def generate(
         raise HxError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompts is not None and output is None:
         raise HxError("--prompts needs --output OUT.jsonl")
+    tp, stages = _mesh(mesh, accelerators)
     if replan_every and (prompt is None or plan is not None or policy not in (None, "cpsat")
-                         or accelerators > 1):
+                         or tp * stages > 1):
         raise HxError("--replan-every plans with CP-SAT for one --prompt on one accelerator: "
-                      "drop --prompts, --devices, --plan and --policy other than cpsat")
+                      "drop --prompts, --devices, --mesh, --plan and --policy other than cpsat")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
     lock = contextlib.nullcontext()
@@ -117,7 +124,10 @@ def generate(
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul,
-                         replan_every, accelerators)
+                         replan_every, tp * stages, stages)
+    if stages > 1 and options.block is not None and None in options.block:
+        raise HxError("throughput mode over pipeline stages runs the block you give: add "
+                      "--micro-batch and --micro-batches (or use --batch-size)")
     with lock:
         if prompt is not None:
             _generate_one(prompt, options)
@@ -155,14 +165,51 @@ class RunOptions:
     host_matmul: str = "auto"
     replan_every: int = 0
     accelerators: int = 1
+    stages: int = 1
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``), made for what each
-        accelerator holds (``executor.per_accelerator``)."""
+        accelerator holds (``executor.per_accelerator``); over pipeline stages, each stage's
+        part planned for its own layers (``ModelSpec.pipeline_stage``) on its devices, joined
+        (a --plan file is the whole model's)."""
         from hx.executor import per_accelerator
+        from hx.pipeline import stage_devices, stages
 
-        return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
-                            self.host_ops, self.policy, self.gpu_layers, hardware)
+        if self.stages == 1 or self.plan is not None:
+            return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
+                                self.host_ops, self.policy, self.gpu_layers, hardware)
+        cuts, n = stages(spec.n_layers, self.stages), self.stages
+        parts = [resolve_plan(*per_accelerator(spec.pipeline_stage(len(layers), s == 0,
+                                                                   s == n - 1), d),
+                              workload, None, self.host_ops, self.policy, self.gpu_layers,
+                              hardware)
+                 for s, (layers, d) in enumerate(zip(cuts, stage_devices(devices, n)))]
+        return ExecutionPlan.joined(parts, f"{parts[0].name} in {n} stages")
+
+    def devices_of(self, devices):
+        """The engine's devices: ``devices``, or over pipeline stages one per stage
+        (``hx.pipeline.stage_devices``)."""
+        from hx.pipeline import stage_devices
+
+        return devices if self.stages == 1 else stage_devices(devices, self.stages)
+
+
+def _mesh(mesh: Optional[str], accelerators: int) -> tuple[int, int]:
+    """(tp, pp) of --mesh, or (--devices, 1).
+
+    Raises:
+      HxError: both given, or a mesh that does not parse.
+    """
+    from hx.cli import mesh_shape
+
+    if mesh is None:
+        return accelerators, 1
+    if accelerators != 1:
+        raise HxError("give --devices N (tensor parallel) or --mesh tp=A,pp=B, not both")
+    try:
+        return mesh_shape(mesh)
+    except ValueError as e:
+        raise HxError(str(e)) from None
 
 
 def _block(mode: str, prompts_file: bool, batch_size: Optional[int],
@@ -213,11 +260,18 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
     from hx.executor import per_accelerator
     from hx.generate import Engine
     from hx.memory import check_fits
+    from hx.pipeline import check_stages
     from hx.timeline import Timeline
 
-    spec = loaded.spec
-    need = check_fits(chosen, *per_accelerator(spec, devices), workload)
-    engine = Engine(loaded, None if stints else chosen, devices,
+    spec, engine_devices = loaded.spec, options.devices_of(devices)
+    if options.stages > 1:
+        needs = [e.accelerator for e in check_stages(spec, chosen, engine_devices, workload)]
+        where = (f"{devices.describe()}, {options.stages} pipeline stages | needs "
+                 f"{', '.join(format_bytes(n) for n in needs)} on each stage's accelerators")
+    else:
+        need = check_fits(chosen, *per_accelerator(spec, devices), workload).accelerator
+        where = f"{devices.describe()} | needs {format_bytes(need)} on the accelerator"
+    engine = Engine(loaded, None if stints else chosen, engine_devices,
                     Timeline() if options.trace else None,
                     str(options.spill_dir or tempfile.gettempdir()), stints)
     segments = len(split_segments(chosen, "decode"))
@@ -225,8 +279,7 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
          f"{spec.weight_format}/{spec.embedding_format} {format_bytes(spec.weight_bytes)}, "
          f"KV {spec.kv_format}, host matmul {spec.host_matmul}, loaded in {loaded.load_s:.1f} s | "
          f"{'throughput' if options.block else 'latency'} mode | plan {chosen.name}, step "
-         f"path: segments ({segments} per decode step) | {devices.describe()} | needs "
-         f"{format_bytes(need.accelerator)} on the accelerator")
+         f"path: segments ({segments} per decode step) | {where}")
     if hardware is None and chosen.name.startswith("layer-split") and options.policy is None:
         note("no hardware profile: the largest layer split that fits stands in for "
              "the CP-SAT plan; run `hx profile` once to plan with CP-SAT")
@@ -327,6 +380,11 @@ def _report_memory(engine, trace: Optional[Path]) -> None:
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
     owners = ", ".join(f"{k} {format_bytes(v)}" for k, v in acct.peak_by_owner.items())
+    stages = getattr(acct, "accountants", ())  # pipeline stages: each one's peak
+    if stages:
+        note("accelerator memory peak by stage: " + ", ".join(
+            f"{format_bytes(a.peak)} of {format_bytes(a.capacity) if a.capacity else '-'}"
+            for a in stages))
     note(f"accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
          f"{owners or 'the plan puts nothing there'}; process peak RSS "
          f"{format_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}")

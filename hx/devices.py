@@ -361,11 +361,11 @@ def discover(accelerator_memory: int | str | None = None,
     capped = budget is not None and not _backends_started() and _cap_pool(
         budget + pool_headroom(budget))
     try:
-        cpus = jax.devices("cpu")  # starts every backend
+        cpus = jax.local_devices(backend="cpu")  # starts every backend; this process's own
     finally:
         if capped:
             os.environ.pop(MEM_FRACTION_ENV, None)
-    found = [d for d in jax.devices() if d.platform != "cpu"]
+    found = [d for d in jax.local_devices() if d.platform != "cpu"]
     emulated = not found
     group = found[:accelerators] if found else cpus[1:1 + accelerators]
     if len(group) < accelerators:

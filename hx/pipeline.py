@@ -27,11 +27,12 @@ import numpy as np
 
 from hx.devices import Devices
 from hx.errors import HxError
+from hx.distributed import Broadcast, is_local
 from hx.executor import Executor, per_accelerator
 from hx.memory import Accountant, MemoryEstimate, check_fits
 from hx.models.llama import Cache, Step
 from hx.models.spec import EMBED, HEAD, ModelSpec
-from hx.models.tensors import layer_key
+from hx.models.tensors import activation_shape, layer_key
 from hx.plan import ExecutionPlan
 from hx.timeline import Timeline
 from hx.workload import Workload
@@ -143,75 +144,117 @@ class Accountants:
         return self.highest.peak_by_owner
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its layers (of the model), spec, plan and devices, and its executor
+    (None when another process runs it: ``hx.distributed``)."""
+
+    layers: range
+    spec: ModelSpec
+    plan: ExecutionPlan
+    devices: Devices
+    executor: Executor | None
+
+
 class Pipeline:
     """A model run as pipeline stages, each an ``Executor`` (module docstring), behind the
     executor's own surface (``run``, ``run_block``, ``new_cache``, ``compile``, ``check``...):
     KV caches are one list over the model's layers, as one executor's, each layer's on its
     stage's devices; ``hx.Engine`` runs it when given a device list per stage.
 
+    Stages whose accelerator belongs to another process (``hx.distributed``) are run there: this
+    process holds no weights or caches of theirs (empty cache dicts in their layers' places)
+    and, where consecutive stages are in different processes, takes part in the collective
+    that carries the residual stream across (``distributed.Broadcast``), and in the one that
+    brings the last stage's logits to every process.
+
     Args:
       spec: model shapes; params: the loader's (host) parameter tree; plan: the model's plan.
-      devices: one ``Devices`` per stage (``stage_devices``), with their budgets.
+      devices: one ``Devices`` per stage (``stage_devices``; several processes:
+        ``distributed.process_devices``), with their budgets.
       timeline, spill_dir: as ``Executor`` takes them (shared by the stages).
     Attributes:
-      stages: each stage's layer range (of the model) and executor.
-      accountant: the stages' accountants (``Accountants``).
-      devices: the last stage's devices (where HEAD's logits are).
+      stages: the ``Stage``s, first to last.
+      accountant: this process's stages' accountants (``Accountants``).
+      devices: the devices of this process's last stage (where its logits are sampled).
     Raises:
-      HxError: as ``Executor`` raises for a stage's plan; more stages than layers.
+      HxError: as ``Executor`` raises for a stage's plan; more stages than layers; a process
+        that runs none of the stages.
     """
 
     def __init__(self, spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan,
                  devices: Sequence[Devices], timeline: Timeline | None = None,
                  spill_dir: str | None = None):
         plan.validate(spec)
-        cuts = stages(spec.n_layers, len(devices))
+        cuts, n = stages(spec.n_layers, len(devices)), len(devices)
         self.spec, self.plan, self.timeline = spec, plan, timeline
-        self.stages: list[tuple[range, Executor]] = []
+        self.stages: list[Stage] = []
         for s, (layers, stage_devs) in enumerate(zip(cuts, devices)):
-            first, last = s == 0, s == len(cuts) - 1
-            self.stages.append((layers, Executor(
-                spec.pipeline_stage(len(layers), first, last),
-                stage_params(params, layers, first, last), plan.stage(layers, first, last),
-                stage_devs, timeline, spill_dir)))
-        self.accountant = Accountants([ex.accountant for _, ex in self.stages])
-        self.devices = self.stages[-1][1].devices
+            first, last = s == 0, s == n - 1
+            part = spec.pipeline_stage(len(layers), first, last)
+            part_plan = plan.stage(layers, first, last)
+            local = is_local(stage_devs.accelerator.device)
+            self.stages.append(Stage(layers, part, part_plan, stage_devs, Executor(
+                part, stage_params(params, layers, first, last), part_plan, stage_devs,
+                timeline, spill_dir) if local else None))
+        mine = [stage for stage in self.stages if stage.executor is not None]
+        if not mine:
+            raise HxError("this process runs none of the pipeline's stages: give it the "
+                          "devices of one (hx.distributed.process_devices)")
+        owners = {stage.devices.accelerator.device.process_index: stage.devices.accelerator.device
+                  for stage in self.stages}
+        self._broadcast = Broadcast(list(owners.values())) if len(owners) > 1 else None
+        self.accountant = Accountants([stage.executor.accountant for stage in mine])
+        self.devices = mine[-1].devices
+
+    @property
+    def executors(self) -> list[Executor]:
+        """This process's stages' executors, first to last."""
+        return [stage.executor for stage in self.stages if stage.executor is not None]
 
     def check(self, plan: ExecutionPlan, workload: Workload) -> list[MemoryEstimate]:
-        """Each stage's ``Executor.check`` of its part of ``plan``.
+        """Each stage's check of its part of ``plan`` (``Executor.check``; a stage of
+        another process: ``check_fits`` on its devices).
 
         Raises:
           HxError: a stage's part does not fit its budgets (naming the stage's plan).
         """
         n = len(self.stages)
-        return [ex.check(plan.stage(layers, s == 0, s == n - 1), workload)
-                for s, (layers, ex) in enumerate(self.stages)]
+        out = []
+        for s, stage in enumerate(self.stages):
+            part = plan.stage(stage.layers, s == 0, s == n - 1)
+            out.append(stage.executor.check(part, workload) if stage.executor else check_fits(
+                part, *per_accelerator(stage.spec, stage.devices), workload))
+        return out
 
     def compile(self, phase: str, batch: int, tokens: int, slots: int) -> None:
-        """Every stage's segments of ``phase`` at (B, T, S), ahead of time."""
-        for _, ex in self.stages:
+        """This process's stages' segments of ``phase`` at (B, T, S), ahead of time."""
+        for ex in self.executors:
             ex.compile(phase, batch, tokens, slots)
 
     def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
                   ) -> list[Cache]:
-        """Zeroed KV caches of every layer (``Executor.new_cache`` of each stage), in order."""
-        return [c for _, ex in self.stages for c in ex.new_cache(batch, length, dtype, micro)]
+        """Zeroed KV caches of every layer (``Executor.new_cache`` of each stage), in order;
+        empty dicts for the layers of other processes' stages."""
+        return [c for stage in self.stages for c in (
+            stage.executor.new_cache(batch, length, dtype, micro) if stage.executor
+            else [{} for _ in stage.layers])]
 
     def account_cache(self, caches: list[Cache], micro: Hashable = 0) -> None:
-        """``Executor.account_cache`` of each stage's layers."""
-        for layers, ex in self.stages:
-            ex.account_cache(caches[layers.start:layers.stop], micro)
+        """``Executor.account_cache`` of each of this process's stages' layers."""
+        for stage in self.stages:
+            if stage.executor is not None:
+                stage.executor.account_cache(caches[stage.layers.start:stage.layers.stop], micro)
 
     def release_cache(self, micro: Hashable | None = None) -> None:
-        """Forget every stage's KV caches of ``micro`` (None: all)."""
-        for _, ex in self.stages:
+        """Forget this process's stages' KV caches of ``micro`` (None: all)."""
+        for ex in self.executors:
             ex.release_cache(micro)
 
     def run(self, phase: str, tokens: np.ndarray | Any, step: Step, caches: list[Cache]
             ) -> tuple[Any, list[Cache]]:
         """One forward step of ``phase`` through every stage, as ``Executor.run``: (logits
-        (B, V) float32 of the last position on the last stage's HEAD device, the updated
-        caches of every layer)."""
+        (B, V) float32 of the last position, the updated caches of every layer)."""
         logits, out = self.run_block(phase, [tokens], [step], [caches])
         return logits[0], out[0]
 
@@ -219,12 +262,33 @@ class Pipeline:
                   caches: Sequence[list[Cache]]) -> tuple[list[Any], list[list[Cache]]]:
         """One step of a block of N micro-batches, as ``Executor.run_block``: each stage runs
         the block on what the stage before it gave (the residual stream x of each
-        micro-batch), over its layers' caches (consumed)."""
-        carried = list(tokens)
-        updated: list[list[Cache]] = [[] for _ in tokens]
-        for layers, ex in self.stages:
-            carried, out = ex.run_block(phase, carried, steps,
-                                        [c[layers.start:layers.stop] for c in caches])
-            for m, part in enumerate(out):
-                updated[m].extend(part)
+        micro-batch), over its layers' caches (consumed); between processes, ``Broadcast``.
+        Returns every process the logits."""
+        B, T = np.shape(tokens[0])[:2]
+        carried: list[Any] = list(tokens)
+        updated = [list(c) for c in caches]
+        previous: Stage | None = None
+        for stage in self.stages:
+            if previous is not None:
+                carried = self._cross(previous, stage, carried, B, T)
+            if stage.executor is not None:
+                carried, out = stage.executor.run_block(
+                    phase, carried, steps, [c[stage.layers.start:stage.layers.stop]
+                                            for c in caches])
+                for m, part in enumerate(out):
+                    updated[m][stage.layers.start:stage.layers.stop] = part
+            previous = stage
+        if self._broadcast is not None:  # the logits, to every process
+            carried = self._cross(previous, None, carried, B, T)
         return carried, updated
+
+    def _cross(self, source: Stage, target: Stage | None, arrays: list[Any], B: int, T: int
+               ) -> list[Any]:
+        """``arrays`` (``source``'s outputs) where ``target`` (None: every process) takes
+        them: as they are within a process, through ``Broadcast`` between processes."""
+        here = source.devices.accelerator.device.process_index
+        if target is not None and target.devices.accelerator.device.process_index == here:
+            return arrays
+        shape, dtype = activation_shape(source.spec, "logits", B, T)
+        mine = source.executor is not None
+        return [self._broadcast(a if mine else None, shape, dtype) for a in arrays]

@@ -181,6 +181,8 @@ def test_generate_over_a_mesh_of_two_stages_of_two():
     assert_clean_error(hx("generate", "-p", "hi", "--mesh", "tp=2", "--devices", "2"),
                        "not both")
     assert_clean_error(hx("generate", "-p", "hi", "--mesh", "dp=2"), "write tp=A,pp=B")
+    assert_clean_error(hx("generate", "-p", "hi", "--mesh", "tp=2", "--coordinator",
+                          "localhost:1"), "one per process")
 
 
 def test_plan_over_budget_is_rejected():

@@ -39,8 +39,8 @@ def main() -> None:
 
 
 def _accelerators(argv: list[str]) -> int:
-    """The accelerators the command line asks for: ``--devices N``, or tp x pp of ``--mesh
-    tp=A,pp=B`` (1 without either, or with one that does not parse: the command's own parsing
+    """The accelerators the command line asks of this process: ``--devices N``, or tp x pp of
+    ``--mesh tp=A,pp=B`` (tp with ``--coordinator``: one stage per process) (1 without either, or with one that does not parse: the command's own parsing
     reports that): emulated accelerators are CPU devices, which XLA creates when JAX starts,
     before any command's options are parsed."""
     for i, arg in enumerate(argv):
@@ -56,7 +56,8 @@ def _accelerators(argv: list[str]) -> int:
                     tp, pp = mesh_shape(value)
                 except ValueError:
                     continue
-                return tp * pp
+                distributed = any(a.split("=")[0] == "--coordinator" for a in argv)
+                return tp if distributed else tp * pp  # several processes: a stage each
     return 1
 
 

@@ -91,6 +91,13 @@ def generate(
                              "of A tensor-parallel accelerators each (instead of --devices); "
                              "each stage planned for its own layers on one accelerator's "
                              "budget and its share of the host."),
+    coordinator: Optional[str] = typer.Option(
+        None, "--coordinator", help="HOST:PORT of process 0: run --mesh's B stages in B "
+                                    "processes joined by jax.distributed, this one the stage "
+                                    "of --process-id (the same command in each, e.g. on each "
+                                    "host; README, \"Several accelerators\")."),
+    process_id: int = typer.Option(0, "--process-id", help="This process's stage, with "
+                                                            "--coordinator."),
     spill_dir: Optional[Path] = typer.Option(
         None, "--spill-dir",
         help="Directory of the unnamed file that disk-homed weights are written to once when "
@@ -109,6 +116,8 @@ def generate(
     if prompts is not None and output is None:
         raise HxError("--prompts needs --output OUT.jsonl")
     tp, stages = _mesh(mesh, accelerators)
+    if coordinator is not None:  # before any JAX computation
+        _join(coordinator, process_id, tp, stages, prompts is None)
     if replan_every and (prompt is None or plan is not None or policy not in (None, "cpsat")
                          or tp * stages > 1):
         raise HxError("--replan-every plans with CP-SAT for one --prompt on one accelerator: "
@@ -124,7 +133,8 @@ def generate(
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul,
-                         replan_every, tp * stages, stages)
+                         replan_every, tp if coordinator else tp * stages, stages,
+                         coordinator is not None)
     if stages > 1 and options.block is not None and None in options.block:
         raise HxError("throughput mode over pipeline stages runs the block you give: add "
                       "--micro-batch and --micro-batches (or use --batch-size)")
@@ -166,6 +176,7 @@ class RunOptions:
     replan_every: int = 0
     accelerators: int = 1
     stages: int = 1
+    processes: bool = False
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``), made for what each
@@ -173,7 +184,7 @@ class RunOptions:
         part planned for its own layers (``ModelSpec.pipeline_stage``) on its devices, joined
         (a --plan file is the whole model's)."""
         from hx.executor import per_accelerator
-        from hx.pipeline import stage_devices, stages
+        from hx.pipeline import stages
 
         if self.stages == 1 or self.plan is not None:
             return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
@@ -183,15 +194,37 @@ class RunOptions:
                                                                    s == n - 1), d),
                               workload, None, self.host_ops, self.policy, self.gpu_layers,
                               hardware)
-                 for s, (layers, d) in enumerate(zip(cuts, stage_devices(devices, n)))]
+                 for s, (layers, d) in enumerate(zip(cuts, self.devices_of(devices)))]
         return ExecutionPlan.joined(parts, f"{parts[0].name} in {n} stages")
 
     def devices_of(self, devices):
         """The engine's devices: ``devices``, or over pipeline stages one per stage
-        (``hx.pipeline.stage_devices``)."""
+        (``hx.pipeline.stage_devices``; over processes, each process's:
+        ``hx.distributed.process_devices``)."""
+        from hx.distributed import process_devices
         from hx.pipeline import stage_devices
 
+        if self.processes:
+            return process_devices(devices)
         return devices if self.stages == 1 else stage_devices(devices, self.stages)
+
+
+def _join(coordinator: str, process_id: int, tp: int, stages: int, one_prompt: bool) -> None:
+    """Join the run's other processes (``hx.distributed.initialize``), one per stage.
+
+    Raises:
+      HxError: --prompts (a batch run in several processes: not yet), or a mesh of one stage.
+    """
+    from hx.distributed import initialize
+
+    if not one_prompt:
+        raise HxError("--coordinator runs one --prompt over several processes; a --prompts "
+                      "batch runs in one process (--mesh without --coordinator)")
+    if stages < 2 or tp > 1:
+        raise HxError("--coordinator runs --mesh's pipeline stages one per process, on one "
+                      "accelerator each: give --mesh pp=B with B processes (tensor parallel "
+                      "stages over several processes: not yet)")
+    initialize(coordinator, stages, process_id, tp)
 
 
 def _mesh(mesh: Optional[str], accelerators: int) -> tuple[int, int]:

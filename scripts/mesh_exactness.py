@@ -56,21 +56,11 @@ def main() -> int:
     accelerator = discover(accelerators=most).accelerator  # emulated: CPU devices
     group = accelerator.group or (accelerator.device,)  # tp 1: one accelerator, no group
 
-    from hx.models.llama import Step, forward, init_params
+    from hx.models.llama import Step, forward
     from hx.models.sharding import cache_partition, pad, partition
-    from hx.models.spec import ModelSpec
     from hx.models.tensors import kv_shape
-    from hx.models.loader import load_spec
 
-    if args.model == "tiny":
-        spec = ModelSpec(name="tiny", n_layers=4, d_model=64, n_heads=6, n_kv_heads=3,
-                         head_dim=16, d_ff=96, vocab_size=512, context_length=256,
-                         tie_embeddings=True)
-    else:
-        spec = load_spec(args.model, "float32", "dense", "dense")
-    params = jax.tree.map(np.asarray, init_params(spec, seed=1))
-    if spec.tie_embeddings:  # one array, as a loader gives it
-        params["HEAD"]["embedding"] = params["EMBED"]["embedding"]
+    spec, params = random_model(args.model)
     B, P, S = 2, args.prompt, args.prompt + args.decode
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, spec.vocab_size, (B, P)).astype(np.int32)
@@ -137,6 +127,54 @@ def main() -> int:
                     and r.get("within_budgets", True) for r in results + runs) else 1
 
 
+PROMPTS = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]  # part 2's, as token ids
+
+
+class NoText:
+    """A tokenizer for token ids in, token ids out (no text)."""
+
+    eos_id = None
+
+    def decode(self, ids):
+        return ""
+
+
+def random_model(name: str):
+    """(spec, numpy params) of ``tiny`` (4 layers, 6 query heads over 3 KV heads, tied) or of
+    a preset's shapes (``llama2-7b:2L``), random (seed 1), float32; a tied table one array,
+    as a loader gives it."""
+    import jax
+
+    from hx.models.llama import init_params
+    from hx.models.loader import load_spec
+    from hx.models.spec import EMBED, HEAD, ModelSpec
+
+    if name == "tiny":
+        spec = ModelSpec(name="tiny", n_layers=4, d_model=64, n_heads=6, n_kv_heads=3,
+                         head_dim=16, d_ff=96, vocab_size=512, context_length=256,
+                         tie_embeddings=True)
+    else:
+        spec = load_spec(name, "float32", "dense", "dense")
+    params = jax.tree.map(np.asarray, init_params(spec, seed=1))
+    if spec.tie_embeddings:
+        params[HEAD]["embedding"] = params[EMBED]["embedding"]
+    return spec, params
+
+
+def checked_plans(n_layers: int) -> dict:
+    """The plans exactness is checked under: everything on the accelerator(s), KV caches on
+    the host in odd layers, and stream-all (weights streamed, attention on the host)."""
+    from hx.models.spec import LAYER_OPS, SCORE
+    from hx.plan import ACCELERATOR, HOST, ExecutionPlan, Placement
+    from hx.planner import policies
+
+    odd = ExecutionPlan.from_placement(Placement(ACCELERATOR, tuple(
+        tuple(HOST if op == SCORE and i % 2 else ACCELERATOR for op in LAYER_OPS)
+        for i in range(n_layers)), ACCELERATOR), name="kv-host-odd")
+    return {"all-accelerator": ExecutionPlan.all_accelerator(n_layers), "kv-host-odd": odd,
+            "stream-all": policies.stream_all(n_layers)}
+
+
 def layout(name: str) -> tuple[int, int]:
     """(tp, pp) of ``tp2``, ``pp4``, ``tp2xpp2``."""
     match = re.fullmatch(r"(?:tp(\d+))?x?(?:pp(\d+))?", name)
@@ -158,18 +196,10 @@ def executor_rows(spec, params, layouts: list[tuple[int, int]], decode: int, nam
     from hx.devices import discover
     from hx.generate import Engine
     from hx.models.loader import Model
-    from hx.models.spec import LAYER_OPS, SCORE
     from hx.pipeline import stage_devices, with_budgets
-    from hx.plan import ACCELERATOR, HOST, ExecutionPlan, Placement
-    from hx.planner import policies
+    from hx.plan import ExecutionPlan
     from hx.sampling import SamplingParams
     from hx.workload import Workload
-
-    class NoText:  # token ids in, token ids out
-        eos_id = None
-
-        def decode(self, ids):
-            return ""
 
     def devices(tp: int, pp: int, budgets=None):
         found = discover(accelerators=tp * pp)
@@ -178,15 +208,9 @@ def executor_rows(spec, params, layouts: list[tuple[int, int]], decode: int, nam
         stages = stage_devices(found, pp)
         return stages if budgets is None else with_budgets(stages, budgets)
 
-    n = spec.n_layers
-    odd = ExecutionPlan.from_placement(Placement(ACCELERATOR, tuple(
-        tuple(HOST if op == SCORE and i % 2 else ACCELERATOR for op in LAYER_OPS)
-        for i in range(n)), ACCELERATOR), name="kv-host-odd")
-    plans = {"all-accelerator": ExecutionPlan.all_accelerator(n), "kv-host-odd": odd,
-             "stream-all": policies.stream_all(n)}
+    n, plans = spec.n_layers, checked_plans(spec.n_layers)
     plans = {name: plans[name] for name in names}
-    model = Model(spec, params, NoText(), spec.name)
-    prompts = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]
+    model, prompts = Model(spec, params, NoText(), spec.name), PROMPTS
     sampling = SamplingParams(max_new_tokens=decode)
     workload = Workload.for_prompts(2, 8, decode, spec)
     reference = Engine(model, ExecutionPlan.all_accelerator(n), discover())

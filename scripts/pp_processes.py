@@ -29,48 +29,23 @@ import tempfile
 
 import numpy as np
 
-PROMPTS = [[5, 9, 13, 200, 7, 7, 42, 3], [300, 301, 302]]
 TEXT = "The capital of France is"
 
 
 def build(name: str, plan_name: str):
-    """(model, prompts as token ids, plan) of ``name``: a random one, or ``hx.load``'s."""
-    import jax
+    """(model, prompts as token ids, plan) of ``name``: a random one
+    (``mesh_exactness.random_model``), or ``hx.load``'s."""
+    from mesh_exactness import PROMPTS, NoText, random_model, checked_plans
 
-    from hx.models.llama import init_params
     from hx.models.loader import Model, load
-    from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
-    from hx.plan import ACCELERATOR, HOST, ExecutionPlan, Placement
-    from hx.planner import policies
-
-    class NoText:  # token ids in, token ids out
-        eos_id = None
-
-        def decode(self, ids):
-            return ""
 
     if name == "tiny" or ":" in name:
-        if name == "tiny":
-            spec = ModelSpec(name="tiny", n_layers=4, d_model=64, n_heads=6, n_kv_heads=3,
-                             head_dim=16, d_ff=96, vocab_size=512, context_length=256,
-                             tie_embeddings=True)
-        else:
-            from hx.models.loader import load_spec
-            spec = load_spec(name, "float32", "dense", "dense")
-        params = jax.tree.map(np.asarray, init_params(spec, seed=1))
-        if spec.tie_embeddings:
-            params[HEAD]["embedding"] = params[EMBED]["embedding"]
+        spec, params = random_model(name)
         model, prompts = Model(spec, params, NoText(), spec.name), PROMPTS
     else:
         model = load(None if name == "smollm2-135m" else name, "float32")
         prompts = [model.tokenizer.encode(TEXT)]
-    n = model.spec.n_layers
-    plans = {"all-accelerator": lambda: ExecutionPlan.all_accelerator(n),
-             "kv-host-odd": lambda: ExecutionPlan.from_placement(Placement(ACCELERATOR, tuple(
-                 tuple(HOST if op == SCORE and i % 2 else ACCELERATOR for op in LAYER_OPS)
-                 for i in range(n)), ACCELERATOR), name="kv-host-odd"),
-             "stream-all": lambda: policies.stream_all(n)}
-    return model, prompts, plans[plan_name]()
+    return model, prompts, checked_plans(model.spec.n_layers)[plan_name]
 
 
 def run(engine, prompts, decode: int) -> dict:

@@ -136,7 +136,8 @@ class Engine:
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
                  devices: Devices | Sequence[Devices] | None = None,
-                 timeline: Timeline | None = None, spill_dir: str | None = None, stints: Sequence[Stint] = ()):
+                 timeline: Timeline | None = None, spill_dir: str | None = None,
+                 stints: Sequence[Stint] = ()):
         if stints and plan is not None and plan != stints[0].plan:
             raise HxError("plan and stints disagree: the first stint's plan is the one that "
                           "prefills; pass one of them")

@@ -7,11 +7,12 @@ Usage: python scripts/pp_processes.py [--model tiny|smollm2-135m|llama2-7b:2L|PA
 
 ``--model tiny`` (the default) is a 4-layer random model; a preset name with ``:NL`` runs
 random weights of its shapes; any other name is loaded with ``hx.load`` (``smollm2-135m``: the
-shipped GGUF, its tokenizer and its greedy text of "The capital of France is"). For each plan (everything on the
-accelerators; KV caches on the host in odd layers; stream-all: weights streamed, attention on
-the host): two worker processes (``--process-id 0`` and ``1`` of this script, a localhost
-coordinator on a free port) each print their prefill logits and greedy tokens; this process
-runs the plan as two stages in one process (``stage_devices``) and on one accelerator.
+shipped GGUF, its tokenizer and its greedy text of "The capital of France is"). For each plan
+(everything on the accelerators; KV caches on the host in odd layers; stream-all: weights
+streamed, attention on the host): two worker processes (``--process-id 0`` and ``1`` of this
+script, a localhost coordinator on a free port) each write their prefill logits and greedy
+tokens; this process runs the plan as two stages in one process (``stage_devices``) and on
+one accelerator.
 Printed: the largest logit difference of each process's logits from the one-process pipeline's
 and from one accelerator's, relative to the largest logit, and whether greedy tokens agree.
 Exit status 1 when any difference exceeds 1e-5 or any tokens differ.

@@ -40,9 +40,10 @@ def main() -> None:
 
 def _accelerators(argv: list[str]) -> int:
     """The accelerators the command line asks of this process: ``--devices N``, or tp x pp of
-    ``--mesh tp=A,pp=B`` (tp with ``--coordinator``: one stage per process) (1 without either, or with one that does not parse: the command's own parsing
-    reports that): emulated accelerators are CPU devices, which XLA creates when JAX starts,
-    before any command's options are parsed."""
+    ``--mesh tp=A,pp=B`` (tp with ``--coordinator``: one stage per process); 1 without either,
+    or with one that does not parse (the command's own parsing reports that). Emulated
+    accelerators are CPU devices, which XLA creates when JAX starts, before any command's
+    options are parsed."""
     for i, arg in enumerate(argv):
         for flag in ("--devices", "--mesh"):
             value = (arg.split("=", 1)[1] if arg.startswith(flag + "=") else

@@ -33,25 +33,9 @@ from hx.memory import Accountant, MemoryEstimate, check_fits
 from hx.models.llama import Cache, Step
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.models.tensors import activation_shape, layer_key
-from hx.plan import ExecutionPlan
+from hx.plan import ExecutionPlan, stage_layers
 from hx.timeline import Timeline
 from hx.workload import Workload
-
-
-def stages(n_layers: int, pp: int) -> list[range]:
-    """``n_layers`` cut into ``pp`` contiguous ranges, the first ones a layer longer where
-    ``pp`` does not divide it.
-
-    Raises:
-      HxError: more stages than layers.
-    """
-    if not 1 <= pp <= n_layers:
-        raise HxError(f"{pp} pipeline stages of {n_layers} layers: 1 to {n_layers} stages")
-    size, extra = divmod(n_layers, pp)
-    bounds = [0]
-    for s in range(pp):
-        bounds.append(bounds[-1] + size + (s < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def stage_params(params: dict[str, Any], layers: range, first: bool, last: bool
@@ -92,7 +76,7 @@ def check_stages(spec: ModelSpec, plan: ExecutionPlan, devices: Sequence[Devices
     Raises:
       HxError: a stage's part does not fit (naming the stage's plan and the bytes over).
     """
-    cuts, n = stages(spec.n_layers, len(devices)), len(devices)
+    cuts, n = stage_layers(spec.n_layers, len(devices)), len(devices)
     return [check_fits(plan.stage(layers, s == 0, s == n - 1), *per_accelerator(
         spec.pipeline_stage(len(layers), s == 0, s == n - 1), d), workload)
         for s, (layers, d) in enumerate(zip(cuts, devices))]
@@ -186,7 +170,7 @@ class Pipeline:
                  devices: Sequence[Devices], timeline: Timeline | None = None,
                  spill_dir: str | None = None):
         plan.validate(spec)
-        cuts, n = stages(spec.n_layers, len(devices)), len(devices)
+        cuts, n = stage_layers(spec.n_layers, len(devices)), len(devices)
         self.spec, self.plan, self.timeline = spec, plan, timeline
         self.stages: list[Stage] = []
         for s, (layers, stage_devs) in enumerate(zip(cuts, devices)):

@@ -471,6 +471,23 @@ class ExecutionPlan:
         return cls.from_json(data, n_layers)
 
 
+def stage_layers(n_layers: int, pp: int) -> list[range]:
+    """``n_layers`` cut into ``pp`` contiguous ranges, the pipeline stages' layers
+    (``ExecutionPlan.stage``, ``hx.pipeline``), the first ones a layer longer where ``pp`` does
+    not divide it.
+
+    Raises:
+      HxError: more stages than layers.
+    """
+    if not 1 <= pp <= n_layers:
+        raise HxError(f"{pp} pipeline stages of {n_layers} layers: 1 to {n_layers} stages")
+    size, extra = divmod(n_layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 @dataclass(frozen=True)
 class Stint:
     """``plan`` runs from decode step ``start`` (0: the first decode step; prefill runs under

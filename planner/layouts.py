@@ -3,7 +3,7 @@ across groups, each GPU's part planned and priced as one accelerator (docs/archi
 "Planner"; issue 28). The executor runs both (``hx.discover(accelerators=k)``,
 ``hx.pipeline``).
 
-A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages (``stages``, as
+A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages (``plan.stage_layers``, as
 even as the count allows), each stage on a group of ``tp`` GPUs that split its ops
 (``ModelSpec.shard``, ``mesh.tensor_parallel``). A stage is planned by a policy (CP-SAT,
 FlexGen's LP, ...) as a model of its own layers (``ModelSpec.pipeline_stage``, as the executor
@@ -35,8 +35,7 @@ from hx.errors import HxError
 from hx.memory import MemoryEstimate
 from hx.models.spec import ModelSpec
 from hx.models.tensors import activation_bytes
-from hx.pipeline import stages
-from hx.plan import ExecutionPlan
+from hx.plan import ExecutionPlan, stage_layers
 from hx.planner.hardware import hardware_profile, machine, memory_sizing
 from hx.planner.mesh import Interconnect, host_share, tensor_parallel
 from hx.planner.profile import HardwareProfile
@@ -150,7 +149,7 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     concurrent = min(layout.pp, workload.micro_batches)
     view = stage_view(group, layout.pp, concurrent)
     parts = []
-    cuts = stages(spec.n_layers, layout.pp)
+    cuts = stage_layers(spec.n_layers, layout.pp)
     with memory_sizing(machine_name):
         for s, layers in enumerate(cuts):
             part = shard.pipeline_stage(len(layers), s == 0, s == len(cuts) - 1)

@@ -13,7 +13,7 @@ from hx.errors import HxError
 from hx.planner import hardware
 from hx.planner.hardware import hardware_profile, tensor_parallel_profile
 from hx.planner.grid import Grid, Scenario, run_grid
-from hx.pipeline import stages
+from hx.plan import stage_layers
 from hx.planner.layouts import Layout, price, split_hardware
 from hx.planner.mesh import Interconnect, allreduce_seconds, tensor_parallel
 from hx.planner.simulator import op_seconds, predict
@@ -104,10 +104,10 @@ def test_a_tensor_parallel_plan_fits_each_device_and_resident_steps_shrink():
 
 
 def test_stages_cut_the_layers_evenly_and_in_order():
-    assert stages(80, 3) == [range(0, 27), range(27, 54), range(54, 80)]
-    assert stages(4, 4) == [range(i, i + 1) for i in range(4)]
+    assert stage_layers(80, 3) == [range(0, 27), range(27, 54), range(54, 80)]
+    assert stage_layers(4, 4) == [range(i, i + 1) for i in range(4)]
     with pytest.raises(HxError, match="1 to 2 stages"):
-        stages(2, 3)
+        stage_layers(2, 3)
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
@@ -116,7 +116,7 @@ def test_stages_hold_the_model_once_but_a_tied_table_at_both_ends(pp):
     stage holds its own copy of the table, as the first's is on another device."""
     for name, extra in (("llama2-70b", 0), ("smollm2-135m", 1)):
         spec = PRESETS[name]
-        cuts = stages(spec.n_layers, pp)
+        cuts = stage_layers(spec.n_layers, pp)
         parts = [spec.pipeline_stage(len(r), s == 0, s == pp - 1) for s, r in enumerate(cuts)]
         table = spec.vocab_size * spec.d_model * spec.dtype_bytes
         assert sum(p.weight_bytes for p in parts) == spec.weight_bytes + extra * table
@@ -135,7 +135,7 @@ def test_a_pipeline_step_is_its_slowest_stage_plus_the_others_fill(micro):
     steps = [s.run.tpot_s for s in run.stages]
     link = hardware.machine("4xa10g").interconnect
     hop = link.latency + 4 * spec.d_model * spec.dtype_bytes / link.bandwidth
-    assert len(steps) == 2 and [s.layers for s in run.stages] == stages(32, 2)
+    assert len(steps) == 2 and [s.layers for s in run.stages] == stage_layers(32, 2)
     assert run.tpot_s == pytest.approx(max(steps) + min(steps) / micro + hop, rel=1e-12)
     assert run.total_s == pytest.approx(run.ttft_s + 7 * run.tpot_s, rel=1e-12)
     with pytest.raises(HxError, match="takes 8 GPUs"):

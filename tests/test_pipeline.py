@@ -13,9 +13,8 @@ from hx.executor import Executor
 from hx.models.llama import Step, init_params
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, PRESETS, SCORE, ModelSpec
 from hx.models.tensors import activation_shape
-from hx.pipeline import (Pipeline, check_stages, stage_devices, stage_params, stages,
-                         with_budgets)
-from hx.plan import ExecutionPlan, Placement
+from hx.pipeline import Pipeline, check_stages, stage_devices, stage_params, with_budgets
+from hx.plan import ExecutionPlan, Placement, stage_layers
 from hx.planner import policies
 from hx.workload import Workload
 
@@ -35,7 +34,7 @@ def test_a_plan_cut_into_stages_joins_back_into_itself(pp):
     HEAD run where its first and last ops do."""
     for plan in (_odd_host_kv(12), policies.stream_all(12).with_recompute(3),
                  policies.layer_split(12, 5)):
-        cuts = stages(12, pp)
+        cuts = stage_layers(12, pp)
         parts = [plan.stage(r, s == 0, s == pp - 1) for s, r in enumerate(cuts)]
         assert ExecutionPlan.joined(parts, plan.name) == plan
         middle = parts[1] if pp == 3 else parts[0]

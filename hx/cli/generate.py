@@ -184,12 +184,12 @@ class RunOptions:
         part planned for its own layers (``ModelSpec.pipeline_stage``) on its devices, joined
         (a --plan file is the whole model's)."""
         from hx.executor import per_accelerator
-        from hx.pipeline import stages
+        from hx.plan import stage_layers
 
         if self.stages == 1 or self.plan is not None:
             return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
                                 self.host_ops, self.policy, self.gpu_layers, hardware)
-        cuts, n = stages(spec.n_layers, self.stages), self.stages
+        cuts, n = stage_layers(spec.n_layers, self.stages), self.stages
         parts = [resolve_plan(*per_accelerator(spec.pipeline_stage(len(layers), s == 0,
                                                                    s == n - 1), d),
                               workload, None, self.host_ops, self.policy, self.gpu_layers,

@@ -3,12 +3,12 @@ across groups, each GPU's part planned and priced as one accelerator (docs/archi
 "Planner"; issue 28). The executor runs both (``hx.discover(accelerators=k)``,
 ``hx.pipeline``).
 
-A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages (``plan.stage_layers``, as
-even as the count allows), each stage on a group of ``tp`` GPUs that split its ops
-(``ModelSpec.shard``, ``mesh.tensor_parallel``). A stage is planned by a policy (CP-SAT,
-FlexGen's LP, ...) as a model of its own layers (``ModelSpec.pipeline_stage``, as the executor
-runs it: ``hx.pipeline``) on one GPU's memory and a share
-of the host, and priced by the simulator (``simulator.predict_run``); activations cross to the
+A layout is ``tp`` x ``pp`` GPUs: the layers cut into ``pp`` contiguous stages
+(``plan.stage_layers``, as even as the count allows), each stage on a group of ``tp`` GPUs that
+split its ops (``ModelSpec.shard``, ``mesh.tensor_parallel``). A stage is planned by a policy
+(CP-SAT, FlexGen's LP, ...) as a model of its own layers (``ModelSpec.pipeline_stage``, as the
+executor runs it: ``hx.pipeline``) on one GPU's memory and a share of the host, and priced by
+the simulator (``simulator.predict_run``); activations cross to the
 next stage over the interconnect (latency + bytes / bandwidth, a point-to-point copy).
 
 A run's time (``price``):

@@ -17,7 +17,7 @@ def test_two_processes_give_one_process_outputs(tmp_path):
     one process."""
     out = tmp_path / "pp.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pp_processes.py"),
-                             "--plans", "stream-all", "--decode", "4", "--json", str(out)],
+                             "--plans", "stream-all", "--decode", "2", "--json", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())["rows"]

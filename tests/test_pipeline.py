@@ -94,11 +94,12 @@ def test_each_stage_is_checked_against_its_own_budget():
 
 
 def test_pipeline_logits_equal_one_executor_with_host_kv_and_streamed_weights():
-    """Two stages (KV caches on the host in odd layers; then stream-all) against the same
-    plan on one accelerator: prefill and two decode steps' logits agree to float32 rounding
-    (the stages run the same programs on the same numbers: exactly equal here), and the caches
-    come back per layer, each on its home (both stages on this process's one emulated
-    accelerator: the crossing between devices is tests/test_sharding.py's and test_cli's)."""
+    """Two stages under stream-all (weights streamed, KV caches and attention on the host)
+    against the same plan on one accelerator: prefill and two decode steps' logits agree to
+    float32 rounding (the stages run the same programs on the same numbers: exactly equal
+    here), and the caches come back per layer, each on its home (both stages on this
+    process's one emulated accelerator: the crossing between devices is test_sharding's,
+    test_cli's and test_distributed's)."""
     params = jax.tree.map(np.asarray, init_params(TINY, seed=3))
     params[HEAD]["embedding"] = params[EMBED]["embedding"]
     devices = discover()
@@ -106,27 +107,27 @@ def test_pipeline_logits_equal_one_executor_with_host_kv_and_streamed_weights():
     kv_start = np.array([0, 2], np.int32)
     prefill = Step(np.maximum(np.arange(6, dtype=np.int32)[None] - kv_start[:, None], 0),
                    np.int32(0), kv_start)
-    for plan in (_odd_host_kv(4), policies.stream_all(4)):
-        outs = []
-        for runner in (Executor(TINY, params, plan, discover()),
-                       Pipeline(TINY, params, plan, [devices, devices])):
-            caches, step, current, got = runner.new_cache(2, 12), prefill, tokens, []
-            for i in range(3):
-                logits, caches = runner.run("prefill" if i == 0 else "decode", current, step,
-                                            caches)
-                got.append(np.asarray(logits))
-                current = np.argmax(got[-1], -1).astype(np.int32)[:, None]
-                step = Step(np.asarray(prefill.positions[:, -1:]) + i + 1, np.int32(6 + i),
-                            kv_start)
-            outs.append((got, caches))
-        (want, _), (got, caches) = outs
-        for a, b in zip(want, got):
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * np.abs(a).max())
-        assert len(caches) == 4
-        for layer, cache in enumerate(caches):
-            want_home = (devices.accelerator.device if plan.kv[layer] == ACCELERATOR
-                         else devices.host.device)
-            assert cache["k"].devices() == {want_home}, (plan.name, layer)
+    plan = policies.stream_all(4)
+    outs = []
+    for runner in (Executor(TINY, params, plan, discover()),
+                   Pipeline(TINY, params, plan, [devices, devices])):
+        caches, step, current, got = runner.new_cache(2, 12), prefill, tokens, []
+        for i in range(3):
+            logits, caches = runner.run("prefill" if i == 0 else "decode", current, step,
+                                        caches)
+            got.append(np.asarray(logits))
+            current = np.argmax(got[-1], -1).astype(np.int32)[:, None]
+            step = Step(np.asarray(prefill.positions[:, -1:]) + i + 1, np.int32(6 + i),
+                        kv_start)
+        outs.append((got, caches))
+    (want, _), (got, caches) = outs
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * np.abs(a).max())
+    assert len(caches) == 4
+    for layer, cache in enumerate(caches):
+        want_home = (devices.accelerator.device if plan.kv[layer] == ACCELERATOR
+                     else devices.host.device)
+        assert cache["k"].devices() == {want_home}, layer
 
 
 def test_stage_params_renumber_the_layers():

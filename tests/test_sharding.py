@@ -47,12 +47,12 @@ def test_split_logits_equal_one_devices(tmp_path):
     with five XLA CPU devices: the single-jit model split over the mesh, then hx's executor
     under stream-all (weights streamed, KV caches and attention on the host; the script also
     runs all-on-accelerator and KV on the host in odd layers) over 4 accelerators in tensor
-    parallel, 2 pipeline stages, and 2 stages of 2: each accelerator's budget its part's own
+    parallel and in 2 pipeline stages of 2: each accelerator's budget its part's own
     estimate. Logits within 1e-5 of one accelerator's, the same greedy tokens, and every
     accelerator's peak exactly its estimate (the dry run of its shard or stage)."""
     out = tmp_path / "mesh.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "mesh_exactness.py"),
-                             "--executor", "--layouts", "tp4,pp2,tp2xpp2", "--plans",
+                             "--executor", "--layouts", "tp4,tp2xpp2", "--plans",
                              "stream-all", "--json", str(out)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -63,11 +63,11 @@ def test_split_logits_equal_one_devices(tmp_path):
         assert r["device_bytes"] < 1.01 * r["whole_over_tp"]  # norms are the only copies
     runs = found["executor"]
     assert [(r["plan"], r["tp"], r["pp"], len(r["peaks"])) for r in runs] == [
-        ("stream-all", 4, 1, 1), ("stream-all", 1, 2, 2), ("stream-all", 2, 2, 2)]
+        ("stream-all", 4, 1, 1), ("stream-all", 2, 2, 2)]
     for r in runs:
         assert r["max_rel_logit_diff"] <= 1e-5 and r["greedy_equal"], r
         assert r["peaks"] == r["budgets"], r
         # stream-all's peak is its largest staged op: the last stage's LM head, as on one
         assert max(r["peaks"]) <= r["one_accelerator_peak"] * (0.35 if r["tp"] == 4 else 1), r
-    tp2 = runs[2]["peaks"]  # 2 stages of 2: each accelerator holds less than a stage alone
-    assert all(a < b for a, b in zip(tp2, runs[1]["peaks"]))
+    # 2 stages of 2: each accelerator holds less than one accelerator (the first stage: no HEAD)
+    assert runs[1]["peaks"][0] < runs[1]["peaks"][1] < runs[1]["one_accelerator_peak"]

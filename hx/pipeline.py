@@ -33,7 +33,7 @@ from hx.memory import Accountant, MemoryEstimate, check_fits
 from hx.models.llama import Cache, Step
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.models.tensors import activation_shape, layer_key
-from hx.plan import ExecutionPlan, stage_layers
+from hx.plan import ExecutionPlan, stage_cuts
 from hx.timeline import Timeline
 from hx.workload import Workload
 
@@ -76,10 +76,9 @@ def check_stages(spec: ModelSpec, plan: ExecutionPlan, devices: Sequence[Devices
     Raises:
       HxError: a stage's part does not fit (naming the stage's plan and the bytes over).
     """
-    cuts, n = stage_layers(spec.n_layers, len(devices)), len(devices)
-    return [check_fits(plan.stage(layers, s == 0, s == n - 1), *per_accelerator(
-        spec.pipeline_stage(len(layers), s == 0, s == n - 1), d), workload)
-        for s, (layers, d) in enumerate(zip(cuts, devices))]
+    return [check_fits(plan.stage(layers, first, last), *per_accelerator(
+        spec.pipeline_stage(len(layers), first, last), d), workload)
+        for (layers, first, last), d in zip(stage_cuts(spec.n_layers, len(devices)), devices)]
 
 
 def with_budgets(devices: Sequence[Devices], budgets: Sequence[int | None]) -> list[Devices]:
@@ -170,11 +169,10 @@ class Pipeline:
                  devices: Sequence[Devices], timeline: Timeline | None = None,
                  spill_dir: str | None = None):
         plan.validate(spec)
-        cuts, n = stage_layers(spec.n_layers, len(devices)), len(devices)
         self.spec, self.plan, self.timeline = spec, plan, timeline
         self.stages: list[Stage] = []
-        for s, (layers, stage_devs) in enumerate(zip(cuts, devices)):
-            first, last = s == 0, s == n - 1
+        for (layers, first, last), stage_devs in zip(stage_cuts(spec.n_layers, len(devices)),
+                                                     devices):
             part = spec.pipeline_stage(len(layers), first, last)
             part_plan = plan.stage(layers, first, last)
             local = is_local(stage_devs.accelerator.device)
@@ -203,10 +201,10 @@ class Pipeline:
         Raises:
           HxError: a stage's part does not fit its budgets (naming the stage's plan).
         """
-        n = len(self.stages)
         out = []
-        for s, stage in enumerate(self.stages):
-            part = plan.stage(stage.layers, s == 0, s == n - 1)
+        for stage, (layers, first, last) in zip(self.stages, stage_cuts(self.spec.n_layers,
+                                                                         len(self.stages))):
+            part = plan.stage(layers, first, last)
             out.append(stage.executor.check(part, workload) if stage.executor else check_fits(
                 part, *per_accelerator(stage.spec, stage.devices), workload))
         return out

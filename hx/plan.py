@@ -488,6 +488,17 @@ def stage_layers(n_layers: int, pp: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def stage_cuts(n_layers: int, pp: int) -> list[tuple[range, bool, bool]]:
+    """(layers, first, last) of each of ``pp`` stages (``stage_layers``): what
+    ``ModelSpec.pipeline_stage`` and ``ExecutionPlan.stage`` take.
+
+    Raises:
+      HxError: more stages than layers.
+    """
+    cuts = stage_layers(n_layers, pp)
+    return [(layers, s == 0, s == pp - 1) for s, layers in enumerate(cuts)]
+
+
 @dataclass(frozen=True)
 class Stint:
     """``plan`` runs from decode step ``start`` (0: the first decode step; prefill runs under

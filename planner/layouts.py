@@ -35,7 +35,7 @@ from hx.errors import HxError
 from hx.memory import MemoryEstimate
 from hx.models.spec import ModelSpec
 from hx.models.tensors import activation_bytes
-from hx.plan import ExecutionPlan, stage_layers
+from hx.plan import ExecutionPlan, stage_cuts
 from hx.planner.hardware import hardware_profile, machine, memory_sizing
 from hx.planner.mesh import Interconnect, host_share, tensor_parallel
 from hx.planner.profile import HardwareProfile
@@ -149,10 +149,9 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     concurrent = min(layout.pp, workload.micro_batches)
     view = stage_view(group, layout.pp, concurrent)
     parts = []
-    cuts = stage_layers(spec.n_layers, layout.pp)
     with memory_sizing(machine_name):
-        for s, layers in enumerate(cuts):
-            part = shard.pipeline_stage(len(layers), s == 0, s == len(cuts) - 1)
+        for layers, first, last in stage_cuts(spec.n_layers, layout.pp):
+            part = shard.pipeline_stage(len(layers), first, last)
             plan, need = plan_on(layout.policy, part, machine_name, view,
                                  budget or view.accelerator_memory, workload, time_limit_s)
             parts.append(Stage(layers, part, plan, need, predict_run(plan, part, view, workload)))

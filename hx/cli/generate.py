@@ -184,18 +184,18 @@ class RunOptions:
         part planned for its own layers (``ModelSpec.pipeline_stage``) on its devices, joined
         (a --plan file is the whole model's)."""
         from hx.executor import per_accelerator
-        from hx.plan import stage_layers
+        from hx.plan import stage_cuts
 
         if self.stages == 1 or self.plan is not None:
             return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
                                 self.host_ops, self.policy, self.gpu_layers, hardware)
-        cuts, n = stage_layers(spec.n_layers, self.stages), self.stages
-        parts = [resolve_plan(*per_accelerator(spec.pipeline_stage(len(layers), s == 0,
-                                                                   s == n - 1), d),
+        parts = [resolve_plan(*per_accelerator(spec.pipeline_stage(len(layers), first, last),
+                                               d),
                               workload, None, self.host_ops, self.policy, self.gpu_layers,
                               hardware)
-                 for s, (layers, d) in enumerate(zip(cuts, self.devices_of(devices)))]
-        return ExecutionPlan.joined(parts, f"{parts[0].name} in {n} stages")
+                 for (layers, first, last), d in zip(stage_cuts(spec.n_layers, self.stages),
+                                                     self.devices_of(devices))]
+        return ExecutionPlan.joined(parts, f"{parts[0].name} in {self.stages} stages")
 
     def devices_of(self, devices):
         """The engine's devices: ``devices``, or over pipeline stages one per stage

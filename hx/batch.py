@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from hx.errors import HxError
-from hx.generate import Completion, Engine, check_prompts, encode_prompt
+from hx.generate import Completion, Engine, encode_prompt
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
+from hx.prefill import check_prompts
 from hx.sampling import SamplingParams, row_seed
 from hx.workload import Workload
 

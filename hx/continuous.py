@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +34,17 @@ import numpy as np
 
 from hx.devices import ACCELERATOR, release_free_heap
 from hx.errors import HxError
-from hx.generate import Engine, check_prompts, left_pad, prefill_in_chunks
 from hx.memory import reframe_bytes
 from hx.models.llama import Cache, Step
 from hx.models.spec import ModelSpec
+from hx.prefill import check_prompts, left_pad, prefill_in_chunks
 from hx.sampling import SamplingParams, sample
 from hx.scheduler import (BatchState, BlockConfig, Completion, Decode, Join, MicroBatch,
                           Reframe, Request, Row, Shrink, complete, schedule)
 from hx.workload import CACHE_BUCKET, Workload, new_tokens, powers_of_two, round_up
+
+if TYPE_CHECKING:
+    from hx.generate import Engine  # which runs its batches with ``BlockRunner``
 
 JOIN_CHUNK = 64  # tokens per prefill step of a joining prompt, unless the plan sets a chunk
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
-from hx.models.spec import ModelSpec, numpy_dtype
+from hx.models.spec import HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
 from hx.models.tensors import ACTIVATIONS, activation_bytes, held_weights, kv_bytes, step_bytes
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
@@ -329,3 +329,22 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
     return max(N * (2 * sum(activation_bytes(spec, n, B, T) for n in ACTIVATIONS)
                     + step_bytes(B, T))
                + programs.temp_bytes(whole, B, T, S) for B, N, T in steps)
+
+
+def head_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int) -> int:
+    """Bytes of ``activation_reserve`` (at ``prefill_tokens``) that are HEAD's: the largest
+    difference, over the reserve's step shapes, between the XLA temporaries of the whole model
+    as one accelerator segment and of the same segment without HEAD (each cut to
+    ``hx.programs.proxy``). The CP-SAT model (``planner.cpsat``) counts them only where HEAD
+    runs on the accelerator: XLA:CPU widens a one-row bfloat16 LM head to a float32 temporary
+    (768 MiB of a 774 MiB reserve at Llama-2-7B's layer shapes with a 49,152-token vocabulary,
+    one row), which a plan with HEAD on the host never allocates."""
+    from hx.programs import programs_for, proxy
+
+    programs, S = programs_for(spec), workload.cache_slots
+    whole, headless = (proxy(split_segments(plan, "prefill")[0]) for plan in (
+        ExecutionPlan.all_accelerator(spec.n_layers),
+        ExecutionPlan.uniform(spec.n_layers, (HEAD,))))
+    steps = {(workload.prefill_rows, prefill_tokens), (workload.batch, 1)}
+    return max(0, *(programs.temp_bytes(whole, B, T, S) - programs.temp_bytes(headless, B, T, S)
+                    for B, T in steps))

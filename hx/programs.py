@@ -29,10 +29,8 @@ from __future__ import annotations
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +46,7 @@ from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, k
                                kv_format, weight_dtype)
 from hx.plan import ExecutionPlan
 from hx.segments import Segment, split_segments
+from hx.sizing import absent_accelerator
 from hx.streamed_kv import H
 
 PROXY_MIDDLE_LAYERS = 1
@@ -391,39 +390,18 @@ class _SplitLowering:
 
 
 _PROGRAMS: dict[tuple, Programs] = {}
-_ABSENT_ACCELERATOR: ContextVar[bool] = ContextVar("hx_absent_accelerator", default=False)
-
-
-@contextmanager
-def sizing_for_absent_accelerator() -> Iterator[None]:
-    """Within the block, size XLA temporaries for an accelerator that is not this process's:
-    a hardware preset the simulator prices (``planner.grid``, ``hx simulate``).
-
-    ``programs_for`` then compiles the model in float32. XLA:CPU has no float16/bfloat16 dot:
-    it converts the operands to float32, so a half-precision program compiled here holds
-    float32 copies of its weights as temporaries (an OPT-175B layer: tens of GB), which a GPU,
-    multiplying in the half type, never allocates. No buffer of the half-precision program is
-    wider than the float32 program's, so the float32 temporaries bound the target's from above.
-    """
-    token = _ABSENT_ACCELERATOR.set(True)
-    try:
-        yield
-    finally:
-        _ABSENT_ACCELERATOR.reset(token)
-
-
 def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     """The process's ``Programs`` for ``spec``'s shapes on ``devices`` (default: what
     ``hx.discover`` finds), shared by executors and estimates so each segment compiles once.
     Specs that differ only in layer count or name share one. A shapes-only architecture (OPT)
     is compiled as the Llama layer of the same shapes: only its XLA temporaries are asked for,
     and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP. Inside
-    ``sizing_for_absent_accelerator`` the model is compiled in float32."""
+    ``hx.sizing.sizing_for_absent_accelerator`` the model is compiled in float32."""
     from hx.devices import discover
 
     devices = devices or discover()
     shape = spec.replace(n_layers=1, name="", architecture="llama")
-    if _ABSENT_ACCELERATOR.get():
+    if absent_accelerator():
         shape = shape.replace(dtype="float32")
     key = (shape, devices.accelerator.device, devices.accelerator.group, devices.host.device)
     if key not in _PROGRAMS:

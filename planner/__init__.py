@@ -1,1 +1,2 @@
-"""Planner: cost model, profiler, placement policies, simulator (see docs/architecture.md)."""
+"""Planner: cost model, placement policies, CP-SAT, simulator; it imports neither JAX nor the
+executor (measuring is ``hx.measure``; docs/architecture.md, "Layout")."""

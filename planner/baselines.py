@@ -2,7 +2,7 @@
 
 Both price ops with the simulator's ``op_seconds`` on a ``HardwareProfile`` at the decode shapes
 of a workload, and both return plans that ``hx.memory.check_fits`` accepts with prefill in chunks of
-``policies.MIN_CHUNK`` tokens.
+``hx.workload.MIN_CHUNK`` tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hx.memory import PROXY, activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
+from hx.planner.fitting import fits
 from hx.planner.patterns import Pattern, layer_plan
-from hx.planner.policies import fits
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import op_seconds
 from hx.workload import MIN_CHUNK, Workload

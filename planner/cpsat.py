@@ -19,16 +19,16 @@ from dataclasses import dataclass
 
 from hx.devices import ACCELERATOR, Devices
 from hx.errors import HxError
-from hx.memory import PROXY, activation_reserve, check_fits, estimate
-from hx.models.spec import HEAD, ModelSpec
+from hx.memory import PROXY, activation_reserve, check_fits, estimate, head_reserve
+from hx.models.spec import ModelSpec
 from hx.models.tensors import kv_bytes
 from hx.plan import RESIDENT, ExecutionPlan
 from hx.planner.cpsat_model import Hint, solve_counts
+from hx.planner.fitting import CHUNKS, fit_prefill_chunk, fits
 from hx.planner.patterns import (Pattern, decode_front, end_costs, layer_plan,
                                  offloaded_prefill, prune, whole_run_costs)
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict_prefill, predict_run
-from hx.segments import split_segments
 from hx.workload import MIN_CHUNK, Workload
 
 PREFILL_SHARE = 0.1  # of a run, below which plan_cpsat looks no further for a faster prefill
@@ -74,13 +74,13 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
                kv_disk: bool = False, kv_streamed: bool = False) -> PlannerResult:
     """The plan with the shortest predicted run (prefill, then decode steps: ``simulator.predict_run``)
     of those found by two objectives, under the memory budgets, with the largest prefill
-    chunk under which it fits (``policies.fit_prefill_chunk``).
+    chunk under which it fits (``fitting.fit_prefill_chunk``).
 
     The CP-SAT model sets aside a step's activations (``memory.activation_reserve``) at a
     prefill chunk, first ``MIN_CHUNK`` tokens. Decode-only objective first (the decode step):
     when the plan found leaves the prompt in several chunks and prefill is more than
     ``PREFILL_SHARE`` of its predicted run (every chunk of a streamed plan streams the weights
-    again), it is solved again reserving the next larger chunk of ``policies.CHUNKS`` while
+    again), it is solved again reserving the next larger chunk of ``fitting.CHUNKS`` while
     the run gets shorter (FlexGen's OPT-30B setting on the T4: the decode-optimal plan keeps 5
     layers' KV on the GPU, leaving room for 32-token chunks only, 412 s of prefill instead of
     157). If prefill is still more than ``PREFILL_SHARE`` of the best run (and not every
@@ -94,8 +94,6 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     worse. Last, EMBED moves to the accelerator where that fits and is predicted faster
     (``embed_on_accelerator``). Arguments and errors as ``solve``.
     """
-    from hx.planner.policies import CHUNKS, fits
-
     chunks = sorted({c or workload.prompt_tokens for c in CHUNKS
                      if (c or workload.prompt_tokens) <= workload.prompt_tokens})
 
@@ -200,8 +198,6 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
             kv_streamed: bool = False) -> PlannerResult:
     """``solve`` under ``budget``, lowered by any shortfall until the plan fits ``devices`` in
     prefill chunks of ``smallest`` tokens or more (``plan_with_reserve``)."""
-    from hx.planner.policies import fit_prefill_chunk
-
     for attempt in range(REPLANS + 1):
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
                        whole_run, kv_disk, kv_streamed)
@@ -259,7 +255,7 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
         over its S - P decode steps, prefill placed as decode (``whole_run_costs``,
         ``end_costs``; ``PlannerResult``'s seconds are these); else the decode step.
       kv_disk: offer patterns with the KV cache on disk (FlexGen's OPT-175B setting), which
-        the executor refuses: for plans that are simulated only (``grid.plan_on``). Weights
+        the executor refuses: for plans that are simulated only (``policies.plan_on``). Weights
         go to disk in any case where host memory cannot hold them and the profile has a disk
         read rate.
       kv_streamed: offer patterns with the KV cache ``streamed`` (host memory, attended on
@@ -317,25 +313,6 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
                          found.model_bytes, found.hint)
 
 
-def head_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int) -> int:
-    """Bytes of ``memory.activation_reserve`` (at ``prefill_tokens``) that are HEAD's: the
-    largest difference, over the reserve's step shapes, between the XLA temporaries of the
-    whole model as one accelerator segment and of the same segment without HEAD (each cut to
-    ``hx.programs.proxy``). The CP-SAT model counts them only where HEAD runs on the
-    accelerator: XLA:CPU widens a one-row bfloat16 LM head to a float32 temporary (768 MiB of
-    a 774 MiB reserve at Llama-2-7B's layer shapes with a 49,152-token vocabulary, one row),
-    which a plan with HEAD on the host never allocates."""
-    from hx.programs import programs_for, proxy
-
-    programs, S = programs_for(spec), workload.cache_slots
-    whole, headless = (proxy(split_segments(plan, "prefill")[0]) for plan in (
-        ExecutionPlan.all_accelerator(spec.n_layers),
-        ExecutionPlan.uniform(spec.n_layers, (HEAD,))))
-    steps = {(workload.prefill_rows, prefill_tokens), (workload.batch, 1)}
-    return max(0, *(programs.temp_bytes(whole, B, T, S) - programs.temp_bytes(headless, B, T, S)
-                    for B, T in steps))
-
-
 def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
                    devices: Devices, workload: Workload) -> ExecutionPlan:
     """Keep the decode placement for prefill, or run every weighted op of prefill on the
@@ -343,8 +320,6 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
     priced over all its prefill chunks at the largest chunk it fits with. The offloaded plan
     is sized (XLA compiles) only if its prefill in one step, the fewest weight copies, is
     predicted faster."""
-    from hx.planner.policies import fit_prefill_chunk
-
     def prefill_s(p: ExecutionPlan) -> float:
         return predict_prefill(p, spec, profile, workload.prefill_rows, workload.prompt_tokens,
                                workload.cache_slots, workload.prefill_micro_batches)

@@ -178,7 +178,7 @@ def solve_counts(spec: ModelSpec, costs: list[PatternCost], ends: list[EndCost],
                  seed: int, tolerance: float, hint: Hint | None = None) -> Solution:
     """Minimise the objective over pattern counts under the budgets of ``devices`` with
     ``act`` bytes of activations reserved where anything runs on the accelerator and
-    ``head_act`` more where HEAD does (``cpsat.head_reserve``); then, with ``tolerance`` > 0, the device switches
+    ``head_act`` more where HEAD does (``memory.head_reserve``); then, with ``tolerance`` > 0, the device switches
     among counts within that fraction of the optimum (best effort: the optimum stands if the
     second solve finds nothing). ``hint``: a solution to start the search from (warm start,
     e.g. the previous context's while re-planning: ``_hint``); the rest of the arguments as

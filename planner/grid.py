@@ -1,7 +1,7 @@
 """Simulated ablation grid: models x hardware x placement policies x budgets x workloads, each
 run priced by ``planner.simulator`` on a hardware preset (docs/architecture.md, "Planner"), at
 scales this machine
-cannot run (``planner.ablate`` measures plans on this machine instead).
+cannot run (``hx.measure.ablate`` measures plans on this machine instead).
 
 A run of a workload (B rows per micro-batch, N micro-batches, P prompt tokens, G new tokens)
 under a plan is its prefill -- one block step per prefill chunk -- then G - 1 decode steps of
@@ -23,15 +23,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from hx.devices import discover
 from hx.errors import HxError
-from hx.memory import MemoryEstimate, estimate
 from hx.models.formats import DENSE
 from hx.models.loader import load_spec
 from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.hardware import hardware_profile, memory_sizing
+from hx.planner.hardware import hardware_profile
 from hx.planner.layouts import Layout, price, split_hardware
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import RunPrediction, predict_run
@@ -89,7 +87,7 @@ class Grid:
 STANDARD = Grid(
     models=("llama2-7b", "llama3-8b", "opt-30b", "llama2-70b"),
     hardware=("t4", "a10g", "h100-80gb"),
-    policies=("cpsat",) + policies.BASELINES,
+    policies=policies.COMPARED,
     budgets=(1.0,),
     scenarios=(Scenario("chat b1 512+128", 1, 512, 128),
                Scenario("batch b16 512+32", 16, 512, 32),
@@ -142,24 +140,6 @@ class GridRow:
 
 
 Outcome = tuple[GridRow, ExecutionPlan | None, RunPrediction | None]  # a row, its plan, run
-
-
-def plan_on(policy: str, spec: ModelSpec, machine: str, profile: HardwareProfile,
-            budget: int, workload: Workload, time_limit_s: float = 2.0
-            ) -> tuple[ExecutionPlan, MemoryEstimate]:
-    """``policy``'s plan for ``spec`` on hardware ``machine`` (a preset or ``local``; its
-    ``profile``) with ``budget`` bytes of accelerator memory and the profile's host memory, and
-    its memory estimate, both sized for that machine (``hardware.memory_sizing``). The plan is
-    simulated, not run: CP-SAT may keep KV caches on disk (``policies.build``'s ``kv_disk``).
-
-    Raises:
-      HxError: no plan of the policy fits (``policies.build``).
-    """
-    devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
-    with memory_sizing(machine):
-        plan = policies.build(policy, spec, devices, workload, profile=profile,
-                              time_limit_s=time_limit_s, kv_disk=True)
-        return plan, estimate(plan, spec, workload)
 
 
 def run_grid(grid: Grid, time_limit_s: float = 2.0,
@@ -237,8 +217,8 @@ def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
                               *formats)
                 try:
                     if (tp, pp) == (1, 1):
-                        plan, need = plan_on(policy, spec, machine, profile, budget,
-                                             scenario.workload(), time_limit_s)
+                        plan, need = policies.plan_on(policy, spec, machine, profile, budget,
+                                                      scenario.workload(), time_limit_s)
                         run = simulate_run(plan, spec, profile, scenario)
                         accelerator, whole = need.accelerator, run
                     else:

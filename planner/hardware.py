@@ -35,6 +35,7 @@ from typing import ContextManager
 from hx.errors import HxError
 from hx.planner.mesh import Interconnect, tensor_parallel
 from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
+from hx.sizing import sizing_for_absent_accelerator
 
 GB, GiB = 10**9, 2**30
 
@@ -321,13 +322,10 @@ LOCAL = "local"  # the profile ``hx profile`` measured on this machine
 
 def memory_sizing(name: str) -> ContextManager[None]:
     """The context to plan for hardware ``name`` in: this process's own compilations for
-    ``local``, ``hx.programs.sizing_for_absent_accelerator`` for a preset (its accelerator is
-    not here, so XLA:CPU's temporaries of half-precision programs are not its). Only sizing
-    compiles: the import is here so that the planner imports no JAX."""
+    ``local``, ``hx.sizing.sizing_for_absent_accelerator`` for a preset (its accelerator is
+    not here, so XLA:CPU's temporaries of half-precision programs are not its)."""
     if name.strip().lower() == LOCAL:
         return nullcontext()
-    from hx.programs import sizing_for_absent_accelerator
-
     return sizing_for_absent_accelerator()
 
 

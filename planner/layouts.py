@@ -38,6 +38,7 @@ from hx.models.tensors import activation_bytes
 from hx.plan import ExecutionPlan, stage_cuts
 from hx.planner.hardware import hardware_profile, machine, memory_sizing
 from hx.planner.mesh import Interconnect, host_share, tensor_parallel
+from hx.planner.policies import plan_on
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import RunPrediction, predict_run
 from hx.workload import Workload
@@ -46,7 +47,7 @@ from hx.workload import Workload
 @dataclass(frozen=True)
 class Layout:
     """``tp``-way tensor parallelism within each of ``pp`` pipeline stages; ``policy`` plans
-    each stage (``policies.POLICIES``)."""
+    each stage (a name of ``policies.POLICIES``)."""
 
     tp: int = 1
     pp: int = 1
@@ -136,8 +137,6 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     Raises:
       HxError: more GPUs than the machine has, or a stage that no plan of the policy fits.
     """
-    from hx.planner.grid import plan_on
-
     several = machine(machine_name)
     gpus = several.gpus if several else 1
     if layout.gpus > gpus:

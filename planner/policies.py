@@ -2,22 +2,28 @@
 ``ExecutionPlan``.
 
 Fixed policies live here; ``baselines`` adds the cost-model-driven ones (min-max,
-flexgen-lp) and ``cpsat`` the planner; ``build`` names them all. EMBED (a row lookup in a
-table as large as the LM head) always stays on the host, as in llama.cpp; copying the whole
-table to the accelerator to gather B rows would never pay.
+flexgen-lp) and ``cpsat`` the planner. ``POLICIES`` is the one table of named policies (the
+CLI's help, the ablations and the profiler read it); ``build`` makes a named policy's plan and
+``plan_on`` one for a named machine. Every plan is sized by ``fitting``, which the solvers
+import too. EMBED (a row lookup in a table as large as the LM head) always stays on the host,
+as in llama.cpp; copying the whole table to the accelerator to gather B rows would never pay.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from hx.devices import ACCELERATOR, HOST, Devices
+from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
-from hx.memory import PROXY, UNSIZED, check_fits, estimate
+from hx.memory import MemoryEstimate, estimate
 from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.plan import DISK, STREAMED, ExecutionPlan, Placement
+from hx.planner.fitting import fit_prefill_chunk, fits
+from hx.planner.hardware import memory_sizing
+from hx.planner.simulator import predict_run
 from hx.workload import MIN_CHUNK, Workload
 
 if TYPE_CHECKING:
@@ -93,51 +99,6 @@ def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
     return layer_split(spec.n_layers, fitting)
 
 
-# Prefill chunk sizes a policy tries, largest first (None: the whole prompt in one step).
-CHUNKS = (None, 512, 128, MIN_CHUNK)
-
-
-def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
-    """Whether ``check_fits`` accepts ``plan`` with proxy-sized temporaries (a plan whose
-    unsized estimate -- XLA temporaries left out, nothing compiled -- already exceeds the
-    accelerator budget is refused without compiling its segments)."""
-    capacity = devices.accelerator.capacity
-    unsized = estimate(plan, spec, workload, sizing=UNSIZED)
-    if capacity is not None and unsized.accelerator > capacity:
-        return False
-    try:
-        check_fits(plan, spec, devices, workload, sizing=PROXY)
-        return True
-    except HxError:
-        return False
-
-
-def fit_prefill_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices,
-                      workload: Workload) -> ExecutionPlan:
-    """``plan`` with the largest prefill chunk of ``CHUNKS`` (fewest prefill steps) under
-    which it fits the budgets, found by bisection (a larger chunk never needs less memory);
-    a chunk the plan already names is kept if it fits.
-
-    Raises:
-      HxError: it does not fit even at ``MIN_CHUNK``: the bytes it needs there and by how many
-        the budget falls short (the minimum feasible budget for this plan).
-    """
-    if plan.prefill_chunk is not None and fits(plan, spec, devices, workload):
-        return plan
-    chunks = [c for c in CHUNKS if c is None or c < workload.prompt_tokens]
-    if fits(plan.with_prefill_chunk(chunks[0]), spec, devices, workload):
-        return plan.with_prefill_chunk(chunks[0])  # the common case: one size, one compile
-    check_fits(plan.with_prefill_chunk(chunks[-1]), spec, devices, workload, sizing=PROXY)  # raises
-    fitting, failing = len(chunks) - 1, 0  # indices into chunks (largest first)
-    while fitting - failing > 1:
-        middle = (fitting + failing) // 2
-        if fits(plan.with_prefill_chunk(chunks[middle]), spec, devices, workload):
-            fitting = middle
-        else:
-            failing = middle
-    return plan.with_prefill_chunk(chunks[fitting])
-
-
 @functools.lru_cache(maxsize=64)
 def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
                 workload: Workload, time_limit_s: float, kv_disk: bool) -> ExecutionPlan:
@@ -149,11 +110,96 @@ def _cpsat_plan(spec: ModelSpec, profile: "HardwareProfile", devices: Devices,
                             kv_disk=kv_disk).plan
 
 
-POLICIES = ("all-accelerator", "all-host", "stream-all", "layer-split", "min-max", "flexgen-lp",
-            "cpsat", "auto")
-NEEDS_PROFILE = ("min-max", "flexgen-lp", "cpsat")  # auto falls back without one
-# the policies CP-SAT is compared with in ablations (hx ablate, the simulated grid)
-BASELINES = ("all-accelerator", "stream-all", "layer-split", "min-max", "flexgen-lp")
+@dataclass(frozen=True)
+class Request:
+    """What ``build`` is asked for: the model's spec, the budgets and the workload, and the
+    options a policy reads (``build``'s arguments)."""
+
+    spec: ModelSpec
+    devices: Devices
+    workload: Workload
+    gpu_layers: int | None = None
+    profile: "HardwareProfile | None" = None
+    time_limit_s: float = 5.0
+    kv_disk: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named policy of ``POLICIES``.
+
+    Attributes:
+      plan: its plan for a ``Request`` (``build`` then fits the prefill chunk).
+      needs_profile: it prices ops with a hardware profile (``hx profile``).
+      baseline: the ablations compare CP-SAT with it (``hx ablate``, the simulated grid).
+    """
+
+    plan: Callable[[Request], ExecutionPlan]
+    needs_profile: bool = False
+    baseline: bool = False
+
+
+def _layer_split(r: Request) -> ExecutionPlan:
+    """``layer_split`` at ``r.gpu_layers``, or the largest that fits when it is None."""
+    if r.gpu_layers is None:
+        return largest_layer_split(r.spec, r.devices, r.workload)
+    return layer_split(r.spec.n_layers, r.gpu_layers)
+
+
+def _baselines():
+    """The module ``baselines``, imported when a policy of it is first asked for: it loads
+    OR-Tools."""
+    from hx.planner import baselines
+
+    return baselines
+
+
+def _cpsat(r: Request) -> ExecutionPlan:
+    """CP-SAT's plan (``_cpsat_plan``)."""
+    return _cpsat_plan(r.spec, r.profile, r.devices, r.workload, r.time_limit_s, r.kv_disk)
+
+
+def _auto(r: Request) -> ExecutionPlan:
+    """``auto`` (``build``'s docstring): all-accelerator where it fits, else the shorter run
+    of CP-SAT's plan and stream-all, or without a profile the largest layer split."""
+    spec, devices, workload = r.spec, r.devices, r.workload
+    n = spec.n_layers
+    if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+        return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
+    if r.profile is None:
+        try:
+            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
+                                     devices, workload)
+        except HxError as e:
+            if "host memory budget" not in str(e):
+                raise
+            raise HxError(f"{e}. Only a CP-SAT plan keeps weights on disk, and it needs a "
+                          "hardware profile with the disk's read rate: run `hx profile` (or "
+                          "pass --profile), then this command again") from e
+    candidates = [fit_prefill_chunk(_cpsat(r), spec, devices, workload)]
+    if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+        candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
+    return min(candidates, key=lambda p: predict_run(p, spec, r.profile, workload).total_s)
+
+
+# Every named policy, in the order the CLI's help lists them (``flexgen:G[:C][:kv-disk]``, a
+# FlexGen setting as published, is parsed by ``build``).
+POLICIES: dict[str, Policy] = {
+    "all-accelerator": Policy(lambda r: all_accelerator(r.spec.n_layers), baseline=True),
+    "all-host": Policy(lambda r: all_host(r.spec.n_layers)),
+    "stream-all": Policy(lambda r: stream_all(r.spec.n_layers), baseline=True),
+    "layer-split": Policy(_layer_split, baseline=True),
+    "min-max": Policy(lambda r: _baselines().min_max(r.spec, r.profile, r.devices, r.workload),
+                      needs_profile=True, baseline=True),
+    "flexgen-lp": Policy(
+        lambda r: _baselines().flexgen_lp(r.spec, r.profile, r.devices, r.workload),
+        needs_profile=True, baseline=True),
+    "cpsat": Policy(_cpsat, needs_profile=True),
+    "auto": Policy(_auto),  # falls back without a profile
+}
+NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
+BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
+COMPARED = ("cpsat", *BASELINES)  # an ablation's policies (hx ablate, the simulated grid)
 
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
@@ -165,45 +211,28 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
     ``flexgen:G[:C][:kv-disk]`` is a FlexGen policy as published: G % of the weights on the
     GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
-    on disk (``baselines.flexgen_published``). ``min-max``,
-    ``flexgen-lp`` and ``cpsat`` price ops with ``profile``; CP-SAT stops at ``time_limit_s``
-    seconds per solve with its best plan, and keeps KV caches off the disk, which the executor
-    refuses, unless ``kv_disk`` (a plan only simulated: ``cpsat.solve``). ``auto`` is all-accelerator when that fits, else the
-    CP-SAT plan or stream-all, whichever ``simulator.predict_run`` predicts the shorter run
-    (without a profile: the largest layer split): CP-SAT sets activations aside before it
-    knows the plan, with the temporaries of SCORE on the accelerator counted, so at large
-    batches it can miss streaming plans that attend on the host and fit when sized exactly
+    on disk (``baselines.flexgen_published``). ``min-max``, ``flexgen-lp`` and ``cpsat`` price
+    ops with ``profile`` (``Policy.needs_profile``); CP-SAT stops at ``time_limit_s`` seconds per
+    solve with its best plan, and keeps KV caches off the disk, which the executor refuses,
+    unless ``kv_disk`` (a plan only simulated: ``cpsat.solve``). ``auto`` is all-accelerator
+    when that fits, else the CP-SAT plan or stream-all, whichever ``simulator.predict_run``
+    predicts the shorter run (without a profile: the largest layer split): CP-SAT sets
+    activations aside before it knows the plan, with the temporaries of SCORE on the
+    accelerator counted, so at large batches it can miss streaming plans that attend on the
+    host and fit when sized exactly
     (Llama-2-7B:8L bf16 at 64 rows under a 0.94 GB budget, this machine's compiler: its plan
     all-host, 261 ms per decode step predicted, stream-all 100 ms).
     Raises:
       HxError: an unknown policy, a policy needing a profile without one, or a plan that does
         not fit (naming the minimum feasible budget for it).
     """
-    from hx.planner import baselines  # OR-Tools loads only when a solver is asked for
-
-    n = spec.n_layers
-    if policy in NEEDS_PROFILE and profile is None:
-        raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
-    planners = {  # run only when asked for
-        "min-max": lambda: baselines.min_max(spec, profile, devices, workload),
-        "flexgen-lp": lambda: baselines.flexgen_lp(spec, profile, devices, workload),
-        "cpsat": lambda: _cpsat_plan(spec, profile, devices, workload, time_limit_s, kv_disk),
-    }
-    if policy == "all-accelerator":
-        plan = all_accelerator(n)
-    elif policy == "all-host":
-        plan = all_host(n)
-    elif policy == "stream-all":
-        plan = stream_all(n)
-    elif policy == "layer-split":
-        plan = (largest_layer_split(spec, devices, workload) if gpu_layers is None
-                else layer_split(n, gpu_layers))
-    elif policy in planners:
-        plan = planners[policy]()
-    elif policy.startswith("flexgen:"):
-        plan = baselines.flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
-    elif policy == "auto":
-        return _auto(spec, devices, workload, profile, planners["cpsat"])
+    request = Request(spec, devices, workload, gpu_layers, profile, time_limit_s, kv_disk)
+    if policy.startswith("flexgen:"):
+        plan = _baselines().flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
+    elif policy in POLICIES:
+        if POLICIES[policy].needs_profile and profile is None:
+            raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
+        plan = POLICIES[policy].plan(request)
     else:
         raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
     try:
@@ -220,6 +249,24 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
                       f"{need.accelerator - capacity}") from e
 
 
+def plan_on(policy: str, spec: ModelSpec, machine: str, profile: "HardwareProfile",
+            budget: int, workload: Workload, time_limit_s: float = 2.0
+            ) -> tuple[ExecutionPlan, MemoryEstimate]:
+    """``policy``'s plan for ``spec`` on hardware ``machine`` (a preset or ``local``; its
+    ``profile``) with ``budget`` bytes of accelerator memory and the profile's host memory, and
+    its memory estimate, both sized for that machine (``hardware.memory_sizing``). The plan is
+    simulated, not run: CP-SAT may keep KV caches on disk (``build``'s ``kv_disk``).
+
+    Raises:
+      HxError: no plan of the policy fits (``build``).
+    """
+    devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
+    with memory_sizing(machine):
+        plan = build(policy, spec, devices, workload, profile=profile,
+                     time_limit_s=time_limit_s, kv_disk=True)
+        return plan, estimate(plan, spec, workload)
+
+
 def _flexgen_shares(policy: str) -> tuple[float, float | None, str]:
     """(GPU share, CPU share or None, KV home) of ``flexgen:GPU[:CPU][:kv-disk]``.
 
@@ -234,30 +281,3 @@ def _flexgen_shares(policy: str) -> tuple[float, float | None, str]:
                       f"percent of weights FlexGen keeps on the GPU (and in CPU memory; "
                       f"the rest on disk), e.g. flexgen:20 or flexgen:0:50:kv-disk")
     return int(shares[0]) / 100, int(shares[1]) / 100 if len(shares) == 2 else None, kv
-
-
-def _auto(spec: ModelSpec, devices: Devices, workload: Workload,
-          profile: "HardwareProfile | None", cpsat) -> ExecutionPlan:
-    """``auto`` (``build``'s docstring): all-accelerator where it fits, else the shorter run
-    of CP-SAT's plan (``cpsat``: the planner to call) and stream-all, or without a profile the
-    largest layer split."""
-    n = spec.n_layers
-    if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
-        return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
-    if profile is None:
-        try:
-            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
-                                     devices, workload)
-        except HxError as e:
-            if "host memory budget" not in str(e):
-                raise
-            raise HxError(f"{e}. Only a CP-SAT plan keeps weights on disk, and it needs a "
-                          "hardware profile with the disk's read rate: run `hx profile` (or "
-                          "pass --profile), then this command again") from e
-    from hx.planner.simulator import predict_run
-
-    candidates = [fit_prefill_chunk(cpsat(), spec, devices, workload)]
-    if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
-        candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
-    return min(candidates, key=lambda p: predict_run(p, spec, profile, workload).total_s)
-

@@ -1,7 +1,7 @@
 """``HardwareProfile``: the measured rates the cost model turns FLOPs and bytes into seconds.
 
 A profile is plain data with a JSON round trip. ``hx profile`` measures one on the devices present
-(``planner/profiler.py``); named presets for real GPUs and hosts belong to the simulator.
+(``hx/measure/profiler.py``); named presets for real GPUs and hosts belong to the simulator.
 """
 
 from __future__ import annotations

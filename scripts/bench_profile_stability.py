@@ -43,8 +43,8 @@ from rich.table import Table
 
 from hx.cli.console import print_table
 from hx.devices import discover
-from hx.planner import links, rates, timing
-from hx.planner.timing import FULL
+from hx.measure import links, rates, timing
+from hx.measure.timing import FULL
 
 PAUSE_S = 2.0  # between attempts: lets a burst of other load pass
 

@@ -6,7 +6,7 @@ Takes about 20 s per run on the 2-core development VM (18 s for ``--runs 1``: a 
 process and the quick profile), about a minute with the default three runs.
 
 A command that needs a profile and finds none saved measures a quick one
-(``planner.profiler.quick``) before it starts; this times that measurement ``--runs`` times,
+(``hx.measure.profiler.quick``) before it starts; this times that measurement ``--runs`` times,
 each in a fresh Python process (as a user's first command meets it: nothing compiled yet) on
 the devices ``hx.discover`` finds, and prints each run's seconds, their median and its ratio to
 the 20 s target. Run it alone: a concurrent test suite or benchmark
@@ -34,7 +34,7 @@ configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
 
 import hx  # noqa: E402
 from hx.devices import discover
-from hx.planner import profiler
+from hx.measure import profiler
 devices = discover()
 start = time.perf_counter()
 profile = profiler.quick(devices)

@@ -56,10 +56,10 @@ configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
 import hx  # noqa: E402
 from hx.cli.console import print_table
 from hx.devices import ACCELERATOR, HOST
+from hx.measure import profiler
+from hx.measure.calibrate import dispatch_plans, observe_interleaved
+from hx.measure.timing import stable_seconds
 from hx.models.spec import PRESETS, ModelSpec
-from hx.planner import profiler
-from hx.planner.calibrate import dispatch_plans, observe_interleaved
-from hx.planner.timing import stable_seconds
 from hx.segments import split_segments
 
 

@@ -52,10 +52,10 @@ from hx.cli.console import print_table
 from hx.continuous import JOIN_CHUNK, ContinuousBatcher, run_slots
 from hx.devices import discover
 from hx.generate import Engine
+from hx.measure.profiler import load_or_measure
 from hx.memory import held_weight_bytes
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.profiler import load_or_measure
 from hx.planner.throughput import choose_block
 from hx.sampling import SamplingParams
 from hx.workload import Workload, new_tokens

@@ -85,9 +85,10 @@ from hx.models.formats import DENSE, Format, get_format
 from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype, preset
 from hx.models.tensors import kv_arrays, kv_bytes, kv_format
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS
-from hx.planner.grid import Scenario, plan_on, simulate_run
+from hx.planner.grid import Scenario, simulate_run
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner.patterns import Pattern, layer_plan
+from hx.planner.policies import plan_on
 from hx.planner.simulator import Task, op_seconds, run_tasks
 from hx.schedule import D2H, DISK_READ, H2D, SYNC
 from hx.workload import MIN_CHUNK

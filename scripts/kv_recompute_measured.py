@@ -13,9 +13,9 @@ greedy tokens agree. About 1 minute at two Llama-2-7B layers (2.7 GB of float32 
 
 Part 2 (acceptance C): ``--model`` decodes under ``policies.kv_streamed`` (weights resident,
 every cache streamed) at each r of ``--rs`` (and, as "acc", with every cache on the
-accelerator instead) and each block of ``--micro`` micro-batches of
-``--batch`` rows after ``--context`` positions (``hx.bench.time_block_decode``: interleaved
-rounds, median of their medians), against ``simulator.predict`` on the saved (or given)
+accelerator instead) and each block of ``--micro`` micro-batches of ``--batch`` rows after
+``--context`` positions (``hx.measure.bench.time_block_decode``: interleaved rounds, median of
+their medians), against ``simulator.predict`` on the saved (or given)
 hardware profile; ``recompute.choose_recompute`` says which r the planner takes. On this VM the
 link is a memory copy and recompute is not expected to pay: the planner should say r = 0.
 """
@@ -31,17 +31,17 @@ import jax
 import numpy as np
 from rich.table import Table
 
-from hx.bench import DecodeProbe, time_block_decode
 from hx.cli.console import print_table
 from hx.devices import discover
 from hx.executor import Executor
+from hx.measure.bench import DecodeProbe, time_block_decode
 from hx.models.llama import Step
 from hx.models.loader import load
+from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import load_default
 from hx.planner.recompute import choose_recompute
 from hx.planner.simulator import predict
-from hx.plan import ExecutionPlan
 
 TOLERANCE = 0.15
 PROMPT, DECODE, PAD = 64, 8, 3
@@ -91,7 +91,7 @@ def sweep(model_name: str, profile, batch: int, context: int, micros: list[int],
     block."""
     model = load(model_name, "float32", "auto")
     spec = model.spec
-    slots = context + steps + 8  # hx.bench's warm-up steps fit below this
+    slots = context + steps + 8  # hx.measure.bench's warm-up steps fit below this
     devices = discover()
     rows, chosen = [], {}
     for micro in micros:

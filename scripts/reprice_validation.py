@@ -22,11 +22,11 @@ import json
 import sys
 
 from hx.cli.console import print_table
+from hx.measure.calibrate import predicted_decode
 from hx.models.formats import FORMATS
 from hx.models.loader import load_spec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.calibrate import predicted_decode
 from hx.planner.profile import HardwareProfile
 from rich.table import Table
 

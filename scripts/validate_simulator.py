@@ -11,13 +11,12 @@ then this took 7 min 43 s together on 2026-11-24); an 8-layer Llama-2-7B shape t
 
 A model (default SmolLM2-135M; ``llama2-7b:8L`` and other specs run by shape with random
 weights) on whatever accelerator ``hx.discover`` finds (this VM: the emulated one), priced
-with the saved (or given) hardware profile. Part 1 is ``planner.ablate``: every
+with the saved (or given) hardware profile. Part 1 is ``hx.measure.ablate``: every
 policy's plan at each budget (a fraction of the weights' bytes) and batch, the simulator's
 prediction against the median measured step (interleaved rounds). Part 2 times
 ``Executor.run_block`` decode steps of N micro-batches of B rows over zero-filled caches
-(``hx.bench.time_block_decode``: the work of a decode step does not depend on what the cache
-holds) against
-``simulator.predict(..., micro_batches=N)``. A row is within tolerance when predicted /
+(``hx.measure.bench.time_block_decode``: the work of a decode step does not depend on what the
+cache holds) against ``simulator.predict(..., micro_batches=N)``. A row is within tolerance when predicted /
 measured is within 1 +- 0.15.
 """
 
@@ -29,17 +28,17 @@ import statistics
 import sys
 
 from hx.cli.console import print_table
+from hx.measure.ablate import ablate
+from hx.measure.calibrate import probe_slots
 from hx.models.loader import load, resolve_dtype
 from hx.planner import policies
-from hx.planner.ablate import ablate
-from hx.planner.calibrate import probe_slots
 from hx.planner.profile import load_default
 from hx.planner.simulator import predict
 from rich.table import Table
 
-from hx.bench import DecodeProbe, time_block_decode
 from hx.devices import discover
 from hx.executor import Executor
+from hx.measure.bench import DecodeProbe, time_block_decode
 from hx.workload import Workload
 
 TOLERANCE = 0.15

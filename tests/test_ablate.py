@@ -2,10 +2,10 @@
 not fit (tiny model, a GPU-like profile for the predictions)."""
 
 from conftest import TINY
-from hx.planner.ablate import ablate
-from hx.planner.policies import BASELINES
-from hx.planner.calibrate import predicted_decode
+from hx.measure.ablate import ablate
+from hx.measure.calibrate import predicted_decode
 from hx.planner import policies
+from hx.planner.policies import BASELINES
 from profiles import gpu_like
 
 
@@ -14,7 +14,7 @@ def test_ablation_rows(tiny_model, monkeypatch):
     pool holds one run's budget, not one per policy."""
     import weakref
 
-    from hx.planner import ablate as module
+    from hx.measure import ablate as module
 
     live, most = weakref.WeakSet(), []
 

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
+from hx.measure.calibrate import (BLOCK, SCALE_BATCHES, block_plan, calibration_plans, fit,
+                                  predicted_decode)
 from hx.models.spec import PRESETS
 from hx.planner import policies
-from hx.planner.calibrate import (BLOCK, SCALE_BATCHES, block_plan, calibration_plans, fit,
-                                  predicted_decode)
 from plans import alternating, kv_host_odd
 from profiles import gpu_like
 

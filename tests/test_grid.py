@@ -12,7 +12,7 @@ import pytest
 from hx.devices import discover
 from hx.models.spec import preset
 from hx.planner.cpsat import plan_with_reserve
-from hx.planner.grid import Grid, Scenario, plan_on, run_grid, simulate_run
+from hx.planner.grid import Grid, Scenario, run_grid, simulate_run
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner import policies
 from hx.workload import MIN_CHUNK
@@ -73,8 +73,8 @@ def test_cpsat_prices_the_whole_run():
         plans = {"whole-run": plan_with_reserve(spec, profile, devices, work, 128, 5.0,
                                                 0, None, whole_run=True).plan}
     for policy in ("flexgen-lp", "stream-all"):
-        plans[policy], _ = plan_on(policy, spec, "t4", profile, profile.accelerator_memory,
-                                   work)
+        plans[policy], _ = policies.plan_on(policy, spec, "t4", profile,
+                                            profile.accelerator_memory, work)
     rates = {name: simulate_run(plan, spec, profile, SCENARIO).tokens_per_s
              for name, plan in plans.items()}
     assert rates["whole-run"] >= max(rates.values()), rates
@@ -163,7 +163,8 @@ def test_formats_are_axes_of_the_grid():
     work, profile = SCENARIO.workload(), hardware_profile("h100-80gb")
     for r in rows:
         spec = load_spec("llama2-7b:2L", "float16", r.weights, r.kv)
-        _, need = plan_on("all-accelerator", spec, "h100-80gb", profile, r.budget_bytes, work)
+        _, need = policies.plan_on("all-accelerator", spec, "h100-80gb", profile, r.budget_bytes,
+                                   work)
         assert need.accelerator == r.accelerator_bytes
         assert need.weights == spec.weight_bytes
         assert need.kv == spec.n_layers * kv_bytes(spec, work.rows, work.cache_slots)

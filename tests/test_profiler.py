@@ -10,9 +10,9 @@ import os
 import pytest
 
 from conftest import TINY
-from hx.planner import profiler, timing
-from hx.planner.calibrate import SCALE_BATCHES, refine
-from hx.planner.links import fit_line
+from hx.measure import profiler, timing
+from hx.measure.calibrate import SCALE_BATCHES, refine
+from hx.measure.links import fit_line
 from hx.planner.profile import HardwareProfile, load_default
 
 
@@ -69,7 +69,7 @@ def test_disk_read_probe_leaves_nothing_behind_and_a_missing_disk_is_no_tier(tmp
     """The cold read probe reads a file it writes in the directory given, which it leaves as it
     found it (the file has no name); where no file can be written there is no disk tier (rate 0),
     said in a line, and planning goes on without one."""
-    from hx.planner.rates import measure_disk_read
+    from hx.measure.rates import measure_disk_read
 
     assert measure_disk_read(str(tmp_path), 8 * timing.MiB, timing.QUICK) > 0
     assert os.listdir(tmp_path) == []

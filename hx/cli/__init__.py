@@ -7,14 +7,16 @@ plan compiles segments it may never run, and XLA:GPU logs an error-level line fo
 (an H100 printed one when a Llama-2-70B segment's arguments exceeded its scheduler's memory
 limit); failures that matter raise, and hx reports them.
 
-Importing the package loads nothing and sets nothing: ``main`` registers the commands, so a
-script can use ``hx.cli.console`` alone.
+Importing the package loads nothing but ``mesh`` (plain Python) and sets nothing: ``main``
+registers the commands, so a script can use ``hx.cli.console`` alone.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from hx.cli.mesh import mesh_shape
 
 
 def main() -> None:
@@ -60,21 +62,6 @@ def _accelerators(argv: list[str]) -> int:
                 distributed = any(a.split("=")[0] == "--coordinator" for a in argv)
                 return tp if distributed else tp * pp  # several processes: a stage each
     return 1
-
-
-def mesh_shape(text: str) -> tuple[int, int]:
-    """(tp, pp) of a mesh written ``tp=A,pp=B`` (either may be left out: 1).
-
-    Raises:
-      ValueError: another form, or a size below 1.
-    """
-    sizes = {"tp": 1, "pp": 1}
-    for part in text.split(","):
-        axis, _, size = part.strip().partition("=")
-        if axis not in sizes or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"mesh {text!r}: write tp=A,pp=B (sizes from 1), e.g. tp=2,pp=2")
-        sizes[axis] = int(size)
-    return sizes["tp"], sizes["pp"]
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def bench(
 ) -> None:
     """Decode tokens/s per plan and batch, the executor's overhead vs one whole-model jit, and
     the copy/compute overlap fraction."""
-    from hx.bench import bench_decode, bench_workload, rows_to_json
+    from hx.measure.bench import bench_decode, bench_workload, rows_to_json
     from hx.memory import check_fits
 
     devices = discover(accelerator_memory)

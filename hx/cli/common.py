@@ -14,6 +14,7 @@ from hx.errors import HxError
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
+from hx.planner.fitting import fit_prefill_chunk
 from hx.planner.profile import HardwareProfile
 from hx.workload import Workload
 
@@ -76,7 +77,7 @@ def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_fil
     (default ``auto``: all-accelerator when it fits the budget, else the CP-SAT plan -- or,
     without a hardware profile, the largest layer split that fits). A ``--plan`` file that
     names no prefill chunk, and a ``--host-ops`` plan, get the largest chunk under which they
-    fit (``policies.fit_prefill_chunk``), as policies' plans do.
+    fit (``fitting.fit_prefill_chunk``), as policies' plans do.
 
     Raises:
       HxError: more than one of the three given, a bad plan/policy, or a plan that does not
@@ -93,7 +94,7 @@ def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_fil
         return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile)
     if plan.prefill_chunk is not None:
         return plan  # as the file says; check_fits judges it
-    return policies.fit_prefill_chunk(plan, spec, devices, workload)
+    return fit_prefill_chunk(plan, spec, devices, workload)
 
 
 def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workload,

@@ -233,7 +233,7 @@ def _mesh(mesh: Optional[str], accelerators: int) -> tuple[int, int]:
     Raises:
       HxError: both given, or a mesh that does not parse.
     """
-    from hx.cli import mesh_shape
+    from hx.cli.mesh import mesh_shape
 
     if mesh is None:
         return accelerators, 1
@@ -277,7 +277,7 @@ def _load(options: RunOptions):
 def _hardware(options: RunOptions, devices):
     """The hardware profile a run plans with: choosing a block compares predicted tokens/s,
     which always needs one; otherwise as the policy needs (``profiler.for_policy``)."""
-    from hx.planner.profiler import for_policy, load_or_measure
+    from hx.measure.profiler import for_policy, load_or_measure
 
     path = str(options.profile) if options.profile else None
     if options.block is not None and options.block[0] is None:
@@ -321,7 +321,8 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
 
 def _generate_one(prompt: str, options: RunOptions) -> None:
     """``hx generate --prompt``: the completion on stdout, its figures on stderr."""
-    from hx.generate import check_prompts, encode_prompt
+    from hx.generate import encode_prompt
+    from hx.prefill import check_prompts
 
     devices, loaded = _load(options)
     spec, sampling = loaded.spec, options.sampling

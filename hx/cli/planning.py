@@ -44,7 +44,7 @@ def profile_for(path: Optional[Path], devices: Devices, policy: Optional[str] = 
     needed (``policy`` prices ops with one, or no policy is named), a quick one
     (``profiler.load_or_measure``: measured now in <= 20 s or earlier, kept apart from the
     default; one line on stderr says so)."""
-    from hx.planner.profiler import for_policy, load_or_measure
+    from hx.measure.profiler import for_policy, load_or_measure
 
     where = str(path) if path else None
     if policy is None:
@@ -62,8 +62,8 @@ def profile_command(
 ) -> None:
     """Measure the accelerator, host and link rates (and fit them to a model): about 3.5
     minutes on a 2-core VM; a line on stderr as each stage starts."""
-    from hx.planner.calibrate import refine as refine_profile
-    from hx.planner.profiler import excursion_line, measure
+    from hx.measure.calibrate import refine as refine_profile
+    from hx.measure.profiler import excursion_line, measure
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
@@ -238,8 +238,8 @@ def ablate_command(
     budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "
                                                     "model's weight bytes."),
     batches: str = typer.Option("1,16", help="Batch sizes."),
-    policy_names: str = typer.Option("cpsat,all-accelerator,stream-all,layer-split,min-max,"
-                                     "flexgen-lp", "--policies", help="Policies to compare."),
+    policy_names: str = typer.Option(",".join(policies.COMPARED), "--policies",
+                                     help="Policies to compare."),
     runs: int = typer.Option(3, help="Measurement rounds (median reported)."),
     steps: int = typer.Option(12, help="Decode steps per measurement (median)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON."),
@@ -286,8 +286,8 @@ def measure_policies(loaded, profile: Optional[Path], fractions: tuple[float, ..
                      steps: int, json_out: Optional[Path]) -> None:
     """``hx ablate`` on this machine: each policy's plan of the ``loaded`` model at budgets
     ``fractions`` of its weight bytes and ``batches``, predicted vs measured decode step
-    (``planner.ablate``); prints the table and writes ``json_out``."""
-    from hx.planner.ablate import ablate, rows_to_json
+    (``hx.measure.ablate``); prints the table and writes ``json_out``."""
+    from hx.measure.ablate import ablate, rows_to_json
 
     hardware = load_default(str(profile) if profile else None)
     if hardware is None:  # started at the largest budget, as ``ablate`` would (XLA's GPU pool)

@@ -17,7 +17,7 @@ from hx.devices import format_bytes
 from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import policies
-from hx.planner.grid import (MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, plan_on, point,
+from hx.planner.grid import (MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import LOCAL, hardware_profile, tensor_parallel_profile
 from hx.planner.profile import HardwareProfile
@@ -88,8 +88,9 @@ def simulate_command(
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
     (scenario,) = parse_scenarios(workload)
     budget_bytes = int(budget * hw.accelerator_memory)
-    plan, need = plan_on(policy, spec, LOCAL if profile is not None else hardware or LOCAL, hw,
-                         budget_bytes, scenario.workload(), time_limit)
+    machine = LOCAL if profile is not None else hardware or LOCAL
+    plan, need = policies.plan_on(policy, spec, machine, hw, budget_bytes, scenario.workload(),
+                                  time_limit)
     run = simulate_run(plan, spec, hw, scenario)
     table = Table(title=f"{spec.name} on {hw.name} (simulated), {scenario.name}")
     table.add_column("quantity")

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
-from hx.planner.timing import FULL, MiB, Effort
+from hx.measure.timing import FULL, MiB, Effort
 
 # Largest array of a timed copy: a weight matrix of a small or mid-size model. On XLA:CPU larger
 # buffers come from fresh mmaps now and then (glibc caps its mmap threshold at 32 MiB): a 64 MiB

@@ -18,12 +18,12 @@ import numpy as np
 
 from hx.devices import HOST, Devices
 from hx.executor import Executor, held_params
-from hx.generate import run_prefill
-from hx.workload import CACHE_BUCKET, Workload, round_up
 from hx.models.llama import Step, forward
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
+from hx.prefill import run_prefill
 from hx.timeline import Timeline, median_overlap
+from hx.workload import CACHE_BUCKET, Workload, round_up
 
 
 @dataclass

@@ -23,15 +23,15 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from hx.bench import DecodeProbe, time_decode
 from hx.devices import discover
 from hx.errors import HxError
 from hx.executor import Executor
+from hx.measure.bench import DecodeProbe, time_decode
+from hx.measure.calibrate import predicted_decode, probe_slots
 from hx.memory import estimate
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.calibrate import predicted_decode, probe_slots
 from hx.planner.profile import HardwareProfile
 from hx.workload import Workload
 
@@ -63,7 +63,7 @@ def same_placement(a: ExecutionPlan, b: ExecutionPlan) -> bool:
 
 def ablate(spec: ModelSpec, params: dict[str, Any], profile: HardwareProfile,
            fractions: tuple[float, ...], batches: tuple[int, ...],
-           policy_names: tuple[str, ...] = ("cpsat",) + policies.BASELINES, runs: int = 3,
+           policy_names: tuple[str, ...] = policies.COMPARED, runs: int = 3,
            steps: int = 12, context: int = 128,
            log: Callable[[str], None] = lambda m: None) -> list[AblationRow]:
     """Rows for every (fraction of weight bytes as accelerator budget, batch, policy)."""

@@ -36,18 +36,19 @@ import numpy as np
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import host_attention
-from hx.models.llama import attention, init_params
-from hx.models.spec import EMBED, HEAD, ModelSpec
-from hx.planner.calibrate import dispatch_plans, observe_interleaved, predicted_decode
-from hx.planner.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measure_h2d,
+from hx.measure.calibrate import dispatch_plans, observe_interleaved, predicted_decode
+from hx.measure.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measure_h2d,
                               measure_round_trip, measure_small_transfers,
                               measure_staging_latency)
-from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
-from hx.planner.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
+from hx.measure.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
                               measure_compute_contention, measure_contention, measure_dequantize,
                               measure_disk_read, measure_int4_matmul, measure_matmul,
                               measure_memory_bandwidth)
-from hx.planner.timing import FULL, QUICK, MiB, Effort
+from hx.measure.timing import FULL, QUICK, MiB, Effort
+from hx.models.llama import attention, init_params
+from hx.models.spec import EMBED, HEAD, ModelSpec
+from hx.planner.policies import NEEDS_PROFILE
+from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
 
 TINY = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
                  head_dim=16, d_ff=32, vocab_size=64, context_length=64)
@@ -232,8 +233,6 @@ def for_policy(policy: str | None, path: str | None, devices: Devices,
     Raises:
       HxError: ``path`` given but missing or malformed.
     """
-    from hx.planner.policies import NEEDS_PROFILE
-
     if policy in NEEDS_PROFILE:
         return load_or_measure(path, devices, log)
     return load_default(path)

@@ -35,9 +35,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from hx.bench import DecodeProbe, time_block_decode, time_decode
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.executor import Executor
+from hx.measure.bench import DecodeProbe, time_block_decode, time_decode
 from hx.models.spec import SCORE, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies

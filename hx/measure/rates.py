@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.devices import ACCELERATOR, HOST, Devices
+from hx.measure.links import host_chunks, memories, room
+from hx.measure.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
 from hx.models.formats import FORMATS
 from hx.models.llama import Step
-from hx.planner.links import host_chunks, memories, room
 from hx.planner.profile import ATTENTION_PROBE
-from hx.planner.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
 
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N
 COLUMN_STEP = 1024  # P is a multiple of this

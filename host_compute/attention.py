@@ -35,7 +35,7 @@ import numpy as np
 
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.formats import Format, dequantize_into
-from hx.models.llama import Cache, Step
+from hx.models.layers import Cache, Step, visible
 from hx.models.tensors import kv_key
 
 SLOT_CHUNK = 256  # cache slots widened to float32 and multiplied at a time
@@ -139,7 +139,8 @@ def host_view(array: jax.Array) -> np.ndarray:
     return view
 
 
-def host_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None) -> Any:
+def host_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
+                   window: int | None = None) -> Any:
     """Host SCORE as a host segment runs it at these shapes: XLA's blocked kernel below
     ``NUMPY_MIN_BYTES`` of cache, ``cache_attention`` from there (the profiler times this).
 
@@ -150,29 +151,30 @@ def host_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = 
     E = q.shape[-1]
     held = sum(a.nbytes for a in cache.values())
     if attends_in_numpy(B, S, K, E, held / (2 * B * S * K * E)):
-        return cache_attention(q, cache, step, fmt)
-    return _BLOCKED(q, cache, step, fmt)
+        return cache_attention(q, cache, step, fmt, window)
+    return _BLOCKED(q, cache, step, fmt, window)
 
 
-def cache_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None
-                    ) -> np.ndarray:
+def cache_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
+                    window: int | None = None) -> np.ndarray:
     """``prefix_attention`` of XLA host arrays, read in place (``host_view``): how a host
     segment attends (``hx.programs.SplitHostProgram``) and the profiler times it.
 
     Args:
       q: (B, T, H, E) queries; cache: {"k", "v"} (B, S, K, E), the new tokens written,
         compressed in ``fmt`` when given (``models.tensors.kv_arrays``); step:
-        ``write_index`` and ``kv_start`` -- all on the host CPU device, held by the caller.
+        ``write_index`` and ``kv_start`` -- all on the host CPU device, held by the caller;
+        window: the sliding window (``models.layers.attention``), None for none.
     Returns:
       o: (B, T, H, E) float32 numpy.
     """
     k, v = cache_arrays({key: host_view(a) for key, a in cache.items()}, fmt)
     return prefix_attention(host_view(q), k, v, int(step.write_index),
-                            host_view(step.kv_start))
+                            host_view(step.kv_start), window)
 
 
 def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: int,
-                     kv_start: np.ndarray) -> np.ndarray:
+                     kv_start: np.ndarray, window: int | None = None) -> np.ndarray:
     """Causal grouped-query attention of new queries over the used prefix of a KV cache.
 
     o = softmax(q k^T / sqrt(E) + mask) v (Vaswani et al. 2017, eq. 1), in float32 with the
@@ -188,8 +190,10 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
         a task's rows.
       write_index: slot of the first new token.
       kv_start: (B,) each row's first valid slot (left padding before it).
+      window: a query sees only the last ``window`` slots, its own included (sliding-window
+        attention); slots no query of the step sees are not read. None: no window.
     Returns:
-      o: (B, T, H, E) float32, equal to ``models.llama.attention`` for every query that has a
+      o: (B, T, H, E) float32, equal to ``models.layers.attention`` for every query that has a
       valid key; a query with none (a padding query) gets zeros.
     """
     B, T, H, E = q.shape
@@ -210,7 +214,7 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     def run(cut):
         b0, b1, k0, k1 = cut
         _attend(qs[b0:b1], k[b0:b1], v[b0:b1], int(write_index), starts[b0:b1], k0, k1,
-                o[b0:b1])
+                o[b0:b1], window)
 
     if len(cuts) == 1:
         run(cuts[0])
@@ -219,17 +223,18 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     return o
 
 
-def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
+def _attend(q, k, v, write_index, starts, k0, k1, out, window=None) -> None:
     """Attention of rows q (R, T, H, E) float32 (pre-scaled) over k, v (R, S, K, E) for KV
     heads ``k0:k1``, written into out (R, T, H, E), row by row: each reads its slots from
-    its own start, each query's future masked."""
+    its own start (or the first slot the ``window`` lets the step's first query see), each
+    query's future (and, with a window, what lies before it) masked."""
     R, T, H, E = q.shape
     G = H // k.shape[2]
     heads = k1 - k0
     end = write_index + T
     widen = _widener(k, min(SLOT_CHUNK, end), heads, E)
     for r in range(R):
-        lo = int(starts[r])
+        lo = int(starts[r]) if window is None else max(int(starts[r]), write_index - window + 1)
         n = end - lo
         if n <= 0:
             continue
@@ -244,9 +249,11 @@ def _attend(q, k, v, write_index, starts, k0, k1, out) -> None:
                 c1 = min(n, c0 + SLOT_CHUNK)
                 keys = widen(k[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
                 s[..., c0:c1] = np.matmul(qb, keys.transpose(1, 2, 0))
-            if write_index + t0 < end - 1:  # causal: query t sees slots up to its own
-                future = np.arange(lo, end)[None, :] > write_index + np.arange(t0, t1)[:, None]
-                np.copyto(s.reshape(heads, G, tq, n), -np.inf, where=future)
+            old = window is not None and lo <= write_index + t1 - 1 - window
+            if write_index + t0 < end - 1 or old:  # causal: query t sees slots up to its own
+                slots = np.arange(lo, end)[None, :]
+                hidden = ~visible(slots, write_index + np.arange(t0, t1)[:, None], lo, window)
+                np.copyto(s.reshape(heads, G, tq, n), -np.inf, where=hidden)
             m = s.max(axis=-1, keepdims=True)
             m[~np.isfinite(m)] = 0.0  # a query with no valid key: every score -inf, weight 0
             np.subtract(s, m, out=s)

@@ -149,7 +149,7 @@ def dequantize(packed: jax.Array, sz: jax.Array, group: int, dtype,
     """The (N, K) matrix ``pack``'s (``packed``, ``sz``) hold, in ``dtype``: (code - 8) *
     scale + zero in float32, rounded once; for products of more rows than the kernel serves
     well (``KERNEL_ROWS``) and on the accelerator, made inside the program and multiplied by
-    XLA. ``after``: an activation it waits for, as ``models.llama.dequantize``'s; the codes
+    XLA. ``after``: an activation it waits for, as ``models.layers.dequantize``'s; the codes
     wait for it too (with only the scales waiting, XLA unpacked every matrix of a segment
     first: a 30-layer SmolLM2 segment's temporaries doubled, 9.1 to 18.4 MB)."""
     n, half = packed.shape

@@ -1,6 +1,6 @@
 """SCORE on the host inside XLA, for small KV caches: attention over the used prefix.
 
-The generic ``models.llama.attention`` scores every cache slot and masks the unused ones, so its
+The generic ``models.layers.attention`` scores every cache slot and masks the unused ones, so its
 cost grows with the cache length S. This kernel walks the cache in blocks up to the last
 written slot with an online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation
 for softmax"; the FlashAttention recurrence), so a decode step reads ``write_index + 1`` slots
@@ -18,23 +18,24 @@ import jax
 import jax.numpy as jnp
 
 from hx.models.formats import Format
-from hx.models.llama import Cache, Step, read_kv
+from hx.models.layers import Cache, Step, read_kv, visible
 
 BLOCK = 64  # cache slots per iteration (reduced to a divisor of S when needed)
 
 
-def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None
-                      ) -> jax.Array:
+def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
+                      window: int | None = None) -> jax.Array:
     """Causal grouped-query attention of new queries over the used prefix of the cache.
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
       cache: {"k", "v"}: (B, S, K, E), the new tokens already appended; compressed in
         ``fmt`` when given (``models.tensors.kv_arrays``), each block decompressed as it is
-        read (``models.llama.read_kv``), so only the compressed bytes are read.
+        read (``models.layers.read_kv``), so only the compressed bytes are read.
       step: ``write_index`` bounds the blocks visited; ``kv_start`` masks left padding.
+      window: the sliding window (``models.layers.attention``), None for none.
     Returns:
-      o: (B, T, H, E), equal to ``models.llama.attention`` for every query that has a valid
+      o: (B, T, H, E), equal to ``models.layers.attention`` for every query that has a valid
       key; a padding query (no valid key) gets zeros.
     """
     B, T, H, E = q.shape
@@ -53,8 +54,8 @@ def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None
         vb = read_kv(cache, "v", fmt, start, block)
         s = jnp.einsum("btkge,bske->bkgts", qg, kb)  # (B,K,G,T,block)
         slot = start + jnp.arange(block)
-        valid = ((slot[None, None, :] >= step.kv_start[:, None, None])
-                 & (slot[None, None, :] <= query_slot[None, :, None]))[:, None, None]  # B,1,1,T,b
+        valid = visible(slot[None, None, :], query_slot[None, :, None],
+                        step.kv_start[:, None, None], window)[:, None, None]  # B,1,1,T,b
         s = jnp.where(valid, s, floor)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None]) * valid
@@ -64,6 +65,7 @@ def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None
         return m_new, denom, acc
 
     init = (jnp.full((B, K, G, T), floor), jnp.zeros((B, K, G, T)), jnp.zeros((B, K, G, T, E)))
-    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    first = 0 if window is None else jnp.maximum(step.write_index - window + 1, 0) // block
+    _, denom, acc = jax.lax.fori_loop(first, n_blocks, body, init)
     o = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     return jnp.einsum("bkgte->btkge", o).reshape(B, T, H, E).astype(q.dtype)

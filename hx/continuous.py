@@ -35,7 +35,7 @@ import numpy as np
 from hx.devices import ACCELERATOR, release_free_heap
 from hx.errors import HxError
 from hx.memory import reframe_bytes
-from hx.models.llama import Cache, Step
+from hx.models.layers import Cache, Step
 from hx.models.spec import ModelSpec
 from hx.prefill import check_prompts, left_pad, prefill_in_chunks
 from hx.sampling import SamplingParams, sample

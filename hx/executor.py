@@ -61,7 +61,7 @@ from hx.errors import HxError
 from hx.host_compute import stream
 from hx.memory import UNSIZED, Accountant, MemoryEstimate, check_fits
 from hx.models.formats import DENSE
-from hx.models.llama import Cache, Step
+from hx.models.layers import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models import sharding
 from hx.models.tensors import held_weights, kv_arrays, layer_key, weight_dtype

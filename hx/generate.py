@@ -22,7 +22,7 @@ from hx.continuous import BlockRunner
 from hx.devices import ACCELERATOR, HOST, Devices, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
-from hx.models.llama import Cache
+from hx.models.layers import Cache
 from hx.models.loader import Model
 from hx.models.tokenizer import Tokenizer
 from hx.pipeline import Pipeline

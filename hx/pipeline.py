@@ -30,7 +30,7 @@ from hx.errors import HxError
 from hx.distributed import Broadcast, is_local
 from hx.executor import Executor, per_accelerator
 from hx.memory import Accountant, MemoryEstimate, check_fits
-from hx.models.llama import Cache, Step
+from hx.models.layers import Cache, Step
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.models.tensors import activation_shape, layer_key
 from hx.plan import ExecutionPlan, stage_cuts

@@ -11,7 +11,7 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.executor import Executor
-from hx.models.llama import Step
+from hx.models.layers import Step
 from hx.models.spec import ModelSpec
 from hx.workload import prefill_chunks
 

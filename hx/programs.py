@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute.xla_attention import blocked_attention
-from hx.models.llama import Step, append_kv, apply_op
+from hx.models.layers import Step, append_kv
+from hx.models.decoder import apply_op
 from hx.models.sharding import TP_AXIS, activation_partition, cache_partition, partition
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, kv_bytes,
@@ -121,11 +122,13 @@ class SplitHostProgram:
         takes it as it is).
       kv_fmt: the KV cache's format (``models.tensors.kv_format``; None: dense); the numpy
         kernel decompresses the compressed cache block by block as it reads it.
+      window: the sliding window (``ModelSpec.sliding_window``) the numpy attention applies.
     """
 
     def __init__(self, pieces: list[tuple[Any, tuple[str, ...], int, int]],
-                 writes: tuple[str, ...], dtype, kv_fmt=None):
+                 writes: tuple[str, ...], dtype, kv_fmt=None, window: int | None = None):
         self.pieces, self.writes, self.dtype, self.kv_fmt = pieces, writes, dtype, kv_fmt
+        self.window = window
 
     def __call__(self, params: tuple, acts: dict, caches: tuple, step: Step
                  ) -> tuple[dict, tuple]:
@@ -139,7 +142,7 @@ class SplitHostProgram:
             if attends:
                 cache = caches[slot] = new[0]
                 slot += 1
-                o = cache_attention(out["q"], cache, step, self.kv_fmt)
+                o = cache_attention(out["q"], cache, step, self.kv_fmt, self.window)
                 acts["o"] = o.astype(self.dtype)  # numpy: the next piece takes it as is
         return {name: acts[name] for name in self.writes}, tuple(caches)
 
@@ -232,7 +235,8 @@ class Programs:
         if self.mesh is None:
             return SingleDeviceSharding(self.devices.accelerator.device,
                                         memory_kind=memory_kind)
-        return NamedSharding(self.mesh, PartitionSpec(*partition(path, shape, self.tp)),
+        return NamedSharding(self.mesh,
+                             PartitionSpec(*partition(self.spec, path, shape, self.tp)),
                              memory_kind=memory_kind)
 
     def activation_sharding(self, device: str, name: str, shape: tuple[int, ...]):
@@ -300,7 +304,8 @@ class Programs:
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends))
             first, slot = first + len(part), slot + attends
-        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s))
+        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s),
+                              s.sliding_window)
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int,
                  keep_h: tuple[int, ...] = ()):
@@ -380,13 +385,15 @@ def _growth_probes(device: str) -> tuple[Segment, Segment]:
 class _SplitLowering:
     """The lowered pieces of a ``SplitHostProgram``; ``compile()`` compiles them in order."""
 
-    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, kv_fmt=None):
+    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, kv_fmt=None,
+                 window: int | None = None):
         self.lowered, self.writes, self.dtype, self.kv_fmt = lowered, writes, dtype, kv_fmt
+        self.window = window
 
     def compile(self) -> SplitHostProgram:
         return SplitHostProgram([(piece.compile(), reads, n_ops, attends)
                                  for piece, reads, n_ops, attends in self.lowered],
-                                self.writes, self.dtype, self.kv_fmt)
+                                self.writes, self.dtype, self.kv_fmt, self.window)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}
@@ -400,7 +407,7 @@ def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     from hx.devices import discover
 
     devices = devices or discover()
-    shape = spec.replace(n_layers=1, name="", architecture="llama")
+    shape = spec.replace(n_layers=1, name="")
     if absent_accelerator():
         shape = shape.replace(dtype="float32")
     key = (shape, devices.accelerator.device, devices.accelerator.group, devices.host.device)

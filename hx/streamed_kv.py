@@ -34,7 +34,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hx.models.llama import Cache, Step, apply_op, kv_parts
+from hx.models.layers import Cache, Step, kv_parts
+
+from hx.models.decoder import apply_op
 from hx.models.spec import ModelSpec
 from hx.models.tensors import kv_format
 from hx.plan import ExecutionPlan

@@ -1,4 +1,4 @@
-"""Load a Llama-family GGUF file (llama.cpp format) into hx's parameter tree.
+"""Load a GGUF file (llama.cpp format) of any of hx's families into hx's parameter tree.
 
 The file is memory-mapped (``gguf.GGUFReader``) and its tensors are taken in their (out, in)
 layout, which hx's ops use as it is:
@@ -15,9 +15,10 @@ layout, which hx's ops use as it is:
 * a compressed format (``int8``, ``int4``, ...): the matrices dequantized, then compressed
   into it (``models.formats.quantize``).
 
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that RoPE rotates adjacent
-pairs (GPT-J layout); hx uses the rotate-half layout, so the permutation is undone here
-(``unpermute_rope_rows``, on whole rows: blocks included).
+llama.cpp's converter permutes the rows of a Llama's ``attn_q``/``attn_k`` so that RoPE rotates
+adjacent pairs (GPT-J layout); hx uses the rotate-half layout, so the permutation is undone here
+(``unpermute_rope_rows``, on whole rows: blocks included) for the paths the family names
+(``Family.gguf_rope_permuted``; Qwen's files are not permuted).
 """
 
 from __future__ import annotations
@@ -30,29 +31,19 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
+from hx.models.family import for_gguf
 from hx.models.formats import DENSE, FORMATS, held_tensor
 from hx.models.mapped import release
 from hx.models.tensors import weight_tree
-from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
+from hx.models.spec import ModelSpec, numpy_dtype
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 AUTO = "auto"
 # GGUF block types hx holds as they are: ggml type name -> hx format (``models.formats``)
 BLOCK_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _DENSE_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-# llama.cpp's name of each hx tensor: (op, ``op_weight_shapes`` path) -> name, within
-# "blk.{i}." for a layer's ops
-_LAYER_NAMES = {
-    ("Q", "attn_norm/scale"): "attn_norm.weight", ("Q", "wq/kernel"): "attn_q.weight",
-    ("K", "wk/kernel"): "attn_k.weight", ("V", "wv/kernel"): "attn_v.weight",
-    ("OUT", "wo/kernel"): "attn_output.weight", ("MLP1", "ffn_norm/scale"): "ffn_norm.weight",
-    ("MLP1", "w_gate/kernel"): "ffn_gate.weight", ("MLP1", "w_up/kernel"): "ffn_up.weight",
-    ("MLP2", "w_down/kernel"): "ffn_down.weight",
-}
-_MODEL_NAMES = {(EMBED, "embedding"): "token_embd.weight",
-                (HEAD, "final_norm/scale"): "output_norm.weight",
-                (HEAD, "embedding"): "output.weight"}
-ROPE_PERMUTED = ("wq/kernel", "wk/kernel")  # rows llama.cpp's converter permutes
+# tensors llama.cpp writes that hx does not implement: name (in ``blk.{i}.`` or at the top)
+# -> what it means
+REFUSED_TENSORS = {"rope_freqs.weight": "RoPE frequency factors (Llama 3.1's rope scaling)"}
 
 
 @dataclass(frozen=True)
@@ -101,39 +92,15 @@ def read_metadata(reader) -> dict[str, Any]:
 
 
 def spec_from_metadata(meta: dict[str, Any], path: str, has_output: bool) -> ModelSpec:
-    """Build a ``ModelSpec`` from GGUF metadata.
+    """Build a ``ModelSpec`` from GGUF metadata, by the family of its ``general.architecture``
+    (``models.family.for_gguf``).
 
     Raises:
-      HxError: the architecture is not one hx implements, or a required key is missing.
+      HxError: no family of hx reads the architecture, a required key is missing, or a key
+        changes the math in a way hx does not implement.
     """
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise HxError(f"{path}: unsupported architecture {arch!r}; hx supports "
-                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise HxError(f"{path}: GGUF metadata lacks {arch}.{key}; the file is incomplete")
-        return value
-
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-    return ModelSpec(
-        name=str(meta.get("general.name", os.path.basename(path))),
-        n_layers=int(get("block_count")),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-        head_dim=int(get("rope.dimension_count", d_model // n_heads)),
-        d_ff=int(get("feed_forward_length")),
-        vocab_size=int(vocab),
-        context_length=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not has_output,
-    )
+    return for_gguf(arch, path).spec_from_gguf(meta, path, has_output)
 
 
 def unpermute_rope_rows(w, n_heads: int):
@@ -225,6 +192,9 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
+    for name, meaning in REFUSED_TENSORS.items():
+        if name in tensors:
+            raise HxError(f"{path}: holds {name} ({meaning}), which hx does not implement")
     has_output = "output.weight" in tensors
     weight_format, embedding_format = held_formats(tensors, has_output, weights)
     spec = spec_from_metadata(meta, path, has_output).replace(
@@ -238,7 +208,7 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
         t = tensors[name]
         size = tuple(int(n) for n in reversed(t.shape))  # (out, in) or (n,)
         # ``shape`` splits the file's rows (wq: (H, E, D)) or its columns (wo: (D, H, E))
-        splits = size[0] == shape[0] or size[-1] == shape[-1]
+        splits = len(size) == 1 or size[0] == shape[0] or size[-1] == shape[-1]
         if not splits or int(np.prod(size)) != int(np.prod(shape)):
             raise HxError(f"{path}: tensor {name} has shape {size}, expected {shape}")
         if fmt != DENSE and t.tensor_type.name in BLOCK_FORMATS and (
@@ -250,11 +220,12 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
             source = _dequantize(t, path)
         return held_tensor(source, shape, want, fmt)
 
+    fam = spec.model_family
+
     def take(layer, op, weight, shape):
-        name = (_MODEL_NAMES[(op, weight)] if layer is None
-                else f"blk.{layer}.{_LAYER_NAMES[(op, weight)]}")
+        name = fam.gguf_name(layer, op, weight)
         fmt = spec.matrix_format(weight)
-        if weight not in ROPE_PERMUTED:
+        if weight not in fam.gguf_rope_permuted:
             return tensor(name, shape, fmt)
         heads, head_dim, d = shape  # (H or K, E, D): taken as (rows, D), rows un-permuted
         rows = unpermute_rope_rows(tensor(name, (heads * head_dim, d), fmt), heads)

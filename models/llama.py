@@ -1,23 +1,16 @@
-"""Llama-family decoder in Flax, decomposed into the ops hx places.
+"""The Llama family: Llama-2, Llama-3/3.1/3.2, SmolLM2 -- and the layer Mistral, Qwen2, Qwen3 and
+Phi-3 share with it (their modules subclass ``LlamaFamily`` and change what differs).
 
-Axis letters used in shapes and einsums throughout:
-  B batch, T new tokens (queries), S KV-cache slots (context), D model (hidden),
-  H query heads, K key/value heads, G = H / K query heads per KV head, E head dim,
-  F SwiGLU inner size, V vocabulary.
-
-A decoder layer is the composition of seven ops (TwinPilots Table I): ``Q, K, V, SCORE, OUT,
-MLP1, MLP2``; the model adds ``EMBED`` before the layers and ``HEAD`` after them. Every op is a
-Flax module whose parameters are exactly the weights that op owns, and ``apply_op`` turns it into
-a pure function ``(params, activations, step[, cache]) -> (activations[, cache])`` that jits on
-its own. What rides with which op:
+A layer onto the seven ops (axis letters as in ``models.layers``):
 
   =======  ============================================  ===========================
   op       computes                                      reads -> writes
   =======  ============================================  ===========================
   EMBED    token-embedding lookup                        tokens -> x
-  Q        attention RMSNorm, q projection, RoPE(q)      x -> h, q
-  K        k projection, RoPE(k)                         h -> k
-  V        v projection                                  h -> v
+  Q        attention RMSNorm, q projection [+ bias],     x -> h, q
+           [q RMSNorm,] RoPE(q)
+  K        k projection [+ bias], [k RMSNorm,] RoPE(k)   h -> k
+  V        v projection [+ bias]                         h -> v
   SCORE    KV-cache append, softmax(q k^T / sqrt(E)) v   q, k, v (+cache) -> o
   OUT      output projection, residual add               o, x -> x
   MLP1     FFN RMSNorm, gate and up projections, SiLU    x -> a
@@ -25,246 +18,86 @@ its own. What rides with which op:
   HEAD     final RMSNorm, LM head on the last position   x -> logits
   =======  ============================================  ===========================
 
-Model code never mentions a device: placement is the executor's job (``hx/executor.py``).
-
-Dtypes. Activations between ops and KV caches are in ``spec.dtype`` (``float32``, ``bfloat16``
-or ``float16``); logits are float32. A matmul runs in its weights' dtype with float32
-accumulation (``preferred_element_type``), and an op rounds its result to ``spec.dtype`` once,
-after its residual add or SiLU product; RMSNorm, RoPE and softmax compute in float32. The
-weights decide the math, not the device: the executor holds the weights of host-computed ops in
-the model's dtype, except float32 for a float16 model (``spec.host_dtype``: XLA:CPU has no fast
-float16 product), whose host ops then compute in float32 on float16 activations. A float32
-model computes in float32 throughout (float32 dots at "highest" precision:
-``hx.devices.configure_runtime``).
+RoPE's frequencies follow the config's ``rope_scaling`` (``inv_frequencies``): none, ``linear``
+(positions divided by the factor) or ``llama3`` (Llama 3.1's: long wavelengths divided by the
+factor, short ones kept, a smooth ramp between). Any other scaling is refused at load.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from hx.host_compute import int4_kernel
-from hx.models.formats import DENSE, INT4PACK_PARTS, Format, get_format, hold_tree
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
-from hx.models.tensors import KV_NAMES, OPS, activation_shape, kv_format, kv_key, layer_key
+from hx.errors import HxError
+from hx.models.family import ConfigReader, Family
+from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, dense, held_dtype,
+                              inv_frequencies as base_frequencies, lm_head, lookup, rope)
+from hx.models.ops import EMBED, HEAD, SCORE
+from hx.models.spec import ModelSpec
 
-Params = Mapping[str, Any]
-# One layer's KV cache: {"k": (B,S,K,E), "v": (B,S,K,E)} in the model's dtype, or compressed
-# {"k": codes, "k_scale", "k_offset", "v": ...} (``models.tensors.kv_arrays``)
-Cache = dict[str, jax.Array]
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class Step(NamedTuple):
-    """Per-step inputs shared by all ops (tiny; replicated to every device that needs them).
+def inv_frequencies(spec: ModelSpec) -> jax.Array:
+    """RoPE's inverse frequencies (E/2,) float32 for ``spec``: theta^(-2i/E), scaled by
+    ``spec.rope_scaling``. ``linear``: divided by ``factor``. ``llama3`` (Meta's Llama 3.1
+    ``apply_scaling``; transformers' ``_compute_llama3_parameters``): with wavelengths
+    2 pi / f, those longer than ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``, those shorter than ``original / high_freq_factor`` kept, and between
+    them f interpolates as (1 - s) f / factor + s f, s = (original / wavelength - low) /
+    (high - low)."""
+    inv = base_frequencies(spec.head_dim, spec.rope_theta)
+    scaling = dict(spec.rope_scaling)
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor",
+                                                   "high_freq_factor"))
+        original = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv
+        scaled = jnp.where(wavelength > original / low, inv / factor, inv)
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
 
-    Attributes:
-      positions: (B, T) int32 RoPE positions of the new tokens.
-      write_index: () int32 cache slot of the first new token (same for every row: prompts are
-        left-padded to a common length).
-      kv_start: (B,) int32 first valid cache slot of each row (its left-padding length).
+
+def rope_scaling(reader: ConfigReader) -> tuple[tuple[str, Any], ...]:
+    """(rope_theta, ``ModelSpec.rope_scaling``) from a config's ``rope_parameters``
+    (transformers 5) or ``rope_theta`` + ``rope_scaling`` (earlier files).
+
+    Raises:
+      HxError: a RoPE type hx does not implement (``ROPE_TYPES``), or a field of it hx does
+        not read.
     """
-
-    positions: jax.Array
-    write_index: jax.Array
-    kv_start: jax.Array
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32 and
-    returned in ``x``'s dtype.
-
-    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) of ``param_dtype``.
-    """
-
-    eps: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, rotate-half layout (Su et al. 2021; Hugging Face Llama).
-
-    Args:
-      x: (B, T, N, E) queries or keys.
-      positions: (B, T) int32 absolute positions.
-      theta: RoPE base; frequency i is theta^(-2i/E).
-    Returns:
-      (B, T, N, E) rotated, same dtype as ``x`` (computed in float32).
-    """
-    E = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # (E/2,)
-    angle = positions[..., None].astype(jnp.float32) * inv_freq  # (B,T,E/2)
-    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]  # (B,T,1,E/2)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def dequantize(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...], dtype,
-               after: jax.Array | None = None) -> jax.Array:
-    """The matrix of logical ``shape`` (out..., in) that a compressed format's arrays hold
-    (``models.formats``: codes, float16 scales[, offsets], groups along the last axis), in
-    ``dtype``: ``scale * code + offset`` (or ``scale * (code - zero)``) in float32, rounded
-    once (``models.formats.dequantize`` is the same formula in numpy).
-
-    ``after``: an activation the decompression waits for -- a data dependency (its first
-    element times 0 is added to the scales), so the matrix is made right before its product
-    and dies after it. Without one XLA schedules every decompression of a program first and
-    holds all the matrices at once (measured on XLA:CPU: six SmolLM2 MLP matrices, 21.2 MB of
-    temporaries; with it, 3.5 MB: one matrix). The link and memory carry only the codes.
-    """
-    codes = held["codes"]
-    if fmt.bits == 4:  # low nibbles are a group's first half, high nibbles its second
-        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
-    scale = held["scale"].astype(jnp.float32)
-    if after is not None:
-        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
-    w = codes.astype(jnp.float32)
-    if fmt.zero:
-        w = w - fmt.zero
-    w = w * scale[..., None]
-    if fmt.asymmetric:
-        w = w + held["offset"].astype(jnp.float32)[..., None]
-    return w.reshape(shape).astype(dtype)
-
-
-class Compressed(nn.Module):
-    """A matrix held in a compressed format: calling it returns its parameters ``codes``,
-    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize`` -- or, where the
-    parameters given hold it in torch's int4 layout (``packed``, ``sz``:
-    ``Format.int4pack_arrays``; ``ModelSpec.host_matmul`` torch-int4), those."""
-
-    fmt: Format
-    shape: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self) -> dict[str, jax.Array]:
-        if self.has_variable("params", INT4PACK_PARTS[0]):
-            return {part: self.get_variable("params", part) for part in INT4PACK_PARTS}
-        return {part: self.param(part, nn.initializers.zeros_init(), s, jnp.dtype(d))
-                for part, (s, d) in self.fmt.arrays(self.shape).items()}
-
-
-def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype, init
-           ) -> jax.Array | dict[str, jax.Array]:
-    """A weight matrix of ``module`` in format ``fmt``: the dense parameter ``name`` of
-    ``dtype`` (``init`` initialises it), or the held arrays of a ``Compressed`` submodule
-    named ``name`` (``dequantize`` them)."""
-    compressed = get_format(fmt)
-    if compressed is None:
-        return module.param(name, init, shape, dtype)
-    return Compressed(compressed, shape, name=name)()
-
-
-class Dense(nn.Module):
-    """y = x W^T [+ b], contracting ``axis`` of x with the trailing axes of W, in float32.
-
-    ``kernel``: ``features + x.shape[axis]`` -- the checkpoint's (out..., in) layout; held in
-    ``fmt`` (``dense``, or a compressed format decompressed here to ``param_dtype``);
-    ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
-    float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
-    the activation dtype once, after what it adds to it. A kernel held in torch's int4 layout
-    (``Compressed``; ``ModelSpec.host_matmul`` torch-int4) is multiplied, with ``int4_kernel``
-    (a host op) and up to ``int4_kernel.KERNEL_ROWS`` rows, by torch's CPU int4 kernel
-    (``hx.host_compute.int4_kernel.matmul``: x rounded to bfloat16, y a bfloat16 product), and
-    otherwise decompressed from that layout for XLA's product (``int4_kernel.dequantize``: on
-    the accelerator, and on the host past the rows where the kernel's time, growing with
-    them, passes XLA's). Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened
-    matrix, zero bias).
-    """
-
-    features: tuple[int, ...]
-    axis: tuple[int, ...] = (-1,)
-    use_bias: bool = False
-    param_dtype: Any = jnp.float32
-    fmt: str = DENSE
-    int4_kernel: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        axis = tuple(a % x.ndim for a in self.axis)
-        n_out, n_in = len(self.features), len(axis)
-        init = nn.initializers.lecun_normal(in_axis=tuple(range(n_out, n_out + n_in)),
-                                            out_axis=tuple(range(n_out)))
-        shape = self.features + tuple(x.shape[a] for a in axis)
-        kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
-        # as a 2-D product (..., in) x (out, in)^T: bitcasts of both (the contracted axes are
-        # x's last and the kernel's last), which XLA multiplies without copying the kernel
-        # (contracting a (D, H, E) kernel over (H, E) as it is, XLA:CPU transposed it each step)
-        if axis != tuple(range(x.ndim - n_in, x.ndim)):
-            raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
-        flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
-        rows = x.reshape(-1, flat_in)
-        packed = isinstance(kernel, dict) and INT4PACK_PARTS[0] in kernel
-        if packed and self.int4_kernel and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
-            y = int4_kernel.matmul(rows.astype(jnp.bfloat16), kernel["packed"], kernel["sz"],
-                                   get_format(self.fmt).group).astype(jnp.float32)
-        else:
-            if packed:
-                kernel = int4_kernel.dequantize(kernel["packed"], kernel["sz"],
-                                                get_format(self.fmt).group, self.param_dtype,
-                                                after=x)
-            elif isinstance(kernel, dict):
-                kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype,
-                                    after=x)
-            y = product(rows.astype(kernel.dtype), kernel.reshape(flat_out, flat_in))
-        y = y.reshape(*x.shape[:-n_in], *self.features)
-        if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros_init(), self.features,
-                              self.param_dtype)
-            y = y + bias.astype(jnp.float32)
-        return y
-
-
-def product(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x (N, in) @ kernel (out, in)^T -> (N, out) float32, in the operands' dtype with float32
-    accumulation (``preferred_element_type``).
-
-    A one-row bfloat16 product is computed as two rows, the second zero: XLA:CPU's
-    matrix-vector path widens a bfloat16 matrix to a float32 temporary first (Llama-2-7B's
-    11008 x 4096: 180 MB of temporaries and 61-94 ms), where its matrix-matrix path multiplies
-    bfloat16 as it is (0.09 MB, 5.8-12 ms; this VM, jax 0.10.2, ``models.spec.host_dtype``).
-    On a GPU both are bound by reading the matrix, so the extra row costs nothing measurable.
-    """
-    pad = x.shape[0] == 1 and kernel.dtype == jnp.bfloat16
-    if pad:
-        x = jnp.concatenate([x, jnp.zeros_like(x)])
-    y = jax.lax.dot_general(x, kernel, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y[:1] if pad else y
-
-
-def _held(module: nn.Module):
-    """The dtype an op module holds dense weights in and decompresses matrices to: its
-    ``held`` (``models.tensors.weight_dtype`` of its device), else the model's dtype."""
-    return jnp.dtype(module.held or module.spec.dtype)
-
-
-def _dense(module: nn.Module, features, axis=-1, name=None, use_bias=False) -> Dense:
-    features = tuple(features) if isinstance(features, tuple) else (features,)
-    axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
-    return Dense(features, axis, use_bias, _held(module), module.spec.weight_format,
-                 module.host, name=name)
-
-
-class WeightedOp(nn.Module):
-    """An op with weights: ``spec``; ``held``, the dtype its device holds dense weights in
-    (``_held``); ``host``, whether it runs on the host CPU, where a matrix held in torch's
-    int4 layout is multiplied by that kernel (``Dense``)."""
-
-    spec: ModelSpec
-    held: str | None = None
-    host: bool = False
+    params = dict(reader.get("rope_parameters", {}))
+    legacy = dict(reader.get("rope_scaling", {}))
+    theta = float(params.pop("rope_theta", reader.get("rope_theta", 10000.0)))
+    params = {**legacy, **params}
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HxError(f"{reader.where}: config.json sets rope_type={kind!r}, which hx does not "
+                      f"implement (it runs {', '.join(ROPE_TYPES)})")
+    wanted = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}[kind]
+    if params.get("partial_rotary_factor", 1.0) == 1.0:  # every dim rotates: what hx runs
+        params.pop("partial_rotary_factor", None)
+    unknown = sorted(set(params) - set(wanted))
+    if unknown:
+        raise HxError(f"{reader.where}: config.json's RoPE {kind} sets {', '.join(unknown)}, "
+                      "which hx does not implement")
+    if kind == "default":
+        return theta, ()
+    return theta, tuple(sorted({"rope_type": kind, **{k: float(params[k])
+                                                      for k in wanted}}.items()))
 
 
 class EmbedOp(WeightedOp):
@@ -276,27 +109,31 @@ class EmbedOp(WeightedOp):
         s = self.spec
         if not s.embeds:
             return (tokens,)
-        table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
-                       _held(self), nn.initializers.normal(0.02))  # (V,D)
-        if isinstance(table, dict):  # decompress only the rows looked up
-            rows = {part: jnp.take(a, tokens, axis=0) for part, a in table.items()}
-            return (dequantize(rows, get_format(s.embedding_format), tokens.shape
-                               + (s.d_model,), s.dtype),)
-        return (jnp.take(table, tokens, axis=0).astype(s.dtype),)
+        return (lookup(self, "embedding", tokens, s.vocab_size, s.embedding_format),)
+
+
+def _heads(module: WeightedOp, x: jax.Array, name: str, heads: int, step: Step,
+           rotate: bool) -> jax.Array:
+    """x (B, T, D) projected by ``name`` into (B, T, heads, E) in float32 -- plus the bias
+    where the family has one (Qwen2), RMSNorm over E where it has one (Qwen3's q_norm,
+    k_norm), then RoPE where ``rotate`` -- in the model's dtype."""
+    s, fam = module.spec, module.spec.model_family
+    y = dense(module, (heads, s.head_dim), name=f"w{name}", use_bias=fam.qkv_bias)(x)
+    if fam.qk_norm and rotate:
+        y = RMSNorm(s.norm_eps, held_dtype(module), name=f"{name}_norm")(y)
+    if rotate:
+        y = rope(y, step.positions, inv_frequencies(s))
+    return y.astype(s.dtype)
 
 
 class QOp(WeightedOp):
-    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq [+ bq]) (B,T,H,E).
-
-    The bias bq (H,E) exists when ``spec.qkv_bias`` (Qwen2); likewise bk, bv (K,E) in K and V.
-    """
+    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(h Wq [+ bq]) (B,T,H,E)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
         s = self.spec
-        h = RMSNorm(s.norm_eps, _held(self), name="attn_norm")(x)
-        q = _dense(self, (s.n_heads, s.head_dim), name="wq", use_bias=s.qkv_bias)(h)  # 'BTD,HED->BTHE'
-        return h, rope(q, step.positions, s.rope_theta).astype(s.dtype)
+        h = RMSNorm(s.norm_eps, held_dtype(self), name="attn_norm")(x)
+        return h, _heads(self, h, "q", s.n_heads, step, rotate=True)
 
 
 class KOp(WeightedOp):
@@ -304,10 +141,7 @@ class KOp(WeightedOp):
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        s = self.spec
-        k = _dense(self, (s.n_kv_heads, s.head_dim), name="wk",
-                   use_bias=s.qkv_bias)(h)  # 'BTD,KED->BTKE'
-        return (rope(k, step.positions, s.rope_theta).astype(s.dtype),)
+        return (_heads(self, h, "k", self.spec.n_kv_heads, step, rotate=True),)
 
 
 class VOp(WeightedOp):
@@ -315,127 +149,7 @@ class VOp(WeightedOp):
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        s = self.spec
-        v = _dense(self, (s.n_kv_heads, s.head_dim), name="wv",
-                   use_bias=s.qkv_bias)(h)  # 'BTD,KED->BTKE'
-        return (v.astype(s.dtype),)
-
-
-def quantize_kv(x: jax.Array, fmt: Format) -> dict[str, jax.Array]:
-    """New keys or values x (..., E), any float dtype, compressed group-wise along E into
-    ``fmt``'s arrays (``Format.arrays(x.shape)``: uint8 codes (..., E/g, g·bits/8), float16
-    scales and offsets (..., E/g)).
-
-    ``models.formats.quantize`` in JAX, step for step (FlexGen's min/max scheme, Sheng et al.
-    2023 §5): in float32, an asymmetric group's offset is its minimum and its scale (max -
-    min) / (2^bits - 1), both rounded to float16, and each code rounds (w - offset) / scale
-    to nearest with those rounded values (a symmetric format: scale max|w| / (2^(bits-1) - 1),
-    codes centred on 2^(bits-1)); a group of equal values gets scale 0. On XLA:CPU the codes,
-    scales and offsets equal numpy's bit for bit (``tests/test_kv_formats.py``).
-    """
-    *lead, E = x.shape
-    g, top = fmt.group, (1 << fmt.bits) - 1
-    w = x.astype(jnp.float32).reshape(*lead, E // g, g)
-    held = {}
-    if fmt.asymmetric:
-        low = w.min(axis=-1)
-        held["offset"] = low.astype(jnp.float16)
-        scale = ((w.max(axis=-1) - low) / top).astype(jnp.float16)
-        base = held["offset"].astype(jnp.float32)[..., None]
-    else:
-        scale = (jnp.abs(w).max(axis=-1) / (fmt.zero - 1)).astype(jnp.float16)
-        base = jnp.float32(0)
-    held["scale"] = scale
-    step = scale.astype(jnp.float32)[..., None]
-    codes = jnp.where(step > 0, jnp.rint((w - base) / jnp.where(step > 0, step, 1)), 0)
-    codes = jnp.clip(codes + fmt.zero, 0, top).astype(jnp.uint8)
-    if fmt.bits == 4:  # low nibbles a group's first half, high nibbles its second
-        codes = codes[..., :g // 2] | (codes[..., g // 2:] << 4)
-    return {"codes": codes, **held}
-
-
-def read_kv(cache: Cache, name: str, fmt: Format | None, start: jax.Array | int | None = None,
-            size: int | None = None) -> jax.Array:
-    """Cache array ``name`` (``k`` or ``v``) as float32 (B, S, K, E) -- or only its ``size``
-    slots from ``start`` -- decompressed right here when ``fmt`` is a format
-    (``dequantize`` of the slots read: attention reads the compressed bytes)."""
-    def part(key: str) -> jax.Array:
-        a = cache[key]
-        return a if start is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
-
-    if fmt is None:
-        return part(name).astype(jnp.float32)
-    held = {p: part(kv_key(name, p)) for p in ("codes", "scale", "offset")
-            if kv_key(name, p) in cache}
-    scale = held["scale"]
-    return dequantize(held, fmt, (*scale.shape[:-1], scale.shape[-1] * fmt.group),
-                      jnp.float32)
-
-
-def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None) -> jax.Array:
-    """Causal grouped-query attention of new queries over the (already appended) KV cache.
-
-    Args:
-      q: (B, T, H, E) queries of the new tokens, slots ``write_index .. write_index+T-1``.
-      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written (compressed
-        in ``fmt`` when given: decompressed whole to float32 first, ``read_kv``).
-      step: ``kv_start`` masks each row's left padding; causality masks future slots.
-    Returns:
-      o: (B, T, H, E) = softmax(q k^T / sqrt(E) + mask) v  (Vaswani et al. 2017, eq. 1),
-      accumulated in float32. A row with no valid key (a padding query) gets a finite average.
-    """
-    B, T, H, E = q.shape
-    ck, cv = read_kv(cache, "k", fmt), read_kv(cache, "v", fmt)
-    S, K = ck.shape[1], ck.shape[2]
-    qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
-    scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
-    slot = jnp.arange(S)[None, None, :]  # (1,1,S)
-    query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
-    valid = (slot >= step.kv_start[:, None, None]) & (slot <= query_slot)  # (B,T,S)
-    scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,S)
-    o = jnp.einsum("bkgts,bske->btkge", probs, cv)
-    return o.reshape(B, T, H, E).astype(q.dtype)
-
-
-def kv_parts(k: jax.Array, v: jax.Array, fmt: Format | None, dtype) -> Cache:
-    """Keys and values k, v (B,T,K,E) as a cache holds them: {"k", "v"} in ``dtype``, or
-    quantized into ``fmt``'s codes, scales and offsets (``quantize_kv``)."""
-    if fmt is None:
-        return {"k": k.astype(dtype), "v": v.astype(dtype)}
-    return {kv_key(name, p): a for name, x in zip(KV_NAMES, (k, v))
-            for p, a in quantize_kv(x, fmt).items()}
-
-
-def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array,
-              fmt: Format | None = None) -> Cache:
-    """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``: as they are
-    (in the cache's dtype), or quantized into ``fmt`` (``quantize_kv``: only the new
-    positions; the slots before are never touched)."""
-    out = dict(cache)
-    for key, a in kv_parts(k, v, fmt, cache["k"].dtype).items():
-        at = (0, write_index) + (0,) * (a.ndim - 2)
-        out[key] = jax.lax.dynamic_update_slice(cache[key], a, at)
-    return out
-
-
-class ScoreOp(nn.Module):
-    """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E).
-
-    ``attend`` is the attention kernel, ``attend(q, cache, step, fmt)``: ``attention`` by
-    default; the executor passes a host kernel (``host_compute``) when SCORE runs on the
-    host. With a compressed ``spec.kv_format`` the new k, v are quantized as they are
-    appended and the kernel decompresses what it reads, so attention computes on exactly the
-    decoded values, the new token's own included.
-    """
-
-    spec: ModelSpec
-    attend: Callable[..., jax.Array] = attention
-
-    def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
-        fmt = kv_format(self.spec)
-        cache = append_kv(cache, k, v, step.write_index, fmt)
-        return (self.attend(q, cache, step, fmt),), cache
+        return (_heads(self, h, "v", self.spec.n_kv_heads, step, rotate=False),)
 
 
 class OutOp(WeightedOp):
@@ -443,19 +157,20 @@ class OutOp(WeightedOp):
 
     @nn.compact
     def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = _dense(self, self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,DHE->BTD'
+        y = dense(self, self.spec.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,DHE->BTD'
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
 class Mlp1Op(WeightedOp):
-    """MLP1: x (B,T,D) -> a = SiLU(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (SwiGLU)."""
+    """MLP1: x (B,T,D) -> a = SiLU(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (SwiGLU;
+    Shazeer 2020)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
-        n = RMSNorm(s.norm_eps, _held(self), name="ffn_norm")(x)
-        gate = _dense(self, s.d_ff, name="w_gate")(n)  # 'BTD,FD->BTF'
-        up = _dense(self, s.d_ff, name="w_up")(n)
+        n = RMSNorm(s.norm_eps, held_dtype(self), name="ffn_norm")(x)
+        gate = dense(self, s.d_ff, name="w_gate")(n)  # 'BTD,FD->BTF'
+        up = dense(self, s.d_ff, name="w_up")(n)
         return ((jax.nn.silu(gate) * up).astype(s.dtype),)
 
 
@@ -464,7 +179,7 @@ class Mlp2Op(WeightedOp):
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = _dense(self, self.spec.d_model, name="w_down")(a)  # 'BTF,DF->BTD'
+        y = dense(self, self.spec.d_model, name="w_down")(a)  # 'BTF,DF->BTD'
         return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
@@ -478,149 +193,160 @@ class HeadOp(WeightedOp):
         s = self.spec
         if not s.heads:
             return (x,)
-        n = RMSNorm(s.norm_eps, _held(self), name="final_norm")(x[:, -1])  # (B,D)
-        table = matrix(self, "embedding", (s.vocab_size, s.d_model), s.embedding_format,
-                       _held(self), nn.initializers.normal(0.02))  # the EMBED table when tied
-        if isinstance(table, dict):
-            # one row on the host: decompressed into float32 (``_compressed_logits``)
-            wide = self.host and n.shape[0] == 1
-            return (_compressed_logits(n, table, get_format(s.embedding_format), s.vocab_size,
-                                       jnp.float32 if wide else _held(self)),)
-        return (product(n.astype(table.dtype), table),)
+        n = RMSNorm(s.norm_eps, held_dtype(self), name="final_norm")(x[:, -1])  # (B,D)
+        return (lm_head(self, n),)
 
 
-HEAD_CHUNK_ELEMENTS = 1 << 22  # a compressed LM head decompresses this many weights at a time
+MODULES = {EMBED: EmbedOp, "Q": QOp, "K": KOp, "V": VOp, SCORE: ScoreOp, "OUT": OutOp,
+           "MLP1": Mlp1Op, "MLP2": Mlp2Op, HEAD: HeadOp}
 
-
-def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format, vocab: int,
-                       dtype) -> jax.Array:
-    """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
-    chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
-    chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
-    whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``. ``HeadOp`` on
-    the host passes float32 for one row: XLA:CPU's matrix-vector path widens a bfloat16 matrix
-    anyway, and SmolLM2's Q8_0 head took 3.2 ms decompressed into float32 against 4.6 ms into
-    bfloat16 (2-core VM, median of 21); the accelerator keeps its dtype (a float32 chunk would
-    double its temporaries)."""
-    D = n.shape[-1]
-    rows = max(1, HEAD_CHUNK_ELEMENTS // D)
-    parts, after = [], n
-    for start in range(0, vocab, rows):
-        chunk = {p: a[start:start + rows] for p, a in held.items()}
-        table = dequantize(chunk, fmt, (min(rows, vocab - start), D), dtype, after=after)
-        after = product(n.astype(table.dtype), table)
-        parts.append(after)
-    return jnp.concatenate(parts, axis=-1)
-
-
-# The Flax module of each op; what it reads and writes is the op table ``models.tensors.OPS``.
-MODULES: dict[str, type[nn.Module]] = {
-    EMBED: EmbedOp, "Q": QOp, "K": KOp, "V": VOp, SCORE: ScoreOp, "OUT": OutOp,
-    "MLP1": Mlp1Op, "MLP2": Mlp2Op, HEAD: HeadOp,
+HF_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "input_layernorm.weight",
+    ("Q", "wq/kernel"): "self_attn.q_proj.weight", ("Q", "wq/bias"): "self_attn.q_proj.bias",
+    ("Q", "q_norm/scale"): "self_attn.q_norm.weight",
+    ("K", "wk/kernel"): "self_attn.k_proj.weight", ("K", "wk/bias"): "self_attn.k_proj.bias",
+    ("K", "k_norm/scale"): "self_attn.k_norm.weight",
+    ("V", "wv/kernel"): "self_attn.v_proj.weight", ("V", "wv/bias"): "self_attn.v_proj.bias",
+    ("OUT", "wo/kernel"): "self_attn.o_proj.weight",
+    ("MLP1", "ffn_norm/scale"): "post_attention_layernorm.weight",
+    ("MLP1", "w_gate/kernel"): "mlp.gate_proj.weight",
+    ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
+    ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
 }
+HF_MODEL_NAMES = {(EMBED, "embedding"): "model.embed_tokens.weight",
+                  (HEAD, "final_norm/scale"): "model.norm.weight",
+                  (HEAD, "embedding"): "lm_head.weight"}
+GGUF_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "attn_norm.weight", ("Q", "wq/kernel"): "attn_q.weight",
+    ("Q", "wq/bias"): "attn_q.bias", ("Q", "q_norm/scale"): "attn_q_norm.weight",
+    ("K", "wk/kernel"): "attn_k.weight", ("K", "wk/bias"): "attn_k.bias",
+    ("K", "k_norm/scale"): "attn_k_norm.weight",
+    ("V", "wv/kernel"): "attn_v.weight", ("V", "wv/bias"): "attn_v.bias",
+    ("OUT", "wo/kernel"): "attn_output.weight", ("MLP1", "ffn_norm/scale"): "ffn_norm.weight",
+    ("MLP1", "w_gate/kernel"): "ffn_gate.weight", ("MLP1", "w_up/kernel"): "ffn_up.weight",
+    ("MLP2", "w_down/kernel"): "ffn_down.weight",
+}
+GGUF_MODEL_NAMES = {(EMBED, "embedding"): "token_embd.weight",
+                    (HEAD, "final_norm/scale"): "output_norm.weight",
+                    (HEAD, "embedding"): "output.weight"}
 
 
-def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
-             step: Step, cache: Cache | None = None, attend=None, held: str | None = None,
-             host: bool = False) -> tuple[dict[str, jax.Array], Cache | None]:
-    """Run one op as a pure function.
+@dataclass(frozen=True)
+class LlamaFamily(Family):
+    """Llama's layer (module docstring), with the switches its relatives turn on.
 
-    Args:
-      spec: model shapes (static).
-      op: op id, one of ``models.tensors.OPS``.
-      params: that op's parameter tree (``params[layer][op]``).
-      acts: activations by name; the op reads ``OPS[op].reads``.
-      step: per-step positions and cache indices.
-      cache: the layer's KV cache (SCORE only).
-      attend: attention kernel for SCORE (default ``attention``).
-      held: the dtype the device holds dense weights in and decompresses compressed matrices
-        to (``models.tensors.weight_dtype``; default the model's dtype).
-      host: the op runs on the host CPU (``WeightedOp.host``).
-    Returns:
-      (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
+    Attributes:
+      qkv_bias: Q, K and V add a bias ((H, E), (K, E), (K, E)) before RoPE (Qwen2).
+      qk_norm: q and k are RMS-normed per head before RoPE (Qwen3: ``q_norm``, ``k_norm``,
+        (E,) each).
     """
-    d, module_type = OPS[op], MODULES[op]
-    if d.uses_cache:
-        module = module_type(spec, attend) if attend else module_type(spec)
-    else:
-        module = module_type(spec, held, host)
-    inputs = [acts[name] for name in d.reads]
-    with jax.named_scope(op):
-        if d.uses_cache:
-            outs, cache = module.apply({"params": params}, *inputs, step, cache)
-        else:
-            outs = module.apply({"params": params}, *inputs, step)
-    return dict(zip(d.writes, outs)), cache
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # ``pretraining_tp`` splits the products of Meta's training into slices whose sums
+    # transformers adds back in the same order (tests/test_families.py proves it)
+    hf_ignored: ClassVar[frozenset] = frozenset({"pretraining_tp"})
+
+    def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Llama's weights per op (paths as in ``models.family``): Q holds the attention norm
+        and wq (H, E, D), K and V wk, wv (K, E, D), OUT wo (D, H, E), MLP1 the FFN norm, gate
+        and up (F, D), MLP2 down (D, F), HEAD the final norm and the table; with ``qkv_bias``
+        biases (H, E), (K, E), (K, E), with ``qk_norm`` q_norm and k_norm (E,)."""
+        D, H, K, E, F, V = (spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+                            spec.d_ff, spec.vocab_size)
+        shapes = {
+            EMBED: {"embedding": (V, D)},
+            "Q": {"attn_norm/scale": (D,), "wq/kernel": (H, E, D)},
+            "K": {"wk/kernel": (K, E, D)},
+            "V": {"wv/kernel": (K, E, D)},
+            SCORE: {},
+            "OUT": {"wo/kernel": (D, H, E)},
+            "MLP1": {"ffn_norm/scale": (D,), "w_gate/kernel": (F, D), "w_up/kernel": (F, D)},
+            "MLP2": {"w_down/kernel": (D, F)},
+            HEAD: {"final_norm/scale": (D,), "embedding": (V, D)},
+        }
+        if self.qkv_bias:
+            shapes["Q"]["wq/bias"], shapes["K"]["wk/bias"], shapes["V"]["wv/bias"] = (
+                (H, E), (K, E), (K, E))
+        if self.qk_norm:
+            shapes["Q"]["q_norm/scale"], shapes["K"]["k_norm/scale"] = (E,), (E,)
+        return shapes
+
+    def modules(self) -> Mapping[str, type]:
+        return MODULES
+
+    def read_window(self, reader: ConfigReader) -> int | None:
+        """The sliding window a config sets (None: none); the Llama config has none."""
+        return None
+
+    def spec_from_hf(self, config: Mapping[str, Any], where: str) -> ModelSpec:
+        reader = ConfigReader(config, where, self.hf_ignored)
+        d_model, n_heads = reader.need("hidden_size"), reader.need("num_attention_heads")
+        reader.expect("hidden_act", ("silu",), "silu")
+        reader.expect("attention_bias", (self.qkv_bias,), self.qkv_bias)
+        reader.expect("mlp_bias", (False,), False)
+        theta, scaling = rope_scaling(reader)
+        spec = ModelSpec(
+            name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
+            n_layers=reader.need("num_hidden_layers"), d_model=d_model, n_heads=n_heads,
+            n_kv_heads=reader.get("num_key_value_heads", n_heads),
+            head_dim=reader.get("head_dim", d_model // n_heads),
+            d_ff=reader.need("intermediate_size"), vocab_size=reader.need("vocab_size"),
+            context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
+            norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
+            family=self.name, sliding_window=self.read_window(reader), rope_scaling=scaling)
+        reader.finish()
+        return spec
+
+    def spec_from_gguf(self, meta: Mapping[str, Any], where: str, has_output: bool
+                       ) -> ModelSpec:
+        arch = meta["general.architecture"]
+
+        def get(key, default=None):
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise HxError(f"{where}: GGUF metadata lacks {arch}.{key}; the file is "
+                              "incomplete")
+            return value
+
+        for key in ("rope.scaling.type", "attention.sliding_window",
+                    "attn_logit_softcapping", "final_logit_softcapping"):
+            value = meta.get(f"{arch}.{key}")
+            if value not in (None, "none"):
+                raise HxError(f"{where}: GGUF sets {arch}.{key}={value!r}, which hx does not "
+                              "implement")
+        d_model = int(get("embedding_length"))
+        n_heads = int(get("attention.head_count"))
+        head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
+        if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+            raise HxError(f"{where}: GGUF rotates {arch}.rope.dimension_count of the "
+                          f"{head_dim} head dims (partial RoPE), which hx does not implement")
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        return ModelSpec(
+            name=str(meta.get("general.name", where.rstrip("/").split("/")[-1])),
+            n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads,
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+            d_ff=int(get("feed_forward_length")), vocab_size=int(vocab),
+            context_length=int(get("context_length")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            tie_embeddings=not has_output, family=self.name)
+
+    def hf_config(self, spec: ModelSpec) -> dict:
+        """``config.json`` of a ``LlamaForCausalLM`` of ``spec``'s shapes (untied)."""
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": spec.d_model, "intermediate_size": spec.d_ff,
+                "num_hidden_layers": spec.n_layers, "num_attention_heads": spec.n_heads,
+                "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+                "vocab_size": spec.vocab_size, "max_position_embeddings": spec.context_length,
+                "rope_theta": spec.rope_theta, "rms_norm_eps": spec.norm_eps,
+                "tie_word_embeddings": False, "torch_dtype": spec.dtype,
+                "_name_or_path": f"random {spec.name} shapes"}
 
 
-def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
-                  cache: Cache, host: bool = False) -> tuple[dict[str, jax.Array], Cache]:
-    """One decoder layer: the seven ops composed in order.
-
-    Args:
-      params: the layer's tree ``{op: op params}``.
-      acts: must hold ``x`` (B,T,D).
-      cache: the layer's KV cache, (B,S,K,E) each.
-      host: the layer runs on the host CPU (``apply_op``).
-    Returns:
-      (activations with the layer's output ``x``, updated cache).
-    """
-    acts = dict(acts)
-    for op in LAYER_OPS:
-        out, cache = apply_op(spec, op, params[op], acts, step, cache, host=host)
-        acts.update(out)
-    return acts, cache
-
-
-def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
-            caches: list[Cache], host: bool = False) -> tuple[jax.Array, list[Cache]]:
-    """The whole model as one function: EMBED, every layer, HEAD.
-
-    This is the single-jit reference the executor is checked and timed against.
-
-    Args:
-      tokens: (B, T) int32.
-      caches: one ``Cache`` per layer.
-      host: it runs on the host CPU (``apply_op``).
-    Returns:
-      (logits (B, V) float32 of the last position, updated caches).
-    """
-    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step, host=host)
-    new_caches = []
-    for i in range(spec.n_layers):
-        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i], host)
-        new_caches.append(cache)
-    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, host=host)
-    return out["logits"], new_caches
-
-
-def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
-    """Random parameters with the model's tree layout (tests and benchmarks).
-
-    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
-    matrices in the spec's formats (initialised dense, then compressed with
-    ``models.formats.quantize``; under ``host_matmul`` torch-int4 the 4-bit projection
-    matrices then in torch's layout: ``int4_kernel.int4pack_params``). For a tied model
-    ``HEAD/embedding`` is the same array (or subtree) as ``EMBED/embedding``.
-    """
-    key = jax.random.PRNGKey(seed)
-    B, T = 1, 1
-    step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
-    dense = spec.replace(weight_format=DENSE, embedding_format=DENSE)
-
-    def init(op, k):
-        d = OPS[op]
-        if d.uses_cache:
-            return {}
-        dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
-        tree = MODULES[op](dense).init(k, *dummy, step)["params"]
-        return hold_tree(tree, spec.matrix_format)
-
-    keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
-    params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}
-    for i in range(spec.n_layers):
-        params[layer_key(i)] = {op: init(op, next(keys)) for op in LAYER_OPS}
-    params[HEAD] = init(HEAD, next(keys))
-    if spec.tie_embeddings:
-        params[HEAD] = {**params[HEAD], "embedding": params[EMBED]["embedding"]}
-    return int4_kernel.int4pack_params(spec, params)
+FAMILY = LlamaFamily(
+    name="llama", hf_model_types=("llama",), gguf_architectures=("llama",),
+    hf_layer_names=HF_LAYER_NAMES, hf_model_names=HF_MODEL_NAMES,
+    gguf_layer_names=GGUF_LAYER_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
+    gguf_rope_permuted=("wq/kernel", "wk/kernel"))

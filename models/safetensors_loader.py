@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama checkpoint folder (config.json + *.safetensors) into hx's tree.
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into hx's tree.
 
 The files -- one, or shards listed by ``model.safetensors.index.json`` -- are memory-mapped
 (``models.mapped``) and each tensor is a view of its file: hx's ops take the checkpoint's
@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hx.errors import HxError
+from hx.models.family import for_model_type
 from hx.models.formats import DENSE, held_tensor
 from hx.models.mapped import map_file
 from hx.models.tensors import layer_key, weight_tree
@@ -29,59 +30,18 @@ from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 INDEX = "model.safetensors.index.json"
-# Hugging Face's name of each hx tensor: (op, ``op_weight_shapes`` path) -> name, within
-# "model.layers.{i}." for a layer's ops
-_LAYER_NAMES = {
-    ("Q", "attn_norm/scale"): "input_layernorm.weight",
-    ("Q", "wq/kernel"): "self_attn.q_proj.weight", ("Q", "wq/bias"): "self_attn.q_proj.bias",
-    ("K", "wk/kernel"): "self_attn.k_proj.weight", ("K", "wk/bias"): "self_attn.k_proj.bias",
-    ("V", "wv/kernel"): "self_attn.v_proj.weight", ("V", "wv/bias"): "self_attn.v_proj.bias",
-    ("OUT", "wo/kernel"): "self_attn.o_proj.weight",
-    ("MLP1", "ffn_norm/scale"): "post_attention_layernorm.weight",
-    ("MLP1", "w_gate/kernel"): "mlp.gate_proj.weight",
-    ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
-    ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
-}
-_MODEL_NAMES = {(EMBED, "embedding"): "model.embed_tokens.weight",
-                (HEAD, "final_norm/scale"): "model.norm.weight",
-                (HEAD, "embedding"): "lm_head.weight"}
-
-
-def hf_name(layer: int | None, op: str, path: str) -> str:
-    """The Hugging Face tensor name of hx's ``path`` of ``op`` (of decoder layer ``layer``;
-    None for EMBED and HEAD)."""
-    if layer is None:
-        return _MODEL_NAMES[(op, path)]
-    return f"model.layers.{layer}.{_LAYER_NAMES[(op, path)]}"
-
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 
 def spec_from_config(config: dict[str, Any], directory: str) -> ModelSpec:
-    """``ModelSpec`` from a Hugging Face ``config.json`` dict.
+    """``ModelSpec`` from a Hugging Face ``config.json`` dict, by the family its
+    ``model_type`` names (``models.family``).
 
     Raises:
-      HxError: the model type is not Llama or a required key is missing.
+      HxError: no family of hx has the model type, a required key is missing, or a field
+        changes the math in a way hx does not implement (one line naming it).
     """
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HxError(f"{directory}: unsupported model_type {model_type!r}; hx supports "
-                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    try:
-        d_model, n_heads = config["hidden_size"], config["num_attention_heads"]
-        rope = config.get("rope_parameters") or {}
-        return ModelSpec(
-            name=config.get("_name_or_path") or os.path.basename(os.path.abspath(directory)),
-            n_layers=config["num_hidden_layers"], d_model=d_model, n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or d_model // n_heads,
-            d_ff=config["intermediate_size"], vocab_size=config["vocab_size"],
-            context_length=config.get("max_position_embeddings", 2048),
-            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-    except KeyError as e:
-        raise HxError(f"{directory}/config.json lacks {e.args[0]!r}") from None
+    fam = for_model_type(config.get("model_type"), directory)
+    return fam.spec_from_hf(config, directory)
 
 
 def _shard_files(directory: str) -> list[str]:
@@ -148,7 +108,8 @@ def map_safetensors(path: str) -> dict[str, np.ndarray]:
 
 def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = DENSE
                          ) -> tuple[ModelSpec, dict[str, Any]]:
-    """Spec and parameters of a Hugging Face Llama folder, mapped (module docstring).
+    """Spec and parameters of a Hugging Face folder of any of hx's families, mapped (module
+    docstring); each tensor found by its family's name (``Family.from_hf``: fused ones split).
 
     Args:
       dtype: the dtype of dense tensors (``spec.dtype``); a tensor already in it is the
@@ -172,11 +133,15 @@ def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = 
         tensors.update(map_safetensors(path))
     want = numpy_dtype(dtype)
 
+    fam = spec.model_family
+
     def take(layer, op, path, shape):
-        name = hf_name(layer, op, path)
-        if name not in tensors:
-            raise HxError(f"{directory}: tensor {name} is missing")
-        return held_tensor(tensors[name], shape, want, spec.matrix_format(path))
+        try:
+            array = fam.from_hf(spec, tensors, layer, op, path)
+        except KeyError:
+            raise HxError(f"{directory}: tensor {fam.hf_name(layer, op, path)} is "
+                          "missing") from None
+        return held_tensor(array, shape, want, spec.matrix_format(path))
 
     return spec, weight_tree(spec, take)
 
@@ -190,7 +155,8 @@ def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.
         """hx's (out..., in...) as the file's (out, in): wo contracts its last two axes."""
         if a.ndim == 1 or not path.endswith("kernel"):
             return a.reshape(-1)
-        return a.reshape(a.shape[0], -1) if path == "wo/kernel" else a.reshape(-1, a.shape[-1])
+        out, _ = spec.product_shape(path, a.shape)
+        return a.reshape(out, -1)
 
     t = {}
     ops = [(i, op) for i in layers for op in LAYER_OPS]
@@ -202,7 +168,8 @@ def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.
             leaf = tree
             for key in path.split("/"):
                 leaf = leaf[key]
-            t[hf_name(layer, op, path)] = np.ascontiguousarray(flat(path, leaf))
+            t[spec.model_family.hf_name(layer, op, path)] = np.ascontiguousarray(
+                flat(path, leaf))
     return t
 
 
@@ -222,7 +189,7 @@ def write_hf_folder(directory: str, spec: ModelSpec, shards: int,
     from safetensors.numpy import save_file
 
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config(spec), f, indent=2)
+        json.dump(spec.model_family.hf_config(spec), f, indent=2)
     weight_map, total = {}, 0
     for shard, layers in enumerate(np.array_split(np.arange(spec.n_layers), shards)):
         name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
@@ -239,15 +206,3 @@ def write_hf_folder(directory: str, spec: ModelSpec, shards: int,
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                       indent=2)
     return total
-
-
-def hf_config(spec: ModelSpec) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` of ``spec``'s shapes (untied)."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": spec.d_model, "intermediate_size": spec.d_ff,
-            "num_hidden_layers": spec.n_layers, "num_attention_heads": spec.n_heads,
-            "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-            "vocab_size": spec.vocab_size, "max_position_embeddings": spec.context_length,
-            "rope_theta": spec.rope_theta, "rms_norm_eps": spec.norm_eps,
-            "tie_word_embeddings": False, "torch_dtype": spec.dtype,
-            "_name_or_path": f"random {spec.name} shapes"}

@@ -39,14 +39,6 @@ from hx.models.formats import DENSE
 from hx.models.spec import ModelSpec
 
 TP_AXIS = "tp"
-# leaf name -> the axis split under tensor parallelism (None: whole on every device)
-_SPLIT_AXIS = {"wq/kernel": 0, "wk/kernel": 0, "wv/kernel": 0, "wq/bias": 0, "wk/bias": 0,
-               "wv/bias": 0, "wo/kernel": 1, "w_gate/kernel": 0, "w_up/kernel": 0,
-               "w_down/kernel": 1, "embedding": 0}
-_HEAD_AXES = {"wq/kernel": ("H", 0), "wq/bias": ("H", 0), "wk/kernel": ("K", 0),
-              "wk/bias": ("K", 0), "wv/kernel": ("K", 0), "wv/bias": ("K", 0),
-              "wo/kernel": ("H", 1), "w_gate/kernel": ("F", 0), "w_up/kernel": ("F", 0),
-              "w_down/kernel": ("F", 1)}
 KV_AXIS = 2  # of a cache's (B, S, K, E)
 
 
@@ -81,13 +73,14 @@ def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
     sizes = {"H": (spec.n_heads, wider.n_heads), "K": (spec.n_kv_heads, wider.n_kv_heads),
              "F": (spec.d_ff, wider.d_ff)}
 
+    axes = spec.model_family.tp_axes
+
     def walk(node, path):
         if isinstance(node, dict):
             return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-        leaf = "/".join(path.split("/")[-2:])
-        if leaf not in _HEAD_AXES:
+        size, axis = axes.get("/".join(path.split("/")[-2:]), (None, 0))
+        if size not in sizes:  # whole, or split by the vocabulary (never padded)
             return node
-        size, axis = _HEAD_AXES[leaf]
         old, new = sizes[size]
         if old == new:
             return node
@@ -98,12 +91,15 @@ def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
     return wider, walk(params, "")
 
 
-def partition(path: str, shape: tuple[int, ...], tp: int) -> tuple[str | None, ...]:
+def partition(spec: ModelSpec, path: str, shape: tuple[int, ...], tp: int
+              ) -> tuple[str | None, ...]:
     """The ``jax.sharding.PartitionSpec`` entries of the weight at ``path`` (its tree path,
     ``.../wq/kernel``) of ``shape`` under ``tp``-way tensor parallelism: ``TP_AXIS`` on the
-    split axis where ``tp`` divides it, else whole (all None)."""
+    axis ``spec``'s family splits it along (``Family.tp_axes``) where ``tp`` divides it, else
+    whole (all None)."""
+    axes = spec.model_family.tp_axes
     leaf = "/".join(path.split("/")[-2:]) if "/" in path else path
-    axis = _SPLIT_AXIS.get(leaf, _SPLIT_AXIS.get(path.split("/")[-1]))
+    _, axis = axes.get(leaf, axes.get(path.split("/")[-1], (None, None)))
     entries: list[str | None] = [None] * len(shape)
     if axis is not None and shape[axis] % tp == 0:
         entries[axis] = TP_AXIS

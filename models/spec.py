@@ -14,17 +14,12 @@ import re
 from dataclasses import dataclass
 
 from hx.errors import HxError
+from hx.models.family import FAMILIES, TABLE, family
 from hx.models.formats import DENSE, get_format, kv_cache_format
-
-# The seven per-layer ops (TwinPilots Table I / FlexGen): the unit of placement everywhere in hx.
-SCORE = "SCORE"  # the op that attends over the KV cache (the only op without weights)
-LAYER_OPS: tuple[str, ...] = ("Q", "K", "V", SCORE, "OUT", "MLP1", "MLP2")
-# Per-model ops outside the layer stack: token embedding lookup and final norm + LM head.
-EMBED, HEAD = "EMBED", "HEAD"
+from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-ARCHITECTURES = ("llama", "opt")
 XLA, TORCH_INT4 = "xla", "torch-int4"
 HOST_MATMULS = (XLA, TORCH_INT4)  # ``ModelSpec.host_matmul``
 
@@ -61,7 +56,7 @@ def numpy_dtype(dtype: str):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture hyper-parameters of a Llama-family decoder (no weights).
+    """Hyper-parameters of a decoder-only model of one of hx's families (no weights).
 
     Attributes:
       name: human-readable model name.
@@ -81,8 +76,14 @@ class ModelSpec:
         activations between ops and of the KV caches. Matmuls accumulate in float32; norms,
         RoPE and softmax compute in float32; logits are float32. Weights of host-computed ops
         are held in ``host_dtype(dtype)``.
-      qkv_bias: the Q, K and V projections add a bias ((H, E), (K, E), (K, E)) before RoPE,
-        as Qwen2 does; Llama and Mistral have none.
+      family: the model family (``models.family.FAMILIES``: ``llama``, ``qwen2``, ``opt``,
+        ...), which gives the weights of each op, their names in files and the math of each
+        op (``models.family.Family``).
+      sliding_window: a layer's queries attend only the last ``sliding_window`` positions,
+        their own included (Mistral; Beltagy et al. 2020); None: the whole context.
+      rope_scaling: the RoPE scaling of the model's config as sorted (key, value) pairs
+        (``rope_type`` ``llama3`` with its factors, or ``linear``); empty: none. The family
+        applies it (``models.llama.inv_frequencies``).
       weight_format: how the projection matrices (the ``kernel`` of every Q, K, V, OUT, MLP1
         and MLP2 matrix) are held: ``dense`` (in ``dtype``) or a compressed format of
         ``models.formats.FORMATS`` (``int8``, ``int4``, ``q8_0``, ``q4_0``, ``q4_1``),
@@ -104,11 +105,6 @@ class ModelSpec:
         model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
         in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
         where logits go (each without weights).
-      architecture: ``llama`` (RMSNorm, SwiGLU MLP, RoPE: what hx runs) or ``opt`` (OPT,
-        Zhang et al. 2022: LayerNorm with bias, a ReLU MLP of two matrices fc1 (D, F) and fc2
-        (F, D), biases on every projection, learned positions). An OPT layer maps onto the same
-        seven ops -- Q/K/V/OUT projections, SCORE, MLP1 = LayerNorm + fc1 + ReLU, MLP2 = fc2 --
-        so hx plans and simulates OPT by shape; it cannot run it (no OPT weights load).
     """
 
     name: str
@@ -124,8 +120,9 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
-    qkv_bias: bool = False
-    architecture: str = "llama"
+    family: str = "llama"
+    sliding_window: int | None = None
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()
     weight_format: str = DENSE
     embedding_format: str = DENSE
     kv_format: str = DENSE
@@ -140,9 +137,8 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r}; one of "
-                             f"{', '.join(ARCHITECTURES)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}; one of {', '.join(FAMILIES)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r}; hx runs models in "
                              f"{', '.join(DTYPE_BYTES)}")
@@ -174,78 +170,39 @@ class ModelSpec:
                             tie_embeddings=self.tie_embeddings and first and last)
 
     def op_weight_shapes(self, op: str) -> dict[str, tuple[int, ...]]:
-        """Logical shapes of the weight tensors owned by ``op``, keyed by parameter path.
+        """Logical shapes of the weight tensors owned by ``op``, keyed by parameter path: the
+        family's (``models.family.Family.weight_shapes``).
 
         Matrices are in the checkpoint's (out..., in) layout: the contracted axis last (a
         Hugging Face or GGUF tensor taken as it is, grouped along that axis when compressed).
-        The paths match the Flax parameter tree of that op (see ``models/llama.py``). ``HEAD``
-        always lists ``embedding``: for a tied model it is the ``EMBED`` matrix itself, which
-        costs memory twice only where the two ops sit on different devices. With ``qkv_bias``
-        Q, K and V also own ``wq/bias`` (H, E), ``wk/bias`` (K, E) and ``wv/bias`` (K, E).
-        An ``opt`` spec lists OPT's tensors (HF ``OPTForCausalLM`` names, per op): the learned
-        positions (context + 2 rows, OPT's offset) with the embedding, LayerNorm biases,
-        projection biases, fc1/fc2; its LM head is tied to the embedding.
+        The paths match the Flax parameter tree of that op. ``HEAD`` always lists its table
+        (``models.family.TABLE``): for a tied model it is the ``EMBED`` matrix itself, which costs
+        memory twice only where the two ops sit on different devices. A pipeline stage's
+        pass-through EMBED or HEAD has none.
         """
         if (op == EMBED and not self.embeds) or (op == HEAD and not self.heads):
             return {}  # a pipeline stage's pass-through
-        if self.architecture == "opt":
-            return self._opt_weight_shapes()[op]
-        D, H, K, E, F, V = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
-                            self.d_ff, self.vocab_size)
-        shapes = {
-            EMBED: {"embedding": (V, D)},
-            "Q": {"attn_norm/scale": (D,), "wq/kernel": (H, E, D)},
-            "K": {"wk/kernel": (K, E, D)},
-            "V": {"wv/kernel": (K, E, D)},
-            SCORE: {},
-            "OUT": {"wo/kernel": (D, H, E)},
-            "MLP1": {"ffn_norm/scale": (D,), "w_gate/kernel": (F, D), "w_up/kernel": (F, D)},
-            "MLP2": {"w_down/kernel": (D, F)},
-            HEAD: {"final_norm/scale": (D,), "embedding": (V, D)},
-        }
-        if self.qkv_bias:
-            shapes["Q"]["wq/bias"], shapes["K"]["wk/bias"], shapes["V"]["wv/bias"] = (
-                (H, E), (K, E), (K, E))
-        return shapes[op]
-
-    def _opt_weight_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        D, H, E, F, V = self.d_model, self.n_heads, self.head_dim, self.d_ff, self.vocab_size
-        return {
-            EMBED: {"embed_tokens": (V, D), "embed_positions": (self.context_length + 2, D)},
-            "Q": {"self_attn_layer_norm/scale": (D,), "self_attn_layer_norm/bias": (D,),
-                  "q_proj/kernel": (H * E, D), "q_proj/bias": (H * E,)},
-            "K": {"k_proj/kernel": (H * E, D), "k_proj/bias": (H * E,)},
-            "V": {"v_proj/kernel": (H * E, D), "v_proj/bias": (H * E,)},
-            SCORE: {},
-            "OUT": {"out_proj/kernel": (D, H * E), "out_proj/bias": (D,)},
-            "MLP1": {"final_layer_norm/scale": (D,), "final_layer_norm/bias": (D,),
-                     "fc1/kernel": (F, D), "fc1/bias": (F,)},
-            "MLP2": {"fc2/kernel": (D, F), "fc2/bias": (D,)},
-            HEAD: {"decoder_final_layer_norm/scale": (D,), "decoder_final_layer_norm/bias": (D,),
-                   "embed_tokens": (V, D)},
-        }
+        return _weight_shapes(self)[op]
 
     @property
-    def gated_mlp(self) -> bool:
-        """MLP1 holds two (D, F) matrices (SwiGLU's gate and up; Llama) rather than one (OPT's
-        fc1)."""
-        return self.architecture == "llama"
+    def model_family(self):
+        """The ``models.family.Family`` of this model."""
+        return family(self.family)
 
     def matrix_format(self, path: str) -> str:
         """The format ``path`` (an ``op_weight_shapes`` key) is held in: ``weight_format`` for
         projection kernels, ``embedding_format`` for embedding tables, ``dense`` for norm
-        scales and biases."""
-        if path.endswith("kernel"):
+        scales and biases (``Family.matrix_kind``)."""
+        kind = self.model_family.matrix_kind(path)
+        if kind == "kernel":
             return self.weight_format
-        if path in ("embedding", "embed_tokens", "embed_positions"):
-            return self.embedding_format
-        return DENSE
+        return self.embedding_format if kind == "table" else DENSE
 
     def product_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, int]:
         """(out, in) of the 2-D product a projection kernel at ``path`` (logical ``shape``)
-        computes (``models.llama.Dense``): Llama's OUT kernel (D, H, E) contracts its last two
-        axes, every other matrix its last."""
-        contracted = 2 if self.architecture == "llama" and path == "wo/kernel" else 1
+        computes (``models.layers.Dense``): OUT's kernel (D, H, E) contracts its last two
+        axes, every other matrix its last (``Family.contracted_axes``)."""
+        contracted = self.model_family.contracted_axes(path)
         return math.prod(shape[:-contracted]), math.prod(shape[-contracted:])
 
     def op_weight_arrays(self, op: str, dtype: str | None = None
@@ -320,10 +277,18 @@ class ModelSpec:
         if self.tie_embeddings:  # HEAD's table is EMBED's
             tied = sum(math.prod(shape) * numpy_dtype(d).itemsize for path, (shape, d)
                        in self.op_weight_arrays(HEAD).items()
-                       if path.split("/")[0] in ("embedding", "embed_tokens"))
+                       if path == TABLE or path.startswith(TABLE + "/"))
         return (self.n_layers * self.layer_weight_bytes + self.op_weight_bytes(EMBED)
                 + self.op_weight_bytes(HEAD) - tied)
 
+
+@functools.lru_cache(maxsize=256)
+def _weight_shapes(spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+    """``spec``'s family's weight shapes, made once per spec."""
+    return spec.model_family.weight_shapes(spec)
+
+
+LLAMA31_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0), ("original_max_position_embeddings", 8192.0), ("rope_type", "llama3"))
 
 # Named shapes of real models, for planning models hx never loads and for random weights of
 # those shapes (``preset``; ``loader.load("llama2-7b:8L")``). Values are from each model's
@@ -360,25 +325,53 @@ PRESETS: dict[str, ModelSpec] = {
         name="Llama-3-70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128,
         d_ff=28672, vocab_size=128256, context_length=8192, rope_theta=500000.0,
         norm_eps=1e-5),
-    # mistralai/Mistral-7B-v0.1 (max_position_embeddings 32768; its 4096-token sliding-window
-    # attention is not modelled: hx attends over the whole context)
+    # meta-llama/Llama-3.1-8B (rope_scaling llama3: factor 8, low 1, high 4, original 8192)
+    "llama3.1-8b": ModelSpec(
+        name="Llama-3.1-8B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+        head_dim=128, d_ff=14336, vocab_size=128256, context_length=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE),
+    # meta-llama/Llama-3.1-70B
+    "llama3.1-70b": ModelSpec(
+        name="Llama-3.1-70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+        head_dim=128, d_ff=28672, vocab_size=128256, context_length=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE),
+    # mistralai/Mistral-7B-v0.1 (max_position_embeddings 32768, sliding window 4096)
     "mistral-7b": ModelSpec(
         name="Mistral-7B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
         d_ff=14336, vocab_size=32000, context_length=32768, rope_theta=10000.0,
-        norm_eps=1e-5),
+        norm_eps=1e-5, family="mistral", sliding_window=4096),
     # Qwen/Qwen2.5-7B (shapes; context 32768 as in Qwen/Qwen2.5-7B-Instruct's config, the base
     # repo's config lists 131072); biases on the q, k, v projections
     "qwen2.5-7b": ModelSpec(
         name="Qwen2.5-7B", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, head_dim=128,
         d_ff=18944, vocab_size=152064, context_length=32768, rope_theta=1000000.0,
-        norm_eps=1e-6, qkv_bias=True),
+        norm_eps=1e-6, family="qwen2"),
+    # Qwen/Qwen2.5-72B-Instruct
+    "qwen2.5-72b": ModelSpec(
+        name="Qwen2.5-72B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, head_dim=128,
+        d_ff=29568, vocab_size=152064, context_length=32768, rope_theta=1000000.0,
+        norm_eps=1e-6, family="qwen2"),
+    # Qwen/Qwen3-8B (q/k RMSNorm; head dim 128 beside hidden 4096)
+    "qwen3-8b": ModelSpec(
+        name="Qwen3-8B", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=12288, vocab_size=151936, context_length=40960, rope_theta=1000000.0,
+        norm_eps=1e-6, family="qwen3"),
+    # Qwen/Qwen3-32B
+    "qwen3-32b": ModelSpec(
+        name="Qwen3-32B", n_layers=64, d_model=5120, n_heads=64, n_kv_heads=8, head_dim=128,
+        d_ff=25600, vocab_size=151936, context_length=40960, rope_theta=1000000.0,
+        norm_eps=1e-6, family="qwen3"),
+    # microsoft/Phi-3-mini-4k-instruct (fused qkv and gate_up tensors; window 2047)
+    "phi3-mini": ModelSpec(
+        name="Phi-3-mini-4k", n_layers=32, d_model=3072, n_heads=32, n_kv_heads=32,
+        head_dim=96, d_ff=8192, vocab_size=32064, context_length=4096, rope_theta=10000.0,
+        norm_eps=1e-5, family="phi3", sliding_window=2047),
     # OPT (Zhang et al. 2022), shapes from FMInference/FlexiGen flexgen/opt_config.py (FFN = 4 x
     # hidden, 2048 positions, vocabulary 50272); OPT-30B also from facebook/opt-30b's config.
-    # Shapes only: hx plans and simulates them, it does not run OPT.
     **{name: ModelSpec(
         name=label, n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=heads,
         head_dim=hidden // heads, d_ff=4 * hidden, vocab_size=50272, context_length=2048,
-        tie_embeddings=True, architecture="opt")
+        tie_embeddings=True, family="opt")
        for name, label, layers, hidden, heads in (
            ("opt-6.7b", "OPT-6.7B", 32, 4096, 32), ("opt-30b", "OPT-30B", 48, 7168, 56),
            ("opt-66b", "OPT-66B", 64, 9216, 72), ("opt-175b", "OPT-175B", 96, 12288, 96))},

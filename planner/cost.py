@@ -60,16 +60,16 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     """FLOPs and bytes of ``op`` for ``batch`` rows of ``tokens`` new tokens over ``slots``
     attended cache slots.
 
-    Formulas (M = B·T):
-      Q: 2·M·D·H·E;  K, V: 2·M·D·K·E;  OUT: 2·M·H·E·D;  MLP1: 2·(2·M·D·F) (gate and up;
-      2·M·D·F for OPT's single fc1);
-      MLP2: 2·M·F·D;  HEAD: 2·B·D·V;  SCORE: q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading
-      2·B·S·K·E cache elements and appending 2·B·T·K·E;  EMBED: B·T·D elements gathered.
+    Formulas (M = B·T): an op with weights, 2·M per element of its matrices (its family's,
+      ``models.family.Family.flops``: Q 2·M·D·H·E, K and V 2·M·D·K·E, OUT 2·M·H·E·D, a
+      SwiGLU MLP1 2·(2·M·D·F), OPT's fc1 2·M·D·F, MLP2 2·M·F·D) and HEAD 2·B·D·V;  SCORE:
+      q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading 2·B·S·K·E cache elements and appending
+      2·B·T·K·E;  EMBED: B·T·D elements gathered.
     A pipeline stage's pass-through EMBED or HEAD (``ModelSpec.embeds``, ``heads``) costs
     nothing.
     """
     s, w = spec, spec.dtype_bytes
-    D, H, K, E, F, V = s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.d_ff, s.vocab_size
+    D, H, E = s.d_model, s.n_heads, s.head_dim
     M = batch * tokens
     weights = s.op_weight_bytes(op)
     if (op == EMBED and not s.embeds) or (op == HEAD and not s.heads):
@@ -80,9 +80,6 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
         return OpCost(4.0 * batch * H * tokens * slots * E, M, 0,
                       kv_read_bytes=kv_bytes(spec, batch, slots),
                       kv_write_bytes=kv_bytes(spec, batch, tokens))
-    mlp1 = (4.0 if s.gated_mlp else 2.0) * M * D * F
-    flops = {"Q": 2.0 * M * D * H * E, "K": 2.0 * M * D * K * E, "V": 2.0 * M * D * K * E,
-             "OUT": 2.0 * M * H * E * D, "MLP1": mlp1, "MLP2": 2.0 * M * F * D,
-             HEAD: 2.0 * batch * D * V}[op]
-    return OpCost(flops, batch if op == HEAD else M, weights,
+    rows = batch if op == HEAD else M
+    return OpCost(s.model_family.flops(s, op, rows), rows, weights,
                   dequantized=dequantized_weights(spec, op))

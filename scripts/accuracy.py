@@ -231,7 +231,7 @@ def teacher_forced(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray, floa
     import jax
     import jax.numpy as jnp
 
-    from hx.models.llama import Step
+    from hx.models.layers import Step
     from hx.workload import CACHE_BUCKET, Workload, round_up
 
     ex = engine.executor

@@ -30,7 +30,7 @@ from hx.devices import discover
 from hx.host_compute.attention import attends_in_numpy, cache_attention, threads
 from hx.host_compute.xla_attention import blocked_attention
 from hx.measure.timing import median_seconds
-from hx.models.llama import Step
+from hx.models.layers import Step
 
 SHAPES = {  # name: (B, S slots, used, K, H, E)
     "SmolLM2 b1": (1, 192, 132, 3, 9, 64),

@@ -35,7 +35,7 @@ from hx.cli.console import print_table
 from hx.devices import discover
 from hx.executor import Executor
 from hx.measure.bench import DecodeProbe, time_block_decode
-from hx.models.llama import Step
+from hx.models.layers import Step
 from hx.models.loader import load
 from hx.plan import ExecutionPlan
 from hx.planner import policies

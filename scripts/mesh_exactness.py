@@ -56,7 +56,9 @@ def main() -> int:
     accelerator = discover(accelerators=most).accelerator  # emulated: CPU devices
     group = accelerator.group or (accelerator.device,)  # tp 1: one accelerator, no group
 
-    from hx.models.llama import Step, forward
+    from hx.models.layers import Step
+
+    from hx.models.decoder import forward
     from hx.models.sharding import cache_partition, pad, partition
     from hx.models.tensors import kv_shape
 
@@ -93,7 +95,7 @@ def main() -> int:
 
         def place(path, leaf):
             return jax.device_put(leaf, NamedSharding(mesh, PartitionSpec(
-                *partition(leaf_path(path), leaf.shape, tp))))
+                *partition(wide, leaf_path(path), leaf.shape, tp))))
 
         sharded = jax.tree_util.tree_map_with_path(place, padded)
         shape = kv_shape(wide, B, S)
@@ -145,7 +147,7 @@ def random_model(name: str):
     as a loader gives it."""
     import jax
 
-    from hx.models.llama import init_params
+    from hx.models.decoder import init_params
     from hx.models.loader import load_spec
     from hx.models.spec import EMBED, HEAD, ModelSpec
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import hx  # noqa: E402
 from hx.devices import discover  # noqa: E402
 from hx.models.gguf_loader import open_gguf, read_metadata  # noqa: E402
-from hx.models.llama import init_params  # noqa: E402
+from hx.models.decoder import init_params  # noqa: E402
 from hx.models.loader import Model, default_model_path  # noqa: E402
 from hx.models.spec import ModelSpec  # noqa: E402
 from hx.models.tokenizer import Tokenizer  # noqa: E402

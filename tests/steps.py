@@ -6,7 +6,7 @@ from typing import Iterator
 
 import numpy as np
 
-from hx.models.llama import Step
+from hx.models.layers import Step
 
 
 def left_padded_steps(prompt: int, decode_steps: int) -> Iterator[Step]:

@@ -6,7 +6,7 @@ import pytest
 from hx.devices import ACCELERATOR, discover
 from hx.executor import Executor
 from hx.memory import estimate
-from hx.models.llama import Step
+from hx.models.layers import Step
 from hx.planner import policies
 from hx.planner.simulator import predict
 from hx.schedule import LAUNCH, STAGE, WAIT, compile_schedule, dry_run

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from hx.executor import op_params
-from hx.models.llama import Step, apply_op, init_params
+from hx.models.layers import Step
+from hx.models.decoder import apply_op, init_params
 from hx.models.tensors import OPS
 from hx.models.spec import PRESETS
 from hx.models.tensors import activation_bytes

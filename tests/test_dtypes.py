@@ -11,7 +11,7 @@ from hx.devices import ACCELERATOR, HOST, discover
 from hx.errors import HxError
 from hx.executor import Executor, tree_bytes
 from hx.memory import estimate
-from hx.models.llama import Step
+from hx.models.layers import Step
 from hx.models.loader import Model, default_dtype, load, load_spec, resolve_dtype
 from hx.models.spec import ModelSpec, host_dtype, numpy_dtype
 from hx.models.tensors import activation_bytes, activation_shape, kv_bytes, weight_dtype
@@ -206,7 +206,7 @@ def test_a_bfloat16_product_holds_no_float32_copy_of_its_matrix(devices, rows):
     its XLA temporaries stay below the matrix's float32 size (a one-row product is padded to
     two: XLA:CPU's matrix-vector path widened the matrix to float32), and its result equals a
     float64 product of the same rounded operands to float32 accumulation."""
-    from hx.models.llama import product
+    from hx.models.layers import product
 
     rng = np.random.default_rng(rows)
     bf16 = numpy_dtype("bfloat16")

@@ -11,7 +11,7 @@ from hx.devices import ACCELERATOR, HOST, discover
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.memory import check_fits, estimate
-from hx.models.llama import forward
+from hx.models.decoder import forward
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
 from hx.plan import ExecutionPlan, Placement
 from hx.planner import policies

@@ -15,8 +15,8 @@ from hx.generate import Engine
 from hx.models import formats
 from hx.models.formats import FORMATS, dequantize, quantize
 from hx.models.gguf_loader import gguf_blocks
-from hx.models.llama import dequantize as jax_dequantize
-from hx.models.llama import init_params
+from hx.models.layers import dequantize as jax_dequantize
+from hx.models.decoder import init_params
 from hx.models.loader import Model, load
 from hx.models.mapped import is_mapped, map_file, release
 from hx.models.safetensors_loader import load_safetensors_dir, write_hf_folder

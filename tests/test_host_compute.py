@@ -7,7 +7,7 @@ import pytest
 
 from hx.host_compute import attention as host_attention
 from hx.host_compute.attention import host_view, prefix_attention
-from hx.models.llama import Step, attention
+from hx.models.layers import Step, attention
 
 
 def attention_np(q, k, v, kv_start, write_index):

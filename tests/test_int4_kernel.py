@@ -13,7 +13,8 @@ from hx.generate import Engine
 from hx.host_compute import int4_kernel
 from hx.memory import held_weight_bytes
 from hx.models.formats import FORMATS, Format, quantize, unpack
-from hx.models.llama import init_params, product
+from hx.models.layers import product
+from hx.models.decoder import init_params
 from hx.models.loader import Model, resolve_host_matmul
 from hx.models.spec import TORCH_INT4, ModelSpec
 from hx.plan import ExecutionPlan

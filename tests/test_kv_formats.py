@@ -17,7 +17,7 @@ from hx.host_compute.attention import CompressedKV, prefix_attention
 from hx.memory import estimate
 from hx.models.formats import (FORMATS, dequantize, dequantize_into, kv_cache_format,
                                quantize)
-from hx.models.llama import Step, attention, quantize_kv, read_kv
+from hx.models.layers import Step, attention, quantize_kv, read_kv
 from hx.models.loader import Model, load_spec
 from hx.models.spec import PRESETS
 from hx.models.tensors import kv_arrays, kv_bytes, kv_format, kv_key, kv_shape

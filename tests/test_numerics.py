@@ -6,7 +6,8 @@ import pytest
 
 from hx.executor import Executor
 from hx.generate import Engine
-from hx.models.llama import Step, forward, init_params
+from hx.models.layers import Step
+from hx.models.decoder import forward, init_params
 from hx.plan import ExecutionPlan
 
 from numpy_reference import logits_np

@@ -10,7 +10,8 @@ import pytest
 from hx.devices import ACCELERATOR, HOST, discover
 from hx.errors import HxError
 from hx.executor import Executor
-from hx.models.llama import Step, init_params
+from hx.models.layers import Step
+from hx.models.decoder import init_params
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, PRESETS, SCORE, ModelSpec
 from hx.models.tensors import activation_shape
 from hx.pipeline import Pipeline, check_stages, stage_devices, stage_params, with_budgets

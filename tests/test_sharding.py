@@ -30,14 +30,18 @@ def test_each_device_holds_what_the_planner_prices(model, tp):
 
 
 def test_which_axis_each_array_splits():
-    assert partition("layer_0/Q/wq/kernel", (8, 16, 64), 4) == (TP_AXIS, None, None)
-    assert partition("layer_0/OUT/wo/kernel", (64, 8, 16), 4) == (None, TP_AXIS, None)
-    assert partition("layer_3/MLP2/w_down/kernel", (64, 96), 4) == (None, TP_AXIS)
-    assert partition("layer_0/Q/attn_norm/scale", (64,), 4) == (None,)
-    assert partition("EMBED/embedding", (49152, 64), 4) == (TP_AXIS, None)
-    assert partition("EMBED/embedding", (49153, 64), 4) == (None, None)  # whole, not split
+    spec = PRESETS["llama2-7b"]
+    assert partition(spec, "layer_0/Q/wq/kernel", (8, 16, 64), 4) == (TP_AXIS, None, None)
+    assert partition(spec, "layer_0/OUT/wo/kernel", (64, 8, 16), 4) == (None, TP_AXIS, None)
+    assert partition(spec, "layer_3/MLP2/w_down/kernel", (64, 96), 4) == (None, TP_AXIS)
+    assert partition(spec, "layer_0/Q/attn_norm/scale", (64,), 4) == (None,)
+    assert partition(spec, "EMBED/embedding", (49152, 64), 4) == (TP_AXIS, None)
+    assert partition(spec, "EMBED/embedding", (49153, 64), 4) == (None, None)  # whole, not split
     assert cache_partition((2, 32, 4, 16), 4) == (None, None, TP_AXIS, None)
     assert cache_partition((2, 32, 8, 16), 16) == (None, None, None, None)  # copies
+    opt = PRESETS["opt-6.7b"]  # fc1's bias splits with fc1, fc2's stays whole
+    assert partition(opt, "layer_0/MLP1/w_up/bias", (96,), 4) == (TP_AXIS,)
+    assert partition(opt, "layer_0/MLP2/w_down/bias", (64,), 4) == (None,)
     with pytest.raises(HxError, match="--weights dense"):
         padded_spec(PRESETS["llama2-7b"].replace(weight_format="int4"), 2)
 

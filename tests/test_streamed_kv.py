@@ -14,7 +14,7 @@ from hx.errors import HxError
 from hx.executor import Executor
 from hx.generate import Engine
 from hx.memory import estimate
-from hx.models.llama import forward
+from hx.models.decoder import forward
 from hx.models.loader import Model
 from hx.plan import STREAMED, ExecutionPlan, Placement, Stint
 from hx.planner import policies

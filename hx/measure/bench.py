@@ -18,7 +18,8 @@ import numpy as np
 
 from hx.devices import HOST, Devices
 from hx.executor import Executor, held_params
-from hx.models.llama import Step, forward
+from hx.models.layers import Step
+from hx.models.decoder import forward
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.prefill import run_prefill

@@ -45,7 +45,8 @@ from hx.measure.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
                               measure_disk_read, measure_int4_matmul, measure_matmul,
                               measure_memory_bandwidth)
 from hx.measure.timing import FULL, QUICK, MiB, Effort
-from hx.models.llama import attention, init_params
+from hx.models.layers import attention
+from hx.models.decoder import init_params
 from hx.models.spec import EMBED, HEAD, ModelSpec
 from hx.planner.policies import NEEDS_PROFILE
 from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default

@@ -38,7 +38,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.measure.links import host_chunks, memories, room
 from hx.measure.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
 from hx.models.formats import FORMATS
-from hx.models.llama import Step
+from hx.models.layers import Step
 from hx.planner.profile import ATTENTION_PROBE
 
 MATMUL_N = 4096  # (M x N) @ (N x P) products, P a multiple of N

@@ -1,0 +1,129 @@
+"""A decoder as the composition of its ops, whatever its family (``models.family``).
+
+Every op is a Flax module of the model's family (``Family.modules``) whose parameters are
+exactly the weights that op owns; ``apply_op`` turns it into a pure function ``(params,
+activations, step[, cache]) -> (activations[, cache])`` that jits on its own, which is what the
+executor compiles segment by segment. ``forward`` is the whole model as one function: the
+single-jit reference the executor is checked and timed against. What each op reads and writes
+is the op table (``models.tensors.OPS``); what it computes is its family's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from hx.host_compute import int4_kernel
+from hx.models.family import TABLE
+from hx.models.formats import DENSE, hold_tree
+from hx.models.layers import Cache, Params, Step
+from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
+from hx.models.tensors import OPS, activation_shape, layer_key
+
+
+def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
+             step: Step, cache: Cache | None = None, attend=None, held: str | None = None,
+             host: bool = False) -> tuple[dict[str, jax.Array], Cache | None]:
+    """Run one op of ``spec``'s family as a pure function.
+
+    Args:
+      spec: model shapes (static).
+      op: op id, one of ``models.tensors.OPS``.
+      params: that op's parameter tree (``params[layer][op]``).
+      acts: activations by name; the op reads ``OPS[op].reads``.
+      step: per-step positions and cache indices.
+      cache: the layer's KV cache (SCORE only).
+      attend: attention kernel for SCORE (default ``models.layers.attention``).
+      held: the dtype the device holds dense weights in and decompresses compressed matrices
+        to (``models.tensors.weight_dtype``; default the model's dtype).
+      host: the op runs on the host CPU (``models.layers.WeightedOp.host``).
+    Returns:
+      (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
+    """
+    d, module_type = OPS[op], spec.model_family.modules()[op]
+    if d.uses_cache:
+        module = module_type(spec, attend) if attend else module_type(spec)
+    else:
+        module = module_type(spec, held, host)
+    inputs = [acts[name] for name in d.reads]
+    with jax.named_scope(op):
+        if d.uses_cache:
+            outs, cache = module.apply({"params": params}, *inputs, step, cache)
+        else:
+            outs = module.apply({"params": params}, *inputs, step)
+    return dict(zip(d.writes, outs)), cache
+
+
+def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
+                  cache: Cache, host: bool = False) -> tuple[dict[str, jax.Array], Cache]:
+    """One decoder layer: the seven ops composed in order.
+
+    Args:
+      params: the layer's tree ``{op: op params}``.
+      acts: must hold ``x`` (B,T,D).
+      cache: the layer's KV cache, (B,S,K,E) each.
+      host: the layer runs on the host CPU (``apply_op``).
+    Returns:
+      (activations with the layer's output ``x``, updated cache).
+    """
+    acts = dict(acts)
+    for op in LAYER_OPS:
+        out, cache = apply_op(spec, op, params[op], acts, step, cache, host=host)
+        acts.update(out)
+    return acts, cache
+
+
+def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
+            caches: list[Cache], host: bool = False) -> tuple[jax.Array, list[Cache]]:
+    """The whole model as one function: EMBED, every layer, HEAD.
+
+    Args:
+      tokens: (B, T) int32.
+      caches: one ``Cache`` per layer.
+      host: it runs on the host CPU (``apply_op``).
+    Returns:
+      (logits (B, V) float32 of the last position, updated caches).
+    """
+    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step, host=host)
+    new_caches = []
+    for i in range(spec.n_layers):
+        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i], host)
+        new_caches.append(cache)
+    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, host=host)
+    return out["logits"], new_caches
+
+
+def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
+    """Random parameters with the model's tree layout (tests and benchmarks), initialised by
+    the family's modules.
+
+    Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
+    matrices in the spec's formats (initialised dense, then compressed with
+    ``models.formats.quantize``; under ``host_matmul`` torch-int4 the 4-bit projection
+    matrices then in torch's layout: ``int4_kernel.int4pack_params``). For a tied model
+    ``HEAD``'s table is the same array (or subtree) as ``EMBED``'s.
+    """
+    key = jax.random.PRNGKey(seed)
+    B, T = 1, 1
+    step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
+    dense = spec.replace(weight_format=DENSE, embedding_format=DENSE)
+    modules = spec.model_family.modules()
+
+    def init(op, k):
+        d = OPS[op]
+        if d.uses_cache:
+            return {}
+        dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
+        tree = modules[op](dense).init(k, *dummy, step)["params"]
+        return hold_tree(tree, spec.matrix_format)
+
+    keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
+    params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}
+    for i in range(spec.n_layers):
+        params[layer_key(i)] = {op: init(op, next(keys)) for op in LAYER_OPS}
+    params[HEAD] = init(HEAD, next(keys))
+    if spec.tie_embeddings:
+        params[HEAD] = {**params[HEAD], TABLE: params[EMBED][TABLE]}
+    return int4_kernel.int4pack_params(spec, params)

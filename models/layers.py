@@ -1,0 +1,460 @@
+"""Building blocks every family's ops share (``models.family``): the step inputs, norms, RoPE,
+products over held weight formats, the KV cache and attention.
+
+Axis letters used in shapes and einsums throughout:
+  B batch, T new tokens (queries), S KV-cache slots (context), D model (hidden),
+  H query heads, K key/value heads, G = H / K query heads per KV head, E head dim,
+  F feed-forward inner size, V vocabulary.
+
+Model code never mentions a device: placement is the executor's job (``hx/executor.py``).
+
+Dtypes. Activations between ops and KV caches are in ``spec.dtype`` (``float32``, ``bfloat16``
+or ``float16``); logits are float32. A matmul runs in its weights' dtype with float32
+accumulation (``preferred_element_type``), and an op rounds its result to ``spec.dtype`` once,
+after its residual add or activation; norms, RoPE and softmax compute in float32. The
+weights decide the math, not the device: the executor holds the weights of host-computed ops in
+the model's dtype, except float32 for a float16 model (``spec.host_dtype``: XLA:CPU has no fast
+float16 product), whose host ops then compute in float32 on float16 activations. A float32
+model computes in float32 throughout (float32 dots at "highest" precision:
+``hx.devices.configure_runtime``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from hx.host_compute import int4_kernel
+from hx.models.family import TABLE
+from hx.models.formats import DENSE, INT4PACK_PARTS, Format, get_format
+from hx.models.spec import ModelSpec
+from hx.models.tensors import KV_NAMES, kv_format, kv_key
+
+
+Params = Mapping[str, Any]
+# One layer's KV cache: {"k": (B,S,K,E), "v": (B,S,K,E)} in the model's dtype, or compressed
+# {"k": codes, "k_scale", "k_offset", "v": ...} (``models.tensors.kv_arrays``)
+Cache = dict[str, jax.Array]
+
+
+class Step(NamedTuple):
+    """Per-step inputs shared by all ops (tiny; replicated to every device that needs them).
+
+    Attributes:
+      positions: (B, T) int32 RoPE positions of the new tokens.
+      write_index: () int32 cache slot of the first new token (same for every row: prompts are
+        left-padded to a common length).
+      kv_start: (B,) int32 first valid cache slot of each row (its left-padding length).
+    """
+
+    positions: jax.Array
+    write_index: jax.Array
+    kv_start: jax.Array
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32 and
+    returned in ``x``'s dtype.
+
+    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) of ``param_dtype``.
+    """
+
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias over the last axis, in float32,
+    returned in ``x``'s dtype (Ba et al. 2016; OPT). Parameters ``scale``, ``bias``: (D,)."""
+
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True)
+                                    + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
+    """RoPE's inverse frequencies theta^(-2i/E), i < E/2 (Su et al. 2021), float32 (E/2,)."""
+    return 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary position embedding, rotate-half layout (Su et al. 2021; Hugging Face Llama).
+
+    Args:
+      x: (B, T, N, E) queries or keys.
+      positions: (B, T) int32 absolute positions.
+      inv_freq: (E/2,) float32 inverse frequencies (``inv_frequencies``, or a family's scaled
+        ones).
+    Returns:
+      (B, T, N, E) rotated, same dtype as ``x`` (computed in float32).
+    """
+    angle = positions[..., None].astype(jnp.float32) * inv_freq  # (B,T,E/2)
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]  # (B,T,1,E/2)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def dequantize(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...], dtype,
+               after: jax.Array | None = None) -> jax.Array:
+    """The matrix of logical ``shape`` (out..., in) that a compressed format's arrays hold
+    (``models.formats``: codes, float16 scales[, offsets], groups along the last axis), in
+    ``dtype``: ``scale * code + offset`` (or ``scale * (code - zero)``) in float32, rounded
+    once (``models.formats.dequantize`` is the same formula in numpy).
+
+    ``after``: an activation the decompression waits for -- a data dependency (its first
+    element times 0 is added to the scales), so the matrix is made right before its product
+    and dies after it. Without one XLA schedules every decompression of a program first and
+    holds all the matrices at once (measured on XLA:CPU: six SmolLM2 MLP matrices, 21.2 MB of
+    temporaries; with it, 3.5 MB: one matrix). The link and memory carry only the codes.
+    """
+    codes = held["codes"]
+    if fmt.bits == 4:  # low nibbles are a group's first half, high nibbles its second
+        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
+    scale = held["scale"].astype(jnp.float32)
+    if after is not None:
+        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
+    w = codes.astype(jnp.float32)
+    if fmt.zero:
+        w = w - fmt.zero
+    w = w * scale[..., None]
+    if fmt.asymmetric:
+        w = w + held["offset"].astype(jnp.float32)[..., None]
+    return w.reshape(shape).astype(dtype)
+
+
+class Compressed(nn.Module):
+    """A matrix held in a compressed format: calling it returns its parameters ``codes``,
+    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize`` -- or, where the
+    parameters given hold it in torch's int4 layout (``packed``, ``sz``:
+    ``Format.int4pack_arrays``; ``ModelSpec.host_matmul`` torch-int4), those."""
+
+    fmt: Format
+    shape: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        if self.has_variable("params", INT4PACK_PARTS[0]):
+            return {part: self.get_variable("params", part) for part in INT4PACK_PARTS}
+        return {part: self.param(part, nn.initializers.zeros_init(), s, jnp.dtype(d))
+                for part, (s, d) in self.fmt.arrays(self.shape).items()}
+
+
+def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype, init
+           ) -> jax.Array | dict[str, jax.Array]:
+    """A weight matrix of ``module`` in format ``fmt``: the dense parameter ``name`` of
+    ``dtype`` (``init`` initialises it), or the held arrays of a ``Compressed`` submodule
+    named ``name`` (``dequantize`` them)."""
+    compressed = get_format(fmt)
+    if compressed is None:
+        return module.param(name, init, shape, dtype)
+    return Compressed(compressed, shape, name=name)()
+
+
+class Dense(nn.Module):
+    """y = x W^T [+ b], contracting ``axis`` of x with the trailing axes of W, in float32.
+
+    ``kernel``: ``features + x.shape[axis]`` -- the checkpoint's (out..., in) layout; held in
+    ``fmt`` (``dense``, or a compressed format decompressed here to ``param_dtype``);
+    ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
+    float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
+    the activation dtype once, after what it adds to it. A kernel held in torch's int4 layout
+    (``Compressed``; ``ModelSpec.host_matmul`` torch-int4) is multiplied, with ``int4_kernel``
+    (a host op) and up to ``int4_kernel.KERNEL_ROWS`` rows, by torch's CPU int4 kernel
+    (``hx.host_compute.int4_kernel.matmul``: x rounded to bfloat16, y a bfloat16 product), and
+    otherwise decompressed from that layout for XLA's product (``int4_kernel.dequantize``: on
+    the accelerator, and on the host past the rows where the kernel's time, growing with
+    them, passes XLA's). Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened
+    matrix, zero bias).
+    """
+
+    features: tuple[int, ...]
+    axis: tuple[int, ...] = (-1,)
+    use_bias: bool = False
+    param_dtype: Any = jnp.float32
+    fmt: str = DENSE
+    int4_kernel: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        axis = tuple(a % x.ndim for a in self.axis)
+        n_out, n_in = len(self.features), len(axis)
+        init = nn.initializers.lecun_normal(in_axis=tuple(range(n_out, n_out + n_in)),
+                                            out_axis=tuple(range(n_out)))
+        shape = self.features + tuple(x.shape[a] for a in axis)
+        kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
+        # as a 2-D product (..., in) x (out, in)^T: bitcasts of both (the contracted axes are
+        # x's last and the kernel's last), which XLA multiplies without copying the kernel
+        # (contracting a (D, H, E) kernel over (H, E) as it is, XLA:CPU transposed it each step)
+        if axis != tuple(range(x.ndim - n_in, x.ndim)):
+            raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
+        flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
+        rows = x.reshape(-1, flat_in)
+        packed = isinstance(kernel, dict) and INT4PACK_PARTS[0] in kernel
+        if packed and self.int4_kernel and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
+            y = int4_kernel.matmul(rows.astype(jnp.bfloat16), kernel["packed"], kernel["sz"],
+                                   get_format(self.fmt).group).astype(jnp.float32)
+        else:
+            if packed:
+                kernel = int4_kernel.dequantize(kernel["packed"], kernel["sz"],
+                                                get_format(self.fmt).group, self.param_dtype,
+                                                after=x)
+            elif isinstance(kernel, dict):
+                kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype,
+                                    after=x)
+            y = product(rows.astype(kernel.dtype), kernel.reshape(flat_out, flat_in))
+        y = y.reshape(*x.shape[:-n_in], *self.features)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), self.features,
+                              self.param_dtype)
+            y = y + bias.astype(jnp.float32)
+        return y
+
+
+def product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x (N, in) @ kernel (out, in)^T -> (N, out) float32, in the operands' dtype with float32
+    accumulation (``preferred_element_type``).
+
+    A one-row bfloat16 product is computed as two rows, the second zero: XLA:CPU's
+    matrix-vector path widens a bfloat16 matrix to a float32 temporary first (Llama-2-7B's
+    11008 x 4096: 180 MB of temporaries and 61-94 ms), where its matrix-matrix path multiplies
+    bfloat16 as it is (0.09 MB, 5.8-12 ms; this VM, jax 0.10.2, ``models.spec.host_dtype``).
+    On a GPU both are bound by reading the matrix, so the extra row costs nothing measurable.
+    """
+    pad = x.shape[0] == 1 and kernel.dtype == jnp.bfloat16
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    y = jax.lax.dot_general(x, kernel, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y[:1] if pad else y
+
+
+def held_dtype(module: nn.Module):
+    """The dtype an op module holds dense weights in and decompresses matrices to: its
+    ``held`` (``models.tensors.weight_dtype`` of its device), else the model's dtype."""
+    return jnp.dtype(module.held or module.spec.dtype)
+
+
+def dense(module: nn.Module, features, axis=-1, name=None, use_bias=False) -> Dense:
+    """A ``Dense`` of op module ``module`` (a ``WeightedOp``): its matrix held in the model's
+    weight format, dense weights in ``held_dtype(module)``, torch's int4 kernel where the op
+    runs on the host."""
+    features = tuple(features) if isinstance(features, tuple) else (features,)
+    axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
+    return Dense(features, axis, use_bias, held_dtype(module), module.spec.weight_format,
+                 module.host, name=name)
+
+
+class WeightedOp(nn.Module):
+    """An op with weights: ``spec``; ``held``, the dtype its device holds dense weights in
+    (``held_dtype``); ``host``, whether it runs on the host CPU, where a matrix held in torch's
+    int4 layout is multiplied by that kernel (``Dense``)."""
+
+    spec: ModelSpec
+    held: str | None = None
+    host: bool = False
+
+
+
+def quantize_kv(x: jax.Array, fmt: Format) -> dict[str, jax.Array]:
+    """New keys or values x (..., E), any float dtype, compressed group-wise along E into
+    ``fmt``'s arrays (``Format.arrays(x.shape)``: uint8 codes (..., E/g, g·bits/8), float16
+    scales and offsets (..., E/g)).
+
+    ``models.formats.quantize`` in JAX, step for step (FlexGen's min/max scheme, Sheng et al.
+    2023 §5): in float32, an asymmetric group's offset is its minimum and its scale (max -
+    min) / (2^bits - 1), both rounded to float16, and each code rounds (w - offset) / scale
+    to nearest with those rounded values (a symmetric format: scale max|w| / (2^(bits-1) - 1),
+    codes centred on 2^(bits-1)); a group of equal values gets scale 0. On XLA:CPU the codes,
+    scales and offsets equal numpy's bit for bit (``tests/test_kv_formats.py``).
+    """
+    *lead, E = x.shape
+    g, top = fmt.group, (1 << fmt.bits) - 1
+    w = x.astype(jnp.float32).reshape(*lead, E // g, g)
+    held = {}
+    if fmt.asymmetric:
+        low = w.min(axis=-1)
+        held["offset"] = low.astype(jnp.float16)
+        scale = ((w.max(axis=-1) - low) / top).astype(jnp.float16)
+        base = held["offset"].astype(jnp.float32)[..., None]
+    else:
+        scale = (jnp.abs(w).max(axis=-1) / (fmt.zero - 1)).astype(jnp.float16)
+        base = jnp.float32(0)
+    held["scale"] = scale
+    step = scale.astype(jnp.float32)[..., None]
+    codes = jnp.where(step > 0, jnp.rint((w - base) / jnp.where(step > 0, step, 1)), 0)
+    codes = jnp.clip(codes + fmt.zero, 0, top).astype(jnp.uint8)
+    if fmt.bits == 4:  # low nibbles a group's first half, high nibbles its second
+        codes = codes[..., :g // 2] | (codes[..., g // 2:] << 4)
+    return {"codes": codes, **held}
+
+
+def read_kv(cache: Cache, name: str, fmt: Format | None, start: jax.Array | int | None = None,
+            size: int | None = None) -> jax.Array:
+    """Cache array ``name`` (``k`` or ``v``) as float32 (B, S, K, E) -- or only its ``size``
+    slots from ``start`` -- decompressed right here when ``fmt`` is a format
+    (``dequantize`` of the slots read: attention reads the compressed bytes)."""
+    def part(key: str) -> jax.Array:
+        a = cache[key]
+        return a if start is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+
+    if fmt is None:
+        return part(name).astype(jnp.float32)
+    held = {p: part(kv_key(name, p)) for p in ("codes", "scale", "offset")
+            if kv_key(name, p) in cache}
+    scale = held["scale"]
+    return dequantize(held, fmt, (*scale.shape[:-1], scale.shape[-1] * fmt.group),
+                      jnp.float32)
+
+
+def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
+              window: int | None = None) -> jax.Array:
+    """Causal grouped-query attention of new queries over the (already appended) KV cache.
+
+    Args:
+      q: (B, T, H, E) queries of the new tokens, slots ``write_index .. write_index+T-1``.
+      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written (compressed
+        in ``fmt`` when given: decompressed whole to float32 first, ``read_kv``).
+      step: ``kv_start`` masks each row's left padding; causality masks future slots.
+      window: a query sees only the last ``window`` slots, its own included (sliding-window
+        attention, ``ModelSpec.sliding_window``); None: every slot before it.
+    Returns:
+      o: (B, T, H, E) = softmax(q k^T / sqrt(E) + mask) v  (Vaswani et al. 2017, eq. 1),
+      accumulated in float32. A row with no valid key (a padding query) gets a finite average.
+    """
+    B, T, H, E = q.shape
+    ck, cv = read_kv(cache, "k", fmt), read_kv(cache, "v", fmt)
+    S, K = ck.shape[1], ck.shape[2]
+    qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
+    scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
+    slot = jnp.arange(S)[None, None, :]  # (1,1,S)
+    query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
+    valid = visible(slot, query_slot, step.kv_start[:, None, None], window)  # (B,T,S)
+    scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,S)
+    o = jnp.einsum("bkgts,bske->btkge", probs, cv)
+    return o.reshape(B, T, H, E).astype(q.dtype)
+
+
+def visible(slot, query_slot, kv_start, window: int | None):
+    """Whether a query at ``query_slot`` sees the key at ``slot`` (broadcasting arrays, numpy
+    or JAX): at or after its row's ``kv_start``, not after the query (causal), and where
+    ``window`` is set within the last ``window`` slots (key > query - window: Mistral's
+    sliding window, as transformers masks it)."""
+    seen = (slot >= kv_start) & (slot <= query_slot)
+    return seen if window is None else seen & (slot > query_slot - window)
+
+
+def kv_parts(k: jax.Array, v: jax.Array, fmt: Format | None, dtype) -> Cache:
+    """Keys and values k, v (B,T,K,E) as a cache holds them: {"k", "v"} in ``dtype``, or
+    quantized into ``fmt``'s codes, scales and offsets (``quantize_kv``)."""
+    if fmt is None:
+        return {"k": k.astype(dtype), "v": v.astype(dtype)}
+    return {kv_key(name, p): a for name, x in zip(KV_NAMES, (k, v))
+            for p, a in quantize_kv(x, fmt).items()}
+
+
+def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array,
+              fmt: Format | None = None) -> Cache:
+    """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``: as they are
+    (in the cache's dtype), or quantized into ``fmt`` (``quantize_kv``: only the new
+    positions; the slots before are never touched)."""
+    out = dict(cache)
+    for key, a in kv_parts(k, v, fmt, cache["k"].dtype).items():
+        at = (0, write_index) + (0,) * (a.ndim - 2)
+        out[key] = jax.lax.dynamic_update_slice(cache[key], a, at)
+    return out
+
+
+class ScoreOp(nn.Module):
+    """SCORE: append k, v to the layer's KV cache, attend q over it -> o (B,T,H,E).
+
+    ``attend`` is the attention kernel, ``attend(q, cache, step, fmt, window)``:
+    ``attention`` by default; the executor passes a host kernel (``host_compute``) when SCORE
+    runs on the host; ``window`` is ``spec.sliding_window``. With a compressed ``spec.kv_format`` the new k, v are quantized as they are
+    appended and the kernel decompresses what it reads, so attention computes on exactly the
+    decoded values, the new token's own included.
+    """
+
+    spec: ModelSpec
+    attend: Callable[..., jax.Array] = attention
+
+    def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
+        fmt = kv_format(self.spec)
+        cache = append_kv(cache, k, v, step.write_index, fmt)
+        return (self.attend(q, cache, step, fmt, self.spec.sliding_window),), cache
+
+
+
+
+HEAD_CHUNK_ELEMENTS = 1 << 22  # a compressed LM head decompresses this many weights at a time
+
+
+def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format, vocab: int,
+                       dtype) -> jax.Array:
+    """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
+    chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
+    chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
+    whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``. ``lm_head`` on
+    the host passes float32 for one row: XLA:CPU's matrix-vector path widens a bfloat16 matrix
+    anyway, and SmolLM2's Q8_0 head took 3.2 ms decompressed into float32 against 4.6 ms into
+    bfloat16 (2-core VM, median of 21); the accelerator keeps its dtype (a float32 chunk would
+    double its temporaries)."""
+    D = n.shape[-1]
+    rows = max(1, HEAD_CHUNK_ELEMENTS // D)
+    parts, after = [], n
+    for start in range(0, vocab, rows):
+        chunk = {p: a[start:start + rows] for p, a in held.items()}
+        table = dequantize(chunk, fmt, (min(rows, vocab - start), D), dtype, after=after)
+        after = product(n.astype(table.dtype), table)
+        parts.append(after)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def lookup(module: nn.Module, name: str, ids: jax.Array, rows: int, fmt: str) -> jax.Array:
+    """Rows ``ids`` (any shape, int32) of op module ``module``'s table ``name`` (``rows``, D),
+    held in ``fmt``, as (*ids.shape, D) in the model's dtype: a compressed table decompresses
+    only the rows looked up."""
+    s = module.spec
+    table = matrix(module, name, (rows, s.d_model), fmt, held_dtype(module),
+                   nn.initializers.normal(0.02))
+    if isinstance(table, dict):
+        picked = {part: jnp.take(a, ids, axis=0) for part, a in table.items()}
+        return dequantize(picked, get_format(fmt), ids.shape + (s.d_model,), s.dtype)
+    return jnp.take(table, ids, axis=0).astype(s.dtype)
+
+
+def lm_head(module: nn.Module, n: jax.Array) -> jax.Array:
+    """Logits (B, V) float32 of the normed last positions ``n`` (B, D) against op module
+    ``module``'s table ``embedding`` (V, D) (EMBED's when tied), in the model's embedding
+    format: a compressed table in chunks (``_compressed_logits``; one row on the host
+    decompressed into float32)."""
+    s = module.spec
+    table = matrix(module, TABLE, (s.vocab_size, s.d_model), s.embedding_format,
+                   held_dtype(module), nn.initializers.normal(0.02))
+    if isinstance(table, dict):
+        wide = module.host and n.shape[0] == 1
+        return _compressed_logits(n, table, get_format(s.embedding_format), s.vocab_size,
+                                  jnp.float32 if wide else held_dtype(module))
+    return product(n.astype(table.dtype), table)
+

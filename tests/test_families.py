@@ -1,0 +1,154 @@
+"""Every family hx runs, against transformers on the checkpoint transformers itself wrote.
+
+For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
+shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT), a tiny random checkpoint in float32: hx's
+last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
+transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
+(weights streamed, SCORE and the KV cache on the host) and CP-SAT's plan for 30 % of the weight
+bytes (the accountant raising if the budget is ever passed). Then what hx refuses and ignores.
+"""
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hx
+from hx.devices import discover
+from hx.errors import HxError
+from hx.generate import Engine
+from hx.models.family import HF_IGNORED, family
+from hx.models.safetensors_loader import spec_from_config
+from hx.planner import policies
+from hx.sampling import SamplingParams
+from hx.workload import Workload
+
+from hf_families import CONFIGS, GGUF_FAMILIES, PROMPTS, reference, write_checkpoint, write_gguf
+from profiles import gpu_like
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(family, folder, hx model, transformers model, prompts as ids, reference)."""
+    directory = str(tmp_path_factory.mktemp(request.param))
+    ref_model = write_checkpoint(request.param, directory)
+    model = hx.load(directory, dtype="float32")
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    return (request.param, directory, model, ref_model, prompts,
+            reference(ref_model, prompts, NEW_TOKENS, model.tokenizer.eos_id))
+
+
+def plans(model, prompts):
+    """(name, plan, devices) of the three plans every family must run exactly."""
+    spec, n = model.spec, model.spec.n_layers
+    yield "all-accelerator", policies.all_accelerator(n), discover()
+    yield "stream-all", policies.stream_all(n), discover()
+    devices = discover(accelerator_memory=int(0.3 * spec.weight_bytes))
+    work = Workload.for_prompts(len(prompts), max(map(len, prompts)), NEW_TOKENS, spec)
+    yield "cpsat", policies.build("cpsat", spec, devices, work, profile=gpu_like(),
+                                  time_limit_s=1.0), devices
+
+
+def test_matches_transformers(checkpoint):
+    name, _, model, _, prompts, (ref_logits, ref_greedy) = checkpoint
+    assert model.spec.family == CONFIGS[name][0]
+    if name == "mistral":
+        assert max(map(len, prompts)) > model.spec.sliding_window  # the window is exercised
+    for plan_name, plan, devices in plans(model, prompts):
+        engine = Engine(model, plan, devices)
+        got = engine.last_logits(prompts)
+        for row, ref in zip(got, ref_logits):
+            assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan_name
+        completions = engine.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        assert [c.token_ids for c in completions] == ref_greedy, plan_name
+        if devices.accelerator.capacity is not None:
+            assert engine.accountant.peak <= devices.accelerator.capacity
+    assert sum(map(len, ref_greedy)) >= NEW_TOKENS  # real continuations were compared
+
+
+def test_gguf_matches_transformers(checkpoint, tmp_path):
+    """The same weights written as llama.cpp's GGUF of the family (where llama.cpp defines
+    one): read by hx, the same logits and greedy tokens (all-accelerator, stream-all)."""
+    name, _, model, ref_model, prompts, (ref_logits, ref_greedy) = checkpoint
+    if name not in GGUF_FAMILIES:
+        pytest.skip(f"hx reads {name} from Hugging Face folders; its GGUF is not read yet")
+    path = str(tmp_path / f"{name}.gguf")
+    write_gguf(ref_model, model.spec, path)
+    from_gguf = hx.load(path, dtype="float32")
+    assert from_gguf.spec.family == model.spec.family
+    assert from_gguf.tokenizer.encode(PROMPTS[0]) == prompts[0]
+    n = model.spec.n_layers
+    for plan in (policies.all_accelerator(n), policies.stream_all(n)):
+        engine = Engine(from_gguf, plan, discover())
+        for row, ref in zip(engine.last_logits(prompts), ref_logits):
+            assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan.name
+        completions = engine.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        assert [c.token_ids for c in completions] == ref_greedy, plan.name
+
+
+def changed(value):
+    """A different value of a config field's type (the proof that hx may ignore it)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, float):  # rates and deviations in [0, 1]
+        return value / 2 + 0.25
+    if isinstance(value, int):
+        return value * 2 + 1
+    return None
+
+
+def test_ignored_fields_do_not_change_the_outputs(checkpoint):
+    """Every field of the family's config.json that hx reads past (``HF_IGNORED`` and the
+    family's own) changes nothing in transformers' outputs either: each numeric or boolean
+    one is changed and the logits compared; the rest are names, ids and bookkeeping
+    (strings, mappings, the token ids the tokenizer decides)."""
+    name, directory, model, ref_model, prompts, (ref_logits, _) = checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    ignored = (HF_IGNORED | family(model.spec.family).hf_ignored) & set(config)
+    varied = [key for key in sorted(ignored) if changed(config[key]) is not None
+              and not key.endswith("token_id")]
+    state = ref_model.state_dict()
+    for key in varied:
+        altered = copy.deepcopy(config)
+        altered[key] = changed(config[key])
+        spec_from_config(altered, directory)  # hx still reads it past
+        other = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**{k: v for k, v in altered.items()
+                                    if k not in ("transformers_version",)}),
+            dtype=torch.float32)
+        other.load_state_dict(state)
+        other.eval()
+        with torch.no_grad():
+            out = other(torch.tensor([prompts[0]])).logits[0, -1].double().numpy()
+        assert np.abs(out - ref_logits[0]).max() <= 1e-5 * np.abs(ref_logits[0]).max(), key
+
+
+@pytest.mark.parametrize("model_type,field,value", [
+    ("llama", "unheard_of_field", 1), ("llama", "hidden_act", "gelu"),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "beta": 1.0}),
+    ("llama", "attention_bias", True), ("llama", "mlp_bias", True),
+    ("qwen2", "use_sliding_window", True),
+    ("qwen3", "layer_types", ["sliding_attention", "full_attention"]),
+    ("opt", "do_layer_norm_before", False), ("opt", "word_embed_proj_dim", 32),
+    ("opt", "activation_function", "gelu"),
+    ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4})])
+def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
+    """One line naming the field (or the RoPE type, or its unknown part)."""
+    config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 112,
+              "ffn_dim": 112, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 320}
+    word = value.get("rope_type") if isinstance(value, dict) else field
+    word = "beta" if isinstance(value, dict) and "beta" in value else word
+    with pytest.raises(HxError, match=word) as refused:
+        spec_from_config({**config, field: value}, "/m")
+    assert "\n" not in str(refused.value)

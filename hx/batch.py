@@ -109,8 +109,9 @@ def _prompt_line(line: str, where: str) -> dict[str, Any]:
     return row
 
 
-def check_output_path(prompts_path: str, output_path: str) -> None:
-    """Refuse, before any work, an output that cannot be written or is the input.
+def check_output_path(prompts_path: str | None, output_path: str) -> None:
+    """Refuse, before any work, an output that cannot be written or is the input
+    (``prompts_path``; None: a run of one prompt, no file in).
 
     Raises:
       HxError: the output is a folder, its folder is missing or not writable, the output
@@ -126,7 +127,8 @@ def check_output_path(prompts_path: str, output_path: str) -> None:
     if os.path.exists(output_path):
         if not os.access(output_path, os.W_OK):
             raise HxError(f"output file {output_path} is not writable")
-        if os.path.exists(prompts_path) and os.path.samefile(prompts_path, output_path):
+        if prompts_path is not None and os.path.exists(prompts_path) and \
+                os.path.samefile(prompts_path, output_path):
             raise HxError(f"--output {output_path} is the prompts file; choose another file")
     elif not os.access(folder, os.W_OK):
         raise HxError(f"output folder {folder} is not writable; choose another --output")
@@ -244,6 +246,20 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
     return text[:min(ends)] if ends else None
 
 
+def json_line(result: dict[str, Any]) -> str:
+    """A result as its output line: JSON (text as it is, not escaped to ASCII) and a newline."""
+    return json.dumps(result, ensure_ascii=False) + "\n"
+
+
+def write_result(output_path: str, result: dict[str, Any]) -> None:
+    """Write ``result`` as the one line of ``output_path`` (replacing what it held), flushed
+    and fsynced: the output of a run of one prompt (``hx generate -p TEXT -o FILE``)."""
+    with open(output_path, "w", encoding="utf-8") as out:
+        out.write(json_line(result))
+        out.flush()
+        os.fsync(out.fileno())
+
+
 def result_row(row: dict[str, Any], completion: Completion, provenance: dict[str, Any],
                stops: tuple[str, ...] = ()) -> dict[str, Any]:
     """The output line of one prompt (its text cut at the first stop string)."""
@@ -333,7 +349,7 @@ class BatchJob:
                 def write(r: int, completion: Completion) -> None:
                     i = rows[r]
                     result = result_row(self.todo[i], completion, self.provenance[i], stops)
-                    out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                    out.write(json_line(result))
                     out.flush()
                     os.fsync(out.fileno())
                     if on_result:

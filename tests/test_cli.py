@@ -150,6 +150,32 @@ def test_batch_run_on_tiny_gguf(tmp_path, tiny_model, smollm_metadata, devices):
     assert_clean_error(hx(*args[:5], "-o", str(tmp_path / "p.jsonl")), "is the prompts file")
 
 
+def test_one_prompt_with_output_writes_the_line_a_prompts_file_gets(tmp_path, tiny_model,
+                                                                    smollm_metadata):
+    """``-p TEXT -o FILE`` replaces FILE with the prompt's result line: the keys and values a
+    --prompts run writes for the same prompt (id "prompt"), timings aside; an output that
+    cannot be written is refused before the model loads."""
+    write_gguf(tmp_path / "tiny.gguf", tiny_model.spec, tiny_model.params, smollm_metadata)
+    out, batch = tmp_path / "one.jsonl", tmp_path / "batch.jsonl"
+    out.write_text("an older run's line\n")
+    common = ("generate", "-m", str(tmp_path / "tiny.gguf"), "--max-new-tokens", "3")
+    result = hx(*common, "-p", "[b]Hi", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert row["completion"] + "\n" == result.stdout
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "prompt", "prompt": "[b]Hi"}) + "\n")
+    assert hx(*common, "--prompts", str(tmp_path / "p.jsonl"), "-o", str(batch),
+              "--mode", "latency").returncode == 0
+    expected = json.loads(batch.read_text(encoding="utf-8"))
+    timings = ("ttft_s", "decode_tok_s")
+    assert {k: v for k, v in row.items() if k not in timings} == {
+        k: v for k, v in expected.items() if k not in timings}
+    assert_clean_error(hx("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi", "-o",
+                          str(tmp_path / "missing" / "o.jsonl")), "does not exist")
+
+
 QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes (--weights dense)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import tempfile
 import time
@@ -37,9 +36,11 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One prompt."),
     prompts: Optional[Path] = typer.Option(None, "--prompts",
                                            help="JSONL file of {\"id\", \"prompt\"} lines."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="JSONL results file (with --prompts); an "
-                                               "existing file is resumed."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o",
+        help="JSONL results file: with --prompts, one line per prompt, an existing file "
+             "resumed; with --prompt, the result's line (the same keys, id \"prompt\"), "
+             "replacing the file."),
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
     weights: str = WeightsOption,
@@ -108,7 +109,8 @@ def generate(
 
     With --prompts, each result line is appended to --output as its batch ends; an interrupted
     run resumes where it stopped. Piped, stdout carries exactly those JSONL lines; on a
-    terminal, each prompt and completion."""
+    terminal, each prompt and completion. With --prompt, the completion goes to stdout and,
+    with --output, its result line to that file."""
     from hx.batch import check_output_path, output_lock, read_prompts
 
     if (prompt is None) == (prompts is None):
@@ -125,9 +127,10 @@ def generate(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
     lock = contextlib.nullcontext()
-    if prompts is not None:  # before the model loads: fail fast, and one run per output
+    if prompts is not None:  # before the model loads: fail fast
         read_prompts(str(prompts))
-        check_output_path(str(prompts), str(output))
+    if output is not None:  # before the model loads: fail fast, and one run per output
+        check_output_path(None if prompts is None else str(prompts), str(output))
         lock = output_lock(str(output))
     options = RunOptions(model, dtype, weights, sampling, chat, accelerator_memory, host_memory,
                          policy, gpu_layers, host_ops, plan, profile, batch_size or 1,
@@ -140,7 +143,7 @@ def generate(
                       "--micro-batch and --micro-batches (or use --batch-size)")
     with lock:
         if prompt is not None:
-            _generate_one(prompt, options)
+            _generate_one(prompt, options, output)
         else:
             _generate_file(prompts, output, options)
 
@@ -319,8 +322,11 @@ def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, ha
     return engine
 
 
-def _generate_one(prompt: str, options: RunOptions) -> None:
-    """``hx generate --prompt``: the completion on stdout, its figures on stderr."""
+def _generate_one(prompt: str, options: RunOptions, output: Optional[Path]) -> None:
+    """``hx generate --prompt``: the completion on stdout, its figures on stderr and, with
+    ``output``, its result line there (``batch.result_row``: the keys of a --prompts run's
+    lines, id ``"prompt"``)."""
+    from hx.batch import produced_by, result_row, write_result
     from hx.generate import encode_prompt
     from hx.prefill import check_prompts
 
@@ -339,6 +345,9 @@ def _generate_one(prompt: str, options: RunOptions) -> None:
         result = engine.generate_ids([ids], sampling)[0]
     sys.stdout.write(result.text + "\n")  # the exact text: no wrapping, no markup
     sys.stdout.flush()
+    if output is not None:
+        write_result(str(output), result_row({"id": "prompt", "prompt": prompt}, result,
+                                             produced_by(spec, sampling, (), options.chat)))
     rate = f"{result.decode_tok_s:.1f}" if result.decode_tok_s else "-"
     note(f"prompt_tokens={result.prompt_tokens} "
          f"completion_tokens={len(result.token_ids)} ttft={result.ttft_s:.3f}s "
@@ -457,6 +466,8 @@ def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | Non
                join_min: int) -> None:
     """Run a batch job with a progress bar (prompts, tokens/s, ETA), each result echoed as it
     is written, then a summary table."""
+    from hx.batch import json_line
+
     results: list[dict] = []
     start = time.perf_counter()
     piped = not sys.stdout.isatty()
@@ -473,7 +484,7 @@ def _run_batch(job, engine, batch_size: int, output: Path, block: Workload | Non
             progress.update(task, advance=1,
                             rate=f"{tokens / (time.perf_counter() - start):.1f}")
             if piped:  # the very bytes appended to the output file
-                sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+                sys.stdout.write(json_line(row))
                 sys.stdout.flush()
             else:  # user text is never markup: [/INST], [b], [a-z] print as they are
                 out.print(Text.assemble((str(row["id"]), "bold"), " ", repr(row["prompt"])),

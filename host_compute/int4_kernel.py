@@ -206,7 +206,7 @@ def int4pack(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]
 
 
 def int4pack_params(spec, params: dict) -> dict:
-    """``params`` (a parameter tree of ``models/llama.py`` in ``spec``'s formats) with every
+    """``params`` (a parameter tree of ``models.decoder.init_params`` in ``spec``'s formats) with every
     decoder-layer projection matrix (embedding tables keep their format) that ``spec`` holds
     in the kernel's layout (``ModelSpec.op_weight_arrays``
     under ``host_matmul`` torch-int4) converted by ``int4pack``, in place, one matrix at a time:

@@ -19,7 +19,7 @@ whole model as one segment with two middle layers minus with one. On a GPU, and 
 float32 and bfloat16, a layer's buffers are freed before the next layer starts and temporaries
 do not grow with depth (Llama-2-7B shapes, a 1000-token prefill on XLA:CPU: 1, 4 and 32 layers
 need 431, 447 and 447 MiB; a bfloat16 decode step: 0.5 MB a layer at one row, its products
-padded to two by ``models.llama.product``). XLA:CPU has no float16 dot and holds a float32 copy
+padded to two by ``models.layers.product``). XLA:CPU has no float16 dot and holds a float32 copy
 of every float16 weight of the program at once (SmolLM2, one decode step: 14.16 MB a layer, its
 weights in float32), which the extrapolation follows.
 """
@@ -58,7 +58,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
     with the caches donated. SCORE on the host uses ``xla_attention.blocked_attention``; with
     ``attend=False`` it only appends k and v to its cache -- quantized there when the cache is
-    compressed (``models.llama.append_kv``) -- and ``SplitHostProgram`` attends outside XLA.
+    compressed (``models.layers.append_kv``) -- and ``SplitHostProgram`` attends outside XLA.
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None

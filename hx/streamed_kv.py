@@ -5,7 +5,7 @@ al. 2024, "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recompu
 A ``streamed`` layer's cache is held on the host device: its K, V arrays (B, S, ...) as
 ``models.tensors.kv_arrays`` gives them (dense or compressed) and, where the plan recomputes
 (r > 0), ``h`` (B, S, D) in the model's dtype: the layer's normed attention input of every
-slot, the input of its K and V ops (``models.llama.QOp``). Every slot's, not only [0, r)'s as
+slot, the input of its K and V ops (made by the family's Q op). Every slot's, not only [0, r)'s as
 in KVPR, so that a re-plan may raise r and re-framing a continuous batch moves ``h`` with K
 and V. Per micro-batch, ``hx.executor`` carries out ``hx.schedule``'s instructions with these
 programs:
@@ -81,8 +81,8 @@ def assemble(head: Cache, tail: Cache, slots: int) -> Cache:
 @functools.lru_cache(maxsize=None)
 def recompute_function(spec: ModelSpec, held: str):
     """``(K params, V params, h (B, r, D), kv_start (B,)) -> head``: the K, V of slots [0, r)
-    from their kept activations, by the layer's own K and V ops (``models.llama.apply_op``,
-    weights in ``held``), in the cache's format (``models.llama.kv_parts``; dense in the
+    from their kept activations, by the layer's own K and V ops (``models.decoder.apply_op``,
+    weights in ``held``), in the cache's format (``models.layers.kv_parts``; dense in the
     model's dtype). Jitted; runs where its arguments are (the accelerator)."""
     fmt = kv_format(spec)
 

@@ -193,7 +193,7 @@ def kv_cache_format(name: str, head_dim: int) -> Format | None:
     re-quantized. The group is the format's, or the whole head where the head dim is smaller
     (a head of 16 values in int4: one scale and offset per head vector, 6 bits per value).
     Its fit is always ``minmax`` (FlexGen's; int8's weight fit ``mse`` is not used for the
-    cache): ``models.llama.quantize_kv`` compresses K and V inside the JAX programs with the
+    cache): ``models.layers.quantize_kv`` compresses K and V inside the JAX programs with the
     min/max scheme, and ``quantize`` of this format gives its arrays bit for bit.
 
     Raises:
@@ -361,7 +361,7 @@ def _fit_mse(w: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 matrix of logical ``shape`` that ``held`` (``quantize``'s arrays) encodes:
-    what the programs compute on (``models.llama.dequantize`` is the same formula in JAX)."""
+    what the programs compute on (``models.layers.dequantize`` is the same formula in JAX)."""
     import numpy as np
 
     codes = unpack(np.asarray(held["codes"]), fmt).astype(np.float32) - fmt.zero

@@ -55,7 +55,7 @@ KV_FORMATS = (DENSE, *FORMATS)  # how a KV cache can be held (``ModelSpec.kv_for
 class Model:
     """A loaded model: shapes, host weights, tokenizer and where it came from.
 
-    ``params`` is the tree of ``models/llama.py``: numpy arrays of ``spec.dtype`` (views of
+    ``params`` is the tree of ``models.decoder.init_params``: numpy arrays of ``spec.dtype`` (views of
     the mapped file where a tensor is held as the file has it), compressed matrices as their
     formats' arrays; the executor places it on devices according to a plan. A preset's random
     weights come with a ``NoTokenizer`` (ids only: encoding text raises ``HxError``), and

@@ -1,7 +1,7 @@
 """Random weights of a model's real shapes, for benchmarks, plans and tests of models hx does
 not have on disk (``loader.load("llama2-7b:8L")``).
 
-The tree is exactly ``models/llama.py`` ``init_params``' (built from ``ModelSpec.
+The tree is exactly ``models.decoder.init_params``' (built from ``ModelSpec.
 op_weight_shapes``, which names the same paths), but drawn with numpy rather than through Flax,
 so that gigabytes of weights come fast and without temporary copies:
 

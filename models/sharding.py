@@ -65,7 +65,7 @@ def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
 
 def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
     """(``padded_spec``, ``params`` with zeros appended along the padded axes): the same
-    outputs, split evenly by ``tp``. ``params`` is the model's tree (``models.llama``), numpy
+    outputs, split evenly by ``tp``. ``params`` is the model's tree (``models.decoder.init_params``), numpy
     or JAX arrays; unpadded leaves are returned as they are."""
     wider = padded_spec(spec, tp)
     if wider is spec:

@@ -32,7 +32,7 @@ def host_dtype(dtype: str) -> str:
     ``avx512_bf16``) once a product has two rows or more: a (2 x 4096) @ (4096 x 11008) product
     with float32 accumulation took 5.8 ms held in bfloat16 against 16.1 ms in float32 (16 rows:
     8.5 vs 20.3; jax 0.10.2, 2 threads, median of 11). One-row products are padded to two
-    (``models.llama.product``): XLA:CPU's matrix-vector path widens a bfloat16 matrix to a float32
+    (``models.layers.product``): XLA:CPU's matrix-vector path widens a bfloat16 matrix to a float32
     temporary first (61 ms). float16 has no fast path on XLA:CPU (64-84 ms at 1-16 rows), so a
     float16 model's host ops hold float32 copies (3.6 ms at one row), which the host budget
     counts. On a CPU without bf16 instructions the profiler's host rates, measured in this

@@ -4,7 +4,7 @@ The executor, the Schedule (``hx.schedule``), the memory estimate (``hx.memory``
 constraint coefficients, the baselines and the simulator all size tensors here, so they cannot
 disagree. It imports neither JAX nor Flax: a planner sizes a 70B model it never loads.
 
-Axis letters (as in ``models/llama.py``): B rows, T new tokens per row, S KV-cache slots,
+Axis letters (as in ``models/layers.py``): B rows, T new tokens per row, S KV-cache slots,
 D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary.
 
 * **Weights**: ``ModelSpec.op_weight_shapes`` gives each op's tensors (matrices in the
@@ -41,7 +41,7 @@ class OpDef:
     uses_cache: bool = False
 
 
-# The op table: what each of the nine ops (models/llama.py) reads and writes.
+# The op table: what each of the nine ops (each family's modules, ``models.family``) reads and writes.
 OPS: dict[str, OpDef] = {
     EMBED: OpDef(("tokens",), ("x",)),
     "Q": OpDef(("x",), ("h", "q")),
@@ -127,7 +127,7 @@ def kv_key(name: str, part: str) -> str:
 def kv_arrays(spec: ModelSpec, rows: int, slots: int
               ) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of every array of one layer's KV cache, keyed as the cache dict
-    (``models.llama.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's
+    (``models.layers.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's
     dtype. Compressed (``kv_format``, group g along E): for each of ``k`` and ``v`` its codes
     uint8 (B, S, K, E/g, g·bits/8) under the name, float16 scales (B, S, K, E/g) under
     ``k_scale``, and for an asymmetric format float16 offsets under ``k_offset``
@@ -185,7 +185,7 @@ def layer_key(i: int) -> str:
 
 def weight_tree(spec: ModelSpec, take: Callable[[int | None, str, str, tuple[int, ...]], Any],
                 layers: Iterable[int] | None = None) -> dict[str, Any]:
-    """The parameter tree of ``models/llama.py`` with leaves from ``take``: ``{"EMBED": ...,
+    """The parameter tree of ``models.decoder.init_params`` with leaves from ``take``: ``{"EMBED": ...,
     "layer_i": {op: ...}, "HEAD": ...}``, each ``ModelSpec.op_weight_shapes`` path nested at
     its "/", its leaf ``take(layer, op, path, shape)`` (layer None for EMBED and HEAD). Only
     the decoder layers ``layers`` (default: all); a tied model's HEAD embedding is EMBED's

@@ -1,6 +1,6 @@
 """FLOPs and bytes of every op and transfer, from a ``ModelSpec`` and the step's shapes.
 
-Notation as in ``models/llama.py``: B batch, T new tokens per row (prompt length in prefill, 1 in
+Notation as in ``models/layers.py``: B batch, T new tokens per row (prompt length in prefill, 1 in
 decode), S cache slots attended, D hidden, H/K query/KV heads, E head dim, F FFN size, V vocab.
 A dense (M x N) @ (N x P) product costs 2·M·N·P FLOPs (one multiply and one add per term; Kaplan
 et al. 2020, §2.1). Elementwise work (norms, RoPE, SiLU, softmax) is a few FLOPs per element and
@@ -33,7 +33,7 @@ class OpCost:
       kv_read_bytes / kv_write_bytes: KV-cache bytes read (SCORE over S slots) and appended.
       other_bytes: other memory traffic (EMBED's gathered rows).
       dequantized: ((weight format, weights), ...): each compressed matrix the op
-        decompresses before its product (``models.llama.dequantize``).
+        decompresses before its product (``models.layers.dequantize``).
     """
 
     flops: float

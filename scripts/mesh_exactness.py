@@ -11,7 +11,7 @@ The accelerators are ``hx.discover(accelerators=k)``'s (emulated: the process as
 1 + k CPU devices; on a GPU machine its GPUs); the reference runs on the first of them.
 Part 1, for each tp: ``sharding.pad`` adds zero heads and feed-forward rows where tp does not
 divide them (SmolLM2's 3 KV heads), every weight and cache is placed with its
-``NamedSharding`` over a mesh of tp devices, and ``models.llama.forward`` runs a prefill of
+``NamedSharding`` over a mesh of tp devices, and ``models.decoder.forward`` runs a prefill of
 two rows (the second left-padded by 2) and ``--decode`` decode steps, jitted (XLA partitions
 it and inserts the all-reduces). Printed: the largest logit difference relative to the largest
 logit at every step, whether greedy tokens agree, and each device's bytes of the split weights

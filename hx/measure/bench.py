@@ -1,6 +1,6 @@
 """Decode benchmark: executor step time per plan and batch vs one jitted whole-model step.
 
-For each (plan, batch) the executor and a single ``jax.jit`` of ``models.llama.forward`` on the
+For each (plan, batch) the executor and a single ``jax.jit`` of ``models.decoder.forward`` on the
 same device run alternately, step by step, over the same KV-cache state, so their ratio is
 measured under the same machine load. Reported numbers are medians.
 """

@@ -14,7 +14,7 @@ registers its handlers with ``jax.ffi.register_ffi_target`` and measures, median
    FFI call that does nothing, a plain jitted float32 dot, ``jax.pure_callback`` into torch,
    and torch's op called from Python; the slope between a chain of 1 and of ``CHAIN`` calls;
 2. the products of a batch-1 step (30 layers of SmolLM2-135M's shapes + the LM head) as
-   one jitted program: XLA float32 dense (7 products a layer, hx's ``models.llama.product``)
+   one jitted program: XLA float32 dense (7 products a layer, hx's ``models.layers.product``)
    and hx's compressed path (Q4_1 layers and a Q8_0 head decompressed by XLA, to float32 and
    to bfloat16) against the FFI int4 kernel with Q,K,V and gate/up fused (4 calls a layer +
    the head, all int4), bfloat16 activations/scales on 1 and 2 torch threads, float32 activations/scales,
@@ -157,7 +157,7 @@ def chain(y, n: int):
 
 
 def xla_products(layer_fmt=None, head_fmt=None, dtype=jnp.float32):
-    """The step's products in XLA, 7 a layer (hx's ``models.llama.product``): dense, or with
+    """The step's products in XLA, 7 a layer (hx's ``models.layers.product``): dense, or with
     the layers held in ``layer_fmt`` and the head in ``head_fmt``, each matrix decompressed to
     ``dtype`` right before its product (hx's ``dequantize``, ``after`` its input)."""
     def matrix(held, shape, fmt, after):

@@ -19,11 +19,12 @@ import jax
 import numpy as np
 
 from hx.continuous import BlockRunner
-from hx.devices import ACCELERATOR, HOST, Devices, release_free_heap
+from hx.devices import ACCELERATOR, HOST, Devices, discover, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
 from hx.models.layers import Cache
 from hx.models.loader import Model
+from hx.models.spec import ModelSpec
 from hx.models.tokenizer import Tokenizer
 from hx.pipeline import Pipeline
 from hx.plan import ExecutionPlan, Stint, plan_at, recompute_consistent
@@ -41,15 +42,55 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list
     return tokenizer.encode(tokenizer.render_chat(prompt) if chat else prompt)
 
 
+def default_workload(spec: ModelSpec) -> Workload:
+    """What ``Engine`` plans for when given neither a plan nor a workload: one prompt of up
+    to 512 tokens generating up to 512 (``Workload.for_prompts``: 1,024 KV-cache slots), both
+    at most half the model's context."""
+    tokens = min(512, spec.context_length // 2)
+    return Workload.for_prompts(1, tokens, tokens, spec)
+
+
+def default_plan(spec: ModelSpec, devices: Devices | Sequence[Devices],
+                 workload: Workload) -> ExecutionPlan:
+    """The plan ``hx generate`` makes when given no plan or policy: ``auto`` for
+    ``workload`` on ``devices`` (over pipeline stages, per stage: ``hx.pipeline.place``),
+    priced on the saved hardware profile, or on a quick one measured now where ``auto``
+    needs one (``hx.measure.profiler.for_policy``).
+
+    Raises:
+      HxError: nothing fits the budgets (``policies.build``, naming the bytes over).
+    """
+    from hx.measure.profiler import for_policy
+    from hx.pipeline import place, plan_targets
+    from hx.planner import policies
+
+    first = devices if isinstance(devices, Devices) else devices[0]
+    profile = for_policy("auto", None, first, plans=[
+        (part, on, workload) for part, on in plan_targets(spec, devices)])
+    return place(spec, devices,
+                 lambda part, on: policies.build("auto", part, on, workload, profile=profile))
+
+
 class Engine:
     """Generates text with a model under an execution plan.
 
     Args:
       model: a loaded model (``hx.load``).
-      plan: op placement and memory homes; all-accelerator when omitted.
+      plan: op placement and memory homes. When omitted (and no ``stints``), the plan
+        ``hx generate`` makes by default (``default_plan``): policy ``auto`` for ``workload``
+        on ``devices`` -- all-accelerator where it fits the budgets, else CP-SAT's plan or
+        stream-all priced on the hardware profile ``hx profile`` saved, without one the
+        largest layer split that fits, and where that overflows the host memory budget a
+        CP-SAT plan on a quick profile measured now (<= 20 s, kept for the next time:
+        ``hx.measure.profiler.for_policy``), which can keep weights on disk.
       devices: accelerator (with its memory budget) and host; discovered when omitted. A
         list of them, one per pipeline stage (``hx.pipeline.stage_devices``), runs the model's
         layers in that many stages (``hx.pipeline.Pipeline``), each with its own budget.
+      workload: the shapes the default plan is made to fit (``hx.workload.Workload``);
+        default ``default_workload``'s: one prompt of up to 512 tokens and 512 new ones
+        (1,024 KV-cache slots), each at most half the model's context. A call beyond it runs where its
+        plan still fits and is refused otherwise (``check``); pass the workload of the calls
+        you make (or a plan) to plan for them. Ignored when a plan or stints are given.
       timeline: records every segment and transfer when given (``--trace``).
       spill_dir: where disk-homed weights that are no file hx can map are written once
         (``hx.disk``; None refuses such plans).
@@ -66,13 +107,14 @@ class Engine:
       plan_log: (first decode step, plan name) of each plan the last run ran under.
     Raises:
       HxError: ``plan`` is not the first stint's; a stint recomputes where one before kept
-        no ``h`` (``hx.plan.recompute_consistent``); the executor's.
+        no ``h`` (``hx.plan.recompute_consistent``); no default plan fits the budgets
+        (naming the bytes over); the executor's.
     """
 
     def __init__(self, model: Model, plan: ExecutionPlan | None = None,
                  devices: Devices | Sequence[Devices] | None = None,
                  timeline: Timeline | None = None, spill_dir: str | None = None,
-                 stints: Sequence[Stint] = ()):
+                 stints: Sequence[Stint] = (), workload: Workload | None = None):
         if stints and plan is not None and plan != stints[0].plan:
             raise HxError("plan and stints disagree: the first stint's plan is the one that "
                           "prefills; pass one of them")
@@ -80,8 +122,10 @@ class Engine:
             raise HxError("a stint recomputes K, V of a layer whose cache a stint before it "
                           "kept no activations h for; hx.plan.recompute_consistent(stints) "
                           "sets those r to 0")
-        self.plan = (stints[0].plan if stints else plan) or ExecutionPlan.all_accelerator(
-            model.spec.n_layers)
+        if devices is None:
+            devices = discover()
+        self.plan = (stints[0].plan if stints else plan) or default_plan(
+            model.spec, devices, workload or default_workload(model.spec))
         self.stints = tuple(stints) or (Stint(0, self.plan),)
         self.plan_log: list[tuple[int, str]] = [(0, self.plan.name)]
         self._spill_dir = spill_dir

@@ -21,7 +21,7 @@ host attention in numpy does wait).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -66,6 +66,34 @@ def stage_devices(devices: Devices, pp: int) -> list[Devices]:
     return [dataclasses.replace(devices, host=host, accelerator=dataclasses.replace(
         acc, device=group[s * tp], group=tuple(group[s * tp:(s + 1) * tp]) if tp > 1 else ()))
         for s in range(pp)]
+
+
+def plan_targets(spec: ModelSpec, devices: Devices | Sequence[Devices]
+                 ) -> list[tuple[ModelSpec, Devices]]:
+    """(spec, devices) of each part of a run's plan: on one ``Devices``, the one its
+    accelerators each hold (``executor.per_accelerator``); on a list of them, one per
+    pipeline stage (``stage_devices``), each stage's (its layers: ``ModelSpec.pipeline_stage``,
+    on its devices, per accelerator)."""
+    if isinstance(devices, Devices):
+        return [per_accelerator(spec, devices)]
+    return [per_accelerator(spec.pipeline_stage(len(layers), first, last), d)
+            for (layers, first, last), d in zip(stage_cuts(spec.n_layers, len(devices)),
+                                                devices)]
+
+
+def place(spec: ModelSpec, devices: Devices | Sequence[Devices],
+          choose: Callable[[ModelSpec, Devices], ExecutionPlan]) -> ExecutionPlan:
+    """The plan of a run of ``spec`` on ``devices``: ``choose(spec, devices)`` of each part
+    (``plan_targets``); over pipeline stages, the stages' plans joined
+    (``ExecutionPlan.joined``, named "NAME in N stages").
+
+    Raises:
+      HxError: ``choose``'s.
+    """
+    plans = [choose(s, d) for s, d in plan_targets(spec, devices)]
+    if isinstance(devices, Devices):
+        return plans[0]
+    return ExecutionPlan.joined(plans, f"{plans[0].name} in {len(plans)} stages")
 
 
 def check_stages(spec: ModelSpec, plan: ExecutionPlan, devices: Sequence[Devices],

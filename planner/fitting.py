@@ -17,10 +17,13 @@ CHUNKS = (None, 512, 128, MIN_CHUNK)
 def fits(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
     """Whether ``check_fits`` accepts ``plan`` with proxy-sized temporaries (a plan whose
     unsized estimate -- XLA temporaries left out, nothing compiled -- already exceeds the
-    accelerator budget is refused without compiling its segments)."""
+    accelerator budget is refused without compiling its segments, and without an accelerator
+    budget only the host's is checked, which no temporary changes)."""
     capacity = devices.accelerator.capacity
     unsized = estimate(plan, spec, workload, sizing=UNSIZED)
-    if capacity is not None and unsized.accelerator > capacity:
+    if capacity is None:
+        return devices.host.capacity is None or unsized.host <= devices.host.capacity
+    if unsized.accelerator > capacity:
         return False
     try:
         check_fits(plan, spec, devices, workload, sizing=PROXY)

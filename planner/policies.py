@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
-from hx.memory import MemoryEstimate, estimate
+from hx.memory import PROXY, MemoryEstimate, check_fits, estimate
 from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.plan import DISK, STREAMED, ExecutionPlan, Placement
 from hx.planner.fitting import fit_prefill_chunk, fits
@@ -159,23 +159,53 @@ def _cpsat(r: Request) -> ExecutionPlan:
     return _cpsat_plan(r.spec, r.profile, r.devices, r.workload, r.time_limit_s, r.kv_disk)
 
 
+def _all_accelerator_fits(spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
+    """Whether all-accelerator fits the budgets (prefill in chunks of ``MIN_CHUNK``)."""
+    plan = all_accelerator(spec.n_layers).with_prefill_chunk(MIN_CHUNK)
+    return fits(plan, spec, devices, workload)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_holds_a_layer_split(spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
+    """Whether the largest layer split fits the budgets (prefill in chunks of ``MIN_CHUNK``):
+    it always fits the accelerator, so where it does not, the host memory budget is short
+    (cached: ``needs_profile`` asks before ``build`` plans)."""
+    plan = largest_layer_split(spec, devices, workload).with_prefill_chunk(MIN_CHUNK)
+    return fits(plan, spec, devices, workload)
+
+
+def needs_profile(policy: str | None, spec: ModelSpec, devices: Devices,
+                  workload: Workload) -> bool:
+    """Whether ``build(policy, spec, devices, workload)`` needs a hardware profile: a policy
+    that prices ops (``Policy.needs_profile``) always; ``auto`` where all-accelerator does not
+    fit and its stand-in without a profile, the largest layer split, overflows the host memory
+    budget (only CP-SAT keeps weights on disk, priced by the profile's disk read rate); None
+    (a plan not chosen by a policy) never."""
+    if policy in NEEDS_PROFILE:
+        return True
+    return policy == "auto" and not _all_accelerator_fits(spec, devices, workload) and \
+        not _host_holds_a_layer_split(spec, devices, workload)
+
+
 def _auto(r: Request) -> ExecutionPlan:
     """``auto`` (``build``'s docstring): all-accelerator where it fits, else the shorter run
     of CP-SAT's plan and stream-all, or without a profile the largest layer split."""
     spec, devices, workload = r.spec, r.devices, r.workload
     n = spec.n_layers
-    if fits(all_accelerator(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
+    if _all_accelerator_fits(spec, devices, workload):
         return fit_prefill_chunk(all_accelerator(n), spec, devices, workload)
     if r.profile is None:
+        split = largest_layer_split(spec, devices, workload)
+        if _host_holds_a_layer_split(spec, devices, workload):
+            return fit_prefill_chunk(split, spec, devices, workload)
         try:
-            return fit_prefill_chunk(largest_layer_split(spec, devices, workload), spec,
-                                     devices, workload)
-        except HxError as e:
-            if "host memory budget" not in str(e):
-                raise
+            check_fits(split.with_prefill_chunk(MIN_CHUNK), spec, devices, workload,
+                       sizing=PROXY)
+        except HxError as e:  # the host budget, with the bytes over
             raise HxError(f"{e}. Only a CP-SAT plan keeps weights on disk, and it needs a "
-                          "hardware profile with the disk's read rate: run `hx profile` (or "
-                          "pass --profile), then this command again") from e
+                          "hardware profile with the disk's read rate: pass one (`hx "
+                          "profile` measures a full one, hx.measure.profiler.load_or_measure "
+                          "a quick one, as hx's commands and hx.Engine do here)") from e
     candidates = [fit_prefill_chunk(_cpsat(r), spec, devices, workload)]
     if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
         candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))

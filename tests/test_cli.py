@@ -13,10 +13,12 @@ from hx.models.loader import default_model_path
 from gguf_files import write_gguf
 
 
-def hx(*args, cwd=None):
+def hx(*args, cwd=None, home=None):
     """``hx ARGS`` piped (stdout and stderr captured), with no width given by the environment:
-    what a script or CI log gets."""
+    what a script or CI log gets; ``home``: its $HOME (where profiles are kept)."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    if home is not None:
+        env["HOME"] = str(home)
     return subprocess.run([sys.executable, "-m", "hx", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300, env=env)
 
@@ -174,6 +176,34 @@ def test_one_prompt_with_output_writes_the_line_a_prompts_file_gets(tmp_path, ti
         k: v for k, v in expected.items() if k not in timings}
     assert_clean_error(hx("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi", "-o",
                           str(tmp_path / "missing" / "o.jsonl")), "does not exist")
+
+
+def test_host_memory_below_the_weights_plans_on_a_quick_profile(tmp_path, smollm_metadata):
+    """Host memory of 40 % of the weights, accelerator 50 %: no layer split fits, so the
+    default policy plans with a profile, and a quick one with its disk read rate suffices
+    (a command measures one in <= 20 s when none is saved; one is kept here beforehand to
+    keep the test short): a CP-SAT plan, which can keep weights on disk, no full profile."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from conftest import TINY
+    from hx.models.decoder import init_params
+    from hx.planner.profile import QUICK_PATH
+    from profiles import gpu_like
+
+    spec = TINY.replace(name="wide", tie_embeddings=False, d_ff=16384)  # 63 MB, layers 60 %
+    write_gguf(tmp_path / "wide.gguf", spec,
+               jax.tree.map(np.asarray, init_params(spec, seed=1)), smollm_metadata)
+    quick = tmp_path / os.path.relpath(QUICK_PATH, os.path.expanduser("~"))
+    quick.parent.mkdir(parents=True)
+    dataclasses.replace(gpu_like(), quick=True, disk_read_bandwidth=2e9).save(str(quick))
+    result = hx("generate", "-m", str(tmp_path / "wide.gguf"), "-p", "Hi", "--max-new-tokens",
+                "3", "--accelerator-memory", str(spec.weight_bytes // 2), "--host-memory",
+                str(spec.weight_bytes * 2 // 5), home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "using the quick one" in result.stderr and "plan cpsat" in result.stderr
 
 
 QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes (--weights dense)

@@ -95,3 +95,26 @@ def test_a_row_is_reported_the_moment_it_stops(tiny_model, monkeypatch):
                             on_finish=lambda r, c: seen.append((r, c)))
     assert [(r, c.token_ids, c.finish_reason) for r, c in seen] == [
         (0, free[0].token_ids[:cut], "stop")]
+
+
+def test_an_engine_without_a_plan_plans_for_its_budget(tiny_model, monkeypatch, tmp_path):
+    """``Engine(model, devices=...)`` makes the plan ``hx generate`` makes by default (``auto``
+    for one prompt of up to 512 tokens and 512 new ones), not all-accelerator: at a quarter of
+    the weights, where all-accelerator is refused, it generates what all-accelerator does with
+    room (no saved profile here: the largest layer split)."""
+    from hx.devices import discover
+    from hx.generate import default_workload
+    from hx.planner import policies
+
+    monkeypatch.setattr("hx.planner.profile.DEFAULT_PATH", str(tmp_path / "profile.json"))
+    spec, prompt = tiny_model.spec, [100, 200, 300, 400, 500]
+    sampling = SamplingParams(max_new_tokens=6)
+    devices = discover(accelerator_memory=spec.weight_bytes // 4)
+    with pytest.raises(HxError, match="does not fit"):
+        Engine(tiny_model, ExecutionPlan.all_accelerator(spec.n_layers),
+               devices).generate_ids([prompt], sampling)
+    engine = Engine(tiny_model, devices=devices)
+    assert engine.plan == policies.build("auto", spec, devices, default_workload(spec))
+    assert engine.plan.name.startswith("layer-split")
+    assert engine.generate_ids([prompt], sampling)[0].token_ids == \
+        Engine(tiny_model).generate_ids([prompt], sampling)[0].token_ids

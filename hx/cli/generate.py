@@ -24,7 +24,6 @@ from hx.devices import discover, format_bytes
 from hx.errors import HxError
 from hx.models.loader import load, resolve_dtype, resolve_kv
 from hx.models.spec import EMBED, HEAD, LAYER_OPS
-from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.segments import split_segments
@@ -183,22 +182,23 @@ class RunOptions:
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``), made for what each
-        accelerator holds (``executor.per_accelerator``); over pipeline stages, each stage's
-        part planned for its own layers (``ModelSpec.pipeline_stage``) on its devices, joined
-        (a --plan file is the whole model's)."""
+        accelerator holds; over pipeline stages, each stage's part planned for its own layers
+        on its devices, joined (``hx.pipeline.place``; a --plan file is the whole model's)."""
         from hx.executor import per_accelerator
-        from hx.plan import stage_cuts
+        from hx.pipeline import place
 
-        if self.stages == 1 or self.plan is not None:
+        if self.plan is not None:
             return resolve_plan(*per_accelerator(spec, devices), workload, self.plan,
                                 self.host_ops, self.policy, self.gpu_layers, hardware)
-        parts = [resolve_plan(*per_accelerator(spec.pipeline_stage(len(layers), first, last),
-                                               d),
-                              workload, None, self.host_ops, self.policy, self.gpu_layers,
-                              hardware)
-                 for (layers, first, last), d in zip(stage_cuts(spec.n_layers, self.stages),
-                                                     self.devices_of(devices))]
-        return ExecutionPlan.joined(parts, f"{parts[0].name} in {self.stages} stages")
+        return place(spec, self.devices_of(devices),
+                     lambda part, on: resolve_plan(part, on, workload, None, self.host_ops,
+                                                   self.policy, self.gpu_layers, hardware))
+
+    @property
+    def chooser(self) -> Optional[str]:
+        """The policy that chooses the plan: --policy, else ``auto`` where neither --plan nor
+        --host-ops gives one (None)."""
+        return None if self.plan is not None or self.host_ops else self.policy or "auto"
 
     def devices_of(self, devices):
         """The engine's devices: ``devices``, or over pipeline stages one per stage
@@ -277,15 +277,20 @@ def _load(options: RunOptions):
                          options.kv, options.host_matmul)
 
 
-def _hardware(options: RunOptions, devices):
+def _hardware(options: RunOptions, spec, devices, workload: Workload | None):
     """The hardware profile a run plans with: choosing a block compares predicted tokens/s,
-    which always needs one; otherwise as the policy needs (``profiler.for_policy``)."""
+    which always needs one (``workload`` None); otherwise as the policy needs for
+    ``workload`` (``profiler.for_policy``: ``auto`` with a host budget that holds no layer
+    split measures a quick one)."""
     from hx.measure.profiler import for_policy, load_or_measure
+    from hx.pipeline import plan_targets
 
     path = str(options.profile) if options.profile else None
-    if options.block is not None and options.block[0] is None:
+    if workload is None:
         return load_or_measure(path, devices, say)
-    return for_policy(options.policy or "auto", path, devices, say)
+    return for_policy(options.chooser, path, devices, say,
+                      [(part, on, workload)
+                       for part, on in plan_targets(spec, options.devices_of(devices))])
 
 
 def _engine(loaded, chosen, devices, workload: Workload, options: RunOptions, hardware,
@@ -335,7 +340,7 @@ def _generate_one(prompt: str, options: RunOptions, output: Optional[Path]) -> N
     ids = encode_prompt(loaded.tokenizer, prompt, options.chat)
     check_prompts([len(ids)], spec)
     workload = Workload.for_prompts(1, len(ids), sampling.max_new_tokens, spec)
-    hardware = _hardware(options, devices)
+    hardware = _hardware(options, spec, devices, workload)
     stints = _replan(spec, devices, workload, options, hardware) if options.replan_every else ()
     chosen = stints[0].plan if stints else options.place(spec, devices, workload, hardware)
     engine = _engine(loaded, chosen, devices, workload, options, hardware, stints)
@@ -395,16 +400,16 @@ def _generate_file(prompts: Path, output: Path, options: RunOptions) -> None:
     if not job.todo:
         say(f"0 generated, {job.total} already in {output}, {job.total} prompts")
         return
-    hardware = _hardware(options, devices)
+    workload = _given_workload(job, spec, options)
+    hardware = _hardware(options, spec, devices, workload)
 
     def place(workload: Workload):
         return options.place(spec, devices, workload, hardware)
 
     join_min = 1
-    if options.block is not None:
-        workload, chosen, join_min = _plan_block(job, spec, hardware, options.block, place)
+    if workload is None:
+        workload, chosen, join_min = _plan_block(job, spec, hardware, place)
     else:
-        workload = job.workload(options.batch_size, spec)
         chosen = place(workload)
     engine = _engine(loaded, chosen, devices, workload, options, hardware)
     del loaded  # frees the loader's weight arrays: the executor holds the weights now
@@ -439,18 +444,28 @@ def _report_memory(engine, trace: Optional[Path]) -> None:
              f"fraction {'-' if overlap is None else f'{overlap:.2f}'}")
 
 
-def _plan_block(job, spec, hardware, block: tuple, place) -> tuple[Workload, object, int]:
-    """The block, plan and join group (free rows a join waits for) of a throughput run: the
-    block given by --micro-batch and --micro-batches (joins at once), else the one
-    ``throughput.choose_block`` predicts the most tokens/s for."""
+def _given_workload(job, spec, options: RunOptions) -> Workload | None:
+    """The workload of a batch run whose shapes the options give: a static batch of
+    --batch-size prompts (latency mode), or the block of --micro-batch rows x --micro-batches
+    (throughput mode: joins at once, in spare rows); None where the block is to be planned
+    (``_plan_block``)."""
+    from hx.continuous import JOIN_CHUNK
+
+    if options.block is None:
+        return job.workload(options.batch_size, spec)
+    rows, count = options.block
+    if rows is None:
+        return None
+    return Workload(rows, JOIN_CHUNK, job.cache_slots(spec, JOIN_CHUNK), count, spare_rows=rows)
+
+
+def _plan_block(job, spec, hardware, place) -> tuple[Workload, object, int]:
+    """The block, plan and join group (free rows a join waits for) of a throughput run:
+    the one ``throughput.choose_block`` predicts the most tokens/s for."""
     from hx.continuous import JOIN_CHUNK
     from hx.planner.throughput import choose_block
 
-    rows, count = block
     slots = job.cache_slots(spec, JOIN_CHUNK)
-    if rows and count:
-        workload = Workload(rows, JOIN_CHUNK, slots, count, spare_rows=rows)
-        return workload, place(workload), 1
     prompts = len(job.todo)  # at least one: _generate_file returns before planning none
     lengths = [len(t) for t in job.token_ids]
     new = [p.max_new_tokens for p in job.sampling]

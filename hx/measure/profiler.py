@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import replace
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +48,9 @@ from hx.measure.timing import FULL, QUICK, MiB, Effort
 from hx.models.layers import attention
 from hx.models.decoder import init_params
 from hx.models.spec import EMBED, HEAD, ModelSpec
-from hx.planner.policies import NEEDS_PROFILE
+from hx.planner.policies import NEEDS_PROFILE, needs_profile
 from hx.planner.profile import QUICK_PATH, DeviceProfile, HardwareProfile, load_default
+from hx.workload import Workload
 
 TINY = ModelSpec(name="profile-tiny", n_layers=8, d_model=32, n_heads=2, n_kv_heads=1,
                  head_dim=16, d_ff=32, vocab_size=64, context_length=64)
@@ -226,17 +227,24 @@ def quick(devices: Devices, log: Callable[[str], None] = lambda message: None
 
 
 def for_policy(policy: str | None, path: str | None, devices: Devices,
-               log: Callable[[str], None] = lambda message: None) -> HardwareProfile | None:
-    """The profile a command choosing a plan by ``policy`` uses: ``load_or_measure`` for the
-    policies that price ops with one (``policies.NEEDS_PROFILE``), else the one at ``path`` or
-    saved, if any (``auto`` without one falls back to a layer split).
+               log: Callable[[str], None] = lambda message: None,
+               plans: Sequence[tuple[ModelSpec, Devices, Workload]] = ()
+               ) -> HardwareProfile | None:
+    """The profile a command choosing plans by ``policy`` (None: no policy chooses them)
+    uses: the one at ``path`` or saved, if any; without one, ``load_or_measure``'s (a quick
+    one) where a plan needs a profile -- a policy that prices ops, or ``auto`` where its
+    stand-in, the largest layer split, overflows the host budget for one of ``plans``,
+    (spec, devices, workload) each (``policies.needs_profile``: only CP-SAT keeps weights on
+    disk, priced by the profile's disk read rate) -- else None (``auto`` plans a layer split).
 
     Raises:
       HxError: ``path`` given but missing or malformed.
     """
-    if policy in NEEDS_PROFILE:
+    profile = load_default(path)
+    if profile is None and (policy in NEEDS_PROFILE or any(
+            needs_profile(policy, *plan) for plan in plans)):
         return load_or_measure(path, devices, log)
-    return load_default(path)
+    return profile
 
 
 def load_or_measure(path: str | None, devices: Devices,
@@ -264,7 +272,7 @@ def load_or_measure(path: str | None, devices: Devices,
     try:
         profile.save(QUICK_PATH)
         where = (f"kept in {QUICK_PATH} for commands that need a profile; a plain "
-                 f"`hx generate` does not use it")
+                 f"`hx generate` within the host budget does not use it")
     except OSError as e:
         where = f"not saved ({e.strerror})"
     log(f"no hardware profile: measured a quick one in {seconds:.0f} s ({where}); {full}")

@@ -206,6 +206,20 @@ def test_host_memory_below_the_weights_plans_on_a_quick_profile(tmp_path, smollm
     assert "using the quick one" in result.stderr and "plan cpsat" in result.stderr
 
 
+def test_bench_compares_weight_formats_on_the_link(tmp_path):
+    """``hx bench --weights dense,int8`` benches each format under one plan: int8's matrices
+    stream about a quarter of float32's bytes per decode step (a byte and a 32nd of a float16
+    scale per weight, against four)."""
+    result = hx("bench", "-m", "smollm2-135m:1L", "--dtype", "float32", "--weights",
+                "dense,int8", "--plans", "stream-all", "--batches", "1", "--steps", "2",
+                "--context", "16", "--json", str(tmp_path / "bench.json"))
+    assert result.returncode == 0, result.stderr
+    dense, int8 = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert dense["weights"].startswith("dense/") and int8["weights"].startswith("int8/")
+    assert 0 < int8["h2d_weight_bytes"] < 0.3 * dense["h2d_weight_bytes"]
+    assert "H2D MB" in result.stdout
+
+
 QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes (--weights dense)
 
 

@@ -10,8 +10,7 @@ import typer
 from rich.table import Table
 
 from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption, ModelOption,
-                           WeightsOption, app, describe_dtype, note, out, plan_by_name,
-                           print_table)
+                           app, describe_dtype, note, out, plan_by_name, print_table)
 from hx.devices import discover
 from hx.models.loader import load, resolve_dtype
 
@@ -20,7 +19,11 @@ from hx.models.loader import load, resolve_dtype
 def bench(
     model: Optional[str] = ModelOption,
     dtype: str = DtypeOption,
-    weights: str = WeightsOption,
+    weights: str = typer.Option(
+        "auto", "--weights",
+        help="Weight format, as hx generate's --weights; a comma-separated list benches each "
+             "(e.g. dense,int8,int4,auto: the H2D MB column compares the bytes each streams "
+             "per step under one plan and budget)."),
     host_matmul: str = HostMatmulOption,
     batches: str = typer.Option("1,16", help="Comma-separated batch sizes."),
     plans: str = typer.Option("all-accelerator,all-host,stream-all,host:SCORE+MLP1",
@@ -31,36 +34,39 @@ def bench(
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write results as JSON."),
 ) -> None:
-    """Decode tokens/s per plan and batch, the executor's overhead vs one whole-model jit, and
-    the copy/compute overlap fraction."""
+    """Decode tokens/s per weight format, plan and batch, the executor's overhead vs one
+    whole-model jit, the copy/compute overlap fraction and the weight bytes streamed per step."""
     from hx.measure.bench import bench_decode, bench_workload, rows_to_json
     from hx.memory import check_fits
 
     devices = discover(accelerator_memory)
-    loaded = load(model, resolve_dtype(dtype, devices), weights, host_matmul=host_matmul)
-    spec = loaded.spec
     rows = []
-    for b in (int(x) for x in batches.split(",")):
-        workload = bench_workload(b, context, steps)
-        for name in (p.strip() for p in plans.split(",") if p.strip()):
-            plan = plan_by_name(name, spec, devices, workload)
-            check_fits(plan, spec, devices, workload)
-            rows.append(bench_decode(spec, loaded.params, plan, b, devices, context, steps))
-            note(f"measured {plan.name} batch {b}")
+    for fmt in (w.strip() for w in weights.split(",") if w.strip()):
+        loaded = load(model, resolve_dtype(dtype, devices), fmt, host_matmul=host_matmul)
+        spec = loaded.spec
+        for b in (int(x) for x in batches.split(",")):
+            workload = bench_workload(b, context, steps)
+            for name in (p.strip() for p in plans.split(",") if p.strip()):
+                plan = plan_by_name(name, spec, devices, workload)
+                check_fits(plan, spec, devices, workload)
+                rows.append(bench_decode(spec, loaded.params, plan, b, devices, context, steps))
+                note(f"measured {plan.name} batch {b}, weights {rows[-1].weights}")
+        del loaded  # one format's weights at a time
 
-    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, weights {spec.weight_format}, "
-                        f"host matmul {spec.host_matmul}, context {context}, median of "
+    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, context {context}, median of "
                         f"{steps} steps; ratio = executor / one jit of the whole model "
-                        f"(resident)")
-    table.add_column("plan", no_wrap=True)
+                        f"(resident); H2D MB = weights copied in per step")
+    for col in ("plan", "weights", "host matmul"):
+        table.add_column(col, no_wrap=True)
     for col in ("batch", "tok/s", "executor ms", "1-jit ms", "ratio", "segments", "overlap",
-                "acc peak MiB"):
+                "H2D MB", "acc peak MiB"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.plan, str(r.batch), f"{r.decode_tok_s:.1f}",
+        table.add_row(r.plan, r.weights, r.host_matmul, str(r.batch), f"{r.decode_tok_s:.1f}",
                       f"{r.executor_step_s * 1e3:.2f}", f"{r.whole_model_step_s * 1e3:.2f}",
                       f"{r.ratio:.3f}", str(r.segments_per_step),
                       "-" if r.overlap is None else f"{r.overlap:.2f}",
+                      f"{r.h2d_weight_bytes / 1e6:.2f}",
                       f"{r.accelerator_peak_bytes / 2**20:.1f}")
     print_table(table)
     out.print(f"{describe_dtype(spec.dtype, dtype, devices)} | {devices.describe()}",

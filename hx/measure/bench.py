@@ -23,15 +23,24 @@ from hx.models.decoder import forward
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.prefill import run_prefill
-from hx.timeline import Timeline, median_overlap
+from hx.timeline import H2D, Timeline, median_overlap
 from hx.workload import CACHE_BUCKET, Workload, round_up
 
 
 @dataclass
 class DecodeBenchRow:
-    """One (plan, batch) measurement. Times in seconds, rates in tokens/s."""
+    """One (plan, batch) measurement. Times in seconds, rates in tokens/s.
+
+    Attributes:
+      weights: how the weights are held, ``matrices/tables`` formats
+        (``ModelSpec.weight_format``, ``embedding_format``).
+      h2d_weight_bytes: weight bytes copied host -> accelerator in a decode step, median of
+        the traced steps (``link_weight_bytes``): what a weight format saves on the link.
+    """
 
     plan: str
+    weights: str
+    host_matmul: str
     batch: int
     context: int
     steps: int
@@ -43,6 +52,7 @@ class DecodeBenchRow:
     reference_device: str
     overlap: float | None
     accelerator_peak_bytes: int
+    h2d_weight_bytes: int
 
 
 WARMUP_STEPS, TRACED_STEPS = 3, 8
@@ -134,6 +144,14 @@ def time_block_decode(executor: Executor, probe: DecodeProbe, slots: int, steps:
         executor.release_cache()
 
 
+def link_weight_bytes(timeline: Timeline) -> int:
+    """Median bytes of weights copied host -> accelerator per decode step of ``timeline`` (its
+    H2D ``weights`` events: streamed and disk-homed weights staged; 0 where none is)."""
+    moved = [sum(e.args["bytes"] for e in step if e.resource == H2D
+                 and e.name.startswith("weights")) for step in timeline.steps("decode")]
+    return int(statistics.median(moved)) if moved else 0
+
+
 def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
                  devices: Devices, context: int = 128, steps: int = 32) -> DecodeBenchRow:
     """Median decode-step time of the executor under ``plan`` and of the whole-model jit.
@@ -141,8 +159,8 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     Args:
       context: prompt tokens already in the KV cache when timing starts.
       steps: timed decode steps, after ``WARMUP_STEPS`` untimed ones; then ``TRACED_STEPS``
-        more run with a ``Timeline`` to measure the overlap fraction (not timed: tracing adds
-        its own cost).
+        more run with a ``Timeline`` to measure the overlap fraction and the weight bytes
+        copied in (not timed: tracing adds its own cost).
     Returns:
       the measurement; ``ratio`` = executor / whole-model median step time, where the
       whole-model step runs, with every weight resident, on the device that hosts most of the
@@ -192,17 +210,18 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
         logits.block_until_ready()
     overlap = median_overlap(executor.timeline)
     executor.release_cache()
-    return DecodeBenchRow(plan=plan.name, batch=batch, context=context, steps=steps,
+    return DecodeBenchRow(plan=plan.name,
+                          weights=f"{spec.weight_format}/{spec.embedding_format}",
+                          host_matmul=spec.host_matmul, batch=batch, context=context, steps=steps,
                           executor_step_s=exec_s, whole_model_step_s=ref_s, ratio=exec_s / ref_s,
                           decode_tok_s=batch / exec_s,
                           segments_per_step=len(executor.segments["decode"]),
                           reference_device=ref_name, overlap=overlap,
-                          accelerator_peak_bytes=executor.accountant.peak)
+                          accelerator_peak_bytes=executor.accountant.peak,
+                          h2d_weight_bytes=link_weight_bytes(executor.timeline))
 
 
 def rows_to_json(rows: list[DecodeBenchRow], devices: Devices, spec: ModelSpec) -> dict:
-    """The JSON document ``hx bench`` writes."""
-    return {"model": spec.name, "dtype": spec.dtype, "weights": spec.weight_format,
-            "host_matmul": spec.host_matmul, "devices": devices.describe(),
-            "emulated": devices.emulated,
-            "rows": [asdict(r) for r in rows]}
+    """The JSON document ``hx bench`` writes (each row names its weight formats)."""
+    return {"model": spec.name, "dtype": spec.dtype, "devices": devices.describe(),
+            "emulated": devices.emulated, "rows": [asdict(r) for r in rows]}

@@ -20,7 +20,14 @@ Where ``tp`` does not divide the KV heads K (and K is not a divisor of ``tp`` wh
 device can hold a copy of), ``pad`` appends zero KV heads up to a multiple of ``tp`` and their
 query groups (H' = K' x H / K), and zero rows of F up to a multiple of ``tp``: a padded query head
 attends zero keys to zero values, and OUT's and MLP2's zero columns add nothing, so outputs are
-the unpadded model's. Only dense weights are split (compressed formats: ``HxError``).
+the unpadded model's.
+
+A compressed matrix (``models.formats``: codes, scales and offsets grouped along its last axis)
+splits as its dense matrix does: each array keeps the matrix's leading axes at their indices and
+has its groups where the last axis was, so the same axis index splits it (a row-parallel split
+of the contracted axis, MLP2's F, cuts whole groups); F is then padded to a multiple of ``tp``
+groups, and zero codes with zero scales and offsets decompress to zeros. Matrices held in torch's
+int4 layout (``host_matmul`` torch-int4) are not split (``HxError``).
 
 Not yet as the planner prices it: with fewer KV heads than devices (Llama-2-70B's 8 over 16),
 every device here holds all K heads of K, V and the cache, where ``ModelSpec.shard`` prices one
@@ -35,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from hx.errors import HxError
-from hx.models.formats import DENSE
-from hx.models.spec import ModelSpec
+from hx.models.family import TABLE
+from hx.models.formats import PARTS, get_format
+from hx.models.spec import TORCH_INT4, ModelSpec
 
 TP_AXIS = "tp"
 KV_AXIS = 2  # of a cache's (B, S, K, E)
@@ -47,17 +55,19 @@ def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     (module docstring); ``spec`` itself where it already does.
 
     Raises:
-      HxError: ``tp`` < 1, or compressed weights (only dense ones are split).
+      HxError: ``tp`` < 1, or matrices in torch's int4 layout (``host_matmul`` torch-int4).
     """
     if tp < 1:
         raise HxError(f"tensor-parallel degree {tp}: 1 or more accelerators")
-    if (spec.weight_format, spec.embedding_format) != (DENSE, DENSE):
-        raise HxError(f"tensor parallelism splits dense weights; {spec.name} holds "
-                      f"{spec.weight_format} ones: load it with --weights dense")
+    if spec.host_matmul == TORCH_INT4 and tp > 1:
+        raise HxError(f"tensor parallelism does not split matrices held in torch's int4 "
+                      f"layout; run {spec.name} with --host-matmul xla")
     K, group = spec.n_kv_heads, spec.n_heads // spec.n_kv_heads
     if K % tp and tp % K:
         K = -(-K // tp) * tp
-    F = -(-spec.d_ff // tp) * tp
+    fmt = get_format(spec.weight_format)
+    step = tp * (fmt.group if fmt else 1)  # MLP2's F splits by whole groups
+    F = -(-spec.d_ff // step) * step
     if (K, F) == (spec.n_kv_heads, spec.d_ff):
         return spec
     return spec.replace(n_kv_heads=K, n_heads=K * group, d_ff=F)
@@ -78,17 +88,28 @@ def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
     def walk(node, path):
         if isinstance(node, dict):
             return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-        size, axis = axes.get("/".join(path.split("/")[-2:]), (None, 0))
+        size, axis = axes.get(matrix_path(path), (None, 0))
         if size not in sizes:  # whole, or split by the vocabulary (never padded)
             return node
         old, new = sizes[size]
         if old == new:
             return node
         widths = [(0, 0)] * np.ndim(node)
-        widths[axis] = (0, new - old)
+        # a compressed array holds the groups of the last axis (old / group of them)
+        widths[axis] = (0, (new - old) * np.shape(node)[axis] // old)
         return np.pad(np.asarray(node), widths)
 
     return wider, walk(params, "")
+
+
+def matrix_path(path: str) -> str:
+    """The last two keys of a weight's tree path (``wq/kernel``, ``EMBED/embedding`` ->
+    ``embedding``'s own two), the array part of a compressed matrix (``.../codes``) set aside:
+    the key ``Family.tp_axes`` is looked up by."""
+    keys = path.split("/")
+    if len(keys) > 1 and keys[-1] in PARTS and keys[-2] in ("kernel", TABLE, "positions"):
+        keys = keys[:-1]
+    return "/".join(keys[-2:])
 
 
 def partition(spec: ModelSpec, path: str, shape: tuple[int, ...], tp: int
@@ -98,8 +119,8 @@ def partition(spec: ModelSpec, path: str, shape: tuple[int, ...], tp: int
     axis ``spec``'s family splits it along (``Family.tp_axes``) where ``tp`` divides it, else
     whole (all None)."""
     axes = spec.model_family.tp_axes
-    leaf = "/".join(path.split("/")[-2:]) if "/" in path else path
-    _, axis = axes.get(leaf, axes.get(path.split("/")[-1], (None, None)))
+    leaf = matrix_path(path)
+    _, axis = axes.get(leaf, axes.get(leaf.split("/")[-1], (None, None)))
     entries: list[str | None] = [None] * len(shape)
     if axis is not None and shape[axis] % tp == 0:
         entries[axis] = TP_AXIS

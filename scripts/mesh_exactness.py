@@ -41,6 +41,9 @@ def main() -> int:
                         help="part 2's layouts: tpA, ppB or tpAxppB, comma-separated")
     parser.add_argument("--plans", default="all-accelerator,kv-host-odd,stream-all",
                         help="part 2's plans, comma-separated")
+    parser.add_argument("--weights", default="dense",
+                        help="format of the matrices (dense, int8, q8_0, q4_1, ...): compressed "
+                             "matrices split over the mesh as their dense ones")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
     degrees = [int(t) for t in args.tp.split(",")]
@@ -62,7 +65,7 @@ def main() -> int:
     from hx.models.sharding import cache_partition, pad, partition
     from hx.models.tensors import kv_shape
 
-    spec, params = random_model(args.model)
+    spec, params = random_model(args.model, args.weights)
     B, P, S = 2, args.prompt, args.prompt + args.decode
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, spec.vocab_size, (B, P)).astype(np.int32)
@@ -141,10 +144,11 @@ class NoText:
         return ""
 
 
-def random_model(name: str):
-    """(spec, numpy params) of ``tiny`` (4 layers, 6 query heads over 3 KV heads, tied) or of
-    a preset's shapes (``llama2-7b:2L``), random (seed 1), float32; a tied table one array,
-    as a loader gives it."""
+def random_model(name: str, weights: str = "dense"):
+    """(spec, numpy params) of ``tiny`` (4 layers, 6 query heads over 3 KV heads, tied; head
+    dim 16, or 32 with compressed ``weights``, whose groups of 32 run along it in OUT's
+    matrix) or of a preset's shapes (``llama2-7b:2L``), random (seed 1), float32, the matrices
+    held in ``weights``; a tied table one array, as a loader gives it."""
     import jax
 
     from hx.models.decoder import init_params
@@ -153,10 +157,11 @@ def random_model(name: str):
 
     if name == "tiny":
         spec = ModelSpec(name="tiny", n_layers=4, d_model=64, n_heads=6, n_kv_heads=3,
-                         head_dim=16, d_ff=96, vocab_size=512, context_length=256,
-                         tie_embeddings=True)
+                         head_dim=16 if weights == "dense" else 32, d_ff=96, vocab_size=512,
+                         context_length=256, tie_embeddings=True)
     else:
         spec = load_spec(name, "float32", "dense", "dense")
+    spec = spec.replace(weight_format=weights, embedding_format=weights)
     params = jax.tree.map(np.asarray, init_params(spec, seed=1))
     if spec.tie_embeddings:
         params[HEAD]["embedding"] = params[EMBED]["embedding"]

@@ -42,13 +42,21 @@ def test_which_axis_each_array_splits():
     opt = PRESETS["opt-6.7b"]  # fc1's bias splits with fc1, fc2's stays whole
     assert partition(opt, "layer_0/MLP1/w_up/bias", (96,), 4) == (TP_AXIS,)
     assert partition(opt, "layer_0/MLP2/w_down/bias", (64,), 4) == (None,)
-    with pytest.raises(HxError, match="--weights dense"):
-        padded_spec(PRESETS["llama2-7b"].replace(weight_format="int4"), 2)
+    # a compressed matrix's arrays split on the matrix's own axis: groups where its last was
+    assert partition(spec, "layer_0/MLP2/w_down/kernel/codes", (64, 4, 32), 2) == (
+        None, TP_AXIS, None)
+    assert partition(spec, "layer_0/Q/wq/kernel/scale", (8, 16, 2), 2) == (TP_AXIS, None, None)
+    assert partition(spec, "layer_0/Q/attn_norm/scale", (64,), 2) == (None,)
+    int4 = PRESETS["llama2-7b"].replace(weight_format="int4", d_ff=11000)
+    assert padded_spec(int4, 2).d_ff == 11008  # F padded by whole groups of 64 per device
+    with pytest.raises(HxError, match="--host-matmul xla"):
+        padded_spec(int4.replace(host_matmul="torch-int4"), 2)
 
 
 def test_split_logits_equal_one_devices(tmp_path):
-    """A tiny model with 3 KV heads (padded to 4 for tp 2 and 4) and 4 layers, in a process
-    with five XLA CPU devices: the single-jit model split over the mesh, then hx's executor
+    """A tiny model with 3 KV heads (padded to 4 for tp 2 and 4) and 4 layers, its matrices
+    int8 (compressed matrices split as dense ones; the script runs dense ones too), in a
+    process with five XLA CPU devices: the single-jit model split over the mesh, then hx's executor
     under stream-all (weights streamed, KV caches and attention on the host; the script also
     runs all-on-accelerator and KV on the host in odd layers) over 4 accelerators in tensor
     parallel and in 2 pipeline stages of 2: each accelerator's budget its part's own
@@ -57,8 +65,8 @@ def test_split_logits_equal_one_devices(tmp_path):
     out = tmp_path / "mesh.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "mesh_exactness.py"),
                              "--executor", "--layouts", "tp4,tp2xpp2", "--plans",
-                             "stream-all", "--json", str(out)], capture_output=True, text=True,
-                            timeout=600)
+                             "stream-all", "--weights", "int8", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     found = json.loads(out.read_text())
     assert [r["tp"] for r in found["rows"]] == [2, 4]

@@ -70,14 +70,19 @@ class QOp(WeightedOp):
         return h, q.astype(s.dtype)
 
 
+def _kv_heads(module: WeightedOp, h: jax.Array, name: str) -> jax.Array:
+    """h (B,T,D) projected by ``name`` (wk or wv) with its bias into (B,T,K,E), the model's
+    dtype."""
+    s = module.spec
+    return dense(module, (s.n_kv_heads, s.head_dim), name=name, use_bias=True)(h).astype(s.dtype)
+
+
 class KOp(WeightedOp):
     """K: h (B,T,D) -> k = h Wk + bk (B,T,K,E)."""
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        s = self.spec
-        return (dense(self, (s.n_kv_heads, s.head_dim), name="wk", use_bias=True)(h)
-                .astype(s.dtype),)
+        return (_kv_heads(self, h, "wk"),)
 
 
 class VOp(WeightedOp):
@@ -85,9 +90,7 @@ class VOp(WeightedOp):
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        s = self.spec
-        return (dense(self, (s.n_kv_heads, s.head_dim), name="wv", use_bias=True)(h)
-                .astype(s.dtype),)
+        return (_kv_heads(self, h, "wv"),)
 
 
 class OutOp(WeightedOp):

@@ -40,12 +40,9 @@ def hf_layout(spec, params) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()}
 
 
-def write_gguf(path, spec, params, metadata, arch: str = "llama") -> dict[str, np.ndarray]:
-    """Write ``params`` as a GGUF of architecture ``arch`` with SmolLM2's tokenizer metadata.
-
-    Tensors in ``QUANTIZED`` are stored quantized. Returns the float32 tensors as a reader
-    should dequantize them (by GGUF name).
-    """
+def shapes_writer(path, spec, arch: str):
+    """A ``gguf.GGUFWriter`` of architecture ``arch`` at ``path`` holding ``spec``'s shapes
+    as llama.cpp's metadata keys (head dim as key/value length and RoPE dimensions)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(spec.n_layers)
     w.add_context_length(spec.context_length)
@@ -53,9 +50,21 @@ def write_gguf(path, spec, params, metadata, arch: str = "llama") -> dict[str, n
     w.add_feed_forward_length(spec.d_ff)
     w.add_head_count(spec.n_heads)
     w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_rope_dimension_count(spec.head_dim)
     w.add_layer_norm_rms_eps(spec.norm_eps)
+    return w
+
+
+def write_gguf(path, spec, params, metadata, arch: str = "llama") -> dict[str, np.ndarray]:
+    """Write ``params`` as a GGUF of architecture ``arch`` with SmolLM2's tokenizer metadata.
+
+    Tensors in ``QUANTIZED`` are stored quantized. Returns the float32 tensors as a reader
+    should dequantize them (by GGUF name).
+    """
+    w = shapes_writer(path, spec, arch)
     w.add_vocab_size(spec.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])

@@ -99,27 +99,15 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3")  # the tiny checkpoints llama.cpp de
 def write_gguf(ref_model, spec, path: str) -> None:
     """The checkpoint as llama.cpp's converter would write it (float32 tensors, the family's
     GGUF names, Llama's q/k rows permuted), with the byte-level vocabulary as GGUF metadata."""
-    import gguf
     from tokenizers import pre_tokenizers
 
-    from gguf_files import llama_cpp_permute
+    from gguf_files import llama_cpp_permute, shapes_writer
     from hx.models.spec import EMBED, HEAD, LAYER_OPS
 
     fam = spec.model_family
     arch = fam.gguf_architectures[0]
     state = {k: v.float().numpy() for k, v in ref_model.state_dict().items()}
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(spec.n_layers)
-    w.add_context_length(spec.context_length)
-    w.add_embedding_length(spec.d_model)
-    w.add_feed_forward_length(spec.d_ff)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_rope_dimension_count(spec.head_dim)
-    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w = shapes_writer(path, spec, arch)
     w.add_vocab_size(spec.vocab_size)
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + [EOS]
     w.add_tokenizer_model("gpt2")

@@ -405,7 +405,7 @@ class Executor:
             segment = self.segments[phase][index]
             compiled = self.programs.compiled(segment, batch, tokens, slots,
                                               streamed_kv.keep_h(self.plan, segment))
-            shapes = (segment.signature, batch, tokens, slots)
+            shapes = (self.programs.signature(segment), batch, tokens, slots)
             if shapes not in self._shapes:
                 self._shapes.add(shapes)
                 self.compilations += 1
@@ -684,10 +684,10 @@ class _BlockStep:
         seg, copies = self.segments[i], self.copies[(i, m)]
         dispatch = time.perf_counter()
         params = dict(zip(seg.ops, self.segment_params(i)))
-        run = streamed_kv.recompute_function(self.ex.spec, weight_dtype(self.ex.spec,
-                                                                        ACCELERATOR))
+        spec, held = self.ex.spec, weight_dtype(self.ex.spec, ACCELERATOR)
         kv_start = self.placed_steps[(ACCELERATOR, m)].kv_start
-        heads = {layer: run(params[(layer, "K")], params[(layer, "V")], h, kv_start)
+        heads = {layer: streamed_kv.recompute_function(spec.layer_spec(layer), held)(
+                     params[(layer, "K")], params[(layer, "V")], h, kv_start)
                  for layer, h in copies.pop("h").items()}
         for layer, head in heads.items():
             copies["cache"][layer] = streamed_kv.assemble(head, copies["tail"].pop(layer),

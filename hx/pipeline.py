@@ -76,7 +76,7 @@ def plan_targets(spec: ModelSpec, devices: Devices | Sequence[Devices]
     on its devices, per accelerator)."""
     if isinstance(devices, Devices):
         return [per_accelerator(spec, devices)]
-    return [per_accelerator(spec.pipeline_stage(len(layers), first, last), d)
+    return [per_accelerator(spec.pipeline_stage(layers, first, last), d)
             for (layers, first, last), d in zip(stage_cuts(spec.n_layers, len(devices)),
                                                 devices)]
 
@@ -105,7 +105,7 @@ def check_stages(spec: ModelSpec, plan: ExecutionPlan, devices: Sequence[Devices
       HxError: a stage's part does not fit (naming the stage's plan and the bytes over).
     """
     return [check_fits(plan.stage(layers, first, last), *per_accelerator(
-        spec.pipeline_stage(len(layers), first, last), d), workload)
+        spec.pipeline_stage(layers, first, last), d), workload)
         for (layers, first, last), d in zip(stage_cuts(spec.n_layers, len(devices)), devices)]
 
 
@@ -201,7 +201,7 @@ class Pipeline:
         self.stages: list[Stage] = []
         for (layers, first, last), stage_devs in zip(stage_cuts(spec.n_layers, len(devices)),
                                                      devices):
-            part = spec.pipeline_stage(len(layers), first, last)
+            part = spec.pipeline_stage(layers, first, last)
             part_plan = plan.stage(layers, first, last)
             local = is_local(stage_devs.accelerator.device)
             self.stages.append(Stage(layers, part, part_plan, stage_devs, Executor(

@@ -54,33 +54,38 @@ PROXY_MIDDLE_LAYERS = 1
 
 
 def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
-                     writes: tuple[str, ...], attend: bool = True, keep_h: tuple[int, ...] = ()):
+                     writes: tuple[str, ...], attend: bool = True, keep_h: tuple[int, ...] = (),
+                     types: tuple[str, ...] = ()):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
-    with the caches donated. SCORE on the host uses ``xla_attention.blocked_attention``; with
-    ``attend=False`` it only appends k and v to its cache -- quantized there when the cache is
-    compressed (``models.layers.append_kv``) -- and ``SplitHostProgram`` attends outside XLA.
+    with the caches donated. Each op runs with the spec of its layer's type (``types``, one
+    per op: ``ModelSpec.type_spec``; "" or none: ``spec``), so a local and a global layer of
+    Gemma 3 attend over their own window with their own RoPE. SCORE on the host uses
+    ``xla_attention.blocked_attention``; with ``attend=False`` it only appends k and v to its
+    cache -- quantized there when the cache is compressed (``models.layers.append_kv``) -- and
+    ``SplitHostProgram`` attends outside XLA.
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
     held, fmt = weight_dtype(spec, device), kv_format(spec)
+    specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
 
     def run(params, acts, caches, step):
         acts = dict(acts)
         caches = list(caches)
         slot = 0
-        for op, p in zip(ops, params):
+        for op, p, op_spec in zip(ops, params, specs):
             if OPS[op].uses_cache and not attend:
                 caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index,
                                          fmt)
                 slot += 1
                 continue
             if OPS[op].uses_cache:
-                out, caches[slot] = apply_op(spec, op, p, acts, step, caches[slot], kernel)
+                out, caches[slot] = apply_op(op_spec, op, p, acts, step, caches[slot], kernel)
                 if slot in keep_h:
                     caches[slot] = {**caches[slot], H: acts[H]}
                 slot += 1
             else:
-                out, _ = apply_op(spec, op, p, acts, step, held=held, host=device == HOST)
+                out, _ = apply_op(op_spec, op, p, acts, step, held=held, host=device == HOST)
             acts.update(out)
         return {name: acts[name] for name in writes}, tuple(caches)
 
@@ -114,27 +119,26 @@ class SplitHostProgram:
     reading the cache in place between them. Called like a compiled segment executable.
 
     Args:
-      pieces: [(executable, activations it reads, number of ops, attends after it)], in
-        order (``host_pieces``).
+      pieces: [(executable, activations it reads, number of ops, attends after it, the
+        sliding window of that attention: ``ModelSpec.sliding_window`` of its layer's
+        type)], in order (``host_pieces``).
       writes: the segment's outputs.
       dtype: dtype of the attention output ``o`` (the model's activation dtype); it goes on
         as a numpy array (the next piece's executable places it; a copy to the accelerator
         takes it as it is).
       kv_fmt: the KV cache's format (``models.tensors.kv_format``; None: dense); the numpy
         kernel decompresses the compressed cache block by block as it reads it.
-      window: the sliding window (``ModelSpec.sliding_window``) the numpy attention applies.
     """
 
-    def __init__(self, pieces: list[tuple[Any, tuple[str, ...], int, int]],
-                 writes: tuple[str, ...], dtype, kv_fmt=None, window: int | None = None):
+    def __init__(self, pieces: list[tuple[Any, tuple[str, ...], int, int, int | None]],
+                 writes: tuple[str, ...], dtype, kv_fmt=None):
         self.pieces, self.writes, self.dtype, self.kv_fmt = pieces, writes, dtype, kv_fmt
-        self.window = window
 
     def __call__(self, params: tuple, acts: dict, caches: tuple, step: Step
                  ) -> tuple[dict, tuple]:
         acts, caches = dict(acts), list(caches)
         first = slot = 0
-        for executable, reads, n_ops, attends in self.pieces:
+        for executable, reads, n_ops, attends, window in self.pieces:
             out, new = executable(params[first:first + n_ops], {n: acts[n] for n in reads},
                                   tuple(caches[slot:slot + attends]), step)
             first += n_ops
@@ -142,7 +146,7 @@ class SplitHostProgram:
             if attends:
                 cache = caches[slot] = new[0]
                 slot += 1
-                o = cache_attention(out["q"], cache, step, self.kv_fmt, self.window)
+                o = cache_attention(out["q"], cache, step, self.kv_fmt, window)
                 acts["o"] = o.astype(self.dtype)  # numpy: the next piece takes it as is
         return {name: acts[name] for name in self.writes}, tuple(caches)
 
@@ -270,42 +274,55 @@ class Programs:
                     _struct((batch,), "int32", where))
         return params, acts, caches, step
 
+    def layer_types(self, segment: Segment) -> tuple[str, ...]:
+        """Per op of ``segment``, its layer's type (``ModelSpec.layer_type``; "" for EMBED,
+        HEAD and a model whose layers are alike): what the compiled function depends on
+        beside ``Segment.signature``, which the plan alone gives."""
+        return tuple("" if layer is None else self.spec.layer_type(layer)
+                     for layer, _ in segment.ops)
+
+    def signature(self, segment: Segment) -> tuple:
+        """What ``segment``'s compiled function depends on: ``Segment.signature`` and its
+        ops' ``layer_types`` (no layer index: segments of like layers share one function, a
+        local and a global layer of Gemma 3 compile apart)."""
+        return (*segment.signature, self.layer_types(segment))
+
     def _key(self, segment: Segment, batch: int, tokens: int, slots: int,
              keep_h: tuple[int, ...] = ()) -> tuple:
-        device, ops, _, reads, writes = segment.signature
-        return (device, ops, reads, writes, batch, tokens, slots if segment.cache_layers else 0,
-                keep_h)
+        device, ops, _, reads, writes, types = self.signature(segment)
+        return (device, ops, reads, writes, types, batch, tokens,
+                slots if segment.cache_layers else 0, keep_h)
 
     def _function(self, device: str, ops: tuple[str, ...], writes: tuple[str, ...],
-                  attend: bool, keep_h: tuple[int, ...] = ()):
-        key = (device, ops, writes, attend, keep_h)
+                  attend: bool, keep_h: tuple[int, ...] = (), types: tuple[str, ...] = ()):
+        key = (device, ops, writes, attend, keep_h, types)
         if key not in self._functions:
             self._functions[key] = segment_function(self.spec, device, ops, writes, attend,
-                                                    keep_h)
+                                                    keep_h, types)
         return self._functions[key]
 
     def _lower(self, segment: Segment, batch: int, tokens: int, slots: int,
                keep_h: tuple[int, ...] = ()):
         """The segment lowered at these shapes: something with ``compile()``."""
-        device, ops, _, _, writes = segment.signature
+        device, ops, _, _, writes, types = self.signature(segment)
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
         s = self.spec
         elements = 2 * batch * slots * s.n_kv_heads * s.head_dim
         if device != HOST or not segment.cache_layers or not attends_in_numpy(
                 batch, slots, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, slots) / elements):
-            return self._function(device, ops, writes, True, keep_h).lower(params, acts, caches,
-                                                                            step)
+            return self._function(device, ops, writes, True, keep_h, types).lower(
+                params, acts, caches, step)
         where = self.shardings[HOST]
         lowered, first, slot = [], 0, 0
         for part, part_reads, part_writes in host_pieces(ops, writes):
             attends = int(OPS[part[-1]].uses_cache)
+            kinds = types[first:first + len(part)]
             ins = _activation_structs(self.spec, part_reads, batch, tokens, lambda *_: where)
-            lowered.append((self._function(HOST, part, part_writes, False).lower(
+            lowered.append((self._function(HOST, part, part_writes, False, (), kinds).lower(
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
-                part_reads, len(part), attends))
+                part_reads, len(part), attends, s.type_spec(kinds[-1]).sliding_window))
             first, slot = first + len(part), slot + attends
-        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s),
-                              s.sliding_window)
+        return _SplitLowering(lowered, writes, jnp.dtype(self.spec.dtype), kv_format(s))
 
     def compiled(self, segment: Segment, batch: int, tokens: int, slots: int,
                  keep_h: tuple[int, ...] = ()):
@@ -385,24 +402,23 @@ def _growth_probes(device: str) -> tuple[Segment, Segment]:
 class _SplitLowering:
     """The lowered pieces of a ``SplitHostProgram``; ``compile()`` compiles them in order."""
 
-    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, kv_fmt=None,
-                 window: int | None = None):
+    def __init__(self, lowered: list, writes: tuple[str, ...], dtype, kv_fmt=None):
         self.lowered, self.writes, self.dtype, self.kv_fmt = lowered, writes, dtype, kv_fmt
-        self.window = window
 
     def compile(self) -> SplitHostProgram:
-        return SplitHostProgram([(piece.compile(), reads, n_ops, attends)
-                                 for piece, reads, n_ops, attends in self.lowered],
-                                self.writes, self.dtype, self.kv_fmt, self.window)
+        return SplitHostProgram([(piece.compile(), reads, n_ops, attends, window)
+                                 for piece, reads, n_ops, attends, window in self.lowered],
+                                self.writes, self.dtype, self.kv_fmt)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}
 def programs_for(spec: ModelSpec, devices: Devices | None = None) -> Programs:
     """The process's ``Programs`` for ``spec``'s shapes on ``devices`` (default: what
     ``hx.discover`` finds), shared by executors and estimates so each segment compiles once.
-    Specs that differ only in layer count or name share one. A shapes-only architecture (OPT)
-    is compiled as the Llama layer of the same shapes: only its XLA temporaries are asked for,
-    and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP. Inside
+    Specs that differ only in layer count or name share one (their ``layer_types`` kept: a
+    segment's layers' types are part of its key, ``Programs.signature``). A shapes-only
+    architecture (OPT) is compiled as the Llama layer of the same shapes: only its XLA
+    temporaries are asked for, and SwiGLU's extra (B, T, F) product makes them an upper bound for OPT's ReLU MLP. Inside
     ``hx.sizing.sizing_for_absent_accelerator`` the model is compiled in float32."""
     from hx.devices import discover
 

@@ -81,9 +81,10 @@ def assemble(head: Cache, tail: Cache, slots: int) -> Cache:
 @functools.lru_cache(maxsize=None)
 def recompute_function(spec: ModelSpec, held: str):
     """``(K params, V params, h (B, r, D), kv_start (B,)) -> head``: the K, V of slots [0, r)
-    from their kept activations, by the layer's own K and V ops (``models.decoder.apply_op``,
-    weights in ``held``), in the cache's format (``models.layers.kv_parts``; dense in the
-    model's dtype). Jitted; runs where its arguments are (the accelerator)."""
+    from their kept activations, by the layer's own K and V ops (``models.decoder.apply_op``
+    with ``spec``, the layer's: ``ModelSpec.layer_spec``, its RoPE; weights in ``held``), in
+    the cache's format (``models.layers.kv_parts``; dense in the model's dtype). Jitted; runs
+    where its arguments are (the accelerator)."""
     fmt = kv_format(spec)
 
     def run(k_params, v_params, h, kv_start):

@@ -5,7 +5,9 @@ exactly the weights that op owns; ``apply_op`` turns it into a pure function ``(
 activations, step[, cache]) -> (activations[, cache])`` that jits on its own, which is what the
 executor compiles segment by segment. ``forward`` is the whole model as one function: the
 single-jit reference the executor is checked and timed against. What each op reads and writes
-is the op table (``models.tensors.OPS``); what it computes is its family's.
+is the op table (``models.tensors.OPS``); what it computes is its family's. A decoder layer's
+ops run with that layer's spec (``ModelSpec.layer_spec``: its window and RoPE where the model's
+layers differ in type, Gemma 3's local and global layers).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
     """Run one op of ``spec``'s family as a pure function.
 
     Args:
-      spec: model shapes (static).
+      spec: model shapes (static); for a decoder layer's op, that layer's
+        (``ModelSpec.layer_spec``).
       op: op id, one of ``models.tensors.OPS``.
       params: that op's parameter tree (``params[layer][op]``).
       acts: activations by name; the op reads ``OPS[op].reads``.
@@ -41,7 +44,13 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       host: the op runs on the host CPU (``models.layers.WeightedOp.host``).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
+    Raises:
+      ValueError: a decoder layer's op given the spec of a model whose layers differ in type
+        (which layer's window and RoPE is unknown).
     """
+    if spec.layer_types and op in LAYER_OPS:
+        raise ValueError(f"{op} of {spec.name}, whose layers differ in type, runs with its "
+                         "layer's spec (ModelSpec.layer_spec)")
     d, module_type = OPS[op], spec.model_family.modules()[op]
     if d.uses_cache:
         module = module_type(spec, attend) if attend else module_type(spec)
@@ -61,6 +70,7 @@ def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array]
     """One decoder layer: the seven ops composed in order.
 
     Args:
+      spec: the layer's spec (``ModelSpec.layer_spec``).
       params: the layer's tree ``{op: op params}``.
       acts: must hold ``x`` (B,T,D).
       cache: the layer's KV cache, (B,S,K,E) each.
@@ -89,7 +99,8 @@ def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
     acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step, host=host)
     new_caches = []
     for i in range(spec.n_layers):
-        acts, cache = decoder_layer(spec, params[layer_key(i)], acts, step, caches[i], host)
+        acts, cache = decoder_layer(spec.layer_spec(i), params[layer_key(i)], acts, step,
+                                    caches[i], host)
         new_caches.append(cache)
     out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, host=host)
     return out["logits"], new_caches
@@ -111,18 +122,18 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     dense = spec.replace(weight_format=DENSE, embedding_format=DENSE)
     modules = spec.model_family.modules()
 
-    def init(op, k):
+    def init(op, k, layer=None):
         d = OPS[op]
         if d.uses_cache:
             return {}
         dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
-        tree = modules[op](dense).init(k, *dummy, step)["params"]
-        return hold_tree(tree, spec.matrix_format)
+        module = modules[op](dense if layer is None else dense.layer_spec(layer))
+        return hold_tree(module.init(k, *dummy, step)["params"], spec.matrix_format)
 
     keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))
     params: dict[str, Any] = {EMBED: init(EMBED, next(keys))}
     for i in range(spec.n_layers):
-        params[layer_key(i)] = {op: init(op, next(keys)) for op in LAYER_OPS}
+        params[layer_key(i)] = {op: init(op, next(keys), i) for op in LAYER_OPS}
     params[HEAD] = init(HEAD, next(keys))
     if spec.tie_embeddings:
         params[HEAD] = {**params[HEAD], TABLE: params[EMBED][TABLE]}

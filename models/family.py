@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "hx.models.qwen3",
     "phi3": "hx.models.phi3",
     "opt": "hx.models.opt",
+    "gemma3": "hx.models.gemma3",
 }
 
 # config.json keys that never change a model's outputs at inference, whatever the family:

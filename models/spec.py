@@ -12,6 +12,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
@@ -22,6 +23,9 @@ from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 XLA, TORCH_INT4 = "xla", "torch-int4"
 HOST_MATMULS = (XLA, TORCH_INT4)  # ``ModelSpec.host_matmul``
+# the fields a layer type may set for its layers (``ModelSpec.layer_overrides``): what a
+# layer's ops compute with, never a shape
+LAYER_FIELDS = ("sliding_window", "rope_theta", "rope_scaling")
 
 
 def host_dtype(dtype: str) -> str:
@@ -84,6 +88,18 @@ class ModelSpec:
       rope_scaling: the RoPE scaling of the model's config as sorted (key, value) pairs
         (``rope_type`` ``llama3`` with its factors, or ``linear``); empty: none. The family
         applies it (``models.llama.inv_frequencies``).
+      attention_scale: the factor of q . k in attention's softmax; None: 1/sqrt(head_dim)
+        (Vaswani et al. 2017). Every attention kernel divides by sqrt(head_dim), so a family
+        whose scale differs (Gemma 3: ``query_pre_attn_scalar``^-1/2) multiplies q by
+        ``attention_scale`` * sqrt(head_dim) in its Q op.
+      layer_types: each decoder layer's type, in order (Gemma 3's ``sliding_attention``,
+        ``full_attention``); empty: the layers are alike. Layers of different types differ only
+        in ``LAYER_FIELDS`` (their window and RoPE), never in shapes: their weights and caches
+        are sized alike, and each op runs with its layer's spec (``layer_spec``). Past the
+        tuple's end the pattern repeats (a spec resized for pricing, ``replace(n_layers=)``).
+      layer_overrides: per layer type, sorted, the ``LAYER_FIELDS`` its layers see in place of
+        the model's: ((type, ((field, value), ...)), ...); empty exactly when ``layer_types``
+        is.
       weight_format: how the projection matrices (the ``kernel`` of every Q, K, V, OUT, MLP1
         and MLP2 matrix) are held: ``dense`` (in ``dtype``) or a compressed format of
         ``models.formats.FORMATS`` (``int8``, ``int4``, ``q8_0``, ``q4_0``, ``q4_1``),
@@ -123,6 +139,9 @@ class ModelSpec:
     family: str = "llama"
     sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, float | str], ...] = ()
+    attention_scale: float | None = None
+    layer_types: tuple[str, ...] = ()
+    layer_overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     weight_format: str = DENSE
     embedding_format: str = DENSE
     kv_format: str = DENSE
@@ -147,6 +166,15 @@ class ModelSpec:
         if self.host_matmul not in HOST_MATMULS:
             raise ValueError(f"host_matmul={self.host_matmul!r}; one of {', '.join(HOST_MATMULS)}")
         kv_cache_format(self.kv_format, self.head_dim)  # raises on one that cannot group it
+        overrides = dict(self.layer_overrides)
+        if set(self.layer_types) != set(overrides):
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} and layer_overrides "
+                             f"{sorted(overrides)} must name the same layer types")
+        for kind, fields in overrides.items():
+            unknown = sorted(set(dict(fields)) - set(LAYER_FIELDS))
+            if unknown:
+                raise ValueError(f"layer type {kind!r} overrides {', '.join(unknown)}; a layer "
+                                 f"type may set only {', '.join(LAYER_FIELDS)}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -157,17 +185,49 @@ class ModelSpec:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
-    def pipeline_stage(self, n_layers: int, first: bool, last: bool) -> "ModelSpec":
+    def layer_type(self, layer: int) -> str:
+        """Decoder layer ``layer``'s type (``layer_types``; the pattern repeating past its
+        end), "" for a model whose layers are alike."""
+        return self.layer_types[layer % len(self.layer_types)] if self.layer_types else ""
+
+    def type_spec(self, kind: str) -> "ModelSpec":
+        """The spec the ops of a layer of type ``kind`` run with: the model's with that type's
+        ``layer_overrides`` (its window, its RoPE) and no layer types; the model itself for ""
+        or a model whose layers are alike.
+
+        Raises:
+          ValueError: the model has no layer type ``kind``.
+        """
+        return _type_spec(self, kind) if self.layer_types and kind != "" else self
+
+    def layer_spec(self, layer: int) -> "ModelSpec":
+        """The spec decoder layer ``layer``'s ops run with (``type_spec`` of its type)."""
+        return self.type_spec(self.layer_type(layer))
+
+    def pipeline_stage(self, layers: range | int, first: bool, last: bool) -> "ModelSpec":
         """The part of the model one pipeline stage holds and computes (GPipe, Huang et al.
-        2019): ``n_layers`` consecutive decoder layers, EMBED's table only in the ``first``
-        stage and HEAD's only in the ``last`` (a tied table is held by both ends; between
-        stages the residual stream x crosses: ``embeds``, ``heads``); the model itself for a
-        stage holding all of it."""
+        2019): the consecutive decoder ``layers`` (a range of the model's; their
+        ``layer_types`` cut out with them), EMBED's table only in the ``first`` stage and
+        HEAD's only in the ``last`` (a tied table is held by both ends; between stages the
+        residual stream x crosses: ``embeds``, ``heads``); the model itself for a stage holding
+        all of it. ``layers`` may be a layer count where the layers are alike.
+
+        Raises:
+          ValueError: a layer count for a model whose layers differ (which layers is unknown).
+        """
+        if isinstance(layers, int):
+            if self.layer_types:
+                raise ValueError(f"{self.name}'s layers differ in type: give pipeline_stage "
+                                 "the stage's range of layers, not their count")
+            layers = range(layers)
+        n_layers = len(layers)
         if first and last and n_layers == self.n_layers:
             return self
+        kinds = self.layer_types and tuple(self.layer_type(i) for i in layers)
         return self.replace(name=f"{self.name} (stage of {n_layers} layers)", n_layers=n_layers,
                             embeds=self.embeds and first, heads=self.heads and last,
-                            tie_embeddings=self.tie_embeddings and first and last)
+                            tie_embeddings=self.tie_embeddings and first and last,
+                            **_with_types(self, kinds))
 
     def op_weight_shapes(self, op: str) -> dict[str, tuple[int, ...]]:
         """Logical shapes of the weight tensors owned by ``op``, keyed by parameter path: the
@@ -283,12 +343,58 @@ class ModelSpec:
 
 
 @functools.lru_cache(maxsize=256)
+def _type_spec(spec: ModelSpec, kind: str) -> ModelSpec:
+    """``ModelSpec.type_spec``, made once per (spec, type)."""
+    overrides = dict(spec.layer_overrides)
+    if kind not in overrides:
+        raise ValueError(f"{spec.name} has no layer type {kind!r} (its types: "
+                         f"{', '.join(overrides)})")
+    return spec.replace(layer_types=(), layer_overrides=(), **dict(overrides[kind]))
+
+
+def _with_types(spec: ModelSpec, kinds: tuple[str, ...]) -> dict:
+    """The ``layer_types`` and ``layer_overrides`` fields of ``spec`` cut to layers of
+    ``kinds`` (empty: nothing to change): where they are all of one type, that type's fields
+    become the model's own and the layers are alike."""
+    if not spec.layer_types:
+        return {}
+    if len(set(kinds)) > 1:
+        return {"layer_types": kinds,
+                "layer_overrides": tuple(o for o in spec.layer_overrides if o[0] in kinds)}
+    alike = spec.type_spec(kinds[0]) if kinds else spec
+    return {"layer_types": (), "layer_overrides": (),
+            **{f: getattr(alike, f) for f in LAYER_FIELDS}}
+
+
+@functools.lru_cache(maxsize=256)
 def _weight_shapes(spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
     """``spec``'s family's weight shapes, made once per spec."""
     return spec.model_family.weight_shapes(spec)
 
 
 LLAMA31_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0), ("original_max_position_embeddings", 8192.0), ("rope_type", "llama3"))
+
+
+def _gemma3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int,
+            head_dim: int, d_ff: int, query_pre_attn_scalar: float) -> ModelSpec:
+    """A Gemma 3 text decoder as its Hugging Face config gives it, with transformers'
+    defaults for what the config leaves out (``models.gemma3``): every 6th layer global
+    (RoPE base 10^6, linear scaling by 8; the model's own fields), the others local (a
+    window of 1,024, base 10^4, unscaled); vocabulary 262,208, context 131,072, tied."""
+    kinds = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                  for i in range(n_layers))
+    scaling = (("factor", 8.0), ("rope_type", "linear"))
+    return ModelSpec(
+        name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, d_ff=d_ff, vocab_size=262208, context_length=131072,
+        rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, family="gemma3",
+        rope_scaling=scaling, attention_scale=query_pre_attn_scalar ** -0.5, layer_types=kinds,
+        layer_overrides=(
+            ("full_attention", (("rope_scaling", scaling), ("rope_theta", 1e6),
+                                ("sliding_window", None))),
+            ("sliding_attention", (("rope_scaling", ()), ("rope_theta", 1e4),
+                                   ("sliding_window", 1024)))))
+
 
 # Named shapes of real models, for planning models hx never loads and for random weights of
 # those shapes (``preset``; ``loader.load("llama2-7b:8L")``). Values are from each model's
@@ -366,6 +472,10 @@ PRESETS: dict[str, ModelSpec] = {
         name="Phi-3-mini-4k", n_layers=32, d_model=3072, n_heads=32, n_kv_heads=32,
         head_dim=96, d_ff=8192, vocab_size=32064, context_length=4096, rope_theta=10000.0,
         norm_eps=1e-5, family="phi3", sliding_window=2047),
+    # google/gemma-3-12b-pt (its config.json's text_config; local and global layers 5:1)
+    "gemma3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 256),
+    # google/gemma-3-27b-pt (head dim 128; query_pre_attn_scalar 168 = 5376 / 32)
+    "gemma3-27b": _gemma3("Gemma-3-27B", 62, 5376, 32, 16, 128, 21504, 168),
     # OPT (Zhang et al. 2022), shapes from FMInference/FlexiGen flexgen/opt_config.py (FFN = 4 x
     # hidden, 2048 positions, vocabulary 50272); OPT-30B also from facebook/opt-30b's config.
     **{name: ModelSpec(
@@ -411,4 +521,5 @@ def preset(name: str) -> ModelSpec:
                       f"write NAME:NL with N from 1 to {spec.n_layers}, e.g. {key}:2L")
     if n == spec.n_layers:
         return spec
-    return spec.replace(n_layers=n, name=f"{spec.name} ({n} of {spec.n_layers} layers)")
+    return spec.replace(n_layers=n, name=f"{spec.name} ({n} of {spec.n_layers} layers)",
+                        **_with_types(spec, tuple(spec.layer_type(i) for i in range(n))))

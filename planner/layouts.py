@@ -150,7 +150,7 @@ def price(spec: ModelSpec, machine_name: str, layout: Layout, workload: Workload
     parts = []
     with memory_sizing(machine_name):
         for layers, first, last in stage_cuts(spec.n_layers, layout.pp):
-            part = shard.pipeline_stage(len(layers), first, last)
+            part = shard.pipeline_stage(layers, first, last)
             plan, need = plan_on(layout.policy, part, machine_name, view,
                                  budget or view.accelerator_memory, workload, time_limit_s)
             parts.append(Stage(layers, part, plan, need, predict_run(plan, part, view, workload)))

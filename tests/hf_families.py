@@ -32,6 +32,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "opt": ("opt", dict(hidden_size=64, ffn_dim=112, num_hidden_layers=2, num_attention_heads=4,
                         vocab_size=VOCAB, max_position_embeddings=256, word_embed_proj_dim=64,
                         pad_token_id=1, tie_word_embeddings=True)),
+    # local layers (a window of 6, shorter than the prompts; RoPE base 10^4) beside global
+    # ones (base 5 x 10^5, linear scaling); head dim 32 beside 64 / 4 and an attention scale
+    # of 24^-1/2, not 32^-1/2
+    "gemma3": ("gemma3_text", dict(
+        SHAPES, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+        tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 500000.0}})),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return"]
 

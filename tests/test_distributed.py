@@ -40,8 +40,8 @@ def test_a_process_takes_part_in_every_crossing_even_between_others():
 
     def stage(owner, mine):
         device = SimpleNamespace(process_index=owner)
-        return Stage(range(1), PRESETS["smollm2-135m"].pipeline_stage(1, False, False), None,
-                     SimpleNamespace(accelerator=SimpleNamespace(device=device)),
+        return Stage(range(1), PRESETS["smollm2-135m"].pipeline_stage(range(1), False, False),
+                     None, SimpleNamespace(accelerator=SimpleNamespace(device=device)),
                      object() if mine else None)
 
     calls = []

@@ -51,12 +51,12 @@ def test_a_stage_passes_the_residual_stream_through_its_ends():
     are x (B, T, D) in the model's dtype; the stages' weights are the model's, the tied table
     once more."""
     spec = PRESETS["smollm2-135m"]
-    middle = spec.pipeline_stage(10, False, False)
+    middle = spec.pipeline_stage(range(10, 20), False, False)
     assert middle.op_weight_shapes(EMBED) == {} and middle.op_weight_shapes(HEAD) == {}
     assert activation_shape(middle, "tokens", 2, 5) == ((2, 5, spec.d_model), spec.dtype)
     assert activation_shape(middle, "logits", 2, 5) == ((2, 5, spec.d_model), spec.dtype)
-    assert activation_shape(spec.pipeline_stage(10, False, True), "logits", 2, 5) == (
-        (2, spec.vocab_size), "float32")
+    last = spec.pipeline_stage(range(20, 30), False, True)
+    assert activation_shape(last, "logits", 2, 5) == ((2, spec.vocab_size), "float32")
 
 
 def _two_accelerators():

@@ -22,7 +22,10 @@ PUBLISHED = {"smollm2-135m": 1.35e8, "llama2-7b": 6.74e9, "llama2-13b": 13.0e9,
              "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9, "opt-6.7b": 6.7e9, "opt-30b": 30e9,
              "opt-66b": 66e9, "opt-175b": 175e9, "llama3.1-8b": 8.03e9, "llama3.1-70b": 70.6e9,
              "qwen2.5-72b": 72.7e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.8e9,
-             "phi3-mini": 3.82e9}
+             "phi3-mini": 3.82e9,
+             # Gemma 3 technical report (arXiv:2503.19786), Table 1: embedding + non-embedding
+             # parameters, the text decoder without the 417M vision encoder
+             "gemma3-12b": 1.012e9 + 10.759e9, "gemma3-27b": 1.416e9 + 25.600e9}
 
 
 def test_every_preset_has_its_published_size():

@@ -1,0 +1,359 @@
+"""The Gemma 3 family, text only (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786,
+§2 "Model Architecture"; transformers' ``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``):
+a decoder with grouped-query attention, an RMSNorm before *and after* attention and the MLP,
+q/k RMSNorm in place of Gemma 2's soft-capping, a GeGLU MLP, and local layers (a sliding
+window, their own RoPE base) interleaved with global ones (the whole context; 5 local to 1
+global in the released models, the window 1,024 tokens).
+
+A layer onto the seven ops (axis letters as in ``models.layers``; every norm is Gemma's
+``RMSNorm``, x / rms(x) * (1 + w), in float32):
+
+  =======  ============================================  ===========================
+  op       computes                                      reads -> writes
+  =======  ============================================  ===========================
+  EMBED    token embedding * sqrt(D) (the scale in the   tokens -> x
+           model's dtype, as the checkpoint's)
+  Q        input RMSNorm; q = RoPE(RMSNorm_E(h Wq)) *    x -> h, q
+           c, c = sqrt(E / query_pre_attn_scalar)
+  K        k = RoPE(RMSNorm_E(h Wk))                     h -> k
+  V        v = h Wv                                      h -> v
+  SCORE    KV-cache append, softmax(q k^T / sqrt(E)) v   q, k, v (+cache) -> o
+           over the layer's window
+  OUT      x + RMSNorm(o Wo)  (the post-attention norm)  o, x -> x
+  MLP1     n = RMSNorm(x) (pre-feedforward);             x -> a
+           a = GELU_tanh(n Wgate) * (n Wup)
+  MLP2     x + RMSNorm(a Wdown)  (post-feedforward)      a, x -> x
+  HEAD     final RMSNorm, LM head (the embedding, tied)  x -> logits
+  =======  ============================================  ===========================
+
+Attention's scale is query_pre_attn_scalar^-1/2 (the technical report's; 168 = D / H beside a
+head dim of 128 in Gemma 3 27B): every attention kernel divides by sqrt(E), so Q multiplies q
+by sqrt(E / query_pre_attn_scalar) (``ModelSpec.attention_scale``), the same product.
+
+Local and global layers differ only in their window and RoPE, never in shapes: each layer's
+type (``sliding_attention``, ``full_attention``) is ``ModelSpec.layer_types``, and each type's
+``sliding_window``, ``rope_theta`` and ``rope_scaling`` its ``ModelSpec.layer_overrides`` (local:
+the config's ``sliding_window`` and ``rope_local_base_freq``, 10,000, unscaled; global: the
+whole context and ``rope_theta``, 1,000,000, with the config's scaling: linear, factor 8 in
+Gemma 3 4B to 27B). Each op runs with its layer's spec (``ModelSpec.layer_spec``), so the
+module here reads one window and one RoPE. Attention-logit and final-logit soft-capping (Gemma
+2's), bidirectional attention (EmbeddingGemma's) and a multimodal ``gemma3`` config are
+refused. llama.cpp's ``gemma3`` GGUF files are not read (``gguf_architectures`` is empty, so
+the loader names the architecture and those it reads): llama.cpp's converter stores each norm
+as 1 + w, and the layer pattern (every 6th global), the local RoPE base (10,000) and the
+attention scale (by model size) are llama.cpp's code, not the file's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from hx.errors import HxError
+from hx.models.family import ConfigReader, Family
+from hx.models.layers import (ScoreOp, Step, WeightedOp, dense, held_dtype, lm_head, lookup,
+                              rope)
+from hx.models.llama import inv_frequencies, rope_scaling
+from hx.models.ops import EMBED, HEAD, SCORE
+from hx.models.spec import ModelSpec
+
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer types
+# transformers' Gemma3TextConfig defaults, for the fields a config.json leaves out
+DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+            "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0, "rms_norm_eps": 1e-6, "vocab_size": 262_208,
+            "max_position_embeddings": 131_072}
+
+
+class RMSNorm(nn.Module):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + scale) over the last axis, in
+    float32 (the product too, then rounded to ``x``'s dtype: transformers' ``Gemma3RMSNorm``).
+    Parameter ``scale``: (n,) of ``param_dtype``, initialised to 0 (the identity)."""
+
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def query_factor(spec: ModelSpec) -> float:
+    """What Q multiplies q by so that SCORE's 1/sqrt(E) makes ``spec.attention_scale``:
+    attention_scale * sqrt(E) (1 where the spec keeps 1/sqrt(E))."""
+    if spec.attention_scale is None:
+        return 1.0
+    return spec.attention_scale * math.sqrt(spec.head_dim)
+
+
+class EmbedOp(WeightedOp):
+    """EMBED: tokens (B, T) int32 -> x = table[tokens] * sqrt(D) (B, T, D), the product in the
+    model's dtype with sqrt(D) rounded to it (transformers' ``Gemma3TextScaledWordEmbedding``:
+    in bfloat16 sqrt(3840) is 62.0); in a later pipeline stage the previous stage's x."""
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        if not s.embeds:
+            return (tokens,)
+        x = lookup(self, "embedding", tokens, s.vocab_size, s.embedding_format)
+        return (x * jnp.asarray(math.sqrt(s.d_model), s.dtype),)
+
+
+def _heads(module: WeightedOp, h: jax.Array, name: str, heads: int, step: Step) -> jax.Array:
+    """h (B, T, D) projected by ``w{name}`` to (B, T, heads, E), RMS-normed over E
+    (``{name}_norm``) and rotated by the layer's RoPE (``models.llama.inv_frequencies`` of
+    the layer's spec: its theta and scaling), in float32."""
+    s = module.spec
+    y = dense(module, (heads, s.head_dim), name=f"w{name}")(h)
+    y = RMSNorm(s.norm_eps, held_dtype(module), name=f"{name}_norm")(y)
+    return rope(y, step.positions, inv_frequencies(s))
+
+
+class QOp(WeightedOp):
+    """Q: x (B,T,D) -> h = RMSNorm(x) (B,T,D), q = RoPE(RMSNorm_E(h Wq)) * sqrt(E / s)
+    (B,T,H,E), s = query_pre_attn_scalar (``query_factor``)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
+        s = self.spec
+        h = RMSNorm(s.norm_eps, held_dtype(self), name="attn_norm")(x)
+        q = _heads(self, h, "q", s.n_heads, step) * query_factor(s)
+        return h, q.astype(s.dtype)
+
+
+class KOp(WeightedOp):
+    """K: h (B,T,D) -> k = RoPE(RMSNorm_E(h Wk)) (B,T,K,E)."""
+
+    @nn.compact
+    def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
+        return (_heads(self, h, "k", self.spec.n_kv_heads, step).astype(self.spec.dtype),)
+
+
+class VOp(WeightedOp):
+    """V: h (B,T,D) -> v = h Wv (B,T,K,E) (no norm, no RoPE)."""
+
+    @nn.compact
+    def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        return (dense(self, (s.n_kv_heads, s.head_dim), name="wv")(h).astype(s.dtype),)
+
+
+class OutOp(WeightedOp):
+    """OUT: o (B,T,H,E), x (B,T,D) -> x + RMSNorm(o Wo) (B,T,D) (the post-attention norm)."""
+
+    @nn.compact
+    def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        y = dense(self, s.d_model, axis=(-2, -1), name="wo")(o)  # 'BTHE,DHE->BTD'
+        y = RMSNorm(s.norm_eps, held_dtype(self), name="post_attn_norm")(y)
+        return ((x.astype(jnp.float32) + y).astype(s.dtype),)
+
+
+class Mlp1Op(WeightedOp):
+    """MLP1: x (B,T,D) -> a = GELU_tanh(n Wgate) * (n Wup) (B,T,F), n = RMSNorm(x) (the
+    pre-feedforward norm; GeGLU, Shazeer 2020, with GELU's tanh approximation, Hendrycks &
+    Gimpel 2016: transformers' ``gelu_pytorch_tanh``)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        n = RMSNorm(s.norm_eps, held_dtype(self), name="ffn_norm")(x)
+        gate = dense(self, s.d_ff, name="w_gate")(n)  # 'BTD,FD->BTF'
+        up = dense(self, s.d_ff, name="w_up")(n)
+        return ((jax.nn.gelu(gate, approximate=True) * up).astype(s.dtype),)
+
+
+class Mlp2Op(WeightedOp):
+    """MLP2: a (B,T,F), x (B,T,D) -> x + RMSNorm(a Wdown) (B,T,D) (the post-feedforward
+    norm)."""
+
+    @nn.compact
+    def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        y = dense(self, s.d_model, name="w_down")(a)  # 'BTF,DF->BTD'
+        y = RMSNorm(s.norm_eps, held_dtype(self), name="post_ffn_norm")(y)
+        return ((x.astype(jnp.float32) + y).astype(s.dtype),)
+
+
+class HeadOp(WeightedOp):
+    """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head);
+    in a pipeline stage before the last, x itself."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s = self.spec
+        if not s.heads:
+            return (x,)
+        n = RMSNorm(s.norm_eps, held_dtype(self), name="final_norm")(x[:, -1])  # (B,D)
+        return (lm_head(self, n),)
+
+
+MODULES = {EMBED: EmbedOp, "Q": QOp, "K": KOp, "V": VOp, SCORE: ScoreOp, "OUT": OutOp,
+           "MLP1": Mlp1Op, "MLP2": Mlp2Op, HEAD: HeadOp}
+
+HF_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "input_layernorm.weight",
+    ("Q", "wq/kernel"): "self_attn.q_proj.weight",
+    ("Q", "q_norm/scale"): "self_attn.q_norm.weight",
+    ("K", "wk/kernel"): "self_attn.k_proj.weight",
+    ("K", "k_norm/scale"): "self_attn.k_norm.weight",
+    ("V", "wv/kernel"): "self_attn.v_proj.weight",
+    ("OUT", "wo/kernel"): "self_attn.o_proj.weight",
+    ("OUT", "post_attn_norm/scale"): "post_attention_layernorm.weight",
+    ("MLP1", "ffn_norm/scale"): "pre_feedforward_layernorm.weight",
+    ("MLP1", "w_gate/kernel"): "mlp.gate_proj.weight",
+    ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
+    ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
+    ("MLP2", "post_ffn_norm/scale"): "post_feedforward_layernorm.weight",
+}
+HF_MODEL_NAMES = {(EMBED, "embedding"): "model.embed_tokens.weight",
+                  (HEAD, "final_norm/scale"): "model.norm.weight",
+                  (HEAD, "embedding"): "lm_head.weight"}
+
+
+def _rope(rope: Mapping[str, Any], where: str, kind: str
+          ) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(theta, ``ModelSpec.rope_scaling``) of one layer type's RoPE parameters
+    (``models.llama.rope_scaling``: default, linear or llama3, anything else refused)."""
+    reader = ConfigReader({"rope_parameters": dict(rope)}, f"{where} ({kind} layers)")
+    return rope_scaling(reader)
+
+
+def layer_types(reader: ConfigReader, n_layers: int) -> tuple[str, ...]:
+    """Each layer's type: the config's ``layer_types``, else transformers' pattern (every
+    ``sliding_window_pattern``-th layer global, the rest local; 6 where unset).
+
+    Raises:
+      HxError: a type other than local or global, or a count other than the layers'.
+    """
+    kinds = reader.get("layer_types")
+    if kinds is None:
+        period = int(reader.get("sliding_window_pattern", DEFAULTS["sliding_window_pattern"]))
+        return tuple(LOCAL if (i + 1) % period else GLOBAL for i in range(n_layers))
+    unknown = sorted(set(kinds) - {LOCAL, GLOBAL})
+    if unknown:
+        raise HxError(f"{reader.where}: config.json's layer_types has {', '.join(unknown)}, "
+                      f"which hx does not implement for gemma3 (it runs {LOCAL}, {GLOBAL})")
+    if len(kinds) != n_layers:
+        raise HxError(f"{reader.where}: config.json lists {len(kinds)} layer_types for "
+                      f"{n_layers} layers")
+    reader.get("sliding_window_pattern")  # read past: layer_types decides, as in transformers
+    return tuple(kinds)
+
+
+def rope_by_type(reader: ConfigReader) -> dict[str, tuple[float, tuple]]:
+    """Layer type -> (theta, scaling), as transformers' ``Gemma3TextConfig`` builds them:
+    ``rope_parameters`` by layer type (transformers 5), the legacy ``rope_scaling`` applied to
+    the global layers, the global theta from ``rope_theta`` and the local one from
+    ``rope_local_base_freq`` where ``rope_parameters`` sets none (1e6 and 1e4 by default).
+
+    Raises:
+      HxError: ``rope_parameters`` not by layer type, or a RoPE hx does not implement.
+    """
+    params = dict(reader.get("rope_parameters", {}))
+    unknown = sorted(set(params) - {LOCAL, GLOBAL})
+    if unknown:
+        raise HxError(f"{reader.where}: config.json's rope_parameters sets {', '.join(unknown)}; "
+                      f"hx reads gemma3's RoPE by layer type ({LOCAL}, {GLOBAL})")
+    full = dict(params.get(GLOBAL) or {"rope_type": "default"})
+    full.update(reader.get("rope_scaling", {}))
+    full.setdefault("rope_theta", float(reader.get("rope_theta", DEFAULTS["rope_theta"])))
+    local = dict(params.get(LOCAL) or {"rope_type": "default"})
+    local.setdefault("rope_theta", float(reader.get("rope_local_base_freq",
+                                                     DEFAULTS["rope_local_base_freq"])))
+    return {GLOBAL: _rope(full, reader.where, GLOBAL), LOCAL: _rope(local, reader.where, LOCAL)}
+
+
+@dataclass(frozen=True)
+class Gemma3Family(Family):
+    """Gemma 3's text decoder (module docstring)."""
+
+    # ``_sliding_window_pattern``: transformers writes it into every config.json it saves
+    # and never reads it back (``Gemma3TextConfig.__post_init__`` reads the key without the
+    # underscore); ``cache_implementation``: generate()'s cache class
+    hf_ignored: ClassVar[frozenset] = frozenset({"_sliding_window_pattern",
+                                                 "cache_implementation"})
+
+    def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Gemma 3's weights per op: Q the input norm (D,), wq (H, E, D) and q_norm (E,); K
+        wk (K, E, D) and k_norm (E,); V wv (K, E, D); OUT wo (D, H, E) and the
+        post-attention norm (D,); MLP1 the pre-feedforward norm (D,), gate and up (F, D);
+        MLP2 down (D, F) and the post-feedforward norm (D,); HEAD the final norm and the
+        table (tied in every released Gemma 3)."""
+        D, H, K, E, F, V = (spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+                            spec.d_ff, spec.vocab_size)
+        return {
+            EMBED: {"embedding": (V, D)},
+            "Q": {"attn_norm/scale": (D,), "wq/kernel": (H, E, D), "q_norm/scale": (E,)},
+            "K": {"wk/kernel": (K, E, D), "k_norm/scale": (E,)},
+            "V": {"wv/kernel": (K, E, D)},
+            SCORE: {},
+            "OUT": {"wo/kernel": (D, H, E), "post_attn_norm/scale": (D,)},
+            "MLP1": {"ffn_norm/scale": (D,), "w_gate/kernel": (F, D), "w_up/kernel": (F, D)},
+            "MLP2": {"w_down/kernel": (D, F), "post_ffn_norm/scale": (D,)},
+            HEAD: {"final_norm/scale": (D,), "embedding": (V, D)},
+        }
+
+    def modules(self) -> Mapping[str, type]:
+        return MODULES
+
+    def spec_from_hf(self, config: Mapping[str, Any], where: str) -> ModelSpec:
+        """The spec of a ``gemma3_text`` config.json (transformers' defaults where a field is
+        left out): the global layers' window (none) and RoPE as the model's own fields, each
+        layer type's in ``layer_overrides`` (the layers all of one type: that type's fields,
+        no layer types).
+
+        Raises:
+          HxError: soft-capping, bidirectional attention, attention biases, another
+            activation, a layer type or RoPE hx does not implement, or a field it does not
+            know.
+        """
+        reader = ConfigReader(config, where, self.hf_ignored)
+        d_model, n_heads = reader.need("hidden_size"), reader.need("num_attention_heads")
+        n_layers = reader.need("num_hidden_layers")
+        reader.expect("hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
+        reader.expect("attention_bias", (False,), False)
+        reader.expect("attn_logit_softcapping", (None,))
+        reader.expect("final_logit_softcapping", (None,))
+        reader.expect("use_bidirectional_attention", (False,), False)
+        head_dim = reader.get("head_dim", DEFAULTS["head_dim"])
+        scalar = float(reader.get("query_pre_attn_scalar", DEFAULTS["query_pre_attn_scalar"]))
+        window = int(reader.get("sliding_window", DEFAULTS["sliding_window"]))
+        kinds = layer_types(reader, n_layers)
+        ropes = rope_by_type(reader)
+        windows = {GLOBAL: None, LOCAL: window}
+        overrides = tuple((kind, (("rope_scaling", ropes[kind][1]),
+                                  ("rope_theta", ropes[kind][0]),
+                                  ("sliding_window", windows[kind])))
+                          for kind in sorted(set(kinds)))
+        by_type = dict(overrides)
+        model = dict(by_type[GLOBAL if GLOBAL in by_type else LOCAL])  # global, or the only
+        if len(overrides) == 1:  # the layers are alike
+            kinds, overrides = (), ()
+        spec = ModelSpec(
+            name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
+            n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+            n_kv_heads=reader.get("num_key_value_heads", DEFAULTS["num_key_value_heads"]),
+            head_dim=head_dim, d_ff=reader.need("intermediate_size"),
+            vocab_size=reader.get("vocab_size", DEFAULTS["vocab_size"]),
+            context_length=reader.get("max_position_embeddings",
+                                      DEFAULTS["max_position_embeddings"]),
+            norm_eps=float(reader.get("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
+            tie_embeddings=bool(reader.get("tie_word_embeddings", True)), family=self.name,
+            attention_scale=scalar ** -0.5, layer_types=kinds, layer_overrides=overrides,
+            **model)
+        reader.finish()
+        return spec
+
+
+FAMILY = Gemma3Family(name="gemma3", hf_model_types=("gemma3_text",),
+                      hf_layer_names=HF_LAYER_NAMES, hf_model_names=HF_MODEL_NAMES)

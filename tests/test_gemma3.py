@@ -4,6 +4,8 @@ streamed KV caches recomputing K and V, pipeline stages that cut the types -- ag
 transformers on the tiny checkpoint transformers wrote; the types in specs, presets and
 compiled segments; what the family refuses."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -78,11 +80,14 @@ def test_a_layer_op_needs_its_layers_spec(gemma):
         apply_op(model.spec, "K", {}, {}, None)
 
 
-@pytest.mark.parametrize("case", ["numpy-attention", "kv-recompute", "pipeline"])
+@pytest.mark.parametrize("case", ["numpy-attention", "kv-recompute", "pipeline",
+                                  "tensor-parallel"])
 def test_every_path_matches_transformers(gemma, case, monkeypatch):
     """Host attention in numpy between XLA pieces (each piece with its layer's window), the
     KV caches streamed in with positions [0, 5) recomputed by each layer's own K (its RoPE),
-    and 3 pipeline stages (types [local, global], [local], [local]: the last two alike)."""
+    3 pipeline stages (types [local, global], [local], [local]: the last two alike), and the
+    heads split over 2 accelerators (the host's device standing in as the second, as in
+    tests/test_pipeline.py: the post-norms whole on each)."""
     model, prompts, (ref_logits, ref_greedy) = gemma
     n = model.spec.n_layers
     devices = discover()
@@ -91,8 +96,13 @@ def test_every_path_matches_transformers(gemma, case, monkeypatch):
         plan = policies.stream_all(n)
     elif case == "kv-recompute":
         plan = policies.kv_streamed(n, 5)
-    else:
+    elif case == "pipeline":
         plan, devices = policies.stream_all(n), [devices] * 3
+    else:
+        acc = devices.accelerator
+        plan, devices = policies.all_accelerator(n), dataclasses.replace(
+            devices, accelerator=dataclasses.replace(acc, group=(acc.device,
+                                                                 devices.host.device)))
     engine = Engine(model, plan, devices)
     close(engine.last_logits(prompts), ref_logits)
     completions = engine.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))

@@ -141,6 +141,9 @@ class Family:
     # the family's own config.json keys that do not change its outputs, beside ``HF_IGNORED``
     # (each proven so in tests/test_families.py)
     hf_ignored: ClassVar[frozenset] = frozenset()
+    # the value of a norm's ``scale`` that leaves the normed x as it is (random weights'
+    # norms): 1 where a norm multiplies by its scale, 0 for Gemma's x (1 + w)
+    norm_identity: ClassVar[float] = 1.0
 
     # -- shapes ------------------------------------------------------------------------------
     def weight_shapes(self, spec) -> dict[str, dict[str, tuple[int, ...]]]:

@@ -282,6 +282,7 @@ class Gemma3Family(Family):
     # underscore); ``cache_implementation``: generate()'s cache class
     hf_ignored: ClassVar[frozenset] = frozenset({"_sliding_window_pattern",
                                                  "cache_implementation"})
+    norm_identity: ClassVar[float] = 0.0  # x (1 + w)
 
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """Gemma 3's weights per op: Q the input norm (D,), wq (H, E, D) and q_norm (E,); K

@@ -8,7 +8,7 @@ so that gigabytes of weights come fast and without temporary copies:
 * matrices and biases: float32 uniform on [-a, a] with a = 0.02·√3, i.e. standard deviation
   0.02 like ``init_params``' normal initialiser (numpy draws uniform float32 ~5× faster than
   normal);
-* norm scales: ones;
+* norm scales: the identity (``Family.norm_identity``: ones; Gemma's zeros);
 * a tied model's ``HEAD/embedding`` is the very array of ``EMBED/embedding``;
 * in ``spec.dtype``: a bfloat16 or float16 tensor is the float32 one rounded (to nearest even),
   so the three dtypes hold the same model; a matrix in a compressed format
@@ -97,7 +97,7 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None,
     with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         def take(layer, op, path, shape):
             if path.split("/")[-1] == "scale":  # a norm's scale
-                return aligned_copy(np.ones(shape, dtype))
+                return aligned_copy(np.full(shape, spec.model_family.norm_identity, dtype))
             name = "/".join(filter(None, (layer_key(layer) if layer is not None else "", op,
                                           path)))
             return pool.submit(_draw, shape, seed, name, dtype, spec.matrix_format(path))

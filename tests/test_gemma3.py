@@ -196,3 +196,21 @@ def test_a_layer_type_may_change_only_window_and_rope():
             (LOCAL, (("d_ff", 1),)), (GLOBAL, ())))
     with pytest.raises(ValueError, match="same layer types"):
         PRESETS["gemma3-12b"].replace(layer_overrides=())
+
+
+def test_random_weights_have_init_params_layout_and_identity_norms(gemma):
+    """Random weights of the tiny model's shapes: ``init_params``' tree, and every norm scale
+    0, Gemma's identity x (1 + 0) (``Family.norm_identity``), as ``init_params`` draws it."""
+    import jax
+
+    from hx.models import random_weights
+    from hx.models.decoder import init_params
+
+    spec = gemma[0].spec
+    params = random_weights.random_params(spec)
+    expected = init_params(spec)
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    for tree in (params, expected):
+        for op, path in (("Q", "attn_norm"), ("OUT", "post_attn_norm"),
+                         ("MLP2", "post_ffn_norm"), ("K", "k_norm")):
+            np.testing.assert_array_equal(tree["layer_1"][op][path]["scale"], 0.0)

@@ -46,6 +46,7 @@ attention scale (by model size) are llama.cpp's code, not the file's.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -55,6 +56,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from hx.errors import HxError
+from hx.models import layers
 from hx.models.family import ConfigReader, Family
 from hx.models.layers import (ScoreOp, Step, WeightedOp, dense, held_dtype, lm_head, lookup,
                               rope)
@@ -70,20 +72,8 @@ DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4, "query_pre_attn_scalar": 
             "max_position_embeddings": 131_072}
 
 
-class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + scale) over the last axis, in
-    float32 (the product too, then rounded to ``x``'s dtype: transformers' ``Gemma3RMSNorm``).
-    Parameter ``scale``: (n,) of ``param_dtype``, initialised to 0 (the identity)."""
-
-    eps: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+# Gemma's RMSNorm: x / rms(x) * (1 + w), w initialised to 0 (transformers' ``Gemma3RMSNorm``)
+RMSNorm = functools.partial(layers.RMSNorm, offset=1.0)
 
 
 def query_factor(spec: ModelSpec) -> float:

@@ -57,21 +57,25 @@ class Step(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32 and
-    returned in ``x``'s dtype.
+    """y = x / sqrt(mean(x^2) + eps) * (offset + scale) over the last axis, computed in float32
+    and returned in ``x``'s dtype.
 
-    (Zhang & Sennrich 2019, as in Llama.) Parameter ``scale``: (D,) of ``param_dtype``.
+    (Zhang & Sennrich 2019, as in Llama: ``offset`` 0, ``scale`` initialised to 1; Gemma's
+    stores scale - 1: ``offset`` 1, initialised to 0, as transformers' ``Gemma3RMSNorm``.)
+    Parameter ``scale``: (D,) of ``param_dtype``.
     """
 
     eps: float
     param_dtype: Any = jnp.float32
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        scale = self.param("scale", nn.initializers.constant(1.0 - self.offset),
+                           (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return (y * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -17,7 +17,7 @@ from typing import Any
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
 from hx.models.formats import DENSE, get_format, kv_cache_format
-from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE
+from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE  # noqa: F401  (SCORE: re-exported)
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

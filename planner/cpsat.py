@@ -6,7 +6,8 @@ pattern under the budgets; here ``solve`` lays the counted layers out as a plan 
 first, the llama.cpp order) and chooses its prefill placement (``choose_prefill``: the decode
 placement, or every weighted op on the accelerator with host weights staged in, where that is
 predicted faster and fits), and ``plan_cpsat`` searches around it: prefill chunks to reserve
-activations for, the whole-run objective where prefill matters, reclaiming an activation
+activations for (``SEARCH_CHUNKS``), the whole-run objective where prefill matters (at chunks
+whose reserve exceeds the budget, with a reference plan's activations), reclaiming an activation
 reserve the plan leaves unused, re-plans at a lower budget when a plan's size exceeds the
 model's, and EMBED on the accelerator (``plan_cpsat``'s docstring). Every candidate is priced by
 ``simulator.predict_run``.
@@ -34,6 +35,12 @@ from hx.workload import MIN_CHUNK, Workload
 PREFILL_SHARE = 0.1  # of a run, below which plan_cpsat looks no further for a faster prefill
 REPLANS = 3  # re-solves with a lowered budget when the exact size exceeds the model's
 RECLAIM = 0.02  # of the accelerator budget: reserved activations a plan leaves unused, to reclaim
+# Prefill chunks CP-SAT searches and fits its plans to (``fit_chunk``): ``fitting.CHUNKS``
+# and 256, where the whole prompt does not fit but half of it does with fewer resident
+# weights (FlexGen's OPT-175B setting on the T4, 32 x 8 rows: 7.0 GB of activations at 256
+# tokens, 14.1 GB at 512; a prefill of 2,054 s instead of 2,338 s in chunks of 128, for a
+# decode step 1.2 s longer)
+SEARCH_CHUNKS = tuple(sorted(set(CHUNKS) | {256}, key=lambda c: -(c or 1 << 30)))
 
 
 @dataclass
@@ -74,13 +81,13 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
                kv_disk: bool = False, kv_streamed: bool = False) -> PlannerResult:
     """The plan with the shortest predicted run (prefill, then decode steps: ``simulator.predict_run``)
     of those found by two objectives, under the memory budgets, with the largest prefill
-    chunk under which it fits (``fitting.fit_prefill_chunk``).
+    chunk of ``SEARCH_CHUNKS`` under which it fits (``fit_chunk``).
 
     The CP-SAT model sets aside a step's activations (``memory.activation_reserve``) at a
     prefill chunk, first ``MIN_CHUNK`` tokens. Decode-only objective first (the decode step):
     when the plan found leaves the prompt in several chunks and prefill is more than
     ``PREFILL_SHARE`` of its predicted run (every chunk of a streamed plan streams the weights
-    again), it is solved again reserving the next larger chunk of ``fitting.CHUNKS`` while
+    again), it is solved again reserving the next larger chunk of ``SEARCH_CHUNKS`` while
     the run gets shorter (FlexGen's OPT-30B setting on the T4: the decode-optimal plan keeps 5
     layers' KV on the GPU, leaving room for 32-token chunks only, 412 s of prefill instead of
     157). If prefill is still more than ``PREFILL_SHARE`` of the best run (and not every
@@ -89,17 +96,24 @@ def plan_cpsat(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     solved at each chunk up to the prompt, smallest first, until one does not fit or its run
     is no shorter than the previous chunk's. Llama-2-70B at 16 x 512 + 32 on a T4: host
     MLP1s, best for decode, multiply 512-row products on the host in prefill (0.52 tokens/s
-    simulated, 1.42 with the whole-run plan). Every candidate is sized exactly and priced by
-    ``simulator.predict_run``; the shortest run is kept, so the second objective never makes a plan
-    worse. Last, EMBED moves to the accelerator where that fits and is predicted faster
-    (``embed_on_accelerator``). Arguments and errors as ``solve``.
+    simulated, 1.42 with the whole-run plan). At a chunk whose reserve leaves no room, the
+    whole-run objective reserves the best plan's exact activations there instead
+    (``plan_with_reserve``'s ``reference``): FlexGen's OPT-175B setting on the T4 (KV on
+    disk, 32 x 8 rows) reserves 21 GB at 128 tokens, where plans need 3.5 GB, and its
+    decode-optimal plan runs in chunks of 128 (0.523 tokens/s simulated); the whole-run plan
+    at 256 holds fewer resident weights for half as many prefill steps (0.532). Every
+    candidate is sized exactly and priced by ``simulator.predict_run``; the shortest run is
+    kept, so the second objective never makes a plan worse. Last, EMBED moves to the
+    accelerator where that fits and is predicted faster (``embed_on_accelerator``).
+    Arguments and errors as ``solve``.
     """
-    chunks = sorted({c or workload.prompt_tokens for c in CHUNKS
+    chunks = sorted({c or workload.prompt_tokens for c in SEARCH_CHUNKS
                      if (c or workload.prompt_tokens) <= workload.prompt_tokens})
 
     def attempt(chunk: int, whole_run: bool):
         result = plan_with_reserve(spec, profile, devices, workload, chunk, time_limit_s,
-                                   seed, tolerance, whole_run, kv_disk, kv_streamed)
+                                   seed, tolerance, whole_run, kv_disk, kv_streamed,
+                                   best.plan if whole_run else None)
         run = predict_run(result.plan, spec, profile, workload)
         return result, (run.ttft_s, run.total_s)
 
@@ -156,7 +170,8 @@ def embed_on_accelerator(plan: ExecutionPlan) -> ExecutionPlan:
 def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
                       workload: Workload, chunk: int, time_limit_s: float, seed: int,
                       tolerance: float | None, whole_run: bool = False, kv_disk: bool = False,
-                      kv_streamed: bool = False) -> PlannerResult:
+                      kv_streamed: bool = False, reference: ExecutionPlan | None = None
+                      ) -> PlannerResult:
     """``solve`` with activations reserved at ``chunk`` tokens, the plan then sized exactly
     (``memory.estimate``) with its largest fitting prefill chunk.
 
@@ -171,25 +186,101 @@ def plan_with_reserve(spec: ModelSpec, profile: HardwareProfile, devices: Device
     that solve's objective and status) is taken if ``simulator.predict_run`` predicts a shorter run.
     Should a plan exceed the accelerator or the host budget (the host's read buffers of
     disk-homed data are only sized there), the model is solved again with that budget lowered
-    by the shortfall (at most ``REPLANS`` times), so the returned plan always fits."""
-    result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s, seed,
-                     tolerance, whole_run, MIN_CHUNK, kv_disk, kv_streamed)
+    by the shortfall (at most ``REPLANS`` times), so the returned plan always fits.
+
+    Where the reserve at ``chunk`` leaves no plan room at all (it can exceed the budget: 21.0
+    GB at 128 tokens for OPT-175B at 32 x 8 rows, where a plan needs 3.5 GB and fits the T4's
+    16 GB), and a ``reference`` plan is given (``plan_cpsat``'s best so far), the model is
+    solved reserving the activations the reference needs at ``chunk`` instead
+    (``_reserving_like``): without it the whole-run objective could price prefill only at
+    chunks far below the one its plans run at (OPT-175B: 32 tokens, 16 steps each reading
+    the disk-homed weights, for plans run in chunks of 128)."""
     capacity = devices.accelerator.capacity
+    tokens = min(workload.prompt_tokens, chunk)
+    # no plan fits under the reserve (bar HEAD's) where it alone exceeds the budget
+    over = reference is not None and capacity is not None and activation_reserve(
+        spec, workload, tokens) - head_reserve(spec, workload, tokens) > capacity
+    if not over:
+        try:
+            result = _fitted(spec, profile, devices, devices, workload, chunk, time_limit_s,
+                             seed, tolerance, whole_run, MIN_CHUNK, kv_disk, kv_streamed)
+        except HxError:
+            if reference is None or capacity is None:
+                raise
+            over = True
+    if over:
+        return _reserving_like(spec, profile, devices, workload, chunk, time_limit_s, seed,
+                               tolerance, whole_run, kv_disk, kv_streamed, reference)
     if capacity is None:
         return result
-    unused = activation_reserve(spec, workload, min(workload.prompt_tokens, chunk)) - estimate(
-        result.plan.with_prefill_chunk(chunk), spec, workload).activations
+    unused = _unused(spec, workload, result.plan, chunk)
     if unused <= RECLAIM * capacity:
         return result
-    raised = dataclasses.replace(devices, accelerator=dataclasses.replace(
-        devices.accelerator, capacity=capacity + unused))
     try:
-        roomier = _fitted(spec, profile, devices, raised, workload, chunk, time_limit_s, seed,
-                          tolerance, whole_run, chunk, kv_disk, kv_streamed)
+        roomier = _fitted(spec, profile, devices, _raised(devices, unused), workload, chunk,
+                          time_limit_s, seed, tolerance, whole_run, chunk, kv_disk,
+                          kv_streamed)
     except HxError:
         return result
     runs = [predict_run(r.plan, spec, profile, workload).total_s for r in (result, roomier)]
     return roomier if runs[1] < runs[0] else result
+
+
+def _reserving_like(spec: ModelSpec, profile: HardwareProfile, devices: Devices,
+                    workload: Workload, chunk: int, time_limit_s: float, seed: int,
+                    tolerance: float | None, whole_run: bool, kv_disk: bool, kv_streamed: bool,
+                    reference: ExecutionPlan) -> PlannerResult:
+    """``solve`` with the accelerator budget raised by the part of the activation reserve at
+    ``chunk`` that ``reference``'s exact activations there leave unused, the plan kept if it
+    fits in chunks of ``chunk`` tokens or more (``fit_chunk``); else solved again reserving
+    that plan's own activations (a plan attending on the accelerator needs more than one
+    attending on the host), at most ``REPLANS`` times.
+
+    Raises:
+      HxError: no plan found fits so, or ``reference`` without its resident weights does not
+        fit the budget at ``chunk`` (``_room_at``).
+    """
+    for _ in range(REPLANS + 1):
+        if not _room_at(spec, devices, workload, reference, chunk):
+            break
+        result = solve(spec, profile, _raised(devices, _unused(spec, workload, reference, chunk)),
+                       workload, time_limit_s, seed, tolerance, chunk, whole_run, kv_disk,
+                       kv_streamed)
+        try:
+            fitted = fit_chunk(result.plan, spec, devices, workload)
+        except HxError:
+            fitted = None
+        if fitted is not None and (fitted.prefill_chunk or workload.prompt_tokens) >= chunk:
+            result.plan = fitted
+            return result
+        reference = result.plan
+    raise HxError(f"no plan fits the accelerator memory budget of "
+                  f"{devices.accelerator.capacity} bytes with its activations at "
+                  f"{min(chunk, workload.prompt_tokens)} tokens reserved")
+
+
+def _unused(spec: ModelSpec, workload: Workload, plan: ExecutionPlan, chunk: int) -> int:
+    """Bytes of the activation reserve at ``chunk`` tokens that ``plan``'s exact activations
+    there leave unused (``plan_with_reserve``)."""
+    return activation_reserve(spec, workload, min(workload.prompt_tokens, chunk)) - estimate(
+        plan.with_prefill_chunk(chunk), spec, workload).activations
+
+
+def _room_at(spec: ModelSpec, devices: Devices, workload: Workload, plan: ExecutionPlan,
+             chunk: int) -> bool:
+    """Whether ``plan`` without its resident weights -- its staging, KV caches and exact
+    activations at ``chunk`` tokens -- fits the accelerator budget: where it does not, a
+    solve reserving its activations at ``chunk`` is not tried (``plan_with_reserve``;
+    OPT-175B at 32 x 8 rows and 512 tokens: 14.1 GB of activations and 4.0 GB of staging
+    against the T4's 16 GB)."""
+    need = estimate(plan.with_prefill_chunk(chunk), spec, workload)
+    return need.accelerator - need.weights <= devices.accelerator.capacity
+
+
+def _raised(devices: Devices, extra: int) -> Devices:
+    """``devices`` with the accelerator budget raised by ``extra`` bytes."""
+    return dataclasses.replace(devices, accelerator=dataclasses.replace(
+        devices.accelerator, capacity=devices.accelerator.capacity + extra))
 
 
 def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget: Devices,
@@ -202,7 +293,7 @@ def _fitted(spec: ModelSpec, profile: HardwareProfile, devices: Devices, budget:
         result = solve(spec, profile, budget, workload, time_limit_s, seed, tolerance, chunk,
                        whole_run, kv_disk, kv_streamed)
         try:
-            fitted = fit_prefill_chunk(result.plan, spec, devices, workload)
+            fitted = fit_chunk(result.plan, spec, devices, workload)
             if (fitted.prefill_chunk or workload.prompt_tokens) >= smallest:
                 result.plan = fitted
                 return result
@@ -325,12 +416,33 @@ def choose_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfil
                                workload.cache_slots, workload.prefill_micro_batches)
 
     try:
-        plan = fit_prefill_chunk(plan, spec, devices, workload)
+        plan = fit_chunk(plan, spec, devices, workload)
         own = prefill_s(plan)
         offloaded = offloaded_prefill(plan).with_prefill_chunk(None)
         if prefill_s(offloaded) >= own:
             return plan
-        offloaded = fit_prefill_chunk(offloaded, spec, devices, workload)
+        offloaded = fit_chunk(offloaded, spec, devices, workload)
     except HxError:
         return plan
     return offloaded if prefill_s(offloaded) < own else plan
+
+
+def fit_chunk(plan: ExecutionPlan, spec: ModelSpec, devices: Devices, workload: Workload
+              ) -> ExecutionPlan:
+    """``fitting.fit_prefill_chunk``'s plan (a chunk of ``fitting.CHUNKS``), then with each
+    larger chunk of ``SEARCH_CHUNKS`` in turn while it still fits (a larger chunk never needs
+    less memory).
+
+    Raises:
+      HxError: as ``fit_prefill_chunk``: the plan does not fit even at ``MIN_CHUNK``.
+    """
+    fitted = fit_prefill_chunk(plan, spec, devices, workload)
+    P = workload.prompt_tokens
+    for size in reversed(SEARCH_CHUNKS):  # smallest first
+        if (size or P) <= (fitted.prefill_chunk or P) or (size is not None and size >= P):
+            continue
+        larger = fitted.with_prefill_chunk(size)
+        if not fits(larger, spec, devices, workload):
+            break
+        fitted = larger
+    return fitted

@@ -2,11 +2,12 @@
 NVMe), prompt 512, generation 32, each under FlexGen's published policies -- uncompressed and
 compressed (4-bit) -- and, uncompressed, under hx's CP-SAT plan with the same memory and block.
 
-Usage: python scripts/flexgen_setting.py [--json OUT.json] [--time-limit 5]
+Usage: python scripts/flexgen_setting.py [--json OUT.json] [--time-limit 5] [--models opt-175b]
 
-Takes 1.5-3.5 minutes on the 2-core development VM (3 min 36 s beside other work, 2026-11-24):
-four FlexGen rows (about a second in all) and two CP-SAT plans (most of it). Prints only the
-table (a spinner on a terminal's stderr meanwhile); ``--json`` writes the rows.
+Takes 1.5-6 minutes on the 2-core development VM (3 min 36 s beside other work, 2026-11-24):
+four FlexGen rows (about a second in all) and two CP-SAT plans (most of it; OPT-175B's about
+5 minutes). Prints only the table (a spinner on a terminal's stderr meanwhile); ``--json``
+writes the rows; ``--models`` keeps the settings of the models named.
 
 FlexGen's policies (Sheng et al. 2023 §6.1, FMInference/FlexiGen benchmark/flexgen/
 bench_suite.py), each weight tensor homed as FlexGen's ``init_weight_list`` homes it
@@ -42,7 +43,14 @@ not hx's executor:
   tokens / (prefill + decode), FlexGen's ``total_throughput``.
 
 FlexGen's placement is also built as an hx plan (``flexgen_plan``) to check that it fits the
-T4's memory.
+T4's memory and, in the uncompressed rows (attention on the host beside the cache, as hx's
+host- and disk-KV patterns attend), run as hx runs a plan (``hx_run``): the same simulator,
+counting and memory model as the CP-SAT rows -- the figure CP-SAT's plan is compared with.
+The replayed figure differs from it in FlexGen's loop and in how the benchmark counts: decode
+timed at token 1 (OPT-175B: 512 cached slots read from disk per layer and GPU batch, where hx
+prices the step at mid-generation, 528 slots in use, read as the host kernel's 64-slot blocks:
+576) and prefill in one pass of the prompt (hx's memory estimate fits OPT-175B's 32 x 512
+tokens in chunks of 256 at most: 14.1 GB of activations at 512).
 
 FlexGen's compressed rows (``--compress-cache``, and ``--compress-weight`` for 175B; bench_suite
 ``*_1x1_comp``) run the same loop with FlexGen's 4-bit group-64 format, which is hx's ``int4``
@@ -85,6 +93,7 @@ from hx.models.formats import DENSE, Format, get_format
 from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, numpy_dtype, preset
 from hx.models.tensors import kv_arrays, kv_bytes, kv_format
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS
+from hx.planner.cpsat import fit_chunk
 from hx.planner.grid import Scenario, simulate_run
 from hx.planner.hardware import hardware_profile, memory_sizing
 from hx.planner.patterns import Pattern, layer_plan
@@ -221,9 +230,11 @@ def matrix_elements(spec, ops: tuple[str, ...]) -> int:
 def matrix_bytes(spec, ops: tuple[str, ...]) -> int:
     """Bytes held of ``ops``' 2-D weight tensors (codes and their scale/offset arrays, or dense
     matrices; not biases and norms): the tensors ``--pin-weight 0`` leaves pageable
-    (``init_weight_list`` pins every 1-D one)."""
+    (``init_weight_list`` pins every 1-D one). FlexGen's biases are 1-D; hx's per-head ones
+    (Q, K, V: heads x head_dim) are not counted either."""
     return sum(math.prod(shape) * numpy_dtype(dtype).itemsize for op in ops
-               for shape, dtype in spec.op_weight_arrays(op).values() if len(shape) >= 2)
+               for path, (shape, dtype) in spec.op_weight_arrays(op).items()
+               if len(shape) >= 2 and not path.endswith("bias"))
 
 
 @dataclass(frozen=True)
@@ -653,11 +664,29 @@ def pass_breakdown(run: FlexGenPass, first: int) -> dict:
     return {"layer_s": 2 * sum(run.layer_seconds[first:]) / layers, "tasks_s": kinds}
 
 
-def settings():
+def hx_run(plan, spec, profile, scenario: Scenario) -> dict:
+    """``plan`` (FlexGen's placement: ``flexgen_plan``) run and counted as hx runs a plan
+    (``simulate_run``: hx's schedule, decode at mid-generation), in the largest prefill chunk
+    CP-SAT may take (``cpsat.fit_chunk``) under which it fits the T4's memory: the price of
+    FlexGen's policy by the simulator and memory model that price the CP-SAT rows."""
+    devices = discover(accelerator_memory=profile.accelerator_memory,
+                       host_memory=profile.host_memory)
+    workload = scenario.workload()
+    with memory_sizing("t4"):
+        plan = fit_chunk(plan.with_prefill_chunk(None), spec, devices, workload)
+    run = simulate_run(plan, spec, profile, scenario)
+    return {"tokens_per_s": run.tokens_per_s, "ttft_s": run.ttft_s, "tpot_s": run.tpot_s,
+            "prefill_chunk": plan.prefill_chunk}
+
+
+def settings(models: tuple[str, ...] | None = None):
     """(spec with the policy's formats, policy, scenario, published tokens/s or None) of every
-    priced row: each setting under FlexGen's policy, then the uncompressed ones under CP-SAT
-    (hx's own plan; in float16, as FlexGen's uncompressed run)."""
+    priced row (of ``models``' settings, default all): each setting under FlexGen's policy,
+    then the uncompressed ones under CP-SAT (hx's own plan; in float16, as FlexGen's
+    uncompressed run)."""
     for model, flexgen, scenario, published in SETTINGS:
+        if models is not None and model not in models:
+            continue
         spec = flexgen.spec(model)
         yield spec, flexgen, scenario, published
         if not (flexgen.compress_weight or flexgen.compress_cache):
@@ -669,9 +698,11 @@ def setting_row(spec, policy, scenario: Scenario, published: float | None, profi
     """One row: the policy's plan on the T4 preset and its simulated run (or why none fits).
     ``policy``: FlexGen's (a ``FlexGenPolicy``), run and counted as FlexGen's benchmark runs
     and counts it (``flexgen_run``), or a ``policies.build`` name, run as hx runs it
-    (``simulate_run``: hx's schedule, mid-generation decode context). ``status`` is told what
-    is being planned. A FlexGen row whose hx plan does not fit keeps its price and says why
-    (``hx_plan_error``: hx sizes its own cache and buffers, not FlexGen's)."""
+    (``simulate_run``: hx's schedule, mid-generation decode context), its plan kept
+    (``ExecutionPlan.to_json``). ``status`` is told what is being planned. A FlexGen row
+    whose hx plan does not fit keeps its price and says why (``hx_plan_error``: hx sizes its
+    own cache and buffers, not FlexGen's); one with ``--cpu`` also has its placement's run as
+    hx runs it (``hx_run``)."""
     flexgen = isinstance(policy, FlexGenPolicy)
     name = policy.name if flexgen else policy
     status(f"planning and simulating {spec.name} under {name}")
@@ -681,12 +712,14 @@ def setting_row(spec, policy, scenario: Scenario, published: float | None, profi
         if flexgen:  # FlexGen's loop is priced whether or not hx's plan of it fits
             row.update(flexgen_run(spec, policy, profile, scenario))
             plan = flexgen_plan(spec, policy, profile, scenario.workload())
+            if policy.cpu_attention:
+                row["hx_run"] = hx_run(plan, spec, profile, scenario)
         else:
             plan, _ = plan_on(policy, spec, "t4", profile, profile.accelerator_memory,
                               scenario.workload(), time_limit)
             run = simulate_run(plan, spec, profile, scenario)
             row.update(tokens_per_s=run.tokens_per_s, ttft_s=run.ttft_s, tpot_s=run.tpot_s,
-                       utilisation=run.utilisation)
+                       utilisation=run.utilisation, plan=plan.to_json())
         row["prefill_chunk"] = plan.prefill_chunk
     except HxError as e:
         key = "hx_plan_error" if "tokens_per_s" in row else "error"
@@ -694,24 +727,40 @@ def setting_row(spec, policy, scenario: Scenario, published: float | None, profi
     return row
 
 
+def hx_cell(row: dict) -> str:
+    """The table's hx-run cell: a FlexGen row's placement as hx runs it (tokens/s, chunk), a
+    CP-SAT row's own tokens/s and chunk."""
+    run = row.get("hx_run") or (row if row["policy"] == "cpsat" and "tokens_per_s" in row
+                                else None)
+    if run is None:
+        return ""
+    return f"{run['tokens_per_s']:.3g} (chunk {run['prefill_chunk'] or 'prompt'})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per solve")
+    parser.add_argument("--models", help="only these models' settings, comma-separated "
+                        f"({', '.join(dict.fromkeys(m for m, *_ in SETTINGS))})")
     args = parser.parse_args()
+    models = None if args.models is None else tuple(args.models.split(","))
+    if models is not None and not set(models) <= {m for m, *_ in SETTINGS}:
+        parser.error(f"--models: unknown model in {args.models!r}")
     profile = hardware_profile("t4")
     with Console(stderr=True).status("planning") as status:
         rows = [setting_row(spec, policy, scenario, published, profile, args.time_limit,
                             status.update)
-                for spec, policy, scenario, published in settings()]
+                for spec, policy, scenario, published in settings(models)]
     table = Table(title=f"FlexGen's setting on {profile.name}, prompt 512, generation 32 "
                         "(simulated)",
                   caption="flexgen rows: FlexGen's generation loop (a sync after every layer "
                           "and GPU batch) replayed, timed and counted as its benchmark "
                           "(--debug fewer_batch); cpsat rows: hx's own plan, run and counted "
-                          "as hx's")
+                          "as hx's; hx-run: the row's plan (FlexGen's placement) run and "
+                          "counted as hx's, in its prefill chunks")
     for col in ("model", "policy", "block", "tokens/s", "TTFT s", "TPOT s", "host busy",
-                "published tokens/s", "vs published"):
+                "hx-run tokens/s", "published tokens/s", "vs published"):
         table.add_column(col, justify="right")
     notes = []
     for r in rows:
@@ -728,7 +777,7 @@ def main() -> int:
                       f"{r['ttft_s']:.0f}" if "ttft_s" in r else "",
                       f"{r['tpot_s']:.1f}" if "tpot_s" in r else "",
                       f"{busy.get(HOST, 0) + busy.get(MAIN_THREAD, 0):.0%}" if busy else "",
-                      str(published or ""), error)
+                      hx_cell(r), str(published or ""), error)
     print_table(table)
     for note in notes:
         print(note)

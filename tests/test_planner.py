@@ -5,7 +5,7 @@ import pytest
 from hx.devices import ACCELERATOR, discover
 from hx.errors import HxError
 from hx.memory import check_fits
-from hx.models.spec import PRESETS
+from hx.models.spec import PRESETS, ModelSpec
 from hx.planner import policies
 from hx.planner.cpsat import plan_cpsat, solve
 from hx.planner.simulator import predict
@@ -272,3 +272,39 @@ def test_choose_block_caps_join_groups_to_fit_more_rows():
 
     assert choice.tokens_per_s > 2 * choose_block(spec, profile, 256, 300.0, 100.0, 512, 64,
                                                   uncapped).tokens_per_s
+
+
+# Llama-2-7B's proportions at a size that compiles in seconds, its prompt of 512 tokens
+# prefilled in 8 rows beside caches of 4,096 slots (34 MB a layer): the activations CP-SAT
+# reserves before it knows the plan (every activation on the accelerator, twice) exceed a
+# 70 MB budget at every chunk, where stream-all needs 63 MB in all at 256 tokens
+# (``memory.estimate``); 200 MB of host memory hold its float16 weights and KV caches
+# (183 MB), not the float32 copies of host ops beside them (215 MB: ``weight_dtype``)
+RESERVE_SPEC = ModelSpec(name="reserve", n_layers=4, d_model=512, n_heads=4, n_kv_heads=2,
+                         head_dim=128, d_ff=1408, vocab_size=8192, context_length=4096,
+                         dtype="float16", tie_embeddings=False)
+RESERVE_WORKLOAD = Workload(8, 512, 4096, 1, new_tokens=32)
+RESERVE_BUDGET, RESERVE_HOST = 70_000_000, 200_000_000
+
+
+def test_cpsat_solves_and_fits_at_chunks_whose_reserve_exceeds_the_budget():
+    """At 256 tokens the reserve (526 MB) exceeds the 70 MB budget and host memory is short
+    of a plan all on the host: no plan is found under the reserve; given a reference plan
+    (``plan_cpsat``'s best so far) the model reserves that plan's exact activations at 256
+    instead, and its plan fits in chunks of 256 tokens or more. ``fit_chunk`` adds 256 to the
+    policies' chunks (None, 512, 128, 32): stream-all fits in chunks of 256 tokens, not in
+    one of 512, where the policies take 128."""
+    from hx.planner.cpsat import fit_chunk, plan_with_reserve
+    from hx.planner.fitting import fit_prefill_chunk
+
+    spec, w, profile = RESERVE_SPEC, RESERVE_WORKLOAD, gpu_like()
+    devices = discover(accelerator_memory=RESERVE_BUDGET, host_memory=RESERVE_HOST)
+    reference = policies.stream_all(spec.n_layers)
+    assert fit_prefill_chunk(reference, spec, devices, w).prefill_chunk == 128
+    assert fit_chunk(reference, spec, devices, w).prefill_chunk == 256
+    with pytest.raises(HxError, match="no plan fits"):
+        plan_with_reserve(spec, profile, devices, w, 256, 1.0, 0, None)
+    result = plan_with_reserve(spec, profile, devices, w, 256, 1.0, 0, None,
+                               reference=reference)
+    assert (result.plan.prefill_chunk or w.prompt_tokens) >= 256
+    check_fits(result.plan, spec, devices, w)

@@ -58,8 +58,9 @@ from flax import linen as nn
 from hx.errors import HxError
 from hx.models import layers
 from hx.models.family import ConfigReader, Family
-from hx.models.layers import (ScoreOp, Step, WeightedOp, dense, held_dtype, lm_head, lookup,
+from hx.models.layers import (ScoreOp, Step, WeightedOp, dense, held_dtype, lookup,
                               rope)
+from hx.models import llama
 from hx.models.llama import inv_frequencies, rope_scaling
 from hx.models.ops import EMBED, HEAD, SCORE
 from hx.models.spec import ModelSpec
@@ -174,17 +175,10 @@ class Mlp2Op(WeightedOp):
         return ((x.astype(jnp.float32) + y).astype(s.dtype),)
 
 
-class HeadOp(WeightedOp):
-    """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head);
-    in a pipeline stage before the last, x itself."""
+class HeadOp(llama.HeadOp):
+    """HEAD: Llama's, its final norm Gemma's (x (1 + w))."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        s = self.spec
-        if not s.heads:
-            return (x,)
-        n = RMSNorm(s.norm_eps, held_dtype(self), name="final_norm")(x[:, -1])  # (B,D)
-        return (lm_head(self, n),)
+    norm_offset: ClassVar[float] = 1.0
 
 
 MODULES = {EMBED: EmbedOp, "Q": QOp, "K": KOp, "V": VOp, SCORE: ScoreOp, "OUT": OutOp,

@@ -186,14 +186,17 @@ class Mlp2Op(WeightedOp):
 class HeadOp(WeightedOp):
     """HEAD: x (B,T,D) -> logits (B,V) float32 of the last position (final RMSNorm, LM head);
     in a pipeline stage before the last (``ModelSpec.heads`` False) x itself, every position,
-    for the next stage."""
+    for the next stage. ``norm_offset``: the final norm's (``layers.RMSNorm``; Gemma's 1)."""
+
+    norm_offset: ClassVar[float] = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
         if not s.heads:
             return (x,)
-        n = RMSNorm(s.norm_eps, held_dtype(self), name="final_norm")(x[:, -1])  # (B,D)
+        n = RMSNorm(s.norm_eps, held_dtype(self), self.norm_offset,
+                    name="final_norm")(x[:, -1])  # (B,D)
         return (lm_head(self, n),)
 
 

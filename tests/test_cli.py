@@ -220,6 +220,66 @@ def test_bench_compares_weight_formats_on_the_link(tmp_path):
     assert "H2D MB" in result.stdout
 
 
+def test_ablate_predicts_and_measures_batches_and_blocks(tmp_path):
+    """``hx ablate --batches 1,2x2``: a batch of one and a block of two micro-batches of two
+    (throughput mode's schedule), each predicted (here on a GPU-like profile) and measured on
+    this machine; the table, the count within tolerance and the JSON agree. A bad batch is
+    refused before the model loads."""
+    from profiles import gpu_like
+
+    gpu_like().save(str(tmp_path / "gpu.json"))
+    result = hx("ablate", "-m", "smollm2-135m:1L", "--profile", str(tmp_path / "gpu.json"),
+                "--budgets", "2", "--batches", "1,2x2", "--policies", "all-accelerator",
+                "--runs", "1", "--steps", "2", "--json", str(tmp_path / "ablate.json"))
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "ablate.json").read_text())
+    one, block = written["rows"]
+    assert [(r["batch"], r["micro_batches"]) for r in (one, block)] == [(1, 1), (2, 2)]
+    for r in (one, block):
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["error"] is None
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["micro_batches"]
+                                                  / r["measured_s"])
+        assert r["within"] == (abs(r["predicted_s"] / r["measured_s"] - 1)
+                               <= written["tolerance"])
+    assert block["predicted_s"] > one["predicted_s"]  # four rows in two passes, against one
+    assert re.search(r"│\s+200% │\s+2x2 │ all-accelerator", result.stdout)
+    within = sum(r["within"] for r in (one, block))
+    assert f"{within} of 2 predictions within 15% of the measured step" in result.stdout
+    assert_clean_error(hx("ablate", "--batches", "1,2x"), "bad batch '2x'", "NxB")
+
+
+def test_simulate_prices_an_allreduce_what_if_and_ablate_expands_every_layout():
+    """``hx simulate --tp 2 --allreduce-bandwidth``: the same plan's run with faster
+    all-reduces is shorter, and the run's seconds are its tokens over tokens/s;
+    ``MACHINE:all`` (``hx ablate --hardware 4xa10g:all``) is every tp x pp layout of 1 to all
+    its GPUs: the layouts of the survey's table (issue 28)."""
+    from typer.testing import CliRunner
+
+    from hx.cli import bench, generate, planning, simulate  # noqa: F401  (the commands)
+    from hx.cli.common import app
+    from hx.cli.simulate import every_layout
+    from hx.errors import HxError
+
+    args = ["simulate", "-m", "llama2-7b:1L", "--hardware", "4xa10g", "--tp", "2",
+            "--policy", "all-accelerator", "--workload", "4:128+8"]
+    runs = []
+    for extra in ([], ["--allreduce-bandwidth", "1e12"]):
+        result = CliRunner().invoke(app, args + extra)
+        assert result.exit_code == 0, result.output
+        rate, seconds = (float(re.search(rf"│ {name}\s+│\s+([\d.]+) │", result.output)[1])
+                         for name in ("tokens/s", "run s"))
+        assert seconds == pytest.approx(4 * 8 / rate, rel=1e-2)
+        runs.append(seconds)
+    assert "all-reduce at 1000 GB/s" in result.output and 0 < runs[1] < runs[0]
+    refused = CliRunner().invoke(app, args[:5] + ["--allreduce-bandwidth", "1e12"])
+    assert isinstance(refused.exception, HxError) and "--tp 2 or more" in str(refused.exception)
+    assert every_layout(("t4", "4xa10g:all")) == (
+        "t4", "4xa10g", "4xa10g:pp2", "4xa10g:tp2", "4xa10g:pp3", "4xa10g:tp3", "4xa10g:pp4",
+        "4xa10g:tp2xpp2", "4xa10g:tp4")
+    with pytest.raises(HxError, match="several-GPU machine"):
+        every_layout(("t4:all",))
+
+
 QUARTER = str(538_060_032 // 4)  # 25 % of SmolLM2's float32 weight bytes (--weights dense)
 
 

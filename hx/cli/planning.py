@@ -7,6 +7,7 @@ import dataclasses
 
 import json
 import os
+import re
 import time
 from itertools import groupby
 from pathlib import Path
@@ -36,6 +37,24 @@ from hx.workload import Workload
 
 def _batches(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def batch_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``1,16,2x8``: batches of B rows, or blocks NxB of N micro-batches of B rows (throughput
+    mode's block), as (B, N) pairs.
+
+    Raises:
+      HxError: an entry not of that form, or a size of 0.
+    """
+    shapes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        match = re.fullmatch(r"(?:(\d+)x)?(\d+)", part)
+        rows, micro = (int(match[2]), int(match[1] or 1)) if match else (0, 0)
+        if not rows or not micro:
+            raise HxError(f"bad batch {part!r}: write B or NxB (N micro-batches of B rows), "
+                          "e.g. 16 or 2x8")
+        shapes.append((rows, micro))
+    return tuple(shapes)
 
 
 def profile_for(path: Optional[Path], devices: Devices, policy: Optional[str] = None
@@ -237,7 +256,9 @@ def ablate_command(
     profile: Optional[Path] = ProfileOption,
     budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "
                                                     "model's weight bytes."),
-    batches: str = typer.Option("1,16", help="Batch sizes."),
+    batches: str = typer.Option(
+        "1,16", help="Batch sizes; measured, NxB is a block of N micro-batches of B rows "
+                     "(throughput mode's schedule), e.g. 1,16,2x8,4x4."),
     policy_names: str = typer.Option(",".join(policies.COMPARED), "--policies",
                                      help="Policies to compare."),
     runs: int = typer.Option(3, help="Measurement rounds (median reported)."),
@@ -246,7 +267,8 @@ def ablate_command(
     hardware: Optional[str] = typer.Option(
         None, help="Simulate instead of measuring: hardware presets (comma-separated: t4, "
                    "a10g, a100-40gb, l4, h100-80gb, local; a several-GPU machine with its "
-                   "layout, e.g. 4xa10g:tp2xpp2, 8xh100:tp4, 4xa10g:pp4), `standard` for the "
+                   "layout, e.g. 4xa10g:tp2xpp2, 8xh100:tp4, 4xa10g:pp4, or 4xa10g:all for "
+                   "every layout of 1 to 4 GPUs), `standard` for the "
                    "standard grid of docs/ablation.md, or `multi-gpu` for its several-GPU part. "
                    "-m then takes presets, comma-separated; --budgets are fractions of each "
                    "GPU's memory."),
@@ -263,7 +285,8 @@ def ablate_command(
                                   "(default: one per CPU core)."),
 ) -> None:
     """Every policy's plan at several budgets and batches: predicted vs measured decode step
-    on this machine, or (--hardware) simulated runs on hardware presets."""
+    on this machine (and how many predictions are within tolerance), or (--hardware) simulated
+    runs on hardware presets."""
     if hardware is not None:
         from hx.cli.simulate import ablate_grid, grid_from_options
 
@@ -274,20 +297,21 @@ def ablate_command(
     if "," in weights or "," in kv:
         raise HxError("a measured ablation runs one weight format and one KV format: lists of "
                       "--weights or --kv are axes of the simulated grid (--hardware)")
+    shapes = batch_shapes(batches)
     # auto decides without starting the backends
     loaded = load(model, resolve_dtype(dtype), weights=weights, kv=kv)
-    measure_policies(loaded, profile, tuple(float(x) for x in budgets.split(",")),
-                     _batches(batches), tuple(p.strip() for p in policy_names.split(",")), runs,
-                     steps, json_out)
+    measure_policies(loaded, profile, tuple(float(x) for x in budgets.split(",")), shapes,
+                     tuple(p.strip() for p in policy_names.split(",")), runs, steps, json_out)
 
 
 def measure_policies(loaded, profile: Optional[Path], fractions: tuple[float, ...],
-                     batches: tuple[int, ...], policy_names: tuple[str, ...], runs: int,
-                     steps: int, json_out: Optional[Path]) -> None:
+                     batches: tuple[tuple[int, int], ...], policy_names: tuple[str, ...],
+                     runs: int, steps: int, json_out: Optional[Path]) -> None:
     """``hx ablate`` on this machine: each policy's plan of the ``loaded`` model at budgets
-    ``fractions`` of its weight bytes and ``batches``, predicted vs measured decode step
-    (``hx.measure.ablate``); prints the table and writes ``json_out``."""
-    from hx.measure.ablate import ablate, rows_to_json
+    ``fractions`` of its weight bytes and ``batches`` ((rows, micro-batches) pairs), predicted
+    vs measured decode step (``hx.measure.ablate``); prints the table, how many predictions
+    are within ``TOLERANCE``, and writes ``json_out``."""
+    from hx.measure.ablate import TOLERANCE, ablate, rows_to_json, shape
 
     hardware = load_default(str(profile) if profile else None)
     if hardware is None:  # started at the largest budget, as ``ablate`` would (XLA's GPU pool)
@@ -298,21 +322,24 @@ def measure_policies(loaded, profile: Optional[Path], fractions: tuple[float, ..
                         f"{loaded.spec.kv_format} KV): decode step per policy (median of "
                         f"{runs} runs) "
                         + escape(f"[{hardware.name}{', EMULATED' if hardware.emulated else ''}]"))
-    for col in ("budget", "batch", "policy", "plan", "acc MiB", "predicted ms", "measured ms",
-                "pred/meas", "tok/s", "best"):
+    for col in ("budget", "batch / block", "policy", "plan", "acc MiB", "predicted ms",
+                "measured ms", "pred/meas", "tok/s", "best"):
         table.add_column(col, justify="left" if col in ("policy", "plan") else "right")
-    for (fraction, batch), group in groupby(rows, key=lambda r: (r.budget_fraction, r.batch)):
+    for (fraction, batch), group in groupby(rows, key=lambda r: (r.budget_fraction, shape(r))):
         group = list(group)
         fastest = min((r.measured_s for r in group if r.measured_s), default=None)
         for r in group:
             if r.measured_s is None:
-                table.add_row(f"{fraction:.0%}", str(batch), r.policy, "does not fit",
+                table.add_row(f"{fraction:.0%}", batch, r.policy, "does not fit",
                               *("-",) * 6)
                 continue
-            table.add_row(f"{fraction:.0%}", str(batch), r.policy, r.plan,
+            table.add_row(f"{fraction:.0%}", batch, r.policy, r.plan,
                           f"{r.accelerator_bytes / 2**20:.0f}", f"{r.predicted_s * 1e3:.1f}",
                           f"{r.measured_s * 1e3:.1f}", f"{r.predicted_s / r.measured_s:.2f}",
                           f"{r.tokens_per_s:.1f}", "*" if r.measured_s == fastest else "")
     print_table(table)
+    measured = [r for r in rows if r.measured_s]
+    out.print(f"{sum(r.within for r in measured)} of {len(measured)} predictions within "
+              f"{TOLERANCE:.0%} of the measured step")
     if json_out:
         json_out.write_text(json.dumps(rows_to_json(rows, loaded.spec, hardware), indent=1))

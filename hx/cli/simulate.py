@@ -16,10 +16,12 @@ from hx.cli.common import (DtypeOption, KvOption, ModelOption, ProfileOption, We
 from hx.devices import format_bytes
 from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
+from hx.planner import hardware as presets
 from hx.planner import policies
 from hx.planner.grid import (MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import LOCAL, hardware_profile, tensor_parallel_profile
+from hx.planner.layouts import layouts
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import as_timeline
 
@@ -76,14 +78,26 @@ def simulate_command(
     tp: int = typer.Option(1, help="Tensor parallelism over this many GPUs of a several-GPU "
                                    "machine (--hardware 4xa10g): the plan is one GPU's shard, "
                                    "its budget one GPU's memory."),
+    allreduce_bandwidth: Optional[float] = typer.Option(
+        None, help="With --tp: the all-reduce bus bandwidth in bytes/s in place of the "
+                   "machine's (a what-if, e.g. 19.5e9: 4xa10g's PCIe link rather than its "
+                   "measured 3.10 GB/s)."),
 ) -> None:
-    """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, utilisation."""
+    """Plan a model on a machine and simulate a run: tokens/s, TTFT, TPOT, the run's seconds,
+    utilisation."""
     spec = load_spec(model, _dtype(dtype), weights, kv).shard(tp)
     if tp > 1 and profile is not None:
         raise HxError("--tp prices a several-GPU preset (--hardware 4xa10g); a measured "
                       "profile (--profile) is one accelerator's")
+    if allreduce_bandwidth is not None and (tp == 1 or allreduce_bandwidth <= 0):
+        raise HxError("--allreduce-bandwidth prices --tp's all-reduces: give --tp 2 or more "
+                      "and a bandwidth above 0 bytes/s")
     hw = tensor_parallel_profile(hardware or LOCAL, tp) if tp > 1 else _profile(hardware,
                                                                                  profile)
+    if allreduce_bandwidth is not None:
+        hw = dataclasses.replace(hw, name=f"{hw.name}, all-reduce at "
+                                          f"{allreduce_bandwidth / 1e9:g} GB/s",
+                                 allreduce_bandwidth=allreduce_bandwidth)
     if hw.accelerator_memory is None:
         raise HxError(f"profile {hw.name!r} gives no accelerator memory: pass --hardware")
     (scenario,) = parse_scenarios(workload)
@@ -100,7 +114,7 @@ def simulate_command(
             ("accelerator bytes", f"{format_bytes(need.accelerator)} ({need.breakdown()})"),
             ("host bytes", format_bytes(need.host)),
             ("tokens/s", f"{run.tokens_per_s:.2f}"), ("TTFT s", f"{run.ttft_s:.3f}"),
-            ("TPOT ms", f"{run.tpot_s * 1e3:.1f}"),
+            ("TPOT ms", f"{run.tpot_s * 1e3:.1f}"), ("run s", f"{run.total_s:.3f}"),
             *((f"{r} busy", f"{u:.0%}") for r, u in sorted(run.utilisation.items()))):
         table.add_row(name, value)
     print_table(table)
@@ -173,14 +187,15 @@ def grid_from_options(models: Optional[str], hardware: str, policy_names: str, b
                       workloads: str, dtype: str, weights: str = "dense", kv: str = "dense"
                       ) -> Grid:
     """The grid ``hx ablate --hardware`` asks for (``weights`` and ``kv``: comma-separated
-    formats, two axes; ``auto`` is ``dense`` on a preset); ``--hardware standard`` is
-    ``STANDARD`` in those formats, ``--hardware multi-gpu`` ``MULTI_GPU``."""
+    formats, two axes; ``auto`` is ``dense`` on a preset; ``MACHINE:all``: ``every_layout``);
+    ``--hardware standard`` is ``STANDARD`` in those formats, ``--hardware multi-gpu``
+    ``MULTI_GPU``."""
     axes = dict(weights=tuple("dense" if w == "auto" else w for w in _names(weights)),
                 kv=_names(kv))
     named = {"standard": STANDARD, "multi-gpu": MULTI_GPU}
     if hardware.strip() in named:
         return dataclasses.replace(named[hardware.strip()], **axes)
-    return Grid(models=_names(models or "llama2-7b"), hardware=_names(hardware),
+    return Grid(models=_names(models or "llama2-7b"), hardware=every_layout(_names(hardware)),
                 policies=_names(policy_names),
                 budgets=tuple(float(b) for b in budgets.split(",")),
                 scenarios=parse_scenarios(workloads), dtype=_dtype(dtype), **axes)
@@ -189,3 +204,29 @@ def grid_from_options(models: Optional[str], hardware: str, policy_names: str, b
 def _names(text: str) -> tuple[str, ...]:
     """A comma-separated list's names, stripped; empty ones dropped."""
     return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def every_layout(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Grid hardware entries with each ``MACHINE:all`` in place of every tp x pp layout of 1
+    to all of the machine's GPUs (``layouts.layouts``): ``4xa10g:all`` is ``4xa10g``,
+    ``4xa10g:pp2``, ``4xa10g:tp2``, ... ``4xa10g:tp4``.
+
+    Raises:
+      HxError: ``:all`` after a one-GPU preset.
+    """
+    entries: list[str] = []
+    for name in names:
+        machine_name, _, layout = name.partition(":")
+        if layout.strip().lower() != "all":
+            entries.append(name)
+            continue
+        several = presets.machine(machine_name)
+        if several is None:
+            raise HxError(f"{name!r}: ':all' takes a several-GPU machine "
+                          f"({', '.join(presets.MACHINES)})")
+        for gpus in range(1, several.gpus + 1):
+            for each in layouts(gpus):
+                shape = "x".join(f"{axis}{n}" for axis, n in (("tp", each.tp), ("pp", each.pp))
+                                 if n > 1)
+                entries.append(f"{machine_name}:{shape}" if shape else machine_name)
+    return tuple(entries)

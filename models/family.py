@@ -10,10 +10,12 @@ model of it, so that nothing outside the family's own module tests which family 
   parallelism (``models.sharding``, by path) read it.
 * **math**: ``modules()``, the Flax module of each op (``models.decoder.apply_op``); each maps
   its layer onto the seven ops ``Q K V SCORE OUT MLP1 MLP2`` that hx places.
-* **files**: ``hf_name`` / ``gguf_name`` of each tensor, ``from_hf`` to split a fused
-  checkpoint tensor, ``gguf_rope_permuted`` (rows llama.cpp's converter permutes), and the
-  spec built from a ``config.json`` (``spec_from_hf``) or GGUF metadata (``spec_from_gguf``),
-  refusing any field that would change the math and that hx does not implement.
+* **files**: ``hf_name`` / ``gguf_name`` of each tensor, ``from_hf`` / ``gguf_rows`` to split
+  a fused checkpoint tensor, ``gguf_rope_permuted`` (rows llama.cpp's converter permutes),
+  ``gguf_offset`` (a constant it adds), and the spec built from a ``config.json``
+  (``spec_from_hf``, through ``ConfigReader``) or GGUF metadata (``spec_from_gguf``, through
+  ``MetadataReader``), refusing any field or key that would change the math and that hx does
+  not implement.
 
 The registry (``FAMILIES``: family name -> its module) is the one list of families; a family's
 module defines ``FAMILY``. Modules load on first use (their Flax code imports JAX; shapes and
@@ -31,6 +33,9 @@ from hx.errors import HxError
 from hx.models.ops import HEAD
 
 TABLE = "embedding"  # the token-embedding table's path in EMBED and HEAD (shared when tied)
+# llama.cpp's per-frequency RoPE factors (Llama 3.1's scaling): a tensor in the file, a
+# hyperparameter to hx, which ``models.gguf_loader.read_metadata`` puts among the keys
+ROPE_FREQS = "rope_freqs.weight"
 
 # The registry: family name -> the module defining its ``FAMILY`` (one line a family).
 FAMILIES: dict[str, str] = {
@@ -102,6 +107,67 @@ class ConfigReader:
         if unknown:
             raise HxError(f"{self.where}: config.json has field(s) hx does not implement: "
                           f"{', '.join(unknown)}; hx refuses a field it does not know rather "
+                          "than run a model whose math it might change")
+
+
+class MetadataReader:
+    """Reads a GGUF file's model keys and refuses what hx would silently get wrong: the GGUF
+    twin of ``ConfigReader``.
+
+    The model keys are llama.cpp's ``{architecture}.*`` (``LLM_KV_*`` in its
+    ``src/llama-arch.cpp``), named here without the prefix (``attention.head_count``), and the
+    hyperparameters it keeps as tensors (``ROPE_FREQS``, ``tensor``); ``general.*``
+    (bookkeeping) and ``tokenizer.*`` (the tokenizer's) are not model keys. Every model key
+    must be read (``get``, ``need``, ``expect``, ``tensor``); ``finish`` raises on any other.
+    """
+
+    def __init__(self, meta: Mapping[str, Any], where: str):
+        self.meta, self.where = meta, where
+        self.arch = meta["general.architecture"]
+        self.seen: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``{arch}.{key}``, or ``default`` where absent."""
+        self.seen.add(f"{self.arch}.{key}")
+        value = self.meta.get(f"{self.arch}.{key}")
+        return default if value is None else value
+
+    def tensor(self, name: str) -> list[float] | None:
+        """The values of the hyperparameter tensor ``name`` (``ROPE_FREQS``); None: absent."""
+        self.seen.add(name)
+        return self.meta.get(name)
+
+    def need(self, key: str) -> Any:
+        """``{arch}.{key}``.
+
+        Raises:
+          HxError: the key is missing.
+        """
+        value = self.get(key)
+        if value is None:
+            raise HxError(f"{self.where}: GGUF metadata lacks {self.arch}.{key}; the file is "
+                          "incomplete")
+        return value
+
+    def expect(self, key: str, allowed: tuple, default: Any = None) -> Any:
+        """``{arch}.{key}`` (``default`` where absent), which must be one of ``allowed``.
+
+        Raises:
+          HxError: another value: one line naming the key, the value and what hx runs.
+        """
+        value = self.get(key, default)
+        if value not in allowed:
+            raise HxError(f"{self.where}: GGUF sets {self.arch}.{key}={value!r}, which hx does "
+                          f"not implement (it runs {' or '.join(map(repr, allowed))})")
+        return value
+
+    def finish(self) -> None:
+        """Raises HxError naming every model key not read."""
+        unknown = sorted(k for k in self.meta if (k.startswith(f"{self.arch}.") or
+                                                  k == ROPE_FREQS) and k not in self.seen)
+        if unknown:
+            raise HxError(f"{self.where}: GGUF sets {', '.join(unknown)}, which hx does not "
+                          f"implement for {self.arch}; hx refuses a key it does not know rather "
                           "than run a model whose math it might change")
 
 
@@ -191,10 +257,12 @@ class Family:
         raise NotImplementedError
 
     def spec_from_gguf(self, meta: Mapping[str, Any], where: str, has_output: bool):
-        """``ModelSpec`` of GGUF metadata.
+        """``ModelSpec`` of GGUF metadata (``models.gguf_loader.read_metadata``), as llama.cpp
+        reads it.
 
         Raises:
-          HxError: llama.cpp defines no GGUF of this family here, or a key is missing.
+          HxError: llama.cpp defines no GGUF of this family here, a key is missing, or a key
+            changes the math in a way hx does not implement.
         """
         raise HxError(f"{where}: hx reads {self.name} models from Hugging Face folders, "
                       "not GGUF files")
@@ -221,10 +289,21 @@ class Family:
         return tensors[self.hf_name(layer, op, path)]
 
     def gguf_name(self, layer: int | None, op: str, path: str) -> str:
-        """llama.cpp's tensor name of ``path`` of ``op``."""
+        """llama.cpp's tensor name of ``path`` of ``op`` (a fused tensor's, where ``gguf_rows``
+        cuts it)."""
         if layer is None:
             return self.gguf_model_names[(op, path)]
         return f"blk.{layer}.{self.gguf_layer_names[(op, path)]}"
+
+    def gguf_rows(self, spec, op: str, path: str) -> tuple[int, int] | None:
+        """The rows [start, stop) of the file's tensor (``gguf_name``) that hold ``path`` where
+        llama.cpp keeps it fused with others; None: the whole tensor."""
+        return None
+
+    def gguf_offset(self, path: str) -> float:
+        """The constant llama.cpp's converter added to ``path``'s tensor (subtracted at load,
+        in float32); 0: none."""
+        return 0.0
 
 
 _LOADED: dict[str, Family] = {}

@@ -38,10 +38,19 @@ whole context and ``rope_theta``, 1,000,000, with the config's scaling: linear, 
 Gemma 3 4B to 27B). Each op runs with its layer's spec (``ModelSpec.layer_spec``), so the
 module here reads one window and one RoPE. Attention-logit and final-logit soft-capping (Gemma
 2's), bidirectional attention (EmbeddingGemma's) and a multimodal ``gemma3`` config are
-refused. llama.cpp's ``gemma3`` GGUF files are not read (``gguf_architectures`` is empty, so
-the loader names the architecture and those it reads): llama.cpp's converter stores each norm
-as 1 + w, and the layer pattern (every 6th global), the local RoPE base (10,000) and the
-attention scale (by model size) are llama.cpp's code, not the file's.
+refused.
+
+llama.cpp's ``gemma3`` GGUF files are read as llama.cpp reads them (``Gemma3Family.
+spec_from_gguf``): its converter stores every norm (those of the layers, q/k and the final one)
+as 1 + w, subtracted again at load (``gguf_offset``), writes no layer types, no
+``query_pre_attn_scalar`` and (in older converters) no local RoPE base, which llama.cpp
+then takes from its own code: every 6th layer global (``attention.sliding_window_pattern``
+where a file sets another period), local layers only where ``attention.sliding_window`` is set,
+the local base 10,000 (``rope.freq_base_swa`` where set) unscaled, and the attention scale by
+model size -- (D / H)^-1/2 for the 62 layers of Gemma 3 27B, E^-1/2 otherwise, which is
+``query_pre_attn_scalar``^-1/2 in every released Gemma 3. A checkpoint whose pattern or scale
+differs therefore becomes another model in its GGUF, under llama.cpp and hx alike. The
+embedding's sqrt(D) is the architecture's, in either file.
 """
 
 from __future__ import annotations
@@ -57,11 +66,11 @@ from flax import linen as nn
 
 from hx.errors import HxError
 from hx.models import layers
-from hx.models.family import ConfigReader, Family
+from hx.models.family import ConfigReader, Family, MetadataReader
 from hx.models.layers import (ScoreOp, Step, WeightedOp, dense, held_dtype, lookup,
                               rope)
 from hx.models import llama
-from hx.models.llama import inv_frequencies, rope_scaling
+from hx.models.llama import GGUF_MODEL_NAMES, gguf_rope_scaling, inv_frequencies, rope_scaling
 from hx.models.ops import EMBED, HEAD, SCORE
 from hx.models.spec import ModelSpec
 
@@ -202,6 +211,20 @@ HF_LAYER_NAMES = {
 HF_MODEL_NAMES = {(EMBED, "embedding"): "model.embed_tokens.weight",
                   (HEAD, "final_norm/scale"): "model.norm.weight",
                   (HEAD, "embedding"): "lm_head.weight"}
+GGUF_LAYER_NAMES = {
+    ("Q", "attn_norm/scale"): "attn_norm.weight", ("Q", "wq/kernel"): "attn_q.weight",
+    ("Q", "q_norm/scale"): "attn_q_norm.weight", ("K", "wk/kernel"): "attn_k.weight",
+    ("K", "k_norm/scale"): "attn_k_norm.weight", ("V", "wv/kernel"): "attn_v.weight",
+    ("OUT", "wo/kernel"): "attn_output.weight",
+    ("OUT", "post_attn_norm/scale"): "post_attention_norm.weight",
+    ("MLP1", "ffn_norm/scale"): "ffn_norm.weight", ("MLP1", "w_gate/kernel"): "ffn_gate.weight",
+    ("MLP1", "w_up/kernel"): "ffn_up.weight", ("MLP2", "w_down/kernel"): "ffn_down.weight",
+    ("MLP2", "post_ffn_norm/scale"): "post_ffw_norm.weight",
+}
+# llama.cpp's Gemma 3 (``llama_model::load_hparams``, ``LLM_ARCH_GEMMA3``): every
+# ``LLAMA_CPP_PERIOD``-th layer global where the file sets no pattern; the local RoPE base
+# where it sets none; the layer count of Gemma 3 27B, whose attention scale is (D / H)^-1/2
+LLAMA_CPP_PERIOD, LLAMA_CPP_LOCAL_THETA, LLAMA_CPP_27B_LAYERS = 6, 10_000.0, 62
 
 
 def _rope(rope: Mapping[str, Any], where: str, kind: str
@@ -232,6 +255,38 @@ def layer_types(reader: ConfigReader, n_layers: int) -> tuple[str, ...]:
                       f"{n_layers} layers")
     reader.get("sliding_window_pattern")  # read past: layer_types decides, as in transformers
     return tuple(kinds)
+
+
+def gguf_layer_types(reader: MetadataReader, n_layers: int) -> tuple[str, ...]:
+    """Each layer's type as llama.cpp's Gemma 3 sets it: no window (``attention.sliding_window``
+    absent or 0): every layer global; else with the period p of
+    ``attention.sliding_window_pattern`` (``LLAMA_CPP_PERIOD`` where unset) layer i local where
+    i mod p < p - 1 (every layer where p is 0; ``llama_hparams::set_swa_pattern``).
+
+    Raises:
+      HxError: a pattern that is not one period (a list of layers).
+    """
+    window = int(reader.get("attention.sliding_window", 0))
+    period = reader.get("attention.sliding_window_pattern", LLAMA_CPP_PERIOD)
+    if not isinstance(period, int):
+        raise HxError(f"{reader.where}: GGUF sets {reader.arch}.attention.sliding_window_pattern="
+                      f"{period!r}; llama.cpp's gemma3, and hx, read one period")
+    if not window:
+        return (GLOBAL,) * n_layers
+    return tuple(LOCAL if period == 0 or i % period < period - 1 else GLOBAL
+                 for i in range(n_layers))
+
+
+def typed_fields(kinds: tuple[str, ...], fields: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of layers of types ``kinds`` whose ``LAYER_FIELDS`` by type are
+    ``fields``: ``layer_types``, ``layer_overrides`` and, as the model's own, the global
+    layers' fields (else the only type's); layers all of one type: that type's fields, no
+    layer types."""
+    overrides = tuple((kind, tuple(sorted(fields[kind].items()))) for kind in sorted(set(kinds)))
+    model = fields[GLOBAL if GLOBAL in kinds else LOCAL]
+    if len(overrides) == 1:  # the layers are alike
+        return dict(model)
+    return {"layer_types": kinds, "layer_overrides": overrides, **model}
 
 
 def rope_by_type(reader: ConfigReader) -> dict[str, tuple[float, tuple]]:
@@ -316,14 +371,8 @@ class Gemma3Family(Family):
         kinds = layer_types(reader, n_layers)
         ropes = rope_by_type(reader)
         windows = {GLOBAL: None, LOCAL: window}
-        overrides = tuple((kind, (("rope_scaling", ropes[kind][1]),
-                                  ("rope_theta", ropes[kind][0]),
-                                  ("sliding_window", windows[kind])))
-                          for kind in sorted(set(kinds)))
-        by_type = dict(overrides)
-        model = dict(by_type[GLOBAL if GLOBAL in by_type else LOCAL])  # global, or the only
-        if len(overrides) == 1:  # the layers are alike
-            kinds, overrides = (), ()
+        fields = {kind: {"rope_theta": ropes[kind][0], "rope_scaling": ropes[kind][1],
+                         "sliding_window": windows[kind]} for kind in (GLOBAL, LOCAL)}
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
             n_layers=n_layers, d_model=d_model, n_heads=n_heads,
@@ -334,11 +383,59 @@ class Gemma3Family(Family):
                                       DEFAULTS["max_position_embeddings"]),
             norm_eps=float(reader.get("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
             tie_embeddings=bool(reader.get("tie_word_embeddings", True)), family=self.name,
-            attention_scale=scalar ** -0.5, layer_types=kinds, layer_overrides=overrides,
-            **model)
+            attention_scale=scalar ** -0.5, **typed_fields(kinds, fields))
         reader.finish()
         return spec
 
+    def spec_from_gguf(self, meta: Mapping[str, Any], where: str, has_output: bool
+                       ) -> ModelSpec:
+        """The spec of a ``gemma3`` GGUF as llama.cpp reads it (module docstring): the
+        global layers' RoPE base from ``rope.freq_base`` (10^4 where absent, as llama.cpp's
+        default), their scaling from ``models.llama.gguf_rope_scaling`` (Gemma 3's linear
+        factor); local layers (``gguf_layer_types``) with the window, ``rope.freq_base_swa``
+        (``LLAMA_CPP_LOCAL_THETA`` where absent), unscaled; the attention scale by size
+        (``LLAMA_CPP_27B_LAYERS``).
+
+        Raises:
+          HxError: a key missing, final-logit soft-capping, or a key hx does not implement
+            (``MetadataReader``).
+        """
+        reader = MetadataReader(meta, where)
+        d_model = int(reader.need("embedding_length"))
+        n_heads = int(reader.need("attention.head_count"))
+        n_layers = int(reader.need("block_count"))
+        head_dim = int(reader.get("attention.key_length", d_model // n_heads))
+        reader.expect("attention.value_length", (head_dim,), head_dim)
+        reader.expect("rope.dimension_count", (head_dim,), head_dim)  # partial RoPE: refused
+        reader.expect("final_logit_softcapping", (0.0,), 0.0)  # llama.cpp: 0 means none
+        vocab = reader.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        scale = (d_model / n_heads if n_layers == LLAMA_CPP_27B_LAYERS else head_dim) ** -0.5
+        fields = {GLOBAL: {"rope_theta": float(reader.get("rope.freq_base", 10000.0)),
+                           "rope_scaling": gguf_rope_scaling(reader, head_dim),
+                           "sliding_window": None},
+                  LOCAL: {"rope_theta": float(reader.get("rope.freq_base_swa",
+                                                         LLAMA_CPP_LOCAL_THETA)),
+                          "rope_scaling": (),
+                          "sliding_window": int(reader.get("attention.sliding_window", 0))}}
+        spec = ModelSpec(
+            name=str(meta.get("general.name", where.rstrip("/").split("/")[-1])),
+            n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+            n_kv_heads=int(reader.get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+            d_ff=int(reader.need("feed_forward_length")), vocab_size=int(vocab),
+            context_length=int(reader.need("context_length")),
+            norm_eps=float(reader.need("attention.layer_norm_rms_epsilon")),
+            tie_embeddings=not has_output, family=self.name, attention_scale=scale,
+            **typed_fields(gguf_layer_types(reader, n_layers), fields))
+        reader.finish()
+        return spec
+
+    def gguf_offset(self, path: str) -> float:
+        """1 for every norm: llama.cpp's converter adds it to each tensor named
+        ``*norm.weight`` (``Gemma3Model.norm_shift``), storing Gemma's x (1 + w) as x w'."""
+        return 1.0 if path.endswith("norm/scale") else 0.0
+
 
 FAMILY = Gemma3Family(name="gemma3", hf_model_types=("gemma3_text",),
-                      hf_layer_names=HF_LAYER_NAMES, hf_model_names=HF_MODEL_NAMES)
+                      gguf_architectures=("gemma3",), hf_layer_names=HF_LAYER_NAMES,
+                      hf_model_names=HF_MODEL_NAMES, gguf_layer_names=GGUF_LAYER_NAMES,
+                      gguf_model_names=GGUF_MODEL_NAMES)

@@ -15,10 +15,16 @@ layout, which hx's ops use as it is:
 * a compressed format (``int8``, ``int4``, ...): the matrices dequantized, then compressed
   into it (``models.formats.quantize``).
 
-llama.cpp's converter permutes the rows of a Llama's ``attn_q``/``attn_k`` so that RoPE rotates
-adjacent pairs (GPT-J layout); hx uses the rotate-half layout, so the permutation is undone here
-(``unpermute_rope_rows``, on whole rows: blocks included) for the paths the family names
-(``Family.gguf_rope_permuted``; Qwen's files are not permuted).
+What llama.cpp's converter changed is undone by the family's hooks (``models.family``): the
+rows of a Llama's ``attn_q``/``attn_k``, permuted so that RoPE rotates adjacent pairs (GPT-J
+layout) where hx rotates halves, are put back (``unpermute_rope_rows``, on whole rows: blocks
+included) for the paths ``Family.gguf_rope_permuted`` names (Qwen's, Phi-3's and Gemma 3's files
+are not permuted); a matrix kept fused with others (Phi-3's ``attn_qkv``, ``ffn_up``) is its
+rows of the fused tensor (``Family.gguf_rows``: a view of the file, blocks included); a constant
+added to a tensor (Gemma's norms, stored as 1 + w) is subtracted in float32
+(``Family.gguf_offset``). ``rope_freqs.weight`` (Llama 3.1's RoPE factors) is a hyperparameter,
+read with the keys (``read_metadata``); any other tensor hx does not take is refused, one line
+naming it, as are keys hx does not implement (``models.family.MetadataReader``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
-from hx.models.family import for_gguf
+from hx.models.family import ROPE_FREQS, for_gguf
 from hx.models.formats import DENSE, FORMATS, held_tensor
 from hx.models.mapped import release
 from hx.models.tensors import weight_tree
@@ -41,9 +47,6 @@ AUTO = "auto"
 # GGUF block types hx holds as they are: ggml type name -> hx format (``models.formats``)
 BLOCK_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _DENSE_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-# tensors llama.cpp writes that hx does not implement: name (in ``blk.{i}.`` or at the top)
-# -> what it means
-REFUSED_TENSORS = {"rope_freqs.weight": "RoPE frequency factors (Llama 3.1's rope scaling)"}
 
 
 @dataclass(frozen=True)
@@ -82,12 +85,17 @@ def open_gguf(path: str):
 
 
 def read_metadata(reader) -> dict[str, Any]:
-    """All key/value fields of the file as Python values (strings, numbers, lists)."""
+    """All key/value fields of the file as Python values (strings, numbers, lists), and where
+    the file holds it, ``rope_freqs.weight`` (``models.family.ROPE_FREQS``: llama.cpp's RoPE
+    factors, a hyperparameter kept as a tensor) as a list of floats under its name."""
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
         meta[key] = field.contents()
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            meta[ROPE_FREQS] = [float(f) for f in _dequantize(t, ROPE_FREQS)]
     return meta
 
 
@@ -158,6 +166,25 @@ def _dequantize(t, path: str) -> np.ndarray:
     return np.asarray(a, dtype=np.float32)
 
 
+def row_slice(t, start: int, stop: int):
+    """Rows [start, stop) of a ``gguf.ReaderTensor`` (out, in) as one: a view of the file, the
+    blocks of a quantized one included (a block never spans rows)."""
+    shape = t.shape.copy()  # GGUF's order: (in, out)
+    shape[-1] = stop - start
+    row_bytes = t.n_bytes // int(t.shape[-1])
+    return t._replace(shape=shape, n_elements=int(np.prod(shape)),
+                      n_bytes=row_bytes * (stop - start),
+                      data_offset=t.data_offset + row_bytes * start, data=t.data[start:stop])
+
+
+def taken_names(spec: ModelSpec) -> set[str]:
+    """The names of the tensors ``load_gguf`` takes for ``spec`` (``Family.gguf_name``)."""
+    names = set()
+    weight_tree(spec, lambda layer, op, path, shape: names.add(
+        spec.model_family.gguf_name(layer, op, path)))
+    return names
+
+
 def held_formats(tensors: dict, has_output: bool, weights: str) -> tuple[str, str]:
     """(weight format, embedding format) a file's matrices are held in for ``weights``
     (module docstring): with ``auto``, a GGUF block format where all the projection matrices
@@ -186,26 +213,29 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
       (compressed matrices as their formats' arrays), and whose spec has ``dtype`` and the
       formats held (``held_formats``).
     Raises:
-      HxError: missing/corrupt/truncated file, unsupported architecture or quantisation, or a
-        tensor missing or of the wrong shape.
+      HxError: missing/corrupt/truncated file, unsupported architecture or quantisation, a
+        tensor missing or of the wrong shape, or one hx does not implement.
     """
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    for name, meaning in REFUSED_TENSORS.items():
-        if name in tensors:
-            raise HxError(f"{path}: holds {name} ({meaning}), which hx does not implement")
     has_output = "output.weight" in tensors
     weight_format, embedding_format = held_formats(tensors, has_output, weights)
     spec = spec_from_metadata(meta, path, has_output).replace(
         dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)
+    unknown = sorted(set(tensors) - taken_names(spec) - {ROPE_FREQS})  # ROPE_FREQS: the spec's
+    if unknown:
+        raise HxError(f"{path}: holds tensor(s) hx does not implement for "
+                      f"{meta['general.architecture']}: {', '.join(unknown)}")
     want = numpy_dtype(dtype)
 
-    def tensor(name: str, shape: tuple[int, ...], fmt: str = DENSE):
-        """The tensor of (out..., in) ``shape`` held in ``fmt``."""
+    def tensor(name: str, shape: tuple[int, ...], fmt: str = DENSE,
+               rows: tuple[int, int] | None = None, offset: float = 0.0):
+        """The tensor of (out..., in) ``shape`` held in ``fmt`` -- its ``rows`` where given,
+        less ``offset`` (in float32) where nonzero."""
         if name not in tensors:
             raise HxError(f"{path}: tensor {name} is missing; the file is incomplete")
-        t = tensors[name]
+        t = tensors[name] if rows is None else row_slice(tensors[name], *rows)
         size = tuple(int(n) for n in reversed(t.shape))  # (out, in) or (n,)
         # ``shape`` splits the file's rows (wq: (H, E, D)) or its columns (wo: (D, H, E))
         splits = len(size) == 1 or size[0] == shape[0] or size[-1] == shape[-1]
@@ -218,6 +248,8 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
             source = np.asarray(t.data).view(numpy_dtype(_DENSE_TYPES[t.tensor_type.name]))
         else:
             source = _dequantize(t, path)
+        if offset:
+            source = np.asarray(source, np.float32) - np.float32(offset)
         return held_tensor(source, shape, want, fmt)
 
     fam = spec.model_family
@@ -226,7 +258,8 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
         name = fam.gguf_name(layer, op, weight)
         fmt = spec.matrix_format(weight)
         if weight not in fam.gguf_rope_permuted:
-            return tensor(name, shape, fmt)
+            return tensor(name, shape, fmt, fam.gguf_rows(spec, op, weight),
+                          fam.gguf_offset(weight))
         heads, head_dim, d = shape  # (H or K, E, D): taken as (rows, D), rows un-permuted
         rows = unpermute_rope_rows(tensor(name, (heads * head_dim, d), fmt), heads)
         return _reshape(rows, shape)

@@ -20,7 +20,10 @@ A layer onto the seven ops (axis letters as in ``models.layers``):
 
 RoPE's frequencies follow the config's ``rope_scaling`` (``inv_frequencies``): none, ``linear``
 (positions divided by the factor) or ``llama3`` (Llama 3.1's: long wavelengths divided by the
-factor, short ones kept, a smooth ramp between). Any other scaling is refused at load.
+factor, short ones kept, a smooth ramp between). Any other scaling is refused at load. A GGUF
+carries Llama 3.1's scaling as llama.cpp's converter computed it, one factor per frequency
+(``rope_freqs.weight``; ``frequency_factors``), which hx applies as llama.cpp does: each
+frequency divided by its factor.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from hx.errors import HxError
-from hx.models.family import ConfigReader, Family
+from hx.models.family import ROPE_FREQS, ConfigReader, Family, MetadataReader
 from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, dense, held_dtype,
                               inv_frequencies as base_frequencies, lm_head, lookup, rope)
 from hx.models.ops import EMBED, HEAD, SCORE
@@ -50,7 +53,9 @@ def inv_frequencies(spec: ModelSpec) -> jax.Array:
     2 pi / f, those longer than ``original_max_position_embeddings / low_freq_factor`` are
     divided by ``factor``, those shorter than ``original / high_freq_factor`` kept, and between
     them f interpolates as (1 - s) f / factor + s f, s = (original / wavelength - low) /
-    (high - low)."""
+    (high - low). ``frequency_factors`` (a GGUF's, ``gguf_rope_scaling``): f divided by
+    ``factors`` (E/2,), llama.cpp's ``ggml_rope_ext`` with frequency factors -- the llama3
+    ramp, where the converter computed them from it."""
     inv = base_frequencies(spec.head_dim, spec.rope_theta)
     scaling = dict(spec.rope_scaling)
     kind = scaling.get("rope_type", "default")
@@ -66,6 +71,8 @@ def inv_frequencies(spec: ModelSpec) -> jax.Array:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelength >= original / high) & (wavelength <= original / low)
         return jnp.where(medium, smoothed, scaled)
+    if kind == "frequency_factors":
+        return inv / jnp.asarray(scaling["factors"], jnp.float32)
     return inv
 
 
@@ -98,6 +105,36 @@ def rope_scaling(reader: ConfigReader) -> tuple[tuple[str, Any], ...]:
         return theta, ()
     return theta, tuple(sorted({"rope_type": kind, **{k: float(params[k])
                                                       for k in wanted}}.items()))
+
+
+def gguf_rope_scaling(reader: MetadataReader, head_dim: int, frequency_factors: bool = False
+                      ) -> tuple[tuple[str, Any], ...]:
+    """``ModelSpec.rope_scaling`` of a GGUF, as llama.cpp reads it (``llama_model::
+    load_hparams``): ``rope.scaling.factor`` (``rope.scale_linear`` in older files) divides the
+    positions (linear scaling, for ``rope.scaling.type`` ``linear`` -- its default -- or
+    ``none`` alike); with ``frequency_factors`` (llama.cpp's ``llama`` graph), a
+    ``rope_freqs.weight`` (E/2,) divides each frequency by its factor (Llama 3.1's scaling as
+    the converter computed it, ``inv_frequencies``); elsewhere llama.cpp loads no such tensor,
+    and hx refuses it (``MetadataReader.finish``). ``rope.scaling.original_context_length`` is
+    read past: llama.cpp passes it to ``ggml_rope_ext`` for YaRN's ramp alone, and hx refuses
+    YaRN.
+
+    Raises:
+      HxError: another scaling type (YaRN, LongRoPE), factors of another length, or factors
+        beside a linear factor.
+    """
+    reader.expect("rope.scaling.type", ("linear", "none"), "linear")
+    reader.get("rope.scaling.original_context_length")
+    factor = float(reader.get("rope.scaling.factor", reader.get("rope.scale_linear", 0.0)))
+    linear = factor not in (0.0, 1.0)  # llama.cpp: freq_scale = 1 / factor, 0 meaning none
+    factors = reader.tensor(ROPE_FREQS) if frequency_factors else None
+    if factors is None:
+        return (("factor", factor), ("rope_type", "linear")) if linear else ()
+    if len(factors) != head_dim // 2 or linear:
+        raise HxError(f"{reader.where}: GGUF holds {ROPE_FREQS} of {len(factors)} factors"
+                      f"{' beside a linear factor' if linear else ''}; hx implements "
+                      f"{head_dim // 2} (one per frequency) alone")
+    return (("factors", tuple(map(float, factors))), ("rope_type", "frequency_factors"))
 
 
 class EmbedOp(WeightedOp):
@@ -242,10 +279,13 @@ class LlamaFamily(Family):
       qkv_bias: Q, K and V add a bias ((H, E), (K, E), (K, E)) before RoPE (Qwen2).
       qk_norm: q and k are RMS-normed per head before RoPE (Qwen3: ``q_norm``, ``k_norm``,
         (E,) each).
+      rope_freqs: its GGUF may hold ``rope_freqs.weight`` (llama.cpp's ``llama``
+        architecture: Llama 3.1's scaling; ``gguf_rope_scaling``).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope_freqs: bool = False
     # ``pretraining_tp`` splits the products of Meta's training into slices whose sums
     # transformers adds back in the same order (tests/test_families.py proves it)
     hf_ignored: ClassVar[frozenset] = frozenset({"pretraining_tp"})
@@ -302,39 +342,45 @@ class LlamaFamily(Family):
         reader.finish()
         return spec
 
+    def read_gguf_window(self, reader: MetadataReader) -> int | None:
+        """The sliding window a GGUF sets (None: none). llama.cpp's ``llama`` architecture
+        reads none (its converter writes Mistral's checkpoints as ``llama`` files without their
+        window, ``models.mistral``), so ``attention.sliding_window`` is refused here
+        (``MetadataReader.finish``)."""
+        return None
+
     def spec_from_gguf(self, meta: Mapping[str, Any], where: str, has_output: bool
                        ) -> ModelSpec:
-        arch = meta["general.architecture"]
+        """The spec of a ``llama``, ``qwen2``, ``qwen3`` or ``phi3`` GGUF, read as llama.cpp
+        reads it: the head dim from ``attention.key_length`` (else D / H), RoPE over all of it,
+        the base from ``rope.freq_base`` (10^4 where absent), scaling from
+        ``gguf_rope_scaling``, the vocabulary from ``vocab_size`` (else the token list), the
+        window from ``read_gguf_window``; the HEAD table tied where the file has no
+        ``output.weight``.
 
-        def get(key, default=None):
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise HxError(f"{where}: GGUF metadata lacks {arch}.{key}; the file is "
-                              "incomplete")
-            return value
-
-        for key in ("rope.scaling.type", "attention.sliding_window",
-                    "attn_logit_softcapping", "final_logit_softcapping"):
-            value = meta.get(f"{arch}.{key}")
-            if value not in (None, "none"):
-                raise HxError(f"{where}: GGUF sets {arch}.{key}={value!r}, which hx does not "
-                              "implement")
-        d_model = int(get("embedding_length"))
-        n_heads = int(get("attention.head_count"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
-        if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
-            raise HxError(f"{where}: GGUF rotates {arch}.rope.dimension_count of the "
-                          f"{head_dim} head dims (partial RoPE), which hx does not implement")
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-        return ModelSpec(
+        Raises:
+          HxError: a key missing, or one hx does not implement (``MetadataReader``).
+        """
+        reader = MetadataReader(meta, where)
+        d_model = int(reader.need("embedding_length"))
+        n_heads = int(reader.need("attention.head_count"))
+        head_dim = int(reader.get("attention.key_length", d_model // n_heads))
+        reader.expect("attention.value_length", (head_dim,), head_dim)
+        reader.expect("rope.dimension_count", (head_dim,), head_dim)  # partial RoPE: refused
+        vocab = reader.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        spec = ModelSpec(
             name=str(meta.get("general.name", where.rstrip("/").split("/")[-1])),
-            n_layers=int(get("block_count")), d_model=d_model, n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-            d_ff=int(get("feed_forward_length")), vocab_size=int(vocab),
-            context_length=int(get("context_length")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            tie_embeddings=not has_output, family=self.name)
+            n_layers=int(reader.need("block_count")), d_model=d_model, n_heads=n_heads,
+            n_kv_heads=int(reader.get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+            d_ff=int(reader.need("feed_forward_length")), vocab_size=int(vocab),
+            context_length=int(reader.need("context_length")),
+            rope_theta=float(reader.get("rope.freq_base", 10000.0)),
+            norm_eps=float(reader.need("attention.layer_norm_rms_epsilon")),
+            tie_embeddings=not has_output, family=self.name,
+            sliding_window=self.read_gguf_window(reader),
+            rope_scaling=gguf_rope_scaling(reader, head_dim, self.rope_freqs))
+        reader.finish()
+        return spec
 
     def hf_config(self, spec: ModelSpec) -> dict:
         """``config.json`` of a ``LlamaForCausalLM`` of ``spec``'s shapes (untied)."""
@@ -352,4 +398,4 @@ FAMILY = LlamaFamily(
     name="llama", hf_model_types=("llama",), gguf_architectures=("llama",),
     hf_layer_names=HF_LAYER_NAMES, hf_model_names=HF_MODEL_NAMES,
     gguf_layer_names=GGUF_LAYER_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
-    gguf_rope_permuted=("wq/kernel", "wk/kernel"))
+    gguf_rope_permuted=("wq/kernel", "wk/kernel"), rope_freqs=True)

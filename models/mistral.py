@@ -1,7 +1,15 @@
 """The Mistral family (Mistral-7B; Jiang et al. 2023): Llama's layer (``models.llama``) with
 grouped-query attention over a sliding window where the config sets one (``sliding_window``:
-each query attends the last W positions, its own included). llama.cpp writes Mistral's GGUF
-files as ``llama`` ones, which the Llama family reads.
+each query attends the last W positions, its own included).
+
+llama.cpp's converter writes Mistral's checkpoints as ``llama`` GGUF files (its ``LlamaModel``
+converts ``MistralForCausalLM``: q/k rows permuted, no window key), and its ``llama``
+architecture reads no window; the Llama family reads them alike (family ``llama``, no window,
+``attention.sliding_window`` refused should a file set it). A checkpoint whose window is
+shorter than its context -- Mistral-7B-v0.1's 4,096 of 32,768; none from v0.2 on -- therefore
+runs from its GGUF with every position attending the whole context, as llama.cpp runs it: the
+same outputs as the checkpoint while prompt and continuation fit in the window, others past it
+(tests/test_families.py compares such a GGUF with transformers without the window).
 """
 
 from __future__ import annotations

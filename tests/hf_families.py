@@ -8,6 +8,7 @@ on rounding), beside a byte-level ``tokenizer.json`` written with ``tokenizers``
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -22,9 +23,14 @@ SHAPES = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               max_position_embeddings=256, tie_word_embeddings=False)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", dict(SHAPES)),
+    # Llama 3.1's ramp over wavelengths 8 to 64 (original 8192 / 1024 to 8192 / 128): of the
+    # 8 frequencies (head dim 16, base 5 x 10^5) the first (wavelength 6.3) kept, the second
+    # (32.5) on the ramp, the others divided by 8 -- with Llama 3.1's original context, 8192,
+    # the one llama.cpp's converter assumes (it looks for original_max_position_embeddings at
+    # the config's top level, where Llama 3.1 keeps none)
     "llama3": ("llama", dict(SHAPES, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 128.0,
+        "high_freq_factor": 1024.0, "original_max_position_embeddings": 8192})),
     "mistral": ("mistral", dict(SHAPES, sliding_window=6)),
     "qwen2": ("qwen2", dict(SHAPES, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(SHAPES, head_dim=32)),
@@ -45,6 +51,27 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                             "rope_theta": 500000.0}})),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return"]
+EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
+
+# Where llama.cpp's GGUF of a family's checkpoint is another model, and why. Its converter
+# writes none of OPT (llama.cpp defines no OPT architecture):
+NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)"}
+# The checkpoint the GGUF test converts in place of the family's where a llama.cpp file cannot
+# carry the latter: Gemma 3's GGUF holds no layer types or query_pre_attn_scalar (llama.cpp
+# makes every 6th layer global and scales attention by E^-1/2 below 27B), and its converter cuts
+# the embedding to the tokenizer's tokens -- so 6 layers, the 6th global, the scalar E, the
+# vocabulary the tokenizer's (and another local RoPE base, which newer files carry).
+GGUF_CHECKPOINTS: dict[str, tuple[str, dict]] = {
+    "gemma3": ("gemma3_text", dict(
+        CONFIGS["gemma3"][1], num_hidden_layers=6, query_pre_attn_scalar=32, vocab_size=257,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 500000.0}})),
+}
+# The config fields whose values a llama.cpp file drops (its model: transformers with these
+# values): Mistral's window (written as a ``llama`` file, which has none)
+GGUF_DROPPED: dict[str, dict] = {"mistral": {"sliding_window": None}}
 
 
 def write_tokenizer(directory: str) -> None:
@@ -64,13 +91,14 @@ def write_tokenizer(directory: str) -> None:
         json.dump({"eos_token": EOS, "add_bos_token": False}, f)
 
 
-def write_checkpoint(name: str, directory: str, seed: int = 0):
-    """Write family ``name``'s tiny checkpoint into ``directory``; returns the transformers
-    model (float32, eval mode) it holds."""
+def write_checkpoint(name: str, directory: str, seed: int = 0,
+                     config: tuple[str, dict] | None = None):
+    """Write family ``name``'s tiny checkpoint (or one of ``config``: (model_type, fields))
+    into ``directory``; returns the transformers model (float32, eval mode) it holds."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, fields = CONFIGS[name]
+    model_type, fields = config or CONFIGS[name]
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -104,40 +132,29 @@ def reference(model, prompts: list[list[int]], new_tokens: int, eos: int
     return logits, greedy
 
 
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3")  # the tiny checkpoints llama.cpp defines GGUFs of
+def with_fields(model, fields: dict):
+    """The transformers ``model``'s weights under its config with ``fields`` changed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    other = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    other.load_state_dict(model.state_dict())
+    return other.eval()
 
 
-def write_gguf(ref_model, spec, path: str) -> None:
-    """The checkpoint as llama.cpp's converter would write it (float32 tensors, the family's
-    GGUF names, Llama's q/k rows permuted), with the byte-level vocabulary as GGUF metadata."""
+def write_gguf(directory: str, path: str, vocab_size: int) -> None:
+    """The checkpoint in ``directory`` as llama.cpp's converter writes it
+    (``gguf_files.convert``), with the byte-level vocabulary padded to ``vocab_size`` as
+    the converter pads it (``[PAD{i}]``, unused) as GGUF metadata."""
     from tokenizers import pre_tokenizers
 
-    from gguf_files import llama_cpp_permute, shapes_writer
-    from hx.models.spec import EMBED, HEAD, LAYER_OPS
+    from gguf_files import convert
 
-    fam = spec.model_family
-    arch = fam.gguf_architectures[0]
-    state = {k: v.float().numpy() for k, v in ref_model.state_dict().items()}
-    w = shapes_writer(path, spec, arch)
-    w.add_vocab_size(spec.vocab_size)
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + [EOS]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3])
-    w.add_token_merges([])
-    w.add_eos_token_id(256)
-    ops = [(None, EMBED)] + [(i, op) for i in range(spec.n_layers) for op in LAYER_OPS]
-    for layer, op in ops + [(None, HEAD)]:
-        for p in spec.op_weight_shapes(op):
-            if op == HEAD and p == "embedding" and spec.tie_embeddings:
-                continue
-            a = state[fam.hf_name(layer, op, p)]
-            if p in fam.gguf_rope_permuted:
-                heads = spec.n_heads if p == "wq/kernel" else spec.n_kv_heads
-                a = llama_cpp_permute(a, heads)
-            w.add_tensor(fam.gguf_name(layer, op, p), np.ascontiguousarray(a, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    pads = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    convert(directory, path, {"model": "gpt2", "pre": "default", "tokens": tokens + pads,
+                              "token_type": [1] * 256 + [3] + [5] * len(pads), "merges": [],
+                              "eos_token_id": EOS_ID})

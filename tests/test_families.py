@@ -5,7 +5,9 @@ shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3), a tiny random chec
 hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host) and CP-SAT's plan for 30 % of the weight
-bytes (the accountant raising if the budget is ever passed). Then what hx refuses and ignores.
+bytes (the accountant raising if the budget is ever passed); the same checkpoint as llama.cpp's
+converter writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses
+and ignores.
 
 CP-SAT's plan costs about 15 s a family to make (its pattern pricing), so the suite makes it for
 the families whose layers differ most from Llama's (``CPSAT_IN_SUITE``);
@@ -33,7 +35,8 @@ from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.workload import Workload
 
-from hf_families import CONFIGS, GGUF_FAMILIES, PROMPTS, reference, write_checkpoint, write_gguf
+from hf_families import (CONFIGS, GGUF_CHECKPOINTS, GGUF_DROPPED, NO_GGUF, PROMPTS, reference,
+                         with_fields, write_checkpoint, write_gguf)
 from profiles import gpu_like
 
 NEW_TOKENS = 16
@@ -85,18 +88,33 @@ def test_matches_transformers(checkpoint):
 
 
 def test_gguf_matches_transformers(checkpoint, tmp_path):
-    """The same weights written as llama.cpp's GGUF of the family (where llama.cpp defines
-    one): read by hx, the same logits and greedy tokens (all-accelerator, stream-all)."""
-    name, _, model, ref_model, prompts, (ref_logits, ref_greedy) = checkpoint
-    if name not in GGUF_FAMILIES:
-        pytest.skip("llama.cpp writes Llama 3.1's scaling as rope_freqs.weight, which hx "
-                    "refuses" if name == "llama3" else f"hx does not read {name}'s GGUF yet")
+    """The checkpoint as llama.cpp's converter writes it (tests/gguf_files.convert: its tensor
+    names, fused tensors, permuted q/k rows, norms + 1, RoPE factors, keys), read by hx: the
+    logits and greedy tokens of transformers running the model the file describes
+    (all-accelerator, stream-all). Where such a file cannot carry the family's checkpoint
+    (``GGUF_CHECKPOINTS``: Gemma 3's layer pattern and attention scale) a sibling one is
+    converted; where it drops a field (``GGUF_DROPPED``: Mistral's window) transformers runs
+    without it -- and the field is shown to matter."""
+    name, directory, model, ref_model, prompts, (ref_logits, ref_greedy) = checkpoint
+    if name in NO_GGUF:
+        pytest.skip(NO_GGUF[name])
+    if name in GGUF_CHECKPOINTS:
+        directory = str(tmp_path / "source")
+        os.mkdir(directory)
+        ref_model = write_checkpoint(name, directory, config=GGUF_CHECKPOINTS[name])
+        ref_logits, ref_greedy = reference(ref_model, prompts, NEW_TOKENS, model.tokenizer.eos_id)
     path = str(tmp_path / f"{name}.gguf")
-    write_gguf(ref_model, model.spec, path)
+    write_gguf(directory, path, ref_model.config.vocab_size)
     from_gguf = hx.load(path, dtype="float32")
-    assert from_gguf.spec.family == model.spec.family
+    assert from_gguf.spec.family == {"mistral": "llama"}.get(name, model.spec.family)
     assert from_gguf.tokenizer.encode(PROMPTS[0]) == prompts[0]
-    n = model.spec.n_layers
+    if name in GGUF_DROPPED:
+        dropped_logits = ref_logits
+        ref_model = with_fields(ref_model, GGUF_DROPPED[name])
+        ref_logits, ref_greedy = reference(ref_model, prompts, NEW_TOKENS, model.tokenizer.eos_id)
+        assert all(np.abs(a - b).max() > 1e-3 * np.abs(b).max()
+                   for a, b in zip(ref_logits, dropped_logits))
+    n = from_gguf.spec.n_layers
     for plan in (policies.all_accelerator(n), policies.stream_all(n)):
         engine = Engine(from_gguf, plan, discover())
         for row, ref in zip(engine.last_logits(prompts), ref_logits):

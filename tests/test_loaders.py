@@ -1,17 +1,23 @@
-"""GGUF and safetensors loaders: layout, llama.cpp's q/k permutation, errors."""
+"""GGUF and safetensors loaders: layout, llama.cpp's q/k permutation, what llama.cpp's keys
+mean (Gemma 3's layers and attention scale, Phi-3's window, Llama 3.1's RoPE factors), errors
+and refusals."""
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 
 from hx.errors import HxError
 from hx.generate import Engine
 from hx.models import loader
-from hx.models.gguf_loader import load_gguf, unpermute_rope_rows
+from hx.models.family import ROPE_FREQS
+from hx.models.gguf_loader import load_gguf, row_slice, spec_from_metadata, unpermute_rope_rows
+from hx.models.llama import inv_frequencies
 from hx.models.loader import load
+from hx.models.spec import PRESETS
 
-from gguf_files import hf_layout, llama_cpp_permute, write_gguf
+from gguf_files import LlamaConverter, hf_layout, llama_cpp_permute, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,141 @@ def test_gguf_errors(tmp_path, tiny_model, smollm_metadata, tiny_gguf):
     write_gguf(tmp_path / "falcon.gguf", spec, tiny_model.params, smollm_metadata, arch="falcon")
     with pytest.raises(HxError, match="unsupported architecture 'falcon'"):
         load_gguf(str(tmp_path / "falcon.gguf"))
+
+
+@pytest.mark.parametrize("arch,more,word", [
+    ("llama", lambda w: w.add_sliding_window(4096), "llama.attention.sliding_window"),
+    ("llama", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), "yarn"),
+    ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),
+    ("llama", lambda w: w.add_tensor(ROPE_FREQS, np.ones(4, np.float32)), "4 factors"),
+    ("qwen2", lambda w: w.add_tensor(ROPE_FREQS, np.ones(8, np.float32)), ROPE_FREQS),
+    ("llama", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32)),
+     "rope_factors_long.weight")])
+def test_a_gguf_key_or_tensor_hx_does_not_implement_is_refused(tmp_path, tiny_model,
+                                                               smollm_metadata, arch, more,
+                                                               word):
+    """One line naming the key, its value or the tensor: whatever of a file hx would not
+    run as llama.cpp runs it."""
+    path = tmp_path / "more.gguf"
+    write_gguf(path, tiny_model.spec.replace(n_layers=1), tiny_model.params, smollm_metadata,
+               arch, more)
+    with pytest.raises(HxError, match=word) as refused:
+        load_gguf(str(path))
+    assert "\n" not in str(refused.value)
+
+
+def gemma3_keys(spec, **keys) -> dict:
+    """The keys llama.cpp's converter writes for a Gemma 3 of ``spec``'s shapes (its global
+    layers' RoPE, its window), with ``keys`` (names after ``gemma3.``) added, None removing."""
+    meta = {"general.architecture": "gemma3", "tokenizer.ggml.tokens": ["t"] * spec.vocab_size}
+    full = spec.type_spec("full_attention")
+    local = spec.type_spec("sliding_attention")
+    values = {"block_count": spec.n_layers, "context_length": spec.context_length,
+              "embedding_length": spec.d_model, "feed_forward_length": spec.d_ff,
+              "attention.head_count": spec.n_heads, "attention.head_count_kv": spec.n_kv_heads,
+              "attention.key_length": spec.head_dim, "attention.value_length": spec.head_dim,
+              "attention.layer_norm_rms_epsilon": spec.norm_eps,
+              "rope.freq_base": full.rope_theta, "rope.scaling.type": "linear",
+              "rope.scaling.factor": dict(full.rope_scaling)["factor"],
+              "attention.sliding_window": local.sliding_window, **keys}
+    meta.update({f"gemma3.{k}": v for k, v in values.items() if v is not None})
+    return meta
+
+
+@pytest.mark.parametrize("size", ["gemma3-12b", "gemma3-27b"])
+def test_a_gemma3_gguf_is_the_model_llama_cpp_runs(size):
+    """The released models' files (keys as the converter writes them) give the spec of their
+    config.json: every 6th layer global, local layers at base 10^4 unscaled, the attention
+    scale E^-1/2 (12B: query_pre_attn_scalar = E = 256), (D / H)^-1/2 for the 62 layers of
+    27B (168, not E = 128)."""
+    preset = PRESETS[size]
+    spec = spec_from_metadata(gemma3_keys(preset), "/m.gguf", has_output=False)
+    assert spec.replace(name=preset.name) == preset
+
+
+def test_gemma3_gguf_layer_keys():
+    """A period (``sliding_window_pattern``), 0 (every layer local), no window (every layer
+    global, no pattern read), a local base (``rope.freq_base_swa``); a per-layer pattern and
+    final-logit soft-capping refused, one line each."""
+    preset = PRESETS["gemma3-12b"].replace(n_layers=6, layer_types=("sliding_attention",) * 5
+                                           + ("full_attention",))
+    local, full = "sliding_attention", "full_attention"
+    every_2nd = spec_from_metadata(gemma3_keys(preset, **{"attention.sliding_window_pattern": 2,
+                                                          "rope.freq_base_swa": 2e4}), "/m", False)
+    assert every_2nd.layer_types == (local, full) * 3
+    assert every_2nd.layer_spec(0).rope_theta == 2e4
+    all_local = spec_from_metadata(gemma3_keys(preset, **{"attention.sliding_window_pattern": 0}),
+                                   "/m", False)
+    assert all_local.layer_types == () and all_local.sliding_window == 1024
+    assert all_local.rope_theta == 1e4 and all_local.rope_scaling == ()
+    no_window = spec_from_metadata(gemma3_keys(preset, **{"attention.sliding_window": None}),
+                                   "/m", False)
+    assert no_window.layer_types == () and no_window.sliding_window is None
+    assert no_window.rope_theta == 1e6 and dict(no_window.rope_scaling)["factor"] == 8.0
+    for keys, word in [({"attention.sliding_window_pattern": [1, 1, 0]}, "one period"),
+                       ({"final_logit_softcapping": 30.0}, "final_logit_softcapping")]:
+        with pytest.raises(HxError, match=word) as refused:
+            spec_from_metadata(gemma3_keys(preset, **keys), "/m", False)
+        assert "\n" not in str(refused.value)
+
+
+def test_phi3_gguf_window():
+    """``phi3.attention.sliding_window``: the window (Phi-3-mini-4k's 2,047), 0 none."""
+    keys = {"general.architecture": "phi3", "phi3.block_count": 2, "phi3.context_length": 4096,
+            "phi3.embedding_length": 64, "phi3.feed_forward_length": 112,
+            "phi3.attention.head_count": 4, "phi3.attention.layer_norm_rms_epsilon": 1e-5,
+            "phi3.rope.scaling.original_context_length": 4096, "phi3.vocab_size": 320}
+    for window, held in [(2047, 2047), (0, None)]:
+        spec = spec_from_metadata({**keys, "phi3.attention.sliding_window": window}, "/m", True)
+        assert spec.family == "phi3" and spec.sliding_window == held
+
+
+def test_rope_freqs_are_llama31s_scaling():
+    """Llama 3.1-8B's ``rope_freqs.weight`` as llama.cpp's converter computes it from its
+    config (float32), applied as llama.cpp applies it: hx's frequencies within 1e-6 of
+    transformers' llama3 scaling (hx's ``llama3``, proven against transformers in
+    tests/test_families.py) -- long wavelengths divided by 8, short ones kept, a ramp."""
+    preset = PRESETS["llama3.1-8b"]
+    config = {"hidden_size": preset.d_model, "num_attention_heads": preset.n_heads,
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": preset.rope_theta,
+                                  **{k: v for k, v in preset.rope_scaling if k != "rope_type"}}}
+    ((name, factors),) = LlamaConverter(gguf.MODEL_ARCH.LLAMA).extra(config)
+    meta = {"general.architecture": "llama", **{f"llama.{k}": v for k, v in {
+        "block_count": 32, "context_length": 131072, "embedding_length": preset.d_model,
+        "feed_forward_length": preset.d_ff, "attention.head_count": preset.n_heads,
+        "attention.head_count_kv": preset.n_kv_heads, "rope.freq_base": preset.rope_theta,
+        "attention.layer_norm_rms_epsilon": preset.norm_eps, "vocab_size": 128256}.items()},
+        name: list(factors)}
+    spec = spec_from_metadata(meta, "/m.gguf", has_output=True)
+    assert dict(spec.rope_scaling)["rope_type"] == "frequency_factors"
+    got, want = np.asarray(inv_frequencies(spec)), np.asarray(inv_frequencies(preset))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and len(set(factors.tolist())) > 2
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32,
+                                   gguf.GGMLQuantizationType.Q8_0,
+                                   gguf.GGMLQuantizationType.Q4_1])
+def test_row_slice_is_the_rows_of_the_file(tmp_path, qtype):
+    """Rows of a fused tensor (Phi-3's ``attn_qkv``): a view of the file's bytes at the rows'
+    offset, which decodes to the whole tensor's rows, blocks included."""
+    a = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("t", gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(str(tmp_path / "t.gguf"))
+    (t,) = reader.tensors
+    rows = row_slice(t, 64, 80)
+    assert [int(n) for n in rows.shape] == [64, 16] and rows.n_elements == 16 * 64
+    file = np.asarray(reader.data)
+    np.testing.assert_array_equal(
+        file[rows.data_offset:rows.data_offset + rows.n_bytes],
+        np.asarray(rows.data).reshape(-1).view(np.uint8))
+    whole = gguf.quants.dequantize(t.data, qtype)
+    np.testing.assert_array_equal(gguf.quants.dequantize(rows.data, qtype), whole[64:80])
 
 
 def test_default_model_missing_names_install_command(monkeypatch):

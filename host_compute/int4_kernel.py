@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import subprocess
 from pathlib import Path
@@ -33,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.errors import HxError
-from hx.models.formats import Format, unpack
+from hx.models.compressed import GroupMatrix, Int4Packed, unpack_rows
+from hx.models.formats import unpack
 
 SOURCE = Path(__file__).with_name("int4mm.cc")
 TARGET = "hx_int4mm"
@@ -133,35 +133,6 @@ def row_block() -> int | None:
     return None
 
 
-def unpack_rows(packed, block: int, lift=lambda codes: codes):
-    """Codes (N, K) of torch's int4pack ``packed`` (N, K / 2) uint8 with row blocks of
-    ``block`` (``row_block``), each nibble half passed through ``lift`` (a conversion) first;
-    numpy or JAX arrays alike (JAX's traced inside a program too)."""
-    xp = np if isinstance(packed, np.ndarray) else jnp
-    n, half = packed.shape
-    v = packed.reshape(n // block, 2 * half, block // 2)
-    codes = xp.concatenate([lift(v & 15), lift(v >> 4)], axis=-1)  # (N / B, K, B)
-    return codes.transpose(0, 2, 1).reshape(n, 2 * half)
-
-
-def dequantize(packed: jax.Array, sz: jax.Array, group: int, dtype,
-               after: jax.Array | None = None) -> jax.Array:
-    """The (N, K) matrix ``pack``'s (``packed``, ``sz``) hold, in ``dtype``: (code - 8) *
-    scale + zero in float32, rounded once; for products of more rows than the kernel serves
-    well (``KERNEL_ROWS``) and on the accelerator, made inside the program and multiplied by
-    XLA. ``after``: an activation it waits for, as ``models.layers.dequantize``'s; the codes
-    wait for it too (with only the scales waiting, XLA unpacked every matrix of a segment
-    first: a 30-layer SmolLM2 segment's temporaries doubled, 9.1 to 18.4 MB)."""
-    n, half = packed.shape
-    # the unpacking waits for ``after`` too (a float dependency: XLA folds an integer x * 0)
-    wait = 0.0 if after is None else after.reshape(-1)[0].astype(jnp.float32) * 0
-    codes = unpack_rows(packed, row_block(), lambda c: c.astype(jnp.float32) + wait) - 8
-    sz = sz.astype(jnp.float32) + wait
-    scale, zero = (sz[..., i].T[..., None] for i in (0, 1))  # (N, K/g, 1)
-    w = codes.reshape(n, 2 * half // group, group) * scale + zero
-    return w.reshape(n, 2 * half).astype(dtype)
-
-
 def pack(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, zero_code: int
          ) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's arrays of W = scale * (code - zero_code) + offset (hx's group-wise formats,
@@ -189,20 +160,20 @@ def pack(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, zero_c
     return w, np.ascontiguousarray(sz)
 
 
-def int4pack(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]
-             ) -> dict[str, np.ndarray]:
-    """A matrix of logical ``shape`` (out..., in) held in 4-bit ``fmt`` (``models.formats``:
-    codes, float16 scales[, offsets]) in the kernel's layout, ``{"packed", "sz"}``
-    (``Format.int4pack_arrays``; ``pack``). Works on one matrix at a time: its codes unpacked
-    to int32 (8 bytes a weight) are the largest temporary."""
-    *out, n_in = shape
-    n_out = math.prod(out)
-    codes = unpack(np.asarray(held["codes"]), fmt).reshape(n_out, n_in)
+def int4pack(held: GroupMatrix, shape: tuple[int, int]) -> Int4Packed:
+    """A 4-bit group-wise matrix (``models.compressed.GroupMatrix``: codes, float16
+    scales[, offsets]) in the kernel's layout (``Format.int4pack_arrays``; ``pack``), as the
+    2-D product (N, K) ``shape`` it computes (``ModelSpec.product_shape``: OUT's (D, H, E)
+    kernel as (D, H * E)). Works on one matrix at a time: its codes unpacked to int32 (8
+    bytes a weight) are the largest temporary."""
+    fmt = held.fmt
+    n_out, n_in = shape
+    codes = unpack(np.asarray(held.codes), fmt).reshape(n_out, n_in)
     groups = (n_out, n_in // fmt.group)
-    offset = held.get("offset")
-    packed, sz = pack(codes, np.asarray(held["scale"]).reshape(groups),
-                      None if offset is None else np.asarray(offset).reshape(groups), fmt.zero)
-    return {"packed": packed, "sz": sz}
+    packed, sz = pack(codes, np.asarray(held.scale).reshape(groups),
+                      None if held.offset is None else np.asarray(held.offset).reshape(groups),
+                      fmt.zero)
+    return Int4Packed(packed, sz, fmt, row_block())
 
 
 def int4pack_params(spec, params: dict) -> dict:
@@ -212,7 +183,6 @@ def int4pack_params(spec, params: dict) -> dict:
     under ``host_matmul`` torch-int4) converted by ``int4pack``, in place, one matrix at a time:
     a loader's own tree then never holds both layouts of more than one matrix, and a mapped
     matrix's pages leave the resident set once converted. Returned as is for other specs."""
-    from hx.models.formats import get_format
     from hx.models.mapped import release
     from hx.models.spec import LAYER_OPS, TORCH_INT4
     from hx.models.tensors import layer_key
@@ -230,9 +200,8 @@ def int4pack_params(spec, params: dict) -> dict:
                 for p in parents:
                     node = node[p]
                 old = node[leaf]
-                node[leaf] = int4pack(old, get_format(spec.matrix_format(path)),
-                                      spec.product_shape(path, shape))
-                for part in old.values():
+                node[leaf] = int4pack(old, spec.product_shape(path, shape))
+                for part in old.parts().values():
                     release(part)
     return params
 

@@ -38,7 +38,11 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
+from hx.host_compute import int4_kernel
+from hx.host_compute.products import HOST_PRODUCTS
 from hx.host_compute.xla_attention import blocked_attention
+from hx.models.compressed import DEFAULT_PRODUCTS, held_matrix
+from hx.models.formats import get_format
 from hx.models.layers import Step, append_kv
 from hx.models.decoder import apply_op
 from hx.models.sharding import TP_AXIS, activation_partition, cache_partition, partition
@@ -66,6 +70,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
+    products = HOST_PRODUCTS if device == HOST else DEFAULT_PRODUCTS
     held, fmt = weight_dtype(spec, device), kv_format(spec)
     specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
 
@@ -85,7 +90,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                     caches[slot] = {**caches[slot], H: acts[H]}
                 slot += 1
             else:
-                out, _ = apply_op(op_spec, op, p, acts, step, held=held, host=device == HOST)
+                out, _ = apply_op(op_spec, op, p, acts, step, held=held, products=products)
             acts.update(out)
         return {name: acts[name] for name in writes}, tuple(caches)
 
@@ -168,6 +173,12 @@ def param_tree(spec: ModelSpec, op: str, device: str, where) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = _struct(shape, dtype, where(path, shape))
+    for path in spec.op_weight_shapes(op):  # a compressed matrix's arrays: one typed leaf
+        fmt = get_format(spec.matrix_format(path))
+        if fmt is not None:
+            *parents, leaf = path.split("/")
+            node = functools.reduce(dict.__getitem__, parents, tree)
+            node[leaf] = held_matrix(fmt, node[leaf], int4_kernel.row_block)
     return tree
 
 

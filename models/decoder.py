@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from hx.host_compute import int4_kernel
+from hx.models.compressed import DEFAULT_PRODUCTS, Products
 from hx.models.family import TABLE
 from hx.models.formats import DENSE, hold_tree
 from hx.models.layers import Cache, Params, Step
@@ -27,7 +27,8 @@ from hx.models.tensors import OPS, activation_shape, layer_key
 
 def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Array],
              step: Step, cache: Cache | None = None, attend=None, held: str | None = None,
-             host: bool = False) -> tuple[dict[str, jax.Array], Cache | None]:
+             products: Products = DEFAULT_PRODUCTS
+             ) -> tuple[dict[str, jax.Array], Cache | None]:
     """Run one op of ``spec``'s family as a pure function.
 
     Args:
@@ -41,7 +42,8 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       attend: attention kernel for SCORE (default ``models.layers.attention``).
       held: the dtype the device holds dense weights in and decompresses compressed matrices
         to (``models.tensors.weight_dtype``; default the model's dtype).
-      host: the op runs on the host CPU (``models.layers.WeightedOp.host``).
+      products: how the op's device multiplies held matrices (``models.compressed.Products``;
+        the host's: ``hx.host_compute.products.HOST_PRODUCTS``).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     Raises:
@@ -55,7 +57,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
     if d.uses_cache:
         module = module_type(spec, attend) if attend else module_type(spec)
     else:
-        module = module_type(spec, held, host)
+        module = module_type(spec, held, products)
     inputs = [acts[name] for name in d.reads]
     with jax.named_scope(op):
         if d.uses_cache:
@@ -66,7 +68,8 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
 
 
 def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array], step: Step,
-                  cache: Cache, host: bool = False) -> tuple[dict[str, jax.Array], Cache]:
+                  cache: Cache, products: Products = DEFAULT_PRODUCTS
+                  ) -> tuple[dict[str, jax.Array], Cache]:
     """One decoder layer: the seven ops composed in order.
 
     Args:
@@ -74,35 +77,37 @@ def decoder_layer(spec: ModelSpec, params: Params, acts: Mapping[str, jax.Array]
       params: the layer's tree ``{op: op params}``.
       acts: must hold ``x`` (B,T,D).
       cache: the layer's KV cache, (B,S,K,E) each.
-      host: the layer runs on the host CPU (``apply_op``).
+      products: how its device multiplies held matrices (``apply_op``).
     Returns:
       (activations with the layer's output ``x``, updated cache).
     """
     acts = dict(acts)
     for op in LAYER_OPS:
-        out, cache = apply_op(spec, op, params[op], acts, step, cache, host=host)
+        out, cache = apply_op(spec, op, params[op], acts, step, cache, products=products)
         acts.update(out)
     return acts, cache
 
 
 def forward(spec: ModelSpec, params: Params, tokens: jax.Array, step: Step,
-            caches: list[Cache], host: bool = False) -> tuple[jax.Array, list[Cache]]:
+            caches: list[Cache], products: Products = DEFAULT_PRODUCTS
+            ) -> tuple[jax.Array, list[Cache]]:
     """The whole model as one function: EMBED, every layer, HEAD.
 
     Args:
       tokens: (B, T) int32.
       caches: one ``Cache`` per layer.
-      host: it runs on the host CPU (``apply_op``).
+      products: how its device multiplies held matrices (``apply_op``).
     Returns:
       (logits (B, V) float32 of the last position, updated caches).
     """
-    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step, host=host)
+    acts, _ = apply_op(spec, EMBED, params[EMBED], {"tokens": tokens}, step,
+                       products=products)
     new_caches = []
     for i in range(spec.n_layers):
         acts, cache = decoder_layer(spec.layer_spec(i), params[layer_key(i)], acts, step,
-                                    caches[i], host)
+                                    caches[i], products)
         new_caches.append(cache)
-    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, host=host)
+    out, _ = apply_op(spec, HEAD, params[HEAD], acts, step, products=products)
     return out["logits"], new_caches
 
 
@@ -112,8 +117,9 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
 
     Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
     matrices in the spec's formats (initialised dense, then compressed with
-    ``models.formats.quantize``; under ``host_matmul`` torch-int4 the 4-bit projection
-    matrices then in torch's layout: ``int4_kernel.int4pack_params``). For a tied model
+    ``models.formats.hold``: ``models.compressed.GroupMatrix`` leaves; torch's int4 layout
+    is made from them where a model is loaded: ``host_compute.int4_kernel.int4pack_params``).
+    For a tied model
     ``HEAD``'s table is the same array (or subtree) as ``EMBED``'s.
     """
     key = jax.random.PRNGKey(seed)
@@ -137,4 +143,4 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     params[HEAD] = init(HEAD, next(keys))
     if spec.tie_embeddings:
         params[HEAD] = {**params[HEAD], TABLE: params[EMBED][TABLE]}
-    return int4_kernel.int4pack_params(spec, params)
+    return params

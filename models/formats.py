@@ -2,7 +2,8 @@
 
 A compressed matrix of logical shape ``(out..., in)`` (the checkpoint's layout: the contracted
 axis last) is cut along its last axis into groups of ``group`` consecutive elements, and held
-as three arrays under the matrix's path in the parameter tree:
+as three arrays (in the parameter tree a ``models.compressed.GroupMatrix``, its arrays at
+``PATH/codes``, ``PATH/scale``, ``PATH/offset``):
 
 * ``codes``: uint8 ``(out..., in / group, group * bits / 8)``; at 4 bits, byte j of a group
   holds element j in its low nibble and element j + group/2 in its high nibble (the block
@@ -68,7 +69,8 @@ the min/max scheme's time (a Llama-2-7B FFN matrix on the 2-core VM: 0.66 s vs 0
 
 ``DENSE`` means no compression: the matrix is one array in the model's dtype. This module
 imports neither JAX nor Flax, nor numpy until a matrix is converted (planners size formats
-they never load).
+they never load); a compressed matrix is held as ``models.compressed.GroupMatrix`` (a pytree
+type: JAX is imported where one is made).
 """
 
 from __future__ import annotations
@@ -361,7 +363,8 @@ def _fit_mse(w: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def dequantize(held: dict[str, np.ndarray], fmt: Format, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 matrix of logical ``shape`` that ``held`` (``quantize``'s arrays) encodes:
-    what the programs compute on (``models.layers.dequantize`` is the same formula in JAX)."""
+    what the programs compute on (``models.compressed.dequantize_parts`` is the same formula in
+    JAX)."""
     import numpy as np
 
     codes = unpack(np.asarray(held["codes"]), fmt).astype(np.float32) - fmt.zero
@@ -405,11 +408,15 @@ def dequantize_into(held: dict[str, np.ndarray], fmt: Format, out: np.ndarray) -
 
 def hold(matrix, fmt_name: str):
     """``matrix`` as format ``fmt_name`` holds it: itself when dense, else ``quantize``'s
-    arrays."""
+    arrays as a ``models.compressed.GroupMatrix``."""
     import numpy as np
 
     fmt = get_format(fmt_name)
-    return matrix if fmt is None else quantize(np.asarray(matrix), fmt)
+    if fmt is None:
+        return matrix
+    from hx.models.compressed import GroupMatrix  # JAX: only where a matrix is compressed
+
+    return GroupMatrix.from_parts(fmt, quantize(np.asarray(matrix), fmt))
 
 
 def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str = DENSE):
@@ -441,8 +448,8 @@ def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str 
 
 def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
     """A parameter (sub)tree with every leaf at path P (keys joined by "/", below
-    ``prefix``) held as ``hold(leaf, format_of(P))``: compressed matrices become subtrees of
-    their arrays, other leaves stay as they are."""
+    ``prefix``) held as ``hold(leaf, format_of(P))``: compressed matrices become
+    ``GroupMatrix`` leaves, other leaves stay as they are."""
     out = {}
     for key, value in tree.items():
         path = f"{prefix}/{key}" if prefix else key

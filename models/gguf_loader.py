@@ -116,10 +116,12 @@ def unpermute_rope_rows(w, n_heads: int):
 
     llama.cpp reorders each head's E output rows from [first half, second half] to interleaved
     pairs; this restores the Hugging Face order. ``w``: (n_heads * E, ...) -> same shape; a
-    dict of held arrays (a compressed matrix, rows first) has each array's rows reordered.
+    compressed matrix (``GroupMatrix``, rows first) has each array's rows reordered.
     """
-    if isinstance(w, dict):
-        return {part: unpermute_rope_rows(a, n_heads) for part, a in w.items()}
+    from hx.models.compressed import GroupMatrix  # JAX: only where a matrix is compressed
+
+    if isinstance(w, GroupMatrix):
+        return w.map(lambda a: unpermute_rope_rows(a, n_heads))
     half = w.shape[0] // n_heads // 2
     # llama.cpp: reshape(n_heads, 2, half, ...).swapaxes(1, 2); this is its inverse.
     rows = aligned_copy(w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(w.shape)
@@ -127,9 +129,10 @@ def unpermute_rope_rows(w, n_heads: int):
     return rows
 
 
-def gguf_blocks(t, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as the arrays of hx's format of the same name,
-    for logical shape ``shape`` (out..., in), made in one pass over the mapped blocks.
+def gguf_blocks(t, shape: tuple[int, ...]):
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as a ``models.compressed.GroupMatrix`` in hx's
+    format of the same name, of logical shape ``shape`` (out..., in), made in one pass over
+    the mapped blocks.
 
     A block of 32 weights is a float16 scale d, for Q4_1 a float16 minimum m, and the codes:
     Q4_0/Q4_1 16 bytes of nibbles (low nibble j is weight j, high nibble weight j + 16 --
@@ -145,7 +148,9 @@ def gguf_blocks(t, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     codes = blocks[..., 4:] if fmt.asymmetric else blocks[..., 2:]
     held["codes"] = aligned_copy(codes ^ np.uint8(0x80) if fmt.bits == 8 else codes)
     release(np.asarray(t.data))
-    return held
+    from hx.models.compressed import GroupMatrix
+
+    return GroupMatrix.from_parts(fmt, held)
 
 
 def _dequantize(t, path: str) -> np.ndarray:
@@ -269,6 +274,6 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
 
 def _reshape(held, shape: tuple[int, ...]):
     """A (rows, in) matrix, or a compressed one's arrays, as logical ``shape`` (views)."""
-    if not isinstance(held, dict):
+    if isinstance(held, np.ndarray):
         return held.reshape(shape)
-    return {part: a.reshape(*shape[:-1], *a.shape[1:]) for part, a in held.items()}
+    return held.map(lambda a: a.reshape(*shape[:-1], *a.shape[1:]))

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from hx.host_compute import int4_kernel
+from hx.models.compressed import (COMPRESSED, DEFAULT_PRODUCTS, GroupMatrix, Products,
+                                  check_shape, dequantize_parts, product)
 from hx.models.family import TABLE
-from hx.models.formats import DENSE, INT4PACK_PARTS, Format, get_format
+from hx.models.formats import Format, get_format
 from hx.models.spec import ModelSpec
 from hx.models.tensors import KV_NAMES, kv_format, kv_key
 
@@ -119,85 +120,46 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def dequantize(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...], dtype,
-               after: jax.Array | None = None) -> jax.Array:
-    """The matrix of logical ``shape`` (out..., in) that a compressed format's arrays hold
-    (``models.formats``: codes, float16 scales[, offsets], groups along the last axis), in
-    ``dtype``: ``scale * code + offset`` (or ``scale * (code - zero)``) in float32, rounded
-    once (``models.formats.dequantize`` is the same formula in numpy).
+def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype, init):
+    """Weight matrix ``name`` of ``module``, of logical ``shape``, as it is held: the dense
+    parameter (``dtype``; ``init`` initialises it) where ``fmt`` is dense, else the compressed
+    leaf the parameters give (``models.compressed``; made by quantizing a dense matrix, never
+    initialised).
 
-    ``after``: an activation the decompression waits for -- a data dependency (its first
-    element times 0 is added to the scales), so the matrix is made right before its product
-    and dies after it. Without one XLA schedules every decompression of a program first and
-    holds all the matrices at once (measured on XLA:CPU: six SmolLM2 MLP matrices, 21.2 MB of
-    temporaries; with it, 3.5 MB: one matrix). The link and memory carry only the codes.
+    Raises:
+      ValueError: a compressed matrix absent, or of another shape.
     """
-    codes = held["codes"]
-    if fmt.bits == 4:  # low nibbles are a group's first half, high nibbles its second
-        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
-    scale = held["scale"].astype(jnp.float32)
-    if after is not None:
-        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
-    w = codes.astype(jnp.float32)
-    if fmt.zero:
-        w = w - fmt.zero
-    w = w * scale[..., None]
-    if fmt.asymmetric:
-        w = w + held["offset"].astype(jnp.float32)[..., None]
-    return w.reshape(shape).astype(dtype)
-
-
-class Compressed(nn.Module):
-    """A matrix held in a compressed format: calling it returns its parameters ``codes``,
-    ``scale`` [, ``offset``] (``Format.arrays(shape)``), for ``dequantize`` -- or, where the
-    parameters given hold it in torch's int4 layout (``packed``, ``sz``:
-    ``Format.int4pack_arrays``; ``ModelSpec.host_matmul`` torch-int4), those."""
-
-    fmt: Format
-    shape: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self) -> dict[str, jax.Array]:
-        if self.has_variable("params", INT4PACK_PARTS[0]):
-            return {part: self.get_variable("params", part) for part in INT4PACK_PARTS}
-        return {part: self.param(part, nn.initializers.zeros_init(), s, jnp.dtype(d))
-                for part, (s, d) in self.fmt.arrays(self.shape).items()}
-
-
-def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype, init
-           ) -> jax.Array | dict[str, jax.Array]:
-    """A weight matrix of ``module`` in format ``fmt``: the dense parameter ``name`` of
-    ``dtype`` (``init`` initialises it), or the held arrays of a ``Compressed`` submodule
-    named ``name`` (``dequantize`` them)."""
-    compressed = get_format(fmt)
-    if compressed is None:
+    if get_format(fmt) is None:
         return module.param(name, init, shape, dtype)
-    return Compressed(compressed, shape, name=name)()
+    if not module.has_variable("params", name):
+        raise ValueError(f"{module.name}/{name}: a {fmt} matrix is made by compressing a dense "
+                         "one (models.formats.hold), not initialised")
+    held = module.get_variable("params", name)
+    if not isinstance(held, COMPRESSED):
+        raise ValueError(f"{module.name}/{name}: the model holds it {fmt}, the parameters "
+                         f"give {type(held).__name__}")
+    check_shape(held, shape, f"{module.name}/{name}")
+    return held
 
 
 class Dense(nn.Module):
     """y = x W^T [+ b], contracting ``axis`` of x with the trailing axes of W, in float32.
 
     ``kernel``: ``features + x.shape[axis]`` -- the checkpoint's (out..., in) layout; held in
-    ``fmt`` (``dense``, or a compressed format decompressed here to ``param_dtype``);
-    ``bias``: ``features``. The product runs in the kernel's dtype (x is cast to it) with
-    float32 accumulation, the bias is added in float32, and y is float32: the op rounds it to
-    the activation dtype once, after what it adds to it. A kernel held in torch's int4 layout
-    (``Compressed``; ``ModelSpec.host_matmul`` torch-int4) is multiplied, with ``int4_kernel``
-    (a host op) and up to ``int4_kernel.KERNEL_ROWS`` rows, by torch's CPU int4 kernel
-    (``hx.host_compute.int4_kernel.matmul``: x rounded to bfloat16, y a bfloat16 product), and
-    otherwise decompressed from that layout for XLA's product (``int4_kernel.dequantize``: on
-    the accelerator, and on the host past the rows where the kernel's time, growing with
-    them, passes XLA's). Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened
-    matrix, zero bias).
+    ``fmt`` (``dense``, or a compressed format: ``models.compressed``, decompressed to
+    ``param_dtype`` or multiplied by the kernel ``products`` gives for its type);
+    ``bias``: ``features``. The product (``models.compressed.product``) runs in the kernel's
+    dtype (x is cast to it) with float32 accumulation, the bias is added in float32, and y is
+    float32: the op rounds it to the activation dtype once, after what it adds to it.
+    Initialised as ``nn.DenseGeneral`` (LeCun normal over the flattened matrix, zero bias).
     """
 
     features: tuple[int, ...]
     axis: tuple[int, ...] = (-1,)
     use_bias: bool = False
     param_dtype: Any = jnp.float32
-    fmt: str = DENSE
-    int4_kernel: bool = False
+    fmt: str = "dense"
+    products: Products = DEFAULT_PRODUCTS
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -212,45 +174,14 @@ class Dense(nn.Module):
         # (contracting a (D, H, E) kernel over (H, E) as it is, XLA:CPU transposed it each step)
         if axis != tuple(range(x.ndim - n_in, x.ndim)):
             raise ValueError(f"Dense contracts x's trailing axes, not {self.axis}")
-        flat_in, flat_out = math.prod(shape[n_out:]), math.prod(self.features)
-        rows = x.reshape(-1, flat_in)
-        packed = isinstance(kernel, dict) and INT4PACK_PARTS[0] in kernel
-        if packed and self.int4_kernel and rows.shape[0] <= int4_kernel.KERNEL_ROWS:
-            y = int4_kernel.matmul(rows.astype(jnp.bfloat16), kernel["packed"], kernel["sz"],
-                                   get_format(self.fmt).group).astype(jnp.float32)
-        else:
-            if packed:
-                kernel = int4_kernel.dequantize(kernel["packed"], kernel["sz"],
-                                                get_format(self.fmt).group, self.param_dtype,
-                                                after=x)
-            elif isinstance(kernel, dict):
-                kernel = dequantize(kernel, get_format(self.fmt), shape, self.param_dtype,
-                                    after=x)
-            y = product(rows.astype(kernel.dtype), kernel.reshape(flat_out, flat_in))
+        rows = x.reshape(-1, math.prod(shape[n_out:]))
+        y = product(kernel, rows, self.param_dtype, self.products, after=x)
         y = y.reshape(*x.shape[:-n_in], *self.features)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), self.features,
                               self.param_dtype)
             y = y + bias.astype(jnp.float32)
         return y
-
-
-def product(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x (N, in) @ kernel (out, in)^T -> (N, out) float32, in the operands' dtype with float32
-    accumulation (``preferred_element_type``).
-
-    A one-row bfloat16 product is computed as two rows, the second zero: XLA:CPU's
-    matrix-vector path widens a bfloat16 matrix to a float32 temporary first (Llama-2-7B's
-    11008 x 4096: 180 MB of temporaries and 61-94 ms), where its matrix-matrix path multiplies
-    bfloat16 as it is (0.09 MB, 5.8-12 ms; this VM, jax 0.10.2, ``models.spec.host_dtype``).
-    On a GPU both are bound by reading the matrix, so the extra row costs nothing measurable.
-    """
-    pad = x.shape[0] == 1 and kernel.dtype == jnp.bfloat16
-    if pad:
-        x = jnp.concatenate([x, jnp.zeros_like(x)])
-    y = jax.lax.dot_general(x, kernel, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y[:1] if pad else y
 
 
 def held_dtype(module: nn.Module):
@@ -261,22 +192,22 @@ def held_dtype(module: nn.Module):
 
 def dense(module: nn.Module, features, axis=-1, name=None, use_bias=False) -> Dense:
     """A ``Dense`` of op module ``module`` (a ``WeightedOp``): its matrix held in the model's
-    weight format, dense weights in ``held_dtype(module)``, torch's int4 kernel where the op
-    runs on the host."""
+    weight format, dense weights in ``held_dtype(module)``, multiplied with the products the
+    op is given."""
     features = tuple(features) if isinstance(features, tuple) else (features,)
     axis = tuple(axis) if isinstance(axis, tuple) else (axis,)
     return Dense(features, axis, use_bias, held_dtype(module), module.spec.weight_format,
-                 module.host, name=name)
+                 module.products, name=name)
 
 
 class WeightedOp(nn.Module):
     """An op with weights: ``spec``; ``held``, the dtype its device holds dense weights in
-    (``held_dtype``); ``host``, whether it runs on the host CPU, where a matrix held in torch's
-    int4 layout is multiplied by that kernel (``Dense``)."""
+    (``held_dtype``); ``products``, how its device multiplies held matrices
+    (``models.compressed.Products``: the executor's choice, as SCORE's ``attend`` is)."""
 
     spec: ModelSpec
     held: str | None = None
-    host: bool = False
+    products: Products = DEFAULT_PRODUCTS
 
 
 
@@ -327,8 +258,8 @@ def read_kv(cache: Cache, name: str, fmt: Format | None, start: jax.Array | int 
     held = {p: part(kv_key(name, p)) for p in ("codes", "scale", "offset")
             if kv_key(name, p) in cache}
     scale = held["scale"]
-    return dequantize(held, fmt, (*scale.shape[:-1], scale.shape[-1] * fmt.group),
-                      jnp.float32)
+    return dequantize_parts(held, fmt, (*scale.shape[:-1], scale.shape[-1] * fmt.group),
+                            jnp.float32)
 
 
 def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
@@ -414,23 +345,17 @@ class ScoreOp(nn.Module):
 HEAD_CHUNK_ELEMENTS = 1 << 22  # a compressed LM head decompresses this many weights at a time
 
 
-def _compressed_logits(n: jax.Array, held: Mapping[str, jax.Array], fmt: Format, vocab: int,
-                       dtype) -> jax.Array:
-    """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) table, in
+def _compressed_logits(n: jax.Array, table: GroupMatrix, dtype) -> jax.Array:
+    """Logits (B, V) float32 of normed ``n`` (B, D) against a compressed (V, D) ``table``, in
     chunks of ``HEAD_CHUNK_ELEMENTS`` weights: each chunk is decompressed after the previous
-    chunk's logits exist (``dequantize``'s ``after``), so one chunk is held at a time, not the
-    whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``. ``lm_head`` on
-    the host passes float32 for one row: XLA:CPU's matrix-vector path widens a bfloat16 matrix
-    anyway, and SmolLM2's Q8_0 head took 3.2 ms decompressed into float32 against 4.6 ms into
-    bfloat16 (2-core VM, median of 21); the accelerator keeps its dtype (a float32 chunk would
-    double its temporaries)."""
-    D = n.shape[-1]
+    chunk's logits exist (``product``'s ``after``), so one chunk is held at a time, not the
+    whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``."""
+    vocab, D = table.shape
     rows = max(1, HEAD_CHUNK_ELEMENTS // D)
     parts, after = [], n
     for start in range(0, vocab, rows):
-        chunk = {p: a[start:start + rows] for p, a in held.items()}
-        table = dequantize(chunk, fmt, (min(rows, vocab - start), D), dtype, after=after)
-        after = product(n.astype(table.dtype), table)
+        chunk = table.map(lambda a: a[start:start + rows])
+        after = product(chunk, n, dtype, after=after)
         parts.append(after)
     return jnp.concatenate(parts, axis=-1)
 
@@ -442,23 +367,20 @@ def lookup(module: nn.Module, name: str, ids: jax.Array, rows: int, fmt: str) ->
     s = module.spec
     table = matrix(module, name, (rows, s.d_model), fmt, held_dtype(module),
                    nn.initializers.normal(0.02))
-    if isinstance(table, dict):
-        picked = {part: jnp.take(a, ids, axis=0) for part, a in table.items()}
-        return dequantize(picked, get_format(fmt), ids.shape + (s.d_model,), s.dtype)
+    if isinstance(table, GroupMatrix):
+        return table.map(lambda a: jnp.take(a, ids, axis=0)).decompress(s.dtype)
     return jnp.take(table, ids, axis=0).astype(s.dtype)
 
 
 def lm_head(module: nn.Module, n: jax.Array) -> jax.Array:
     """Logits (B, V) float32 of the normed last positions ``n`` (B, D) against op module
     ``module``'s table ``embedding`` (V, D) (EMBED's when tied), in the model's embedding
-    format: a compressed table in chunks (``_compressed_logits``; one row on the host
-    decompressed into float32)."""
+    format: a compressed table in chunks (``_compressed_logits``; one row decompressed into
+    float32 where the op's products ask it: ``Products.head_vector_f32``)."""
     s = module.spec
     table = matrix(module, TABLE, (s.vocab_size, s.d_model), s.embedding_format,
                    held_dtype(module), nn.initializers.normal(0.02))
-    if isinstance(table, dict):
-        wide = module.host and n.shape[0] == 1
-        return _compressed_logits(n, table, get_format(s.embedding_format), s.vocab_size,
-                                  jnp.float32 if wide else held_dtype(module))
-    return product(n.astype(table.dtype), table)
-
+    if isinstance(table, GroupMatrix):
+        wide = module.products.head_vector_f32 and n.shape[0] == 1
+        return _compressed_logits(n, table, jnp.float32 if wide else held_dtype(module))
+    return product(table, n)

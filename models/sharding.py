@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from hx.errors import HxError
@@ -85,9 +86,8 @@ def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
 
     axes = spec.model_family.tp_axes
 
-    def walk(node, path):
-        if isinstance(node, dict):
-            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+    def widen(key_path, node):
+        path = "/".join(str(k.key) for k in key_path)  # a compressed matrix's: .../codes
         size, axis = axes.get(matrix_path(path), (None, 0))
         if size not in sizes:  # whole, or split by the vocabulary (never padded)
             return node
@@ -99,7 +99,7 @@ def pad(spec: ModelSpec, params: Any, tp: int) -> tuple[ModelSpec, Any]:
         widths[axis] = (0, (new - old) * np.shape(node)[axis] // old)
         return np.pad(np.asarray(node), widths)
 
-    return wider, walk(params, "")
+    return wider, jax.tree_util.tree_map_with_path(widen, params)
 
 
 def matrix_path(path: str) -> str:

@@ -86,7 +86,8 @@ class ModelSpec:
       sliding_window: a layer's queries attend only the last ``sliding_window`` positions,
         their own included (Mistral; Beltagy et al. 2020); None: the whole context.
       rope_scaling: the RoPE scaling of the model's config as sorted (key, value) pairs
-        (``rope_type`` ``llama3`` with its factors, or ``linear``); empty: none. The family
+        (``rope_type`` ``llama3`` with its factors, ``linear``, or a GGUF's
+        ``frequency_factors`` with ``factors`` a tuple of E/2 floats); empty: none. The family
         applies it (``models.llama.inv_frequencies``).
       attention_scale: the factor of q . k in attention's softmax; None: 1/sqrt(head_dim)
         (Vaswani et al. 2017). Every attention kernel divides by sqrt(head_dim), so a family
@@ -138,7 +139,7 @@ class ModelSpec:
     dtype: str = "float32"
     family: str = "llama"
     sliding_window: int | None = None
-    rope_scaling: tuple[tuple[str, float | str], ...] = ()
+    rope_scaling: tuple[tuple[str, float | str | tuple[float, ...]], ...] = ()
     attention_scale: float | None = None
     layer_types: tuple[str, ...] = ()
     layer_overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()

@@ -115,9 +115,13 @@ def main() -> int:
             for s in leaf.addressable_shards:
                 held[s.device] += s.data.nbytes
         whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(padded))
+        copied = sum(leaf.nbytes for leaf in jax.tree.leaves(sharded)
+                     if leaf.sharding.is_fully_replicated)  # norms, row-parallel scales
         row = {"tp": tp, "heads": (wide.n_heads, wide.n_kv_heads), "d_ff": wide.d_ff,
                "max_rel_logit_diff": diff, "greedy_equal": out == ref_tokens,
-               "device_bytes": max(held.values()), "whole_over_tp": whole / tp}
+               "device_bytes": max(held.values()), "whole_over_tp": whole / tp,
+               "replicated_bytes": copied,
+               "split_share": (whole - copied) / tp + copied}
         results.append(row)
         print(f"{spec.name} tp={tp}: heads {wide.n_heads}/{wide.n_kv_heads} F {wide.d_ff}, "
               f"largest logit difference {diff:.2e} of the largest logit, greedy "

@@ -3,8 +3,10 @@
 Usage: python scripts/reprice_validation.py VALIDATION.json --profile P.json
            --dequantize DEQUANTIZE.json [--model llama2-7b:8L] [--dtype bfloat16] [--weights int4]
 
-``VALIDATION.json`` holds measured rows of ``scripts/validate_simulator.py`` (policy, budget,
-batch, predicted_s, measured_s) taken with code that priced no decompression.
+``VALIDATION.json`` holds measured rows of the former ``scripts/validate_simulator.py``
+(policy, budget, batch, predicted_s, measured_s), the records in docs/measurements taken with
+code that priced no decompression (``hx ablate --json``, which replaced the script, names its
+columns budget_fraction, batch and micro_batches and prices decompression itself).
 ``DEQUANTIZE.json`` holds decompression figures measured on the same machine, keyed
 "accelerator bfloat16", "accelerator float32", "host float32": per format a curve
 (``DeviceProfile.dequantize``) or one per-weight number (the first probe's form). Each row's plan (its

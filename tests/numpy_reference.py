@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hx.models.compressed import GroupMatrix, Int4Packed
 from hx.models.formats import dequantize, get_format
 from hx.models.tensors import layer_key
 
@@ -29,7 +30,7 @@ def _torch_int4(tree, shape) -> np.ndarray:
     and row j + B/2's in its high one; W = (code - 8) * scale + zero per group of g inputs."""
     from hx.host_compute.int4_kernel import row_block
 
-    packed, sz = np.asarray(tree["packed"]), np.asarray(tree["sz"], np.float64)
+    packed, sz = np.asarray(tree.packed), np.asarray(tree.sz, np.float64)
     n, k, block = packed.shape[0], 2 * packed.shape[1], row_block()
     codes = np.zeros((n, k))
     for b in range(n // block):
@@ -43,20 +44,20 @@ def _torch_int4(tree, shape) -> np.ndarray:
 
 
 def dense_params(spec, params) -> dict:
-    """``params`` with every compressed matrix (a subtree holding ``codes``, or torch's int4
-    layout) decompressed (``models.formats.dequantize``: the values the programs compute
+    """``params`` with every compressed matrix (a ``GroupMatrix``, or an ``Int4Packed`` in
+    torch's int4 layout) decompressed (``models.formats.dequantize``: the values the programs compute
     on)."""
     def walk(tree, path):
-        if not isinstance(tree, dict):
-            return tree
-        if "packed" in tree:  # torch's int4 layout (``host_matmul`` torch-int4)
+        if isinstance(tree, Int4Packed):  # torch's int4 layout (``host_matmul`` torch-int4)
             top, name = path[1], "/".join(path[2:])
             return _torch_int4(tree, spec.op_weight_shapes(top)[name])
-        if "codes" in tree:
+        if isinstance(tree, GroupMatrix):
             top = path[0] if path[0] in ("EMBED", "HEAD") else path[1]
             name = "/".join(path[path.index(top) + 1:])
-            fmt = get_format(spec.matrix_format(name))
-            return dequantize(tree, fmt, spec.op_weight_shapes(top)[name])
+            assert tree.fmt == get_format(spec.matrix_format(name))
+            return dequantize(tree.parts(), tree.fmt, spec.op_weight_shapes(top)[name])
+        if not isinstance(tree, dict):
+            return tree
         return {k: walk(v, path + (k,)) for k, v in tree.items()}
 
     return walk(params, ())

@@ -202,18 +202,19 @@ def test_default_dtype_by_platform(devices):
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_a_bfloat16_product_holds_no_float32_copy_of_its_matrix(devices, rows):
-    """``llama.product`` of ``rows`` rows against a bf16 (512, 256) matrix on the host device:
+    """``models.compressed.product`` of ``rows`` rows against a bf16 (512, 256) matrix on the host device:
     its XLA temporaries stay below the matrix's float32 size (a one-row product is padded to
     two: XLA:CPU's matrix-vector path widened the matrix to float32), and its result equals a
     float64 product of the same rounded operands to float32 accumulation."""
-    from hx.models.layers import product
+    from hx.models.compressed import product
 
     rng = np.random.default_rng(rows)
     bf16 = numpy_dtype("bfloat16")
     x = rng.standard_normal((rows, 256)).astype(bf16)
     w = rng.standard_normal((512, 256)).astype(bf16)
     host = devices[HOST]
-    compiled = jax.jit(product).lower(jax.device_put(x, host), jax.device_put(w, host)).compile()
+    compiled = jax.jit(lambda x, w: product(w, x)).lower(jax.device_put(x, host),
+                                                         jax.device_put(w, host)).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < w.size * 4
     got = np.asarray(compiled(jax.device_put(x, host), jax.device_put(w, host)))
     want = x.astype(np.float64) @ w.astype(np.float64).T

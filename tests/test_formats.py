@@ -15,7 +15,6 @@ from hx.generate import Engine
 from hx.models import formats
 from hx.models.formats import FORMATS, dequantize, quantize
 from hx.models.gguf_loader import gguf_blocks
-from hx.models.layers import dequantize as jax_dequantize
 from hx.models.decoder import init_params
 from hx.models.loader import Model, load
 from hx.models.mapped import is_mapped, map_file, release
@@ -46,10 +45,11 @@ def test_gguf_blocks_decode_to_the_gguf_packages_values(name):
     held = gguf_blocks(tensor, (6, 8, 256))  # rows split like wq's (H, E, D)
     expected = gguf.quants.dequantize(blocks, GGUF_TYPES[name]).reshape(6, 8, 256)
     fmt = FORMATS[name]
-    np.testing.assert_array_equal(dequantize(held, fmt, (6, 8, 256)), expected)
-    got = jax.jit(lambda h: jax_dequantize(h, fmt, (6, 8, 256), np.float32))(held)
+    assert held.fmt == fmt and held.shape == (6, 8, 256)
+    np.testing.assert_array_equal(dequantize(held.parts(), fmt, (6, 8, 256)), expected)
+    got = jax.jit(lambda h: h.decompress(np.float32))(held)  # a pytree through the program
     np.testing.assert_array_equal(np.asarray(got), expected)
-    assert sum(a.nbytes for a in held.values()) == fmt.nbytes((6, 8, 256)) == blocks.nbytes
+    assert sum(a.nbytes for a in held.parts().values()) == fmt.nbytes((6, 8, 256)) == blocks.nbytes
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -13,7 +13,7 @@ from hx.generate import Engine
 from hx.host_compute import int4_kernel
 from hx.memory import held_weight_bytes
 from hx.models.formats import FORMATS, Format, quantize, unpack
-from hx.models.layers import product
+from hx.models.compressed import GroupMatrix, Int4Packed, product, unpack_rows
 from hx.models.decoder import init_params
 from hx.models.loader import Model, resolve_host_matmul
 from hx.models.spec import TORCH_INT4, ModelSpec
@@ -43,8 +43,8 @@ def held_matrix(fmt_name: str, shape, seed: int = 0):
 def test_an_identity_product_reads_back_every_weight(fmt_name):
     """x = I (K x K) gives W^T: every weight at its place, equal to the format's value with its
     scale and zero rounded to bfloat16 (torch's formula (code - 8) * scale + zero), within one
-    bfloat16 rounding of the output; hx's decoding of torch's layout (``unpack_rows``,
-    ``dequantize``) gives the codes and those values."""
+    bfloat16 rounding of the output; hx's decoding of torch's layout
+    (``models.compressed.Int4Packed``) gives the codes and those values."""
     N, K = 128, 256
     held, codes, exact, fmt = held_matrix(fmt_name, (N, K))
     w, sz = int4_kernel.pack(codes, held["scale"], held.get("offset"), fmt.zero)
@@ -55,8 +55,9 @@ def test_an_identity_product_reads_back_every_weight(fmt_name):
     want = ((q - 8) * s[..., None] + z[..., None]).reshape(N, K)
     got = np.asarray(y, np.float64).T
     assert np.all(np.abs(got - want) <= np.abs(want) * 2 ** -8 + 1e-12)
-    np.testing.assert_array_equal(int4_kernel.unpack_rows(w, int4_kernel.row_block()), codes)
-    decoded = int4_kernel.dequantize(jnp.asarray(w), jnp.asarray(sz), fmt.group, jnp.float32)
+    np.testing.assert_array_equal(unpack_rows(w, int4_kernel.row_block()), codes)
+    held = Int4Packed(jnp.asarray(w), jnp.asarray(sz), fmt, int4_kernel.row_block())
+    decoded = jax.jit(lambda h: h.decompress(jnp.float32))(held)
     np.testing.assert_allclose(np.asarray(decoded), want, rtol=1e-6, atol=1e-7)
     assert np.abs(want - exact).max() <= np.abs(exact).max() * 2 ** -7  # bf16 scale and zero
 
@@ -101,12 +102,13 @@ def test_int4pack_of_a_held_matrix_keeps_its_layout(fmt_name):
     (H * E, D) matrix its codes encode."""
     shape = (3, 64, 256)
     held, _, exact, fmt = held_matrix(fmt_name, (192, 256), seed=3)
-    held3 = {p: a.reshape(3, 64, *a.shape[1:]) for p, a in held.items()}
-    packed = int4_kernel.int4pack(held3, fmt, shape)
+    held3 = GroupMatrix.from_parts(fmt, held).map(lambda a: a.reshape(3, 64, *a.shape[1:]))
+    packed = int4_kernel.int4pack(held3, (192, 256))
+    assert held3.shape == shape and packed.shape == (192, 256)
     x = np.random.default_rng(4).standard_normal((2, 256), np.float32)
     xb = jnp.asarray(x).astype(jnp.bfloat16)
     y = jax.jit(lambda x, w, sz: int4_kernel.matmul(x, w, sz, fmt.group))(
-        xb, jnp.asarray(packed["packed"]), jnp.asarray(packed["sz"]))
+        xb, jnp.asarray(packed.packed), jnp.asarray(packed.sz))
     ref = np.asarray(xb, np.float64) @ exact.T
     assert np.abs(np.asarray(y, np.float64) - ref).max() <= 1e-2 * np.abs(ref).max()
 
@@ -119,7 +121,8 @@ WIDE = ModelSpec(name="wide", n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, 
 
 def wide_model(tokenizer, fmt_name: str, host_matmul: str) -> Model:
     spec = WIDE.replace(weight_format=fmt_name, embedding_format="q8_0", host_matmul=host_matmul)
-    return Model(spec, init_params(spec, seed=4), tokenizer, fmt_name)
+    return Model(spec, int4_kernel.int4pack_params(spec, init_params(spec, seed=4)), tokenizer,
+                 fmt_name)
 
 
 @pytest.mark.parametrize("fmt_name", ["q4_1", "int4", "q4_0"])
@@ -169,21 +172,21 @@ def test_auto_chooses_the_kernel_for_bfloat16_4_bit_matrices(tokenizer):
 
 
 def test_decompressing_the_layout_waits_so_temporaries_do_not_grow_with_depth():
-    """``int4_kernel.dequantize`` with ``after``: a chain of 8 decompress-then-multiply steps
+    """``Int4Packed.decompress`` with ``after``: a chain of 8 decompress-then-multiply steps
     over (1536 x 576) matrices needs no more XLA temporaries than one (each matrix, its codes,
     scales and zeros made right before its product; letting the scales or the unpacking run
     early grew them by 110 KB a matrix)."""
     n, k = 1536, 576
 
     def chain(x, held):
-        for packed, sz in held:
-            w = int4_kernel.dequantize(packed, sz, 32, jnp.bfloat16, after=x)
-            x = (x + product(x, w)[:, :k]).astype(jnp.bfloat16)
+        for matrix in held:
+            x = (x + product(matrix, x, jnp.bfloat16, after=x)[:, :k]).astype(jnp.bfloat16)
         return x
 
     def temps(depth: int) -> int:
-        held = [(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
-                 jax.ShapeDtypeStruct((k // 32, n, 2), jnp.bfloat16))] * depth
+        held = [Int4Packed(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+                           jax.ShapeDtypeStruct((k // 32, n, 2), jnp.bfloat16),
+                           FORMATS["q4_1"], int4_kernel.row_block())] * depth
         x = jax.ShapeDtypeStruct((2, k), jnp.bfloat16)
         return jax.jit(chain).lower(x, held).compile().memory_analysis().temp_size_in_bytes
 

@@ -72,14 +72,19 @@ def test_split_logits_equal_one_devices(tmp_path):
     assert [r["tp"] for r in found["rows"]] == [2, 4]
     for r in found["rows"]:
         assert r["max_rel_logit_diff"] <= 1e-5 and r["greedy_equal"]
-        assert r["device_bytes"] < 1.01 * r["whole_over_tp"]  # norms are the only copies
+        # every split leaf divides evenly; the copies are the norms and the per-output-row
+        # scales of row-parallel matrices (their contracted axis is the split one)
+        assert r["device_bytes"] == r["split_share"]
+        assert r["replicated_bytes"] < 0.05 * r["whole_over_tp"] * r["tp"]
     runs = found["executor"]
     assert [(r["plan"], r["tp"], r["pp"], len(r["peaks"])) for r in runs] == [
         ("stream-all", 4, 1, 1), ("stream-all", 2, 2, 2)]
     for r in runs:
         assert r["max_rel_logit_diff"] <= 1e-5 and r["greedy_equal"], r
         assert r["peaks"] == r["budgets"], r
-        # stream-all's peak is its largest staged op: the last stage's LM head, as on one
-        assert max(r["peaks"]) <= r["one_accelerator_peak"] * (0.35 if r["tp"] == 4 else 1), r
+        # stream-all's peak is its largest staged op: the last stage's LM head, as on one;
+        # split 4 ways, under half of it (measured: 0.31 of it dense, 0.44 int8, whose
+        # decompressed chunk of the table and per-row scales are held beside the codes)
+        assert max(r["peaks"]) <= r["one_accelerator_peak"] * (0.5 if r["tp"] == 4 else 1), r
     # 2 stages of 2: each accelerator holds less than one accelerator (the first stage: no HEAD)
     assert runs[1]["peaks"][0] < runs[1]["peaks"][1] < runs[1]["one_accelerator_peak"]

@@ -61,7 +61,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hx.models.formats import FORMATS, quantize, unpack  # noqa: E402
-from hx.models.layers import dequantize, product  # noqa: E402
+from hx.models import compressed  # noqa: E402
+
+dequantize = compressed.dequantize_parts
+
+
+def product(x, w):
+    """x (N, in) @ w (out, in)^T in float32 (``models.compressed.product`` of a dense w)."""
+    return compressed.product(w, x)
 
 LAYERS, D, KV, FF, VOCAB = 30, 576, 192, 1536, 49152  # SmolLM2-135M
 LAYER = {"Q": (D, D), "K": (KV, D), "V": (KV, D), "OUT": (D, D), "gate": (FF, D),

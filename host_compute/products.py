@@ -1,0 +1,11 @@
+"""How ops run on the host CPU multiply held matrices (``models.compressed.Products``): the
+executor passes ``HOST_PRODUCTS`` to them, as it passes the host's attention kernel to SCORE."""
+
+from __future__ import annotations
+
+from hx.host_compute import int4_kernel
+from hx.models.compressed import Products
+
+# torch's int4 kernel up to its rows; a one-row LM-head product over a float32 table
+HOST_PRODUCTS = Products(int4=int4_kernel.matmul, int4_rows=int4_kernel.KERNEL_ROWS,
+                         head_vector_f32=True)

@@ -1,0 +1,286 @@
+"""Compressed matrices as pytree types, and the one product over every held matrix.
+
+A weight matrix of logical shape (out..., in) -- the checkpoint's layout, the contracted axis
+last -- is held as one of:
+
+* a dense array (``jax.Array`` or numpy) in a float dtype;
+* ``GroupMatrix``: a group-wise compressed format of ``models.formats`` (codes, float16 scales
+  and, in an asymmetric format, offsets; the ``Format`` static);
+* ``Int4Packed``: a 4-bit format in the layout torch's CPU int4 kernel multiplies
+  (``Format.int4pack_arrays``: packed codes in torch's row blocks, bfloat16 scale-and-zero
+  pairs; the format and the row block static), made at load under ``host_matmul`` torch-int4
+  (``hx.host_compute.int4_kernel.int4pack_params``).
+
+Both compressed types are registered pytree nodes whose children are keyed as dict entries
+(``codes``, ``scale``, ``offset``; ``packed``, ``sz``), so a parameter tree's key paths read
+``.../wq/kernel/codes`` as the byte tables (``ModelSpec.op_weight_arrays``), the executor's
+placement and ``models.sharding`` name them: every array is placed, streamed, split and
+counted as a leaf, and the type rides along as static data.
+
+``product`` dispatches on the held type (``functools.singledispatch``): a dense matrix is
+multiplied as it is; a compressed one is decompressed right before its product (``after``)
+-- or, an ``Int4Packed`` one, multiplied by the kernel the caller passes in ``Products``
+(the executor passes the host's for host ops, as it passes SCORE's ``attend``), so model code
+holds no device choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import DictKey
+
+from hx.models.formats import Format
+
+
+def dequantize_parts(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...],
+                     dtype, after: jax.Array | None = None) -> jax.Array:
+    """The array of logical ``shape`` (..., in) that ``fmt``'s arrays ``held`` (codes,
+    float16 scales[, offsets], groups along the last axis) encode, in ``dtype``: ``scale *
+    code + offset`` (or ``scale * (code - zero)``) in float32, rounded once
+    (``models.formats.dequantize`` is the same formula in numpy).
+
+    ``after``: an activation the decompression waits for -- a data dependency (its first
+    element times 0 is added to the scales), so the matrix is made right before its product
+    and dies after it. Without one XLA schedules every decompression of a program first and
+    holds all the matrices at once (measured on XLA:CPU: six SmolLM2 MLP matrices, 21.2 MB of
+    temporaries; with it, 3.5 MB: one matrix). The link and memory carry only the codes.
+    """
+    codes = held["codes"]
+    if fmt.bits == 4:  # low nibbles are a group's first half, high nibbles its second
+        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
+    scale = held["scale"].astype(jnp.float32)
+    if after is not None:
+        scale = scale + after.reshape(-1)[0].astype(jnp.float32) * 0
+    w = codes.astype(jnp.float32)
+    if fmt.zero:
+        w = w - fmt.zero
+    w = w * scale[..., None]
+    if fmt.asymmetric:
+        w = w + held["offset"].astype(jnp.float32)[..., None]
+    return w.reshape(shape).astype(dtype)
+
+
+@dataclass(frozen=True)
+class GroupMatrix:
+    """A matrix held group-wise in ``fmt`` (``models.formats``; numpy or JAX arrays).
+
+    Attributes:
+      codes: uint8 (out..., in / g, g * bits / 8).
+      scale: float16 (out..., in / g).
+      offset: float16 (out..., in / g) in an asymmetric format, else None.
+      fmt: the format (static: part of the pytree's structure, not a leaf).
+    """
+
+    codes: Any
+    scale: Any
+    offset: Any
+    fmt: Format
+
+    @classmethod
+    def from_parts(cls, fmt: Format, parts: Mapping[str, Any]) -> "GroupMatrix":
+        """From ``Format.arrays``-keyed arrays (``models.formats.quantize``'s)."""
+        return cls(parts["codes"], parts["scale"], parts.get("offset"), fmt)
+
+    def parts(self) -> dict[str, Any]:
+        """The held arrays keyed as ``Format.arrays`` keys them."""
+        held = {"codes": self.codes, "scale": self.scale}
+        if self.offset is not None:
+            held["offset"] = self.offset
+        return held
+
+    def map(self, fn: Callable[[Any], Any]) -> "GroupMatrix":
+        """``fn`` applied to every held array (a row gather or reorder, a reshape of the
+        leading axes, a copy): the groups stay whole."""
+        return GroupMatrix.from_parts(self.fmt, {k: fn(a) for k, a in self.parts().items()})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape (out..., in)."""
+        *out, groups, _ = self.codes.shape
+        return (*out, groups * self.fmt.group)
+
+    def decompress(self, dtype, after: jax.Array | None = None) -> jax.Array:
+        """The logical matrix in ``dtype`` (``dequantize_parts``)."""
+        return dequantize_parts(self.parts(), self.fmt, self.shape, dtype, after)
+
+
+@dataclass(frozen=True)
+class Int4Packed:
+    """A 4-bit matrix in torch's CPU int4 layout (``hx.host_compute.int4_kernel.pack``).
+
+    Attributes:
+      packed: uint8 (N, K / 2), N = prod(out), K = in: of each block of ``block`` output rows,
+        for each input k, byte j holds row j's code in its low nibble and row j + block/2's in
+        its high nibble.
+      sz: bfloat16 (K / g, N, 2): each group's scale and zero, W = (code - 8) * scale + zero.
+      fmt: the 4-bit format it was made from (its group g; static).
+      block: torch's row block on the CPU that packed it (64 with AVX-512, 32 with AVX2;
+        static).
+    """
+
+    packed: Any
+    sz: Any
+    fmt: Format
+    block: int
+
+    def parts(self) -> dict[str, Any]:
+        """The held arrays keyed as ``Format.int4pack_arrays`` keys them."""
+        return {"packed": self.packed, "sz": self.sz}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical shape (N, K), the output axes flattened."""
+        n, half = self.packed.shape
+        return n, 2 * half
+
+    def codes(self, lift: Callable[[Any], Any] = lambda c: c) -> Any:
+        """The codes (N, K) (``unpack_rows``)."""
+        return unpack_rows(self.packed, self.block, lift)
+
+    def decompress(self, dtype, after: jax.Array | None = None) -> jax.Array:
+        """The (N, K) matrix in ``dtype``: (code - 8) * scale + zero in float32, rounded once.
+        ``after`` as ``dequantize_parts``'s; the codes wait for it too (with only the scales
+        waiting, XLA unpacked every matrix of a segment first: a 30-layer SmolLM2 segment's
+        temporaries doubled, 9.1 to 18.4 MB)."""
+        n, k = self.shape
+        # the unpacking waits for ``after`` too (a float dependency: XLA folds an integer x * 0)
+        wait = 0.0 if after is None else after.reshape(-1)[0].astype(jnp.float32) * 0
+        codes = self.codes(lambda c: c.astype(jnp.float32) + wait) - 8
+        sz = self.sz.astype(jnp.float32) + wait
+        scale, zero = (sz[..., i].T[..., None] for i in (0, 1))  # (N, K/g, 1)
+        w = codes.reshape(n, k // self.fmt.group, self.fmt.group) * scale + zero
+        return w.reshape(n, k).astype(dtype)
+
+
+def unpack_rows(packed, block: int, lift: Callable[[Any], Any] = lambda c: c):
+    """Codes (N, K) of torch's int4pack ``packed`` (N, K / 2) uint8 with row blocks of
+    ``block`` (``Int4Packed``), each nibble half passed through ``lift`` (a conversion)
+    first; numpy or JAX arrays alike (JAX's traced inside a program too)."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    n, half = packed.shape
+    v = packed.reshape(n // block, 2 * half, block // 2)
+    codes = xp.concatenate([lift(v & 15), lift(v >> 4)], axis=-1)  # (N / B, K, B)
+    return codes.transpose(0, 2, 1).reshape(n, 2 * half)
+
+
+def _register(cls, static: Callable[[Any], tuple], build: Callable[..., Any]) -> None:
+    """Register ``cls`` as a pytree node: children ``parts()`` keyed as dict entries, the
+    ``static`` fields as auxiliary data; ``build(aux, children)`` rebuilds it."""
+    def flatten_with_keys(node):
+        parts = node.parts()
+        return [(DictKey(k), a) for k, a in parts.items()], (static(node), tuple(parts))
+
+    def flatten(node):
+        parts = node.parts()
+        return list(parts.values()), (static(node), tuple(parts))
+
+    def unflatten(aux, children):
+        fixed, names = aux
+        return build(fixed, dict(zip(names, children)))
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
+_register(GroupMatrix, lambda m: m.fmt, GroupMatrix.from_parts)
+_register(Int4Packed, lambda m: (m.fmt, m.block),
+          lambda fixed, parts: Int4Packed(parts["packed"], parts["sz"], *fixed))
+
+COMPRESSED = (GroupMatrix, Int4Packed)
+
+
+def held_matrix(fmt: Format, parts: Mapping[str, Any], block: Callable[[], int]):
+    """The compressed leaf holding ``parts``: an ``Int4Packed`` for the keys of
+    ``Format.int4pack_arrays`` (``block()``: torch's row block on this CPU), else a
+    ``GroupMatrix`` (``Format.arrays``' keys). Arrays may be abstract
+    (``jax.ShapeDtypeStruct``), for a program's input tree."""
+    if "packed" in parts:
+        return Int4Packed(parts["packed"], parts["sz"], fmt, block())
+    return GroupMatrix.from_parts(fmt, parts)
+
+
+@dataclass(frozen=True)
+class Products:
+    """How the device an op runs on multiplies held matrices, passed in by the executor.
+
+    Attributes:
+      int4: a product ``(x (M, K) bfloat16, packed, sz, group) -> (M, N) bfloat16`` over an
+        ``Int4Packed`` matrix without decompressing it (the host's: torch's CPU int4 kernel,
+        ``hx.host_compute.int4_kernel.matmul``); None: decompress for XLA's product.
+      int4_rows: the most rows ``int4`` multiplies; past them XLA's product of the
+        decompressed matrix is faster (``int4_kernel.KERNEL_ROWS``).
+      head_vector_f32: a one-row product against a compressed LM head decompresses the table
+        into float32 (XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway: SmolLM2's
+        Q8_0 head 3.2 ms into float32 against 4.6 ms into bfloat16, 2-core VM, median of 21).
+    """
+
+    int4: Callable[..., jax.Array] | None = None
+    int4_rows: int = 0
+    head_vector_f32: bool = False
+
+
+DEFAULT_PRODUCTS = Products()
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x (N, in) @ w (out, in)^T -> (N, out) float32, in the operands' dtype with float32
+    accumulation (``preferred_element_type``).
+
+    A one-row bfloat16 product is computed as two rows, the second zero: XLA:CPU's
+    matrix-vector path widens a bfloat16 matrix to a float32 temporary first (Llama-2-7B's
+    11008 x 4096: 180 MB of temporaries and 61-94 ms), where its matrix-matrix path multiplies
+    bfloat16 as it is (0.09 MB, 5.8-12 ms; this VM, jax 0.10.2, ``models.spec.host_dtype``).
+    On a GPU both are bound by reading the matrix, so the extra row costs nothing measurable.
+    """
+    pad = x.shape[0] == 1 and w.dtype == jnp.bfloat16
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:1] if pad else y
+
+
+@functools.singledispatch
+def product(kernel, x: jax.Array, dtype=None, products: Products = DEFAULT_PRODUCTS,
+            after: jax.Array | None = None) -> jax.Array:
+    """x (N, in) times a held matrix of logical shape (out..., in...) transposed -> (N, out)
+    float32, out and in flattened (the matrix's trailing axes multiply to x's last).
+
+    Dense (this function): in the matrix's dtype, x cast to it. ``GroupMatrix``: decompressed
+    into ``dtype`` after ``after`` exists, then as dense. ``Int4Packed``: by
+    ``products.int4`` up to ``products.int4_rows`` rows (x rounded to bfloat16, a bfloat16
+    product), else decompressed as a ``GroupMatrix`` is.
+    """
+    return _dot(x.astype(kernel.dtype), kernel.reshape(-1, x.shape[-1]))
+
+
+@product.register
+def _(kernel: GroupMatrix, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
+    return product(kernel.decompress(dtype, after), x)
+
+
+@product.register
+def _(kernel: Int4Packed, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
+    if products.int4 is not None and x.shape[0] <= products.int4_rows:
+        y = products.int4(x.astype(jnp.bfloat16), kernel.packed, kernel.sz, kernel.fmt.group)
+        return y.astype(jnp.float32)
+    return product(kernel.decompress(dtype, after), x)
+
+
+def check_shape(held, shape: tuple[int, ...], path: str) -> None:
+    """Raise ValueError unless the compressed ``held`` holds a matrix of logical ``shape``
+    (an ``Int4Packed`` one as a 2-D product of it: its output axes and its contracted ones
+    each flattened)."""
+    if isinstance(held, Int4Packed):
+        fits = any((math.prod(shape[:i]), math.prod(shape[i:])) == held.shape
+                   for i in range(1, len(shape)))
+    else:
+        fits = tuple(held.shape) == tuple(shape)
+    if not fits:
+        raise ValueError(f"{path}: a {held.fmt.name} matrix of shape {held.shape} where the "
+                         f"model expects {tuple(shape)}")

@@ -114,3 +114,33 @@ def test_several_accelerators_are_a_group_with_one_budget_each(devices):
     with pytest.raises(HxError, match="4 accelerators asked, 1 XLA CPU devices"):
         discover(accelerators=4)
     assert devices.accelerator.group == ()  # one accelerator: no group
+
+
+# A fresh process: compiles one program under ``configure_runtime`` and prints the cache folder
+# JAX was given and whether a second process's compile of it was a cache hit (jax's own log).
+CACHE_PROBE = """
+import logging, io, jax, jax.numpy as jnp
+from hx.devices import configure_runtime
+configure_runtime()
+log = io.StringIO()
+handler = logging.StreamHandler(log)
+logging.getLogger("jax._src.compiler").addHandler(handler)
+logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+jax.jit(lambda x: jnp.tanh(x @ x.T) + 3.25)(jnp.ones((8, 8))).block_until_ready()
+print(jax.config.jax_compilation_cache_dir, "cache hit" in log.getvalue().lower())
+"""
+
+
+def test_compiled_programs_persist_across_processes_unless_turned_off(tmp_path):
+    """``HX_XLA_CACHE``: a folder, where the first process's program is written and a second
+    process loads it instead of compiling (JAX's log says so); ``off``: no cache at all."""
+    def probe(value: str) -> list[str]:
+        env = {**os.environ, "HX_XLA_CACHE": value}
+        out = subprocess.run([sys.executable, "-c", CACHE_PROBE], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        return out.stdout.split()
+
+    folder = str(tmp_path / "xla")
+    assert probe(folder) == [folder, "False"] and os.listdir(folder)
+    assert probe(folder) == [folder, "True"]
+    assert probe("off") == ["None", "False"]

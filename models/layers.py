@@ -31,7 +31,7 @@ from flax import linen as nn
 from hx.models.compressed import (COMPRESSED, DEFAULT_PRODUCTS, GroupMatrix, Products,
                                   check_shape, dequantize_parts, product)
 from hx.models.family import TABLE
-from hx.models.formats import Format, get_format
+from hx.models.formats import DENSE, Format, get_format
 from hx.models.spec import ModelSpec
 from hx.models.tensors import KV_NAMES, kv_format, kv_key
 
@@ -158,7 +158,7 @@ class Dense(nn.Module):
     axis: tuple[int, ...] = (-1,)
     use_bias: bool = False
     param_dtype: Any = jnp.float32
-    fmt: str = "dense"
+    fmt: str = DENSE
     products: Products = DEFAULT_PRODUCTS
 
     @nn.compact

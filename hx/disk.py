@@ -3,7 +3,7 @@
 
 A disk-homed tensor is a read-only view of a mapped file (``models.mapped``) in the dtype and
 format the accelerator holds it in (``models.tensors.held_weights``): the checkpoint's own
-bytes where the loader left the tensor a view of its file (``models.formats.held_tensor``: a
+bytes where the loader left the tensor a view of its file (``models.holding.held_tensor``: a
 safetensors or GGUF tensor held as stored), else written once, at construction, to a **spill
 file** in the directory the caller gives (``Executor(spill_dir=...)``): random weights, a
 tensor converted to another dtype or compressed. The spill file is a ``tempfile`` opened

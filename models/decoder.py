@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from hx.models.compressed import DEFAULT_PRODUCTS, Products
 from hx.models.family import TABLE
-from hx.models.formats import DENSE, hold_tree
+from hx.models.formats import DENSE
+from hx.models.holding import hold_tree
 from hx.models.layers import Cache, Params, Step
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 from hx.models.tensors import OPS, activation_shape, layer_key
@@ -117,7 +118,7 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
 
     Returns ``{"EMBED": ..., "layer_0": {"Q": ..., ...}, ..., "HEAD": ...}`` in ``spec.dtype``,
     matrices in the spec's formats (initialised dense, then compressed with
-    ``models.formats.hold``: ``models.compressed.GroupMatrix`` leaves; torch's int4 layout
+    ``models.holding.hold``: ``models.compressed.GroupMatrix`` leaves; torch's int4 layout
     is made from them where a model is loaded: ``host_compute.int4_kernel.int4pack_params``).
     For a tied model
     ``HEAD``'s table is the same array (or subtree) as ``EMBED``'s.

@@ -69,8 +69,8 @@ the min/max scheme's time (a Llama-2-7B FFN matrix on the 2-core VM: 0.66 s vs 0
 
 ``DENSE`` means no compression: the matrix is one array in the model's dtype. This module
 imports neither JAX nor Flax, nor numpy until a matrix is converted (planners size formats
-they never load); a compressed matrix is held as ``models.compressed.GroupMatrix`` (a pytree
-type: JAX is imported where one is made).
+they never load); a compressed matrix is held as a ``models.compressed.GroupMatrix`` (a pytree
+type), which ``models.holding`` makes at load.
 """
 
 from __future__ import annotations
@@ -403,56 +403,4 @@ def dequantize_into(held: dict[str, np.ndarray], fmt: Format, out: np.ndarray) -
             np.multiply(part_codes, scale, out=part)
     if fmt.asymmetric:
         groups += np.asarray(held["offset"], np.float32)[..., None]
-    return out
-
-
-def hold(matrix, fmt_name: str):
-    """``matrix`` as format ``fmt_name`` holds it: itself when dense, else ``quantize``'s
-    arrays as a ``models.compressed.GroupMatrix``."""
-    import numpy as np
-
-    fmt = get_format(fmt_name)
-    if fmt is None:
-        return matrix
-    from hx.models.compressed import GroupMatrix  # JAX: only where a matrix is compressed
-
-    return GroupMatrix.from_parts(fmt, quantize(np.asarray(matrix), fmt))
-
-
-def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str = DENSE):
-    """A checkpoint tensor as hx holds it, made once, tensor by tensor: ``array`` reshaped to
-    ``shape`` (a view), kept as it is when dense, already of numpy ``dtype`` and either mapped
-    (no copy) or aligned for XLA:CPU to use in place (``models.buffers``); else converted to
-    ``dtype`` (an aligned copy) or compressed into ``fmt_name`` -- and then the pages of a
-    mapped source leave the resident set (``models.mapped.release``).
-
-    Raises:
-      HxError: ``array`` does not have ``shape``'s number of elements.
-    """
-    from hx.models.buffers import aligned_empty, is_aligned
-    from hx.models.mapped import is_mapped, release
-
-    if array.size != math.prod(shape):
-        raise HxError(f"a tensor of shape {array.shape} cannot be held as {shape}")
-    view = array.reshape(shape)
-    if fmt_name == DENSE and view.dtype == dtype and (is_mapped(view) or is_aligned(view)):
-        return view
-    if fmt_name == DENSE:
-        held = aligned_empty(shape, dtype)
-        held[...] = view  # converted in place, no intermediate copy
-    else:
-        held = hold(view, fmt_name)
-    release(array)
-    return held
-
-
-def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
-    """A parameter (sub)tree with every leaf at path P (keys joined by "/", below
-    ``prefix``) held as ``hold(leaf, format_of(P))``: compressed matrices become
-    ``GroupMatrix`` leaves, other leaves stay as they are."""
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}/{key}" if prefix else key
-        out[key] = (hold_tree(value, format_of, path) if isinstance(value, dict)
-                    else hold(value, format_of(path)))
     return out

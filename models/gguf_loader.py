@@ -38,7 +38,8 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy
 from hx.models.family import ROPE_FREQS, for_gguf
-from hx.models.formats import DENSE, FORMATS, held_tensor
+from hx.models.formats import DENSE, FORMATS
+from hx.models.holding import held_tensor
 from hx.models.mapped import release
 from hx.models.tensors import weight_tree
 from hx.models.spec import ModelSpec, numpy_dtype

@@ -133,7 +133,7 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], fmt: str, dtype
         return module.param(name, init, shape, dtype)
     if not module.has_variable("params", name):
         raise ValueError(f"{module.name}/{name}: a {fmt} matrix is made by compressing a dense "
-                         "one (models.formats.hold), not initialised")
+                         "one (models.holding.hold), not initialised")
     held = module.get_variable("params", name)
     if not isinstance(held, COMPRESSED):
         raise ValueError(f"{module.name}/{name}: the model holds it {fmt}, the parameters "

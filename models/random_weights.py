@@ -34,7 +34,8 @@ import numpy as np
 from hx.devices import available_host_memory
 from hx.errors import HxError
 from hx.models.buffers import aligned_copy, aligned_empty
-from hx.models.formats import DENSE, hold
+from hx.models.formats import DENSE
+from hx.models.holding import hold
 from hx.models.tensors import layer_key, weight_tree
 from hx.models.spec import ModelSpec, numpy_dtype
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from hx.errors import HxError
 from hx.models.family import for_model_type
-from hx.models.formats import DENSE, held_tensor
+from hx.models.formats import DENSE
+from hx.models.holding import held_tensor
 from hx.models.mapped import map_file
 from hx.models.tensors import layer_key, weight_tree
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype

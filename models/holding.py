@@ -1,0 +1,70 @@
+"""Weights as hx holds them, made tensor by tensor at load: dense ones as they are (a view of a
+mapped file where it can be), compressed ones as ``models.compressed.GroupMatrix`` leaves of
+``models.formats.quantize``'s arrays.
+
+Imports neither JAX nor numpy until a tensor is held (loaders and planners import it to size
+formats they never load; JAX comes with the first compressed matrix).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from hx.errors import HxError
+from hx.models.formats import DENSE, get_format, quantize
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def hold(matrix, fmt_name: str):
+    """``matrix`` as format ``fmt_name`` holds it: itself when dense, else ``quantize``'s
+    arrays as a ``models.compressed.GroupMatrix``."""
+    import numpy as np
+
+    fmt = get_format(fmt_name)
+    if fmt is None:
+        return matrix
+    from hx.models.compressed import GroupMatrix  # JAX: only where a matrix is compressed
+
+    return GroupMatrix.from_parts(fmt, quantize(np.asarray(matrix), fmt))
+
+
+def held_tensor(array: np.ndarray, shape: tuple[int, ...], dtype, fmt_name: str = DENSE):
+    """A checkpoint tensor as hx holds it, made once, tensor by tensor: ``array`` reshaped to
+    ``shape`` (a view), kept as it is when dense, already of numpy ``dtype`` and either mapped
+    (no copy) or aligned for XLA:CPU to use in place (``models.buffers``); else converted to
+    ``dtype`` (an aligned copy) or compressed into ``fmt_name`` -- and then the pages of a
+    mapped source leave the resident set (``models.mapped.release``).
+
+    Raises:
+      HxError: ``array`` does not have ``shape``'s number of elements.
+    """
+    from hx.models.buffers import aligned_empty, is_aligned
+    from hx.models.mapped import is_mapped, release
+
+    if array.size != math.prod(shape):
+        raise HxError(f"a tensor of shape {array.shape} cannot be held as {shape}")
+    view = array.reshape(shape)
+    if fmt_name == DENSE and view.dtype == dtype and (is_mapped(view) or is_aligned(view)):
+        return view
+    if fmt_name == DENSE:
+        held = aligned_empty(shape, dtype)
+        held[...] = view  # converted in place, no intermediate copy
+    else:
+        held = hold(view, fmt_name)
+    release(array)
+    return held
+
+
+def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
+    """A parameter (sub)tree with every leaf at path P (keys joined by "/", below
+    ``prefix``) held as ``hold(leaf, format_of(P))``: compressed matrices become
+    ``GroupMatrix`` leaves, other leaves stay as they are."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else key
+        out[key] = (hold_tree(value, format_of, path) if isinstance(value, dict)
+                    else hold(value, format_of(path)))
+    return out

@@ -63,15 +63,14 @@ micro-batch's SCORE while the accelerator runs the next segment of the micro-bat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
-from hx.models.tensors import activation_bytes, kv_bytes, step_bytes
+from hx.models.tensors import ACTIVATIONS, OPS, activation_bytes, kv_bytes, step_bytes
 from hx.plan import DISK, STREAMED, ExecutionPlan
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
@@ -127,6 +126,8 @@ def cache_key(segment: int, micro: int = 0) -> tuple:
 
 def streamed_layers(plan: ExecutionPlan, segment: Segment) -> tuple[tuple[int, int], ...]:
     """(layer, r) of each layer whose ``streamed`` KV cache ``segment`` attends."""
+    if STREAMED not in plan.kv:
+        return ()
     return tuple((layer, plan.recompute(layer)) for layer in segment.cache_layers
                  if plan.kv[layer] == STREAMED)
 
@@ -148,16 +149,23 @@ def copy_end(slots: int, recompute: int, written: int) -> int:
     return min(slots, max(recompute, math.ceil(written / COPY_QUANTUM) * COPY_QUANTUM))
 
 
+@functools.lru_cache(maxsize=256)
+def weight_sizes(spec: ModelSpec) -> dict[str, int]:
+    """Bytes of each op's weights (``ModelSpec.op_weight_bytes``; kept: the schedules and the
+    simulator ask for every segment; the dict is not to be changed)."""
+    return {op: spec.op_weight_bytes(op) for op in OPS}
+
+
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
     """Bytes of the weights a segment copies into accelerator memory before it runs."""
-    return sum(spec.op_weight_bytes(op) for (_, op), staged in zip(segment.ops, segment.staged)
-               if staged)
+    sizes = weight_sizes(spec)
+    return sum(sizes[op] for (_, op), staged in zip(segment.ops, segment.staged) if staged)
 
 
 def disk_bytes(plan: ExecutionPlan, spec: ModelSpec, segment: Segment) -> int:
     """Bytes of the segment's weights kept on disk (read into host memory each step)."""
-    return sum(spec.op_weight_bytes(op) for layer, op in segment.ops
-               if plan.weights.get(layer, op) == DISK)
+    sizes = weight_sizes(spec)
+    return sum(sizes[op] for layer, op in segment.ops if plan.weights.get(layer, op) == DISK)
 
 
 def read_buffer_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
@@ -178,9 +186,9 @@ def read_buffer_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
     return max(pairs)
 
 
-@dataclass(frozen=True)
-class Instruction:
-    """One thing the executor does in a step.
+class Instruction(NamedTuple):
+    """One thing the executor does in a step (a named tuple: a schedule builds thousands of
+    them while the planner prices its patterns, at a third of a frozen dataclass's cost).
 
     Attributes:
       kind: ``wait``, ``stage``, ``step``, ``move``, ``launch``, ``free``, ``read`` (the
@@ -243,6 +251,13 @@ class Schedule:
 TempBytes = Callable[[Segment, int, int, int], int]
 
 
+@functools.lru_cache(maxsize=256)
+def activation_sizes(spec: ModelSpec, batch: int, tokens: int) -> dict[str, int]:
+    """Bytes of every activation of one micro-batch at (B, T) (``activation_bytes``; kept:
+    every schedule of a model at a shape asks; the dict is not to be changed)."""
+    return {name: activation_bytes(spec, name, batch, tokens) for name in ACTIVATIONS}
+
+
 def inputs_ready(segments: tuple[Segment, ...], i: int, names: tuple[str, ...]) -> bool:
     """Whether segment ``i``'s inputs ``names`` are ready as soon as they are asked for: step
     inputs, or outputs of a host segment that only gathers embeddings (no matmul or
@@ -259,7 +274,16 @@ def inputs_ready(segments: tuple[Segment, ...], i: int, names: tuple[str, ...]) 
 def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int,
                      tokens: int, slots: int, temp_bytes: TempBytes | None = None,
                      micro_batches: int = 1) -> Schedule:
-    """Compile one step of ``plan``'s ``phase`` into instructions.
+    """``build_schedule``, cached (all arguments are immutable): the simulator prices the same
+    step once per prefill chunk and per candidate plan."""
+    return build_schedule(plan, spec, phase, batch, tokens, slots, temp_bytes, micro_batches)
+
+
+def build_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: int, tokens: int,
+                   slots: int, temp_bytes: TempBytes | None = None, micro_batches: int = 1
+                   ) -> Schedule:
+    """Compile one step of ``plan``'s ``phase`` into instructions (uncached: for a plan priced
+    once, as the planner's layer patterns are; ``compile_schedule`` keeps them).
 
     Args:
       batch, tokens, slots: B rows per micro-batch, T new tokens per row (a prefill chunk, or
@@ -269,9 +293,6 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
       temp_bytes: XLA temporary bytes of an accelerator segment at (B, T, S)
         (``hx.programs.Programs.temp_bytes``); None sizes them 0 (the simulator needs no
         sizes; the executor measures its own).
-
-    Schedules are cached (all arguments are immutable): the simulator prices the same step
-    once per prefill chunk and per candidate plan.
     """
     build = _Builder(plan, spec, split_segments(plan, phase), batch, tokens, slots,
                      temp_bytes, micro_batches)
@@ -283,7 +304,7 @@ def compile_schedule(plan: ExecutionPlan, spec: ModelSpec, phase: str, batch: in
 
 
 class _Builder:
-    """The instruction list of one step as ``compile_schedule`` issues it, with each
+    """The instruction list of one step as ``build_schedule`` issues it, with each
     instruction's dependencies: the one record of who produced what in a step."""
 
     def __init__(self, plan: ExecutionPlan, spec: ModelSpec, segments: tuple[Segment, ...],
@@ -300,9 +321,17 @@ class _Builder:
         self.previous_stream: int | None = None
         self.stepped: set[tuple[str, int]] = set()
         self.held: set[tuple[str, int]] = set()
+        # per segment: (layer, r) of its streamed caches; how many of its caches are on disk
+        self.streamed = [streamed_layers(plan, seg) for seg in segments]
+        self.disk_caches = [sum(plan.kv[layer] == DISK for layer in seg.cache_layers)
+                            if DISK in plan.kv else 0 for seg in segments]
+        self.act_sizes = activation_sizes(spec, batch, tokens)
+        weights = plan.weights
+        self.reads_disk = DISK in (weights.embed, weights.head) or any(
+            DISK in row for row in weights.layers)  # some weights are homed on disk
         # (segment, micro) pairs attending a streamed cache, in launch order; their loads
-        self.kv_pairs = [(i, m) for i, seg in enumerate(segments)
-                         if streamed_layers(plan, seg) for m in range(micro_batches)]
+        self.kv_pairs = [(i, m) for i, layers in enumerate(self.streamed) if layers
+                         for m in range(micro_batches)]
         self.kv_order = {pair: k for k, pair in enumerate(self.kv_pairs)}
         self.loads: dict[tuple[int, int], list[int]] = {}
         self.last_store: dict[tuple[int, int], int] = {}
@@ -310,31 +339,39 @@ class _Builder:
         if first is not None:
             self.stage(first)
 
-    def add(self, ins: Instruction, deps: list[int | None]) -> int:
-        """Append ``ins`` with the dependencies that exist; returns its index."""
+    def add(self, deps: list[int | None], kind: str, segment: int | None, micro: int = 0,
+            resource: str | None = None, names: tuple[str, ...] = (), nbytes: int = 0,
+            frees: tuple[Hashable, ...] = (),
+            allocs: tuple[tuple[Hashable, str, int], ...] = (),
+            releases: tuple[Hashable, ...] = (), tokens: int = 0) -> int:
+        """Append the ``Instruction`` of these fields with the dependencies of ``deps`` that
+        exist (its fields spelled out: the planner builds millions); returns its index."""
         index = len(self.out)
-        deps = tuple(dict.fromkeys(d for d in deps if d is not None))
-        self.out.append(dataclasses.replace(ins, deps=deps))
-        self.last[(ins.kind, ins.segment)] = index
+        kept: list[int] = []
+        for d in deps:
+            if d is not None and d not in kept:
+                kept.append(d)
+        self.out.append(Instruction(kind, segment, micro, resource, names, nbytes, frees,
+                                    allocs, releases, tuple(kept), tokens))
+        self.last[(kind, segment)] = index
         return index
 
     def read(self, j: int) -> None:
         """Segment ``j``'s disk-homed weights into host memory, if it has any."""
-        nbytes = disk_bytes(self.plan, self.spec, self.segments[j])
+        nbytes = disk_bytes(self.plan, self.spec, self.segments[j]) if self.reads_disk else 0
         if nbytes:
-            self.add(Instruction(READ, j, resource=DISK_READ, nbytes=nbytes), [self.synced])
+            self.add([self.synced], READ, j, resource=DISK_READ, nbytes=nbytes)
 
     def stage(self, j: int) -> None:
         self.read(j)
         nbytes = staged_bytes(self.spec, self.segments[j])
-        self.add(Instruction(STAGE, j, resource=H2D, nbytes=nbytes,
-                             allocs=((staging_key(j), "staging", nbytes),)),
-                 [self.synced, self.last.get((READ, j))])
+        self.add([self.synced, self.last.get((READ, j))], STAGE, j, resource=H2D,
+                 nbytes=nbytes, allocs=((staging_key(j), "staging", nbytes),))
 
     def wait(self, i: int) -> None:
         """Block until streaming segment ``i`` is done; its staged buffer is reused."""
-        self.synced = self.add(Instruction(WAIT, i, resource=SYNC, frees=(staging_key(i),)),
-                               [self.last[(LAUNCH, i)]])
+        self.synced = self.add([self.last[(LAUNCH, i)]], WAIT, i, resource=SYNC,
+                               frees=(staging_key(i),))
 
     def segment(self, i: int) -> None:
         """Everything segment ``i`` issues: the stream's wait and next stage, then per
@@ -364,50 +401,60 @@ class _Builder:
             return
         self.stepped.add((device, m))
         nbytes = step_bytes(self.B, self.T)
-        self.add(Instruction(STEP, i, m, None, nbytes=nbytes, allocs=(
-            ((step_key(m), "activations", nbytes),) if device == ACCELERATOR else ())), [])
+        self.add([], STEP, i, m, None, nbytes=nbytes, allocs=(
+            ((step_key(m), "activations", nbytes),) if device == ACCELERATOR else ()))
 
     def move(self, i: int, m: int) -> None:
         moves = self.moves_of[i]
         if not moves:
             return
         on_acc = self.segments[i].device == ACCELERATOR
-        nbytes = sum(activation_bytes(self.spec, n, self.B, self.T) for n in moves)
+        nbytes, producers = 0, []
+        for n in moves:
+            nbytes += self.act_sizes[n]
+            producers.append(self.producer.get((n, m)))
         resource = None if moves == ("tokens",) and not on_acc else (H2D if on_acc else D2H)
-        self.add(Instruction(MOVE, i, m, resource, moves, nbytes,
-                             allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ()),
-                 [self.producer.get((n, m)) for n in moves])
+        self.add(producers, MOVE, i, m, resource, moves, nbytes,
+                 allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ())
 
     def kv_read(self, i: int, m: int) -> int | None:
         """Micro-batch ``m``'s KV caches of segment ``i``'s disk-homed layers into host
         memory (all S slots; the simulator prices the prefix in use)."""
-        layers = sum(self.plan.kv[layer] == DISK for layer in self.segments[i].cache_layers)
+        layers = self.disk_caches[i]
         if not layers:
             return None
         nbytes = layers * kv_bytes(self.spec, self.B, self.S)
-        return self.add(Instruction(KV_READ, i, m, DISK_READ, ("kv",), nbytes), [self.synced])
+        return self.add([self.synced], KV_READ, i, m, DISK_READ, ("kv",), nbytes)
 
     def launch(self, i: int, m: int) -> None:
-        seg = self.segments[i]
-        deps = [self.last.get((STAGE, i)), self.last.get((READ, i)),
-                self.last.get((MOVE, i)) if self.moves_of[i] else None,
-                self.synced if seg.streams else None, self.kv_read(i, m)]
-        deps += [self.producer.get((n, m)) for n in seg.reads]
-        deps += self.streamed_cache(i, m)
+        seg, last, producer = self.segments[i], self.last, self.producer
+        deps = [last.get((STAGE, i)), last.get((READ, i)),
+                last.get((MOVE, i)) if self.moves_of[i] else None,
+                self.synced if seg.streams else None,
+                self.kv_read(i, m) if self.disk_caches[i] else None]
+        for n in seg.reads:
+            deps.append(producer.get((n, m)))
+        if self.streamed[i]:
+            deps += self.streamed_cache(i, m)
         if seg.device == ACCELERATOR:
             temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
             allocs = [(TEMP_KEY, "activations", temp)]
-            allocs += [(act_key(n, m), "activations",
-                        activation_bytes(self.spec, n, self.B, self.T)) for n in seg.writes]
-            self.held.update((n, m) for n in seg.writes)
-            ins = Instruction(LAUNCH, i, m, ACCELERATOR, seg.writes, allocs=tuple(allocs))
-        else:
-            dropped = tuple(act_key(n, m) for n in seg.writes if (n, m) in self.held)
-            self.held.difference_update((n, m) for n in seg.writes)
-            ins = Instruction(LAUNCH, i, m, HOST, seg.writes, frees=dropped)
-        index = self.add(ins, deps)
-        self.producer.update({(n, m): index for n in seg.writes})
-        self.store(i, m, index)
+            for n in seg.writes:
+                allocs.append((act_key(n, m), "activations", self.act_sizes[n]))
+                self.held.add((n, m))
+            index = self.add(deps, LAUNCH, i, m, ACCELERATOR, seg.writes,
+                             allocs=tuple(allocs))
+        else:  # the host's outputs replace any held on the accelerator
+            dropped = []
+            for n in seg.writes:
+                if (n, m) in self.held:
+                    self.held.remove((n, m))
+                    dropped.append(act_key(n, m))
+            index = self.add(deps, LAUNCH, i, m, HOST, seg.writes, frees=tuple(dropped))
+        for n in seg.writes:
+            producer[(n, m)] = index
+        if self.streamed[i]:
+            self.store(i, m, index)
 
     def streamed_cache(self, i: int, m: int) -> list[int]:
         """Before launch (i, m) of a segment attending streamed caches: its loads (unless
@@ -418,7 +465,7 @@ class _Builder:
             return []
         self.load(k)
         deps = self.loads[(i, m)][-1:]
-        layers = streamed_layers(self.plan, self.segments[i])
+        layers = self.streamed[i]
         r = sum(r for _, r in layers)
         if r:
             head = sum(kv_bytes(self.spec, self.B, min(r, self.S)) for _, r in layers)
@@ -428,13 +475,13 @@ class _Builder:
             # the K and V products in float32 before their cast: the recompute's temporaries
             temp = sum(2 * self.B * min(r, self.S) * self.spec.n_kv_heads
                        * self.spec.head_dim * 4 for _, r in layers)
-            deps.append(self.add(Instruction(
-                RECOMPUTE, i, m, ACCELERATOR, ("k", "v"), tokens=r,
+            deps.append(self.add(
+                self.loads[(i, m)][:1] + after, RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
+                tokens=r,
                 allocs=((head_key(i, m), "kv", head), (cache_key(i, m), "kv", held),
                         (recompute_temp_key(i, m), "activations", temp)),
                 releases=(act_copy_key(i, m), copy_key(i, m), head_key(i, m),
-                          recompute_temp_key(i, m))),
-                self.loads[(i, m)][:1] + after))
+                          recompute_temp_key(i, m))))
         if k + 1 < len(self.kv_pairs):
             self.load(k + 1)
         return deps
@@ -448,33 +495,33 @@ class _Builder:
             return
         i, m = pair
         after = [self.last_store.get(self.kv_pairs[k - 2])] if k >= 2 else []
-        layers = streamed_layers(self.plan, self.segments[i])
+        layers = self.streamed[i]
         acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B, self.S, r)
                                    for _, r in layers)))
         r = sum(r for _, r in layers)
         self.loads[pair] = []
         allocs = [(copy_key(i, m), "kv", kvs)]
         if r:
-            self.loads[pair].append(self.add(Instruction(
-                ACT_LOAD, i, m, H2D, ("h",), acts,
-                allocs=((act_copy_key(i, m), "kv", acts),), tokens=r), after))
+            self.loads[pair].append(self.add(
+                after, ACT_LOAD, i, m, H2D, ("h",), acts,
+                allocs=((act_copy_key(i, m), "kv", acts),), tokens=r))
         else:  # the copy, padded to S slots, is the cache
             allocs.append((cache_key(i, m), "kv", len(layers) * kv_bytes(self.spec, self.B,
                                                                          self.S)))
-        self.loads[pair].append(self.add(Instruction(
-            KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=tuple(allocs),
-            releases=() if r else (copy_key(i, m),)), after))
+        self.loads[pair].append(self.add(
+            after, KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=tuple(allocs),
+            releases=() if r else (copy_key(i, m),)))
 
     def store(self, i: int, m: int, launch: int) -> None:
         """D2H of the new positions' K, V (and with r > 0 their ``h``) after the launch;
         frees the assembled cache."""
-        layers = streamed_layers(self.plan, self.segments[i])
+        layers = self.streamed[i]
         if not layers:
             return
         nbytes = len(layers) * kv_bytes(self.spec, self.B, self.T)
-        nbytes += sum(activation_bytes(self.spec, "h", self.B, self.T) for _, r in layers if r)
-        self.last_store[(i, m)] = self.add(Instruction(
-            KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(cache_key(i, m),)), [launch])
+        nbytes += sum(self.act_sizes["h"] for _, r in layers if r)
+        self.last_store[(i, m)] = self.add(
+            [launch], KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(cache_key(i, m),))
 
     def finish(self) -> None:
         """The last stream's wait, then the end of the step: free what the step allocated."""
@@ -482,7 +529,7 @@ class _Builder:
             self.wait(self.previous_stream)
         frees: list[Hashable] = [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(self.N)]
         frees += [act_key(n, m) for n, m in sorted(self.held)]
-        self.add(Instruction(FREE, None, frees=tuple(frees)), [])
+        self.add([], FREE, None, frees=tuple(frees))
 
 
 @dataclass

@@ -15,11 +15,11 @@ writes) has no layer index, so identical layers share one compiled function.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR
 from hx.models.tensors import OPS
-from hx.plan import RESIDENT, STREAMED, ExecutionPlan
+from hx.plan import RESIDENT, STREAMED, ExecutionPlan, Placement, WeightHomes
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Segment:
         segment runs (accelerator op whose weights are not resident).
       reads: activations produced before the segment that it reads.
       writes: activations it produces that a later segment reads.
+      streams: whether some of its weights are staged before it runs (derived).
+      cache_layers: layers whose KV cache it reads and updates, in op order (derived).
     """
 
     device: str
@@ -40,6 +42,15 @@ class Segment:
     staged: tuple[bool, ...]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
+    # derived from ops and staged, once: the schedule and the simulator ask for every
+    # instruction
+    streams: bool = field(init=False, repr=False, compare=False)
+    cache_layers: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "streams", any(self.staged))
+        object.__setattr__(self, "cache_layers", tuple(
+            layer for layer, op in self.ops if OPS[op].uses_cache))
 
     @property
     def signature(self) -> tuple:
@@ -47,67 +58,65 @@ class Segment:
         return (self.device, tuple(op for _, op in self.ops), self.staged, self.reads,
                 self.writes)
 
-    @property
-    def streams(self) -> bool:
-        """True when some of the segment's weights are staged before it runs."""
-        return any(self.staged)
 
-    @property
-    def cache_layers(self) -> tuple[int, ...]:
-        """Layers whose KV cache the segment reads and updates, in op order."""
-        return tuple(layer for layer, op in self.ops if OPS[op].uses_cache)
-
-
-@functools.lru_cache(maxsize=4096)
 def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
     """Group the phase's (layer, op, device) sequence into segments and compute liveness
-    (cached per plan and phase: plans are frozen).
+    (``segments_of`` the phase's placement: a phase placed as the other shares its
+    segments).
 
     ``reads`` of a segment: names read by one of its ops before any op of the segment writes
     them. ``writes``: names the segment writes that some later op reads before a later op
     overwrites them, plus the final ``logits``.
     """
+    return segments_of(plan.phase(phase), plan.weights, plan.kv)
+
+
+@functools.lru_cache(maxsize=4096)
+def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...]
+                ) -> tuple[Segment, ...]:
+    """``split_segments`` of a phase placed as ``placement`` (cached: tables are frozen)."""
     def copies_in(layer: int | None) -> bool:  # a layer whose KV cache is copied in
-        return layer is not None and plan.kv[layer] == STREAMED
+        return layer is not None and kv[layer] == STREAMED
 
-    runs: list[dict] = []
-    for layer, op, device in plan.phase(phase).sequence():
-        staged = device == ACCELERATOR and plan.weights.get(layer, op) not in (None, RESIDENT)
-        run = runs[-1] if runs else None
-        previous = run["ops"][-1][0] if run else None
-        same = run is not None and run["device"] == device and not (
-            layer != previous and (staged or any(run["staged"]) or (
-                device == ACCELERATOR and (copies_in(layer) or copies_in(previous)))))
-        if same:
-            run["ops"].append((layer, op))
-            run["staged"].append(staged)
+    runs: list[tuple[str, list[tuple[int | None, str]], list[bool]]] = []  # device, ops, staged
+    previous, streams = None, False  # the last op's layer; whether the last run stages
+    for layer, op, device in placement.sequence():
+        staged = device == ACCELERATOR and weights.get(layer, op) not in (None, RESIDENT)
+        if runs and runs[-1][0] == device and (layer == previous or not (
+                staged or streams or (device == ACCELERATOR
+                                      and (copies_in(layer) or copies_in(previous))))):
+            runs[-1][1].append((layer, op))
+            runs[-1][2].append(staged)
+            streams = streams or staged
         else:
-            runs.append({"device": device, "ops": [(layer, op)], "staged": [staged]})
-
-    def reads_of(ops) -> tuple[str, ...]:
-        written: set[str] = set()
-        needed: list[str] = []
-        for _, op in ops:
-            needed += [n for n in OPS[op].reads if n not in written and n not in needed]
-            written.update(OPS[op].writes)
-        return tuple(needed)
+            runs.append((device, [(layer, op)], [staged]))
+            streams = staged
+        previous = layer
 
     live_after: list[set[str]] = [set()] * len(runs)  # read later before being overwritten
     live: set[str] = set()
     for i in range(len(runs) - 1, -1, -1):  # backward liveness
         live_after[i] = set(live)
-        for _, op in reversed(runs[i]["ops"]):
+        for _, op in reversed(runs[i][1]):
             live.difference_update(OPS[op].writes)
             live.update(OPS[op].reads)
 
     segments = []
-    for run, later_reads in zip(runs, live_after):
-        produced: list[str] = []
-        for _, op in run["ops"]:
-            produced += [n for n in OPS[op].writes if n not in produced]
-        writes = tuple(n for n in produced if n in later_reads or n == "logits")
-        segments.append(Segment(run["device"], tuple(run["ops"]), tuple(run["staged"]),
-                                reads_of(run["ops"]), writes))
+    for (device, ops, staged), later_reads in zip(runs, live_after):
+        reads: list[str] = []  # read before the segment writes them
+        writes: list[str] = []  # written, and read later (or the logits)
+        produced: set[str] = set()
+        for _, op in ops:
+            for n in OPS[op].reads:
+                if n not in produced and n not in reads:
+                    reads.append(n)
+            for n in OPS[op].writes:
+                if n not in produced:
+                    produced.add(n)
+                    if n in later_reads or n == "logits":
+                        writes.append(n)
+        segments.append(Segment(device, tuple(ops), tuple(staged), tuple(reads),
+                                tuple(writes)))
     return tuple(segments)
 
 
@@ -117,8 +126,9 @@ def crossings(segments: tuple[Segment, ...]) -> list[tuple[str, ...]]:
     where: dict[str, str | None] = {"tokens": None}
     moves = []
     for seg in segments:
-        moves.append(tuple(n for n in seg.reads if where[n] != seg.device))
-        where.update({n: seg.device for n in seg.writes})
+        moves.append(tuple([n for n in seg.reads if where[n] != seg.device]))
+        for n in seg.writes:
+            where[n] = seg.device
     return moves
 
 
@@ -130,5 +140,10 @@ def first_streaming(segments: tuple[Segment, ...]) -> int | None:
 def next_streaming(segments: tuple[Segment, ...]) -> list[int | None]:
     """Per segment, the index of the next streaming segment after it (None: there is none);
     the executor stages that segment's weights when this one is launched."""
-    streaming = [i for i, seg in enumerate(segments) if seg.streams]
-    return [next((j for j in streaming if j > i), None) for i in range(len(segments))]
+    after: list[int | None] = []
+    following = None  # the first streaming segment after the one reached
+    for i in range(len(segments) - 1, -1, -1):
+        after.append(following)
+        if segments[i].streams:
+            following = i
+    return after[::-1]

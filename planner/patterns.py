@@ -48,6 +48,10 @@ class Pattern:
 
     def devices(self) -> tuple[str, ...]:
         """Device of each op of ``LAYER_OPS``."""
+        return self._devices
+
+    @functools.cached_property
+    def _devices(self) -> tuple[str, ...]:  # kept: every plan of the pattern asks
         state = dict(zip(WEIGHTED_OPS, self.ops))
         return tuple(score_device(self.kv) if op == SCORE else
                      (HOST if state[op] == HOST else ACCELERATOR) for op in LAYER_OPS)
@@ -86,7 +90,9 @@ def layer_plan(spec: ModelSpec, patterns: list[Pattern], head: str, name: str,
     placement = Placement(device(embed), tuple(p.devices() for p in patterns), device(head))
     weights = WeightHomes(embed, tuple(p.homes() for p in patterns), head)
     plan = ExecutionPlan(placement, placement, weights, tuple(p.kv for p in patterns), name)
-    return plan.with_recompute([p.recompute for p in patterns])
+    if any(p.recompute for p in patterns):
+        return plan.with_recompute([p.recompute for p in patterns])
+    return plan
 
 
 def layer_patterns(disk: bool = False, kv_disk: bool = False, kv_streamed: bool = False
@@ -129,11 +135,24 @@ def marginal_seconds(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern
     than 2 % off the eight-layer stack's per-layer time for 2-24 % of them, by up to 81 %;
     three minus two for at most 3 %). Arguments as ``simulator.predict``'s."""
     def step(n: int) -> float:
-        shapes = spec.replace(n_layers=n)
-        return predict(layer_plan(shapes, [pattern] * n, RESIDENT, "p"), shapes, profile, phase,
-                       batch, tokens, slots, context, micro_batches).seconds
+        return predict(stack_plan(spec, pattern, n), stack_shapes(spec, n), profile, phase,
+                       batch, tokens, slots, context, micro_batches, keep=False).seconds
 
     return max(step(3) - step(2), 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def stack_shapes(spec: ModelSpec, n: int) -> ModelSpec:
+    """``spec`` with ``n`` layers (one object per (spec, n): the simulator's caches of op
+    seconds and schedules then find it by identity, not by comparing every field)."""
+    return spec.replace(n_layers=n)
+
+
+@functools.lru_cache(maxsize=16)
+def stack_plan(spec: ModelSpec, pattern: Pattern, n: int) -> ExecutionPlan:
+    """A stack of ``n`` layers of ``pattern``, HEAD resident (``marginal_seconds``; kept a
+    while: ``price_pattern`` sizes the pattern on the two-layer stack it has just priced)."""
+    return layer_plan(stack_shapes(spec, n), [pattern] * n, RESIDENT, "p")
 
 
 def offloaded_prefill(plan: ExecutionPlan) -> ExecutionPlan:
@@ -154,8 +173,8 @@ def with_recompute(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
 
     if pattern.kv != STREAMED:
         return pattern
-    three = spec.replace(n_layers=3)
-    plan = choose_recompute(layer_plan(three, [pattern] * 3, RESIDENT, "p"), three, profile,
+    three = stack_shapes(spec, 3)
+    plan = choose_recompute(stack_plan(spec, pattern, 3), three, profile,
                             workload.batch, workload.cache_slots, context,
                             workload.micro_batches)
     return dataclasses.replace(pattern, recompute=plan.recompute(0))
@@ -198,12 +217,12 @@ def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
     host = sum(spec.op_weight_bytes(op, weight_dtype(spec, HOST)) if s == HOST  # host dtype
                else spec.op_weight_bytes(op)
                for op, s in zip(WEIGHTED_OPS, p.ops) if s not in (RESIDENT, DISK))
-    pair = layer_plan(spec.replace(n_layers=2), [p, p], HOST, "p")
+    pair = stack_plan(spec, p, 2)  # HEAD's segment stages and reads nothing
     segments = split_segments(pair, "decode")
     copy = copied_cache_bytes(spec, p, workload)
     staged = [b for b in (staged_bytes(spec, s) + (copy if s.cache_layers else 0)
                           for s in segments) if b]
-    on_disk = [disk_bytes(pair, spec, s) for s in segments]
+    on_disk = [disk_bytes(pair, spec, s) for s in segments] if DISK in p.ops else [0]
     kept = activation_bytes(spec, "h", workload.rows, workload.cache_slots) if p.recompute else 0
     return PatternCost(
         p, seconds, resident + (kv_layer if p.kv == ACCELERATOR else 0),

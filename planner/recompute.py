@@ -43,6 +43,7 @@ from hx.plan import STREAMED, ExecutionPlan
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import (kv_load_seconds, predict, recompute_seconds,
                                   segment_seconds, stage_seconds)
+from hx.schedule import staged_bytes
 from hx.segments import split_segments
 
 SEARCH = 12  # golden-section steps refining r on the simulated step (0.618^12 = 0.3 % of P)
@@ -77,7 +78,7 @@ def layer_times(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     compute = sum(acc.launch_seconds(batch)
                   + segment_seconds(spec, profile, s, batch, 1, slots, context, memo)
                   for s in segments)
-    stage = sum(stage_seconds(spec, profile, s) for s in segments if s.streams)
+    stage = sum(stage_seconds(profile, s, staged_bytes(spec, s)) for s in segments if s.streams)
     return LayerTimes(stage, compute, max(min(context - 1, slots), 0), batch, micro_batches)
 
 

@@ -37,6 +37,8 @@ recompute overlaps the K/V copy).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
@@ -48,8 +50,8 @@ from hx.planner.mesh import collective_seconds
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
 from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
-                         RECOMPUTE, STAGE, WAIT, compile_schedule, copy_end, kv_link_bytes,
-                         staged_bytes, streamed_layers)
+                         RECOMPUTE, STAGE, WAIT, build_schedule, compile_schedule, copy_end,
+                         kv_link_bytes, streamed_layers)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
@@ -161,18 +163,26 @@ def kv_load_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int, posit
             profile.transfer_latency + kvs / link)
 
 
-def stage_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment) -> float:
+def stage_seconds(profile: HardwareProfile, segment: Segment, nbytes: int) -> float:
     """Seconds of a ``stage``: one ``device_put`` per staged op, each ``h2d_latency``, plus the
-    segment's staged bytes (``schedule.staged_bytes``) at ``h2d_bandwidth``."""
-    return (sum(segment.staged) * profile.h2d_latency
-            + staged_bytes(spec, segment) / profile.h2d_bandwidth)
+    segment's staged bytes ``nbytes`` (``schedule.staged_bytes``) at ``h2d_bandwidth``."""
+    return sum(segment.staged) * profile.h2d_latency + nbytes / profile.h2d_bandwidth
+
+
+@functools.lru_cache(maxsize=256)
+def step_memo(spec: ModelSpec, profile: HardwareProfile, batch: int, tokens: int, slots: int,
+              context: int) -> dict[tuple[str, str], float]:
+    """The ``segment_seconds`` memo of every step at these shapes (kept: pricing the layer
+    patterns simulates thousands of plans of one model at one shape, and every layer's op
+    has the same shapes)."""
+    return {}
 
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
                     tokens: int, slots: int, context: int,
                     memo: dict[tuple[str, str], float]) -> float:
     """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
-    seconds across the segments of one step (every layer's op has the same shapes)."""
+    ``op_seconds`` at these shapes (``step_memo``)."""
     total = 0.0
     for _, op in segment.ops:
         key = (segment.device, op)
@@ -184,8 +194,8 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
 
 
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
-                batch: int, tokens: int, slots: int, context: int, micro_batches: int = 1
-                ) -> list[Task]:
+                batch: int, tokens: int, slots: int, context: int, micro_batches: int = 1,
+                keep: bool = True) -> list[Task]:
     """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order,
     after the tasks of the instructions it depends on (``Instruction.deps``): ``read`` and
     ``kv read`` bytes / the disk's read bandwidth (a KV read only the slots in use,
@@ -193,52 +203,58 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     latency for each staged op plus bytes / bandwidth), ``wait`` the sync overhead, ``move`` a
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
     ops (``segment_seconds``). A block of ``micro_batches`` (zig-zag block schedule) has one
-    move and launch per micro-batch of ``batch`` rows."""
-    schedule = compile_schedule(plan, spec, phase, batch, tokens, slots,
-                                micro_batches=micro_batches)
+    move and launch per micro-batch of ``batch`` rows. ``keep``: the schedule from
+    ``compile_schedule``'s cache, else built for this once (``build_schedule``)."""
+    schedule = (compile_schedule if keep else build_schedule)(
+        plan, spec, phase, batch, tokens, slots, micro_batches=micro_batches)
     tasks: list[Task] = []
     task_of: dict[int, int] = {}  # instruction index -> its task
     prior = min(max(context - tokens, 0), slots)  # cache positions written before the step
-    op_memo: dict[tuple[str, str], float] = {}
+    op_memo = step_memo(spec, profile, batch, tokens, slots, context)
     compute: dict[int, tuple[float, str]] = {}  # segment -> seconds and name
+    launch = {d: profile.device(d).launch_seconds(batch) for d in COMPUTE_RESOURCES}
 
     for index, ins in enumerate(schedule.instructions):
         if ins.resource is None:
             continue
-        i, seg, nbytes = ins.segment, schedule.segments[ins.segment], ins.nbytes
-        if ins.kind == READ:
-            name, duration = f"read {i}", nbytes / _disk(profile, plan)
-        elif ins.kind == KV_READ:  # the prefix of the caches in use
-            nbytes = nbytes * host_read_slots(slots, context) // slots
-            name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
-        elif ins.kind == STAGE:
-            name, duration = f"weights {i}", stage_seconds(spec, profile, seg)
-        elif ins.kind == WAIT:
-            name, duration = f"wait {i}", profile.sync_overhead
-        elif ins.kind in (ACT_LOAD, KV_LOAD, RECOMPUTE):
-            name, duration, nbytes = _streamed_cache(plan, spec, profile, ins.kind, seg, batch,
-                                                     slots, prior)
-            name = f"{name} {i}"
-        elif ins.kind == KV_STORE:
-            name = f"kv store {i}"
-            duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
-        elif ins.kind == MOVE:
-            bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
-            name = " ".join(ins.names)
-            duration = profile.transfer_latency + nbytes / bandwidth
-        else:  # LAUNCH, the same for every micro-batch
+        kind, i, nbytes = ins.kind, ins.segment, ins.nbytes
+        if kind == LAUNCH:  # the same for every micro-batch
             if i not in compute:
+                seg = schedule.segments[i]
                 compute[i] = (
-                    profile.device(seg.device).launch_seconds(batch)
+                    launch[seg.device]
                     + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo)
                     + assemble_seconds(plan, spec, profile, seg, batch, slots, prior),
                     " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops))
             duration, name = compute[i]
             name = name if micro_batches == 1 else f"{name} [mb {ins.micro}]"
-        deps = tuple(task_of[d] for d in ins.deps if d in task_of)
+            nbytes = 0
+        elif kind == MOVE:
+            bandwidth = profile.h2d_bandwidth if ins.resource == H2D else profile.d2h_bandwidth
+            name = " ".join(ins.names)
+            duration = profile.transfer_latency + nbytes / bandwidth
+        elif kind == STAGE:
+            name, duration = f"weights {i}", stage_seconds(profile, schedule.segments[i], nbytes)
+        elif kind == WAIT:
+            name, duration, nbytes = f"wait {i}", profile.sync_overhead, 0
+        elif kind == READ:
+            name, duration = f"read {i}", nbytes / _disk(profile, plan)
+        elif kind == KV_READ:  # the prefix of the caches in use
+            nbytes = nbytes * host_read_slots(slots, context) // slots
+            name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
+        elif kind == KV_STORE:
+            name = f"kv store {i}"
+            duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
+        else:  # ACT_LOAD, KV_LOAD, RECOMPUTE
+            name, duration, nbytes = _streamed_cache(plan, spec, profile, kind,
+                                                     schedule.segments[i], batch, slots, prior)
+            name = f"{name} {i}"
+        deps = []  # the tasks of the instructions it follows (those priced)
+        for d in ins.deps:
+            if d in task_of:
+                deps.append(task_of[d])
         task_of[index] = len(tasks)
-        tasks.append(Task(ins.resource, name, duration, deps, nbytes=nbytes if ins.kind not in (
-            WAIT, LAUNCH, RECOMPUTE) else 0))
+        tasks.append(Task(ins.resource, name, duration, tuple(deps), nbytes=nbytes))
     return tasks
 
 
@@ -295,25 +311,32 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
         queues.setdefault(t.resource, []).append(i)
         for d in t.deps:
             dependents[d].append(i)
-    heads = {r: 0 for r in queues}
+    heads = dict.fromkeys(queues, 0)
     remaining = [t.duration for t in tasks]
-    done = [False] * len(tasks)
+    unfinished = len(tasks)
     running: dict[str, int] = {}
+    slowed, both_slowed = 1.0 / (1.0 + contention), 1.0 / (1.0 + compute_contention)
     now = 0.0
+    free = list(queues)  # resources that may start their next task now
     while True:
-        for r, queue in queues.items():
-            if r not in running and heads[r] < len(queue):
-                i = queue[heads[r]]
-                if not pending[i]:
-                    running[r] = i
-                    tasks[i].start = now
+        for r in free:
+            queue, head = queues[r], heads[r]
+            if r not in running and head < len(queue) and not pending[queue[head]]:
+                running[r] = i = queue[head]
+                tasks[i].start = now
         if not running:
             break
-        copying = any(r in COPY_RESOURCES for r in running)
-        computing = sum(r in COMPUTE_RESOURCES for r in running)
-        shared = 1.0 / (1.0 + contention) if copying and computing else 1.0
-        both = 1.0 / (1.0 + compute_contention) if computing == 2 else 1.0
-        speed = {r: shared * (both if r in COMPUTE_RESOURCES else 1.0) for r in running}
+        computing, copying = 0, False
+        for r in running:
+            if r in COMPUTE_RESOURCES:
+                computing += 1
+            elif r in COPY_RESOURCES:
+                copying = True
+        shared = slowed if computing and copying else 1.0
+        compute_speed = shared * (both_slowed if computing == 2 else 1.0)
+        speed = {}
+        for r in running:
+            speed[r] = compute_speed if r in COMPUTE_RESOURCES else shared
         if links:
             on_link: dict[str, int] = {}
             for r in running:
@@ -321,24 +344,34 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
                     on_link[links[r]] = on_link.get(links[r], 0) + 1
             speed = {r: v / on_link.get(links.get(r), 1) for r, v in speed.items()}
 
-        dt = min(remaining[i] / speed[r] for r, i in running.items())
+        dt = math.inf  # until the first running task ends
+        for r, i in running.items():
+            until = remaining[i] / speed[r]
+            if until < dt:
+                dt = until
         now += dt
-        for r, i in list(running.items()):
+        free = []  # the resources whose task ends now, then those of the tasks that may start
+        for r, i in running.items():
             remaining[i] -= dt * speed[r]
             if remaining[i] <= 1e-12:
-                done[i], tasks[i].end = True, now
-                for j in dependents[i]:
-                    pending[j] -= 1
-                del running[r]
-                heads[r] += 1
-    if not all(done):
+                free.append(r)
+        for r in free[:]:
+            i = running.pop(r)
+            tasks[i].end = now
+            unfinished -= 1
+            heads[r] += 1
+            for j in dependents[i]:
+                pending[j] -= 1
+                if not pending[j]:
+                    free.append(tasks[j].resource)
+    if unfinished:
         raise RuntimeError("simulated schedule deadlocked")  # a bug in build_tasks
     return now
 
 
 def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
             batch: int, tokens: int, slots: int, context: int | None = None,
-            micro_batches: int = 1) -> Prediction:
+            micro_batches: int = 1, keep: bool = True) -> Prediction:
     """Predicted wall time of one executor step of ``phase``.
 
     Args:
@@ -347,9 +380,12 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
       slots: KV-cache slots S.
       context: slots in use (default: all of them).
       micro_batches: N micro-batches in the block (the step serves N·batch rows).
+      keep: keep the step's schedule for later predictions (``compile_schedule``); False
+        for a plan priced once (the planner's layer patterns: thousands of schedules kept
+        would push out the others and keep the garbage collector busy).
     """
     tasks = build_tasks(plan, spec, profile, phase, batch, tokens, slots,
-                        slots if context is None else context, micro_batches)
+                        slots if context is None else context, micro_batches, keep)
     seconds = run_tasks(tasks, profile.contention, profile.compute_contention)
     busy: dict[str, float] = {}
     for t in tasks:

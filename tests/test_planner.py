@@ -1,5 +1,7 @@
 """CP-SAT planner and baseline policies (pure Python: shapes, a fixed profile, no model)."""
 
+import functools
+
 import pytest
 
 from hx.devices import ACCELERATOR, discover
@@ -208,6 +210,33 @@ def test_pattern_price_is_a_layer_of_a_deep_stack():
         deep = (step(pattern, 8) - step(pattern, 4)) / 4
         assert marginal_seconds(spec, profile, pattern, "decode", *args) == \
             pytest.approx(deep, rel=0.01)
+
+
+def test_pattern_prices_do_not_depend_on_what_was_priced_before():
+    """Pricing keeps op seconds per step shape (``simulator.step_memo``), activation and
+    weight sizes, segments and pattern stacks: a pattern priced after others at other
+    batches, contexts and phases costs what it costs priced first (every cache cleared)."""
+    from hx import schedule, segments
+    from hx.planner import patterns, simulator
+
+    profile = gpu_like()
+    spec = PRESETS["smollm2-135m"]
+    kept = (simulator.step_memo, schedule.activation_sizes, schedule.weight_sizes,
+            schedule.compile_schedule, segments.segments_of, patterns.stack_plan,
+            patterns.stack_shapes)
+    pattern = patterns.Pattern("host", ("resident", "streamed", "streamed", "host",
+                                        "streamed", "resident"))
+    prices = [functools.partial(patterns.price_pattern, spec, profile, pattern, w, context)
+              for w, context in ((Workload(4, 64, 256), 100), (Workload(8, 64, 256), 200),
+                                 (Workload(4, 64, 512), 300), (Workload(4, 64, 512), 100))]
+    prices += [functools.partial(patterns.marginal_seconds, spec, profile, pattern, "prefill",
+                                 4, tokens, 256, context, 1)
+               for tokens, context in ((1, 100), (32, 100), (32, 64))]
+    warm = [price() for price in prices]
+    for price, seen in zip(prices, warm):
+        for cache in kept:
+            cache.cache_clear()
+        assert price() == seen
 
 
 def test_choose_block_serves_many_rows_per_streamed_layer():

@@ -419,7 +419,7 @@ class _Builder:
 
     def kv_read(self, i: int, m: int) -> int | None:
         """Micro-batch ``m``'s KV caches of segment ``i``'s disk-homed layers into host
-        memory (all S slots; the simulator prices the prefix in use)."""
+        memory (all S slots; the simulator prices the positions written before the step)."""
         layers = self.disk_caches[i]
         if not layers:
             return None

@@ -198,8 +198,10 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                 keep: bool = True) -> list[Task]:
     """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order,
     after the tasks of the instructions it depends on (``Instruction.deps``): ``read`` and
-    ``kv read`` bytes / the disk's read bandwidth (a KV read only the slots in use,
-    ``host_read_slots``), ``stage`` an H2D copy of the staged weights (the link's per-copy
+    ``kv read`` bytes / the disk's read bandwidth (a KV read only the positions written
+    before the step: the step computes its own, and the host kernel's padding of the prefix
+    to 64-slot blocks, ``host_read_slots``, is read from host memory, not from disk),
+    ``stage`` an H2D copy of the staged weights (the link's per-copy
     latency for each staged op plus bytes / bandwidth), ``wait`` the sync overhead, ``move`` a
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
     ops (``segment_seconds``). A block of ``micro_batches`` (zig-zag block schedule) has one
@@ -239,8 +241,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             name, duration, nbytes = f"wait {i}", profile.sync_overhead, 0
         elif kind == READ:
             name, duration = f"read {i}", nbytes / _disk(profile, plan)
-        elif kind == KV_READ:  # the prefix of the caches in use
-            nbytes = nbytes * host_read_slots(slots, context) // slots
+        elif kind == KV_READ:  # the prefix written before the step
+            nbytes = nbytes * prior // slots
             name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
         elif kind == KV_STORE:
             name = f"kv store {i}"

@@ -4,9 +4,9 @@ compressed (4-bit) -- and, uncompressed, under hx's CP-SAT plan with the same me
 
 Usage: python scripts/flexgen_setting.py [--json OUT.json] [--time-limit 5] [--models opt-175b]
 
-Takes 1.5-6 minutes on the 2-core development VM (3 min 36 s beside other work, 2026-11-24):
-four FlexGen rows (about a second in all) and two CP-SAT plans (most of it; OPT-175B's about
-5 minutes). Prints only the table (a spinner on a terminal's stderr meanwhile); ``--json``
+Takes about 4 minutes on the 2-core development VM (3 min 52 s beside other work,
+2026-11-27): four FlexGen rows (about a second in all) and two CP-SAT plans (most of it,
+OPT-175B's the larger). Prints only the table (a spinner on a terminal's stderr meanwhile); ``--json``
 writes the rows; ``--models`` keeps the settings of the models named.
 
 FlexGen's policies (Sheng et al. 2023 §6.1, FMInference/FlexiGen benchmark/flexgen/
@@ -47,10 +47,12 @@ T4's memory and, in the uncompressed rows (attention on the host beside the cach
 host- and disk-KV patterns attend), run as hx runs a plan (``hx_run``): the same simulator,
 counting and memory model as the CP-SAT rows -- the figure CP-SAT's plan is compared with.
 The replayed figure differs from it in FlexGen's loop and in how the benchmark counts: decode
-timed at token 1 (OPT-175B: 512 cached slots read from disk per layer and GPU batch, where hx
-prices the step at mid-generation, 528 slots in use, read as the host kernel's 64-slot blocks:
-576) and prefill in one pass of the prompt (hx's memory estimate fits OPT-175B's 32 x 512
-tokens in chunks of 256 at most: 14.1 GB of activations at 512).
+timed at token 1 (OPT-175B: the 512 cached positions read from disk per layer and GPU batch,
+where hx prices the step at mid-generation and reads the 527 written before it -- both read
+what is on disk, not the host kernel's 64-slot blocks) and prefill in one pass of the prompt
+(hx's memory estimate fits OPT-175B's 32 x 512 tokens in chunks of 256 at most: 14.1 GB of
+activations at 512); the replay also writes the new K, V to disk (0.4 % of OPT-175B's run:
+0.539 tokens/s without), which hx's schedule does not price yet.
 
 FlexGen's compressed rows (``--compress-cache``, and ``--compress-weight`` for 175B; bench_suite
 ``*_1x1_comp``) run the same loop with FlexGen's 4-bit group-64 format, which is hx's ``int4``

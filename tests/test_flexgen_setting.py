@@ -265,12 +265,13 @@ MEASURED = Path(__file__).parents[1] / "docs/measurements/vm-2026-11-27/flexgen-
 
 
 def test_cpsat_runs_at_least_as_fast_as_flexgens_policy_priced_alike():
-    """Issue 38 B: in each setting with a CP-SAT row, CP-SAT's plan (the one the script last
-    found, kept in its measurement: planning takes minutes) fits the T4 and, re-priced now,
-    runs at least as fast as FlexGen's policy priced by the same simulator, counting and
+    """Issue 38 B: in each setting with a CP-SAT row (OPT-30B, OPT-175B), CP-SAT's plan (the
+    one the script last found, kept in its measurement: planning takes minutes) fits the T4
+    and, re-priced now, runs at least as fast as FlexGen's policy, both as FlexGen's loop
+    runs it (``flexgen_run``, the replay) and priced by the same simulator, counting and
     memory model (``hx_run``: FlexGen's placement as hx runs it); the measurement says so
-    too. Against the replay of FlexGen's loop, counted as its benchmark counts (decode at
-    token 1), it need not: docs/ablation.md, "FlexGen's setting"."""
+    too. Both sides read a disk-homed KV cache's written positions only (OPT-175B's was
+    0.532 against 0.537 while hx read the host kernel's 64-slot blocks: 576 slots for 527)."""
     from hx.devices import discover
     from hx.memory import PROXY, check_fits
     from hx.plan import ExecutionPlan
@@ -285,7 +286,8 @@ def test_cpsat_runs_at_least_as_fast_as_flexgens_policy_priced_alike():
         spec, profile = policy.spec(model), hardware_profile("t4")
         (flexgen,) = [r for r in rows if r["model"] == spec.name and r["policy"] == policy.name]
         (cpsat,) = [r for r in rows if r["model"] == spec.name and r["policy"] == "cpsat"]
-        assert cpsat["tokens_per_s"] >= flexgen["hx_run"]["tokens_per_s"]
+        assert cpsat["tokens_per_s"] >= max(flexgen["tokens_per_s"],
+                                            flexgen["hx_run"]["tokens_per_s"])
         plan = ExecutionPlan.from_json(cpsat["plan"], spec.n_layers)
         devices = discover(accelerator_memory=profile.accelerator_memory,
                            host_memory=profile.host_memory)
@@ -294,6 +296,7 @@ def test_cpsat_runs_at_least_as_fast_as_flexgens_policy_priced_alike():
         ours = simulate_run(plan, spec, profile, scenario).tokens_per_s
         theirs = fs.hx_run(fs.flexgen_plan(spec, policy, profile, scenario.workload()), spec,
                            profile, scenario)["tokens_per_s"]
-        assert ours >= theirs
+        replayed = fs.flexgen_run(spec, policy, profile, scenario)["tokens_per_s"]
+        assert ours >= max(theirs, replayed), (spec.name, ours, theirs, replayed)
         compared += 1
     assert compared == 2

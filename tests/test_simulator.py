@@ -197,3 +197,26 @@ def test_bytes_moved_in_a_step_are_the_plans(micro_batches):
     L, N = SPEC.n_layers, micro_batches
     assert moved["H2D"] == streamed + N * (2 * act["x"] + L * act["o"])
     assert moved["D2H"] == N * L * (act["q"] + act["k"] + act["v"])
+
+
+def test_a_disk_kv_read_moves_the_positions_written_before_the_step():
+    """A KV cache on disk is read, per micro-batch, for the positions written before the step:
+    not the step's own (computed in it), nor the host kernel's padding of the prefix to
+    64-slot blocks (read from host memory). Decode at 200 of 256 slots in use reads 199
+    positions (256 before); a first prefill chunk none, the second the first's."""
+    from hx.models.tensors import kv_bytes
+    from hx.plan import DISK
+    from hx.planner.patterns import Pattern, layer_plan
+
+    spec = SPEC.replace(n_layers=2)
+    plan = layer_plan(spec, [Pattern(DISK, ("host",) * 6)] * 2, "host", "KV on disk")
+    profile = dataclasses.replace(gpu_like(), disk_read_bandwidth=2e9)
+
+    def read(phase, tokens, context, micro_batches=1):
+        tasks = predict(plan, spec, profile, phase, B, tokens, SLOTS, context,
+                        micro_batches).tasks
+        return sum(t.nbytes for t in tasks if t.name.startswith("read KV"))
+
+    assert read("decode", 1, CONTEXT, 2) == 2 * 2 * kv_bytes(spec, B, CONTEXT - 1)
+    assert read("prefill", 64, 64) == 0
+    assert read("prefill", 64, 128) == 2 * kv_bytes(spec, B, 64)

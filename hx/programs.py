@@ -39,9 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute import int4_kernel
-from hx.host_compute.products import HOST_PRODUCTS
+from hx.host_compute.products import products_on
 from hx.host_compute.xla_attention import blocked_attention
-from hx.models.compressed import DEFAULT_PRODUCTS, held_matrix
+from hx.models.compressed import held_matrix
 from hx.models.formats import get_format
 from hx.models.layers import Step, append_kv
 from hx.models.decoder import apply_op
@@ -70,7 +70,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
-    products = HOST_PRODUCTS if device == HOST else DEFAULT_PRODUCTS
+    products = products_on(device)
     held, fmt = weight_dtype(spec, device), kv_format(spec)
     specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
 

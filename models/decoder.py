@@ -44,7 +44,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
       held: the dtype the device holds dense weights in and decompresses compressed matrices
         to (``models.tensors.weight_dtype``; default the model's dtype).
       products: how the op's device multiplies held matrices (``models.compressed.Products``;
-        the host's: ``hx.host_compute.products.HOST_PRODUCTS``).
+        the host's: ``hx.host_compute.products.products_on``).
     Returns:
       (activations written, keyed by ``OPS[op].writes``; the updated cache or None).
     Raises:

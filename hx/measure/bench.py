@@ -16,8 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from hx.devices import HOST, Devices
+from hx.devices import Devices
 from hx.executor import Executor, held_params
+from hx.host_compute.products import products_on
 from hx.models.layers import Step
 from hx.models.decoder import forward
 from hx.models.spec import ModelSpec
@@ -181,7 +182,7 @@ def bench_decode(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, b
     ref_name = _majority_device(plan)
     ref_device = devices[ref_name]
     ref_params = jax.device_put(held_params(spec, params, ref_name), ref_device)
-    ref_step = jax.jit(partial(forward, host=ref_name == HOST), static_argnums=0,
+    ref_step = jax.jit(partial(forward, products=products_on(ref_name)), static_argnums=0,
                        donate_argnums=(4,))
     ref_caches = jax.device_put(executor.new_cache(batch, slots), ref_device)
     _, ref_caches = ref_step(spec, ref_params, jax.device_put(prompt, ref_device),

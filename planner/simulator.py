@@ -49,7 +49,7 @@ from hx.planner.cost import op_cost
 from hx.planner.mesh import collective_seconds
 from hx.planner.profile import HardwareProfile
 from hx.errors import HxError
-from hx.schedule import (ACT_LOAD, D2H, H2D, KV_LOAD, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
+from hx.schedule import (ACT_LOAD, D2H, H2D, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, WAIT, build_schedule, compile_schedule, copy_end,
                          kv_link_bytes, streamed_layers)
 from hx.segments import Segment

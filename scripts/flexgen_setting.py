@@ -6,8 +6,8 @@ Usage: python scripts/flexgen_setting.py [--json OUT.json] [--time-limit 5] [--m
 
 Takes about 4 minutes on the 2-core development VM (3 min 52 s beside other work,
 2026-11-27): four FlexGen rows (about a second in all) and two CP-SAT plans (most of it,
-OPT-175B's the larger). Prints only the table (a spinner on a terminal's stderr meanwhile); ``--json``
-writes the rows; ``--models`` keeps the settings of the models named.
+OPT-175B's the larger). Prints only the table (a spinner on a terminal's stderr meanwhile);
+``--json`` writes the rows; ``--models`` keeps the settings of the models named.
 
 FlexGen's policies (Sheng et al. 2023 §6.1, FMInference/FlexiGen benchmark/flexgen/
 bench_suite.py), each weight tensor homed as FlexGen's ``init_weight_list`` homes it

@@ -117,7 +117,6 @@ def pool_headroom(budget: int) -> int:
 
 _CONFIGURED = False
 XLA_CACHE_ENV = "HX_XLA_CACHE"  # the persistent compilation cache's folder, or "off"
-XLA_CACHE_BYTES = 2 << 30  # its size, least recently used entries evicted beyond
 
 
 def configure_runtime(cpu_devices: int = 2) -> None:
@@ -146,8 +145,10 @@ def configure_runtime(cpu_devices: int = 2) -> None:
       pool (measured on 2 cores: a 0.5 ms linear took 32 ms with spinning threads). Read when
       torch starts its threads.
     * A persistent compilation cache (``jax_compilation_cache_dir``): ``HX_XLA_CACHE``, default
-      ``~/.cache/hx/xla`` (at most ``XLA_CACHE_BYTES``, least recently used entries evicted);
-      ``off`` disables it. Every program hx compiles is kept there, so a
+      ``~/.cache/hx/xla``; ``off`` disables it. Unbounded: JAX's size bound
+      (``jax_compilation_cache_max_size``) rescans every entry under a file lock at each write,
+      which made the test suite's 2,100 programs quadratic (delete the folder to reclaim it; the
+      whole suite's programs take 56 MB). Every program hx compiles is kept there, so a
       later run (or another process: a batch job's workers, the test suite's) loads it instead
       of compiling it again: XLA compilation, not decode, dominated a first run on the H200
       (docs/measurements/h200-2026-11-27), and a program of 60 matmuls compiled in 2.1 s on the
@@ -172,7 +173,6 @@ def configure_runtime(cpu_devices: int = 2) -> None:
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        jax.config.update("jax_compilation_cache_max_size", XLA_CACHE_BYTES)  # LRU beyond
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench install install-test
+.PHONY: demo test test-all bench install install-test
 
 $(VENV)/.run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: install
 ## processes: most of its time is single-threaded XLA compilation and Python; idle workers
 ## steal queued tests, so the slowest ones do not finish alone at the end.
 test: install-test
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25 -m "not slow"
+
+## Every test, the slow ones too (over ~45 s each here: CP-SAT optimality and budgets over presets,
+## the bfloat16 and quarter-budget transformers comparisons, the mesh and two-process runs).
+test-all: install-test
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25
 
 ## Decode benchmark: tokens/s and executor overhead; writes out/bench_decode.json.

@@ -26,6 +26,7 @@ SCENARIOS = ((0.25, 1, 1000), (0.5, 16, 1000), (1.2, 16, 128))
 NEW_TOKENS = 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,scenarios", [("llama2-7b", SCENARIOS[1:2]),
                                              ("llama2-70b", SCENARIOS[:1])])
 def test_every_policy_fits_its_dry_run_or_states_the_minimum(model, scenarios):
@@ -55,6 +56,7 @@ def llama2_7b_2l():
     return load("llama2-7b:2L")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,prompt", [(1, 1000), (16, 128)])
 def test_real_run_reaches_the_dry_run_peak(llama2_7b_2l, batch, prompt):
     model = llama2_7b_2l

@@ -178,6 +178,7 @@ def test_one_prompt_with_output_writes_the_line_a_prompts_file_gets(tmp_path, ti
                           str(tmp_path / "missing" / "o.jsonl")), "does not exist")
 
 
+@pytest.mark.slow
 def test_host_memory_below_the_weights_plans_on_a_quick_profile(tmp_path, smollm_metadata):
     """Host memory of 40 % of the weights, accelerator 50 %: no layer split fits, so the
     default policy plans with a profile, and a quick one with its disk read rate suffices
@@ -321,6 +322,7 @@ def test_plan_over_budget_is_rejected():
     assert_clean_error(result, "does not fit the accelerator memory budget", "over by")
 
 
+@pytest.mark.slow
 def test_plan_command_and_cpsat_by_default(tmp_path):
     from profiles import gpu_like
 
@@ -386,6 +388,7 @@ def killed_twice_then_finished(args, out, kills=(3, 4)):
     return killed
 
 
+@pytest.mark.slow
 def test_runs_killed_twice_resume_to_the_uninterrupted_output(tmp_path, tiny_model,
                                                                smollm_metadata):
     """Acceptance A at CI scale: 12 prompts, half greedy and half sampled (temperature 0.8

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_two_processes_give_one_process_outputs(tmp_path):
     """A tiny model in two stages, one per process, under stream-all (weights streamed, KV
     caches and attention on the host): each process's prefill logits equal the one-process

@@ -181,6 +181,7 @@ def wide_dense():
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "int4", "q4_1", "q8_0"])
 def test_compressed_models_match_the_float64_reference_of_their_values(name, tokenizer,
                                                                        devices):

@@ -21,6 +21,7 @@ from hx.planner.simulator import predict, predict_prefill, predict_run
 SCENARIO = Scenario("16:512+32", 16, 512, 32)
 
 
+@pytest.mark.slow
 def test_cpsat_throughput_never_falls_as_memory_grows():
     """More accelerator memory can only help the planner: CP-SAT's simulated tokens/s rises
     (or stays) along a budget sweep."""
@@ -56,6 +57,7 @@ def test_cpsat_beats_flexgens_policy_in_its_opt30b_setting():
         predict_run(narrow, spec, profile, work).total_s
 
 
+@pytest.mark.slow
 def test_cpsat_prices_the_whole_run():
     """Llama-2-70B at 16 x 512 + 32 on the T4 preset: prefill is most of the run. The plan of
     CP-SAT's whole-run objective (``plan_cpsat`` adds it as a candidate here) simulates to at

@@ -125,6 +125,7 @@ def wide_model(tokenizer, fmt_name: str, host_matmul: str) -> Model:
                  fmt_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt_name", ["q4_1", "int4", "q4_0"])
 def test_host_ops_multiply_in_the_kernels_layout_within_bfloat16_of_float64(
         fmt_name, tokenizer, devices):

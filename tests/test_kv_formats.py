@@ -220,6 +220,7 @@ def test_host_attention_over_compressed_cache(kv, monkeypatch):
         np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_compressed_kv_in_iteration_level_runs(tiny_model, monkeypatch):
     """Joins, re-framing and shrinking move compressed caches row by row: each
     prompt gets the tokens it gets alone, in a block of two micro-batches of two rows, with

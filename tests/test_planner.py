@@ -22,6 +22,7 @@ def workload(spec, batch=1):
     return Workload.for_prompts(batch, 128, 128, spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,fractions", [("smollm2-135m", FRACTIONS[::3]),
                                              ("llama2-70b", FRACTIONS[1::4])])
 def test_cpsat_proves_optimality_at_every_budget(model, fractions):

@@ -23,6 +23,7 @@ def test_fit_line():
     assert fit_line(10**7, 6e-3, 4 * 10**7, 5e-3) == (4 * 10**7 / 5e-3, 0.0)
 
 
+@pytest.mark.slow
 def test_quick_profile_is_measured_kept_apart_and_calibrates(devices, tmp_path, monkeypatch):
     """A command without a profile measures a quick one, says so in one line and keeps it
     apart from the default (``QUICK_PATH``): the next command that needs a profile loads it,

@@ -101,6 +101,7 @@ def test_matches_hugging_face(smollm, reference, plan_name):
     assert 0 < engine.accountant.peak <= budget or plan_name == "all-host"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,weights", [("stream-all", "dense"), ("auto", "dense"),
                                             ("auto", "auto")])
 def test_quarter_of_the_weights_budget(smollm, smollm_dense, reference, policy, weights):
@@ -202,6 +203,7 @@ def top1_agreement(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return float((top == ref.argmax(-1)).mean()), float((theirs >= best - step).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_name", ["all-accelerator", "stream-all"])
 def test_bfloat16_matches_hugging_face_bfloat16(smollm_bf16, texts, bf16_reference, plan_name):
     """Acceptance C. Two bfloat16 implementations round at different points (hx: once per op,

@@ -53,6 +53,7 @@ def test_which_axis_each_array_splits():
         padded_spec(int4.replace(host_matmul="torch-int4"), 2)
 
 
+@pytest.mark.slow
 def test_split_logits_equal_one_devices(tmp_path):
     """A tiny model with 3 KV heads (padded to 4 for tp 2 and 4) and 4 layers, its matrices
     int8 (compressed matrices split as dense ones; the script runs dense ones too), in a

@@ -154,6 +154,7 @@ def test_greedy_generation_with_a_chunked_prefill(tiny_model):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_outputs_do_not_change(smollm):
     """The README's prompt, 16 tokens: every layer's cache streamed, every slot recomputed,
     then half the prompt and another plan after 8 tokens: the all-accelerator plan's tokens

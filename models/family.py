@@ -60,7 +60,32 @@ HF_IGNORED = frozenset({
 })
 
 
-class ConfigReader:
+class KeyReader:
+    """What ``ConfigReader`` and ``MetadataReader`` share: ``expect``, over their ``get`` and
+    ``setting``."""
+
+    where: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        raise NotImplementedError
+
+    def setting(self, key: str) -> str:
+        raise NotImplementedError
+
+    def expect(self, key: str, allowed: tuple, default: Any = None) -> Any:
+        """The value of ``key`` (``default`` where absent), which must be one of ``allowed``.
+
+        Raises:
+          HxError: another value: one line naming the key, the value and what hx runs.
+        """
+        value = self.get(key, default)
+        if value not in allowed:
+            raise HxError(f"{self.where}: {self.setting(key)}={value!r}, which hx does not "
+                          f"implement (it runs {' or '.join(map(repr, allowed))})")
+        return value
+
+
+class ConfigReader(KeyReader):
     """Reads a Hugging Face ``config.json`` dict and refuses what hx would silently get wrong.
 
     Every key must be read (``get``, ``need``, ``expect``) or listed as ignored
@@ -89,17 +114,9 @@ class ConfigReader:
             raise HxError(f"{self.where}/config.json lacks {key!r}")
         return self.config[key]
 
-    def expect(self, key: str, allowed: tuple, default: Any = None) -> Any:
-        """``config[key]`` (``default`` where absent), which must be one of ``allowed``.
-
-        Raises:
-          HxError: another value: one line naming the key, the value and what hx runs.
-        """
-        value = self.get(key, default)
-        if value not in allowed:
-            raise HxError(f"{self.where}: config.json sets {key}={value!r}, which hx does not "
-                          f"implement (it runs {' or '.join(map(repr, allowed))})")
-        return value
+    def setting(self, key: str) -> str:
+        """Where ``key`` is set, for ``expect``'s refusal: ``config.json sets KEY``."""
+        return f"config.json sets {key}"
 
     def finish(self) -> None:
         """Raises HxError naming every key neither read nor ignored."""
@@ -110,7 +127,7 @@ class ConfigReader:
                           "than run a model whose math it might change")
 
 
-class MetadataReader:
+class MetadataReader(KeyReader):
     """Reads a GGUF file's model keys and refuses what hx would silently get wrong: the GGUF
     twin of ``ConfigReader``.
 
@@ -149,17 +166,9 @@ class MetadataReader:
                           "incomplete")
         return value
 
-    def expect(self, key: str, allowed: tuple, default: Any = None) -> Any:
-        """``{arch}.{key}`` (``default`` where absent), which must be one of ``allowed``.
-
-        Raises:
-          HxError: another value: one line naming the key, the value and what hx runs.
-        """
-        value = self.get(key, default)
-        if value not in allowed:
-            raise HxError(f"{self.where}: GGUF sets {self.arch}.{key}={value!r}, which hx does "
-                          f"not implement (it runs {' or '.join(map(repr, allowed))})")
-        return value
+    def setting(self, key: str) -> str:
+        """Where ``key`` is set, for ``expect``'s refusal: ``GGUF sets ARCH.KEY``."""
+        return f"GGUF sets {self.arch}.{key}"
 
     def finish(self) -> None:
         """Raises HxError naming every model key not read."""

@@ -184,10 +184,11 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
-      k, v: (B, S, K, E) caches, any float dtype or ``CompressedKV`` (decompressed
+      k, v: (B, R, K, E) caches, any float dtype or ``CompressedKV`` (decompressed
         ``SLOT_CHUNK`` slots at a time), the new tokens already written; slots past
         ``write_index + T - 1`` are never read, nor those before the smallest ``kv_start`` of
-        a task's rows.
+        a task's rows. A ring of R slots (``models.layers.ring_positions``): slot s at index
+        s mod R, the R slots before ``write_index + T`` held.
       write_index: slot of the first new token.
       kv_start: (B,) each row's first valid slot (left padding before it).
       window: a query sees only the last ``window`` slots, its own included (sliding-window
@@ -201,7 +202,7 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
     starts = np.asarray(kv_start).astype(np.int64)
     o = np.zeros((B, T, H, E), np.float32)
     end = int(write_index) + T
-    read = int(2 * B * max(0, end - int(starts.min())) * K * E * k.itemsize)
+    read = int(2 * B * max(0, min(end - int(starts.min()), k.shape[1])) * K * E * k.itemsize)
     tasks = max(1, min(threads(), read // MIN_TASK_BYTES))
     row_parts = min(B, tasks)
     head_parts = max(1, min(K, tasks // row_parts))
@@ -226,18 +227,20 @@ def prefix_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, write_index: i
 def _attend(q, k, v, write_index, starts, k0, k1, out, window=None) -> None:
     """Attention of rows q (R, T, H, E) float32 (pre-scaled) over k, v (R, S, K, E) for KV
     heads ``k0:k1``, written into out (R, T, H, E), row by row: each reads its slots from
-    its own start (or the first slot the ``window`` lets the step's first query see), each
-    query's future (and, with a window, what lies before it) masked."""
+    its own start (or the first slot the ``window`` lets the step's first query see, or a
+    ring's oldest), each query's future (and, with a window, what lies before it) masked."""
     R, T, H, E = q.shape
     G = H // k.shape[2]
     heads = k1 - k0
     end = write_index + T
     widen = _widener(k, min(SLOT_CHUNK, end), heads, E)
     for r in range(R):
-        lo = int(starts[r]) if window is None else max(int(starts[r]), write_index - window + 1)
+        lo = max(int(starts[r]), end - k.shape[1])
+        lo = lo if window is None else max(lo, write_index - window + 1)
         n = end - lo
         if n <= 0:
             continue
+        chunks = _chunks(lo, end, k.shape[1])
         qg = q[r].reshape(T, -1, G, E)[:, k0:k1].transpose(1, 2, 0, 3)  # (heads, G, T, E)
         step = max(1, SCORE_BYTES // (4 * heads * G * n))
         for t0 in range(0, T, step):
@@ -245,9 +248,8 @@ def _attend(q, k, v, write_index, starts, k0, k1, out, window=None) -> None:
             tq = t1 - t0
             qb = qg[:, :, t0:t1].reshape(heads, G * tq, E)  # a KV head's queries as rows
             s = np.empty((heads, G * tq, n), np.float32)
-            for c0 in range(0, n, SLOT_CHUNK):
-                c1 = min(n, c0 + SLOT_CHUNK)
-                keys = widen(k[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+            for c0, c1, at in chunks:
+                keys = widen(k[r, at:at + c1 - c0, k0:k1])  # (C, heads, E)
                 s[..., c0:c1] = np.matmul(qb, keys.transpose(1, 2, 0))
             old = window is not None and lo <= write_index + t1 - 1 - window
             if write_index + t0 < end - 1 or old:  # causal: query t sees slots up to its own
@@ -260,13 +262,25 @@ def _attend(q, k, v, write_index, starts, k0, k1, out, window=None) -> None:
             np.exp(s, out=s)
             denom = s.sum(axis=-1, keepdims=True)  # (heads, G * T', 1)
             acc = np.zeros((heads, G * tq, E), np.float32)
-            for c0 in range(0, n, SLOT_CHUNK):
-                c1 = min(n, c0 + SLOT_CHUNK)
-                values = widen(v[r, lo + c0:lo + c1, k0:k1])  # (C, heads, E)
+            for c0, c1, at in chunks:
+                values = widen(v[r, at:at + c1 - c0, k0:k1])  # (C, heads, E)
                 acc += np.matmul(s[..., c0:c1], values.transpose(1, 0, 2))
             np.divide(acc, denom, out=acc, where=denom > 0)
             out[r, t0:t1, k0 * G:k1 * G] = (acc.reshape(heads, G, tq, E)
                                             .transpose(2, 0, 1, 3).reshape(tq, heads * G, E))
+
+
+def _chunks(lo: int, end: int, size: int) -> list[tuple[int, int, int]]:
+    """Slots ``lo .. end - 1`` of a ring of ``size`` indices (slot s at s mod size) in chunks
+    of at most ``SLOT_CHUNK`` that do not wrap: (first, last + 1) counted from ``lo``, and
+    the index of the first."""
+    chunks, c0 = [], 0
+    while lo + c0 < end:
+        at = (lo + c0) % size
+        c1 = min(end - lo, c0 + SLOT_CHUNK, c0 + size - at)
+        chunks.append((c0, c1, at))
+        c0 = c1
+    return chunks
 
 
 def _widener(cache: np.ndarray | CompressedKV, slots: int, heads: int, head_dim: int):

@@ -29,33 +29,38 @@ def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None
 
     Args:
       q: (B, T, H, E) queries of the new tokens, at slots ``write_index .. write_index+T-1``.
-      cache: {"k", "v"}: (B, S, K, E), the new tokens already appended; compressed in
+      cache: {"k", "v"}: (B, R, K, E), the new tokens already appended; compressed in
         ``fmt`` when given (``models.tensors.kv_arrays``), each block decompressed as it is
-        read (``models.layers.read_kv``), so only the compressed bytes are read.
+        read (``models.layers.read_kv``), so only the compressed bytes are read. A ring of R
+        slots (``models.layers.ring_positions``): slots are visited in order, slot s at
+        index s mod R (a block never wraps: its size divides R).
       step: ``write_index`` bounds the blocks visited; ``kv_start`` masks left padding.
-      window: the sliding window (``models.layers.attention``), None for none.
+      window: the sliding window (``models.layers.attention``), None for none; the blocks
+        before it are not visited (a ring holds at least the window and the new tokens).
     Returns:
       o: (B, T, H, E), equal to ``models.layers.attention`` for every query that has a valid
       key; a padding query (no valid key) gets zeros.
     """
     B, T, H, E = q.shape
-    S, K = cache["k"].shape[1], cache["k"].shape[2]
+    R, K = cache["k"].shape[1], cache["k"].shape[2]
     G = H // K
-    block = math.gcd(S, BLOCK)
+    block = math.gcd(R, BLOCK)
     qg = q.reshape(B, T, K, G, E).astype(jnp.float32) * E**-0.5
     query_slot = step.write_index + jnp.arange(T)  # (T,)
-    n_blocks = (step.write_index + T + block - 1) // block
+    end = step.write_index + T
+    n_blocks = (end + block - 1) // block
     floor = jnp.finfo(jnp.float32).min
 
     def body(i, carry):
         m, denom, acc = carry  # (B,K,G,T), (B,K,G,T), (B,K,G,T,E)
         start = i * block
-        kb = read_kv(cache, "k", fmt, start, block)  # (B,block,K,E) float32
-        vb = read_kv(cache, "v", fmt, start, block)
+        kb = read_kv(cache, "k", fmt, start % R, block)  # (B,block,K,E) float32
+        vb = read_kv(cache, "v", fmt, start % R, block)
         s = jnp.einsum("btkge,bske->bkgts", qg, kb)  # (B,K,G,T,block)
         slot = start + jnp.arange(block)
         valid = visible(slot[None, None, :], query_slot[None, :, None],
                         step.kv_start[:, None, None], window)[:, None, None]  # B,1,1,T,b
+        valid &= (slot >= end - R)[None, None, None, None]  # not yet overwritten in a ring
         s = jnp.where(valid, s, floor)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None]) * valid
@@ -65,7 +70,9 @@ def blocked_attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None
         return m_new, denom, acc
 
     init = (jnp.full((B, K, G, T), floor), jnp.zeros((B, K, G, T)), jnp.zeros((B, K, G, T, E)))
-    first = 0 if window is None else jnp.maximum(step.write_index - window + 1, 0) // block
+    first = jnp.maximum(end - R, 0) // block  # a ring's oldest slot still held
+    if window is not None:
+        first = jnp.maximum(first, jnp.maximum(step.write_index - window + 1, 0) // block)
     _, denom, acc = jax.lax.fori_loop(first, n_blocks, body, init)
     o = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
     return jnp.einsum("bkgte->btkge", o).reshape(B, T, H, E).astype(q.dtype)

@@ -37,11 +37,13 @@ from hx.errors import HxError
 from hx.memory import reframe_bytes
 from hx.models.layers import Cache, Step
 from hx.models.spec import ModelSpec
+from hx.models.tensors import step_limit
 from hx.prefill import check_prompts, left_pad, prefill_in_chunks
 from hx.sampling import SamplingParams, sample
 from hx.scheduler import (BatchState, BlockConfig, Completion, Decode, Join, MicroBatch,
                           Reframe, Request, Row, Shrink, complete, schedule)
-from hx.workload import CACHE_BUCKET, Workload, new_tokens, powers_of_two, round_up
+from hx.workload import (CACHE_BUCKET, Workload, new_tokens, powers_of_two, round_up,
+                         step_chunk)
 
 if TYPE_CHECKING:
     from hx.generate import Engine  # which runs its batches with ``BlockRunner``
@@ -110,7 +112,8 @@ class ContinuousBatcher:
                           f"rows, got {join_min}")
         self.engine, self.B, self.N = engine, micro_batch, micro_batches
         self.join_min, self.join_max = join_min, join_max
-        self.chunk = join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK
+        self.chunk = step_chunk(join_chunk or engine.plan.prefill_chunk or JOIN_CHUNK,
+                                step_limit(engine.model.spec))
 
     @classmethod
     def for_block(cls, engine: Engine, block: Workload, join_min: int = 1

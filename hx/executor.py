@@ -64,7 +64,8 @@ from hx.models.formats import DENSE
 from hx.models.layers import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models import sharding
-from hx.models.tensors import held_weights, kv_arrays, layer_key, weight_dtype
+from hx.models.tensors import (held_slots, held_weights, kv_arrays, layer_key, step_limit,
+                               weight_dtype, widest_slots)
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
 from hx.programs import SplitHostProgram, programs_for
@@ -337,7 +338,8 @@ class Executor:
 
     def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
                   ) -> list[Cache]:
-        """Zeroed KV caches on every layer's plan home: K and V of (batch, length, K, E) in
+        """Zeroed KV caches on every layer's plan home: K and V of (batch, length, K, E) --
+        a sliding-window layer's a ring of fewer slots (``models.tensors.held_slots``) -- in
         ``dtype`` (default: the model's), or, with a compressed ``spec.kv_format``, their
         codes, scales and offsets (``models.tensors.kv_arrays``; ``dtype`` is not used: zero
         codes, scales and offsets decode to 0). A ``streamed`` cache lives on the host, with
@@ -346,13 +348,17 @@ class Executor:
         in the accountant, so a block's caches are counted side by side."""
         s = self.spec
         own = dtype is not None and s.kv_format == DENSE
-        arrays = {name: (shape, jnp.dtype(dtype if own else held))
-                  for name, (shape, held) in kv_arrays(s, batch, length).items()}
-        kept = {streamed_kv.H: ((batch, length, s.d_model), jnp.dtype(s.dtype))}
+
+        def arrays(layer: int) -> dict:
+            slots = held_slots(s.layer_spec(layer), length)
+            kv = {name: (shape, jnp.dtype(dtype if own else held))
+                  for name, (shape, held) in kv_arrays(s, batch, slots).items()}
+            kept = {streamed_kv.H: ((batch, slots, s.d_model), jnp.dtype(s.dtype))}
+            return kv | (kept if self.plan.recompute(layer) else {})
+
         caches = [{name: jnp.zeros(shape, dt, device=self.programs.cache_sharding(
                        HOST if self.plan.kv[layer] == STREAMED else self.plan.kv[layer], shape))
-                   for name, (shape, dt) in (arrays | (kept if self.plan.recompute(layer)
-                                                       else {})).items()}
+                   for name, (shape, dt) in arrays(layer).items()}
                   for layer in range(s.n_layers)]
         self.account_cache(caches, micro)
         return caches
@@ -390,7 +396,12 @@ class Executor:
     def schedule(self, phase: str, batch: int, tokens: int, slots: int,
                  micro_batches: int = 1) -> Schedule:
         """The instructions of one step of ``phase`` at (B, T, S) for a block of
-        ``micro_batches`` (built once per shape)."""
+        ``micro_batches`` (built once per shape; S as ``models.tensors.widest_slots``)."""
+        slots = widest_slots(self.spec, slots)
+        limit = step_limit(self.spec)
+        if limit is not None and tokens > limit:
+            raise ValueError(f"a step of {tokens} tokens passes the {limit} a sliding-window "
+                             f"layer's ring holds room for (models.tensors.step_limit)")
         key = (phase, batch, tokens, slots, micro_batches)
         if key not in self._schedules:
             self._schedules[key] = compile_schedule(self.plan, self.spec, phase, batch, tokens,
@@ -415,6 +426,7 @@ class Executor:
 
     def compile(self, phase: str, batch: int, tokens: int, slots: int) -> None:
         """Compile every segment of ``phase`` at (B, T, S) ahead of time (no step runs)."""
+        slots = self.schedule(phase, batch, tokens, slots).slots
         for index in range(len(self.segments[phase])):
             self._executable(phase, index, batch, tokens, slots)
 
@@ -455,16 +467,24 @@ class Executor:
         """
         N = len(tokens)
         B, T = np.shape(tokens[0])[:2]  # a pipeline stage's input: x (B, T, D)
-        S = caches[0][0]["k"].shape[1]
+        S = run_slots(caches[0])
         if any(np.shape(t)[:2] != (B, T) for t in tokens) or any(
-                c[0]["k"].shape[:2] != (B, S) for c in caches) or len(steps) != N or len(
-                caches) != N:
+                c[0]["k"].shape[0] != B or run_slots(c) != S for c in caches) or len(
+                steps) != N or len(caches) != N:
             raise ValueError("a block's micro-batches need one step and one cache list each, "
                              "all of the same (B, T) and (B, S)")
         if self.timeline is not None:
             self.timeline.begin_step(phase)
         return _BlockStep(self, phase, self.schedule(phase, B, T, S, N), tokens, steps,
                           caches).run()
+
+
+def run_slots(caches: Sequence[Cache]) -> int:
+    """The cache slots S a run's per-layer ``caches`` were made for (``Executor.new_cache``):
+    the largest any layer holds. A sliding-window layer holds a ring of min(S, R) slots
+    (``models.tensors.held_slots``), a layer without a window S, so where every layer has a
+    window this is the largest ring, from which each layer's ring follows alike."""
+    return max(c["k"].shape[1] for c in caches)
 
 
 class _BlockStep:
@@ -633,6 +653,11 @@ class _BlockStep:
 
     # -- a streamed KV cache (hx.streamed_kv) ------------------------------------------------
 
+    def held(self, layer: int) -> int:
+        """Cache slots layer ``layer`` holds (``models.tensors.held_slots``: a ring for a
+        sliding window)."""
+        return held_slots(self.ex.spec.layer_spec(layer), self.schedule.slots)
+
     def written(self, m: int) -> int:
         """Cache slots micro-batch ``m`` had written before this step (its write index)."""
         return int(np.asarray(self.steps[m].write_index))
@@ -642,7 +667,7 @@ class _BlockStep:
         layers into accelerator memory (H2D)."""
         i, m = ins.segment, ins.micro
         dispatch = time.perf_counter()
-        r_of = {layer: min(r, self.schedule.slots)
+        r_of = {layer: min(r, self.held(layer))
                 for layer, r in streamed_layers(self.ex.plan, self.segments[i]) if r}
         moved = {layer: jax.device_put(streamed_kv.host_slice(
             {streamed_kv.H: self.caches[m][layer][streamed_kv.H]}, 0, r)[streamed_kv.H],
@@ -655,12 +680,13 @@ class _BlockStep:
     def kv_load(self, index: int, ins: Instruction) -> None:
         """Copy K, V of the written slots from r on (``schedule.copy_end``) into
         accelerator memory (H2D); at r = 0 the copy, padded to S slots, is the cache."""
-        i, m, S = ins.segment, ins.micro, self.schedule.slots
+        i, m = ins.segment, ins.micro
         dispatch = time.perf_counter()
         copies = self.copies.setdefault((i, m), {})
         tails, caches = copies.setdefault("tail", {}), copies.setdefault("cache", {})
         nbytes = padded = 0  # bytes copied; of copies padded into a cache at once
         for layer, r in streamed_layers(self.ex.plan, self.segments[i]):
+            S = self.held(layer)
             parts = streamed_kv.kv_only(self.caches[m][layer])
             end = copy_end(S, r, self.written(m))
             if (r, end) != (0, S):
@@ -686,12 +712,14 @@ class _BlockStep:
         params = dict(zip(seg.ops, self.segment_params(i)))
         spec, held = self.ex.spec, weight_dtype(self.ex.spec, ACCELERATOR)
         kv_start = self.placed_steps[(ACCELERATOR, m)].kv_start
+        written = self.steps[m].write_index
         heads = {layer: streamed_kv.recompute_function(spec.layer_spec(layer), held)(
-                     params[(layer, "K")], params[(layer, "V")], h, kv_start)
+                     params[(layer, "K")], params[(layer, "V")], h, kv_start, written,
+                     self.held(layer))
                  for layer, h in copies.pop("h").items()}
         for layer, head in heads.items():
             copies["cache"][layer] = streamed_kv.assemble(head, copies["tail"].pop(layer),
-                                                          self.schedule.slots)
+                                                          self.held(layer))
         self.acct.apply(ins, {head_key(i, m): tree_bytes(heads),
                               cache_key(i, m): tree_bytes(copies["cache"])})
         self.record(index, ins, ACC_COMPUTE, "recompute K V", (heads, copies["cache"]),

@@ -25,6 +25,7 @@ from hx.executor import Executor
 from hx.models.layers import Cache
 from hx.models.loader import Model
 from hx.models.spec import ModelSpec
+from hx.models.tensors import step_limit
 from hx.models.tokenizer import Tokenizer
 from hx.pipeline import Pipeline
 from hx.plan import ExecutionPlan, Stint, plan_at, recompute_consistent
@@ -34,7 +35,7 @@ from hx.scheduler import BlockConfig, Completion
 from hx.segments import split_segments
 from hx.streamed_kv import keep_h
 from hx.timeline import H2D, Timeline
-from hx.workload import Workload, new_tokens, padded_length, prefill_chunks
+from hx.workload import Workload, new_tokens, padded_length, prefill_chunks, step_chunk
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False) -> list[int]:
@@ -241,7 +242,8 @@ class Engine:
                      f"{workload.cache_slots} KV slots")
         start = time.perf_counter()
         B, S = workload.batch, workload.cache_slots
-        for chunk in set(prefill_chunks(workload.prompt_tokens, self.plan.prefill_chunk)):
+        for chunk in set(prefill_chunks(workload.prompt_tokens, self.plan.prefill_chunk,
+                                        step_limit(self.model.spec))):
             self.executor.compile("prefill", B, chunk, S)
         self.executor.compile("decode", B, 1, S)
         for stint in self.stints[1:]:  # the plans switched to later decode only
@@ -298,7 +300,8 @@ class Engine:
             workload = Workload(B, T, cache_slots)
         self.check(workload)
         compile_s = self._compile(workload, sampling)
-        config = BlockConfig(B, 1, workload.cache_slots, pad=T, chunk=self.plan.prefill_chunk,
+        config = BlockConfig(B, 1, workload.cache_slots, pad=T,
+                             chunk=step_chunk(self.plan.prefill_chunk, step_limit(spec)),
                              refill=False)
         runner = BlockRunner(self, config, sampling, compile_s, on_finish)
         return runner.run(prompts, [min(n, max_new) for n in asked], asked, seeds)

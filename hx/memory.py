@@ -21,7 +21,8 @@ from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.models.tensors import ACTIVATIONS, activation_bytes, held_weights, kv_bytes, step_bytes
+from hx.models.tensors import (ACTIVATIONS, activation_bytes, cache_bytes, held_slots,
+                               held_weights, kv_bytes, step_bytes, step_limit, widest_slots)
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
@@ -174,16 +175,17 @@ def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
                if home == DISK)
 
 
-def step_shapes(plan: ExecutionPlan, workload: Workload, every_chunk: bool = True
-                ) -> list[tuple[str, int, int, int]]:
+def step_shapes(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
+                every_chunk: bool = True) -> list[tuple[str, int, int, int]]:
     """(phase, B rows, T new tokens, N micro-batches) of every step shape a run of
     ``workload`` under ``plan`` takes: prefill at each chunk size (``plan.prefill_chunk``;
     the largest only unless ``every_chunk``) and decode at T = 1, at each row count of
-    ``Workload.step_rows``. XLA's temporaries need not fall with the rows (on XLA:CPU a
+    ``Workload.step_rows``; chunks bounded by ``models.tensors.step_limit``. XLA's temporaries need not fall with the rows (on XLA:CPU a
     float16 matrix-vector product holds a float32 copy of its weight). A prefill chunk is a
     multiple of 16 tokens (``PREFILL_BUCKET``), never a matrix-vector product, and its bytes
     grow with its tokens: planners size the largest."""
-    chunks = sorted(set(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk)))
+    chunks = sorted(set(prefill_chunks(workload.prompt_tokens, plan.prefill_chunk,
+                                       step_limit(spec))))
     chunks = chunks if every_chunk else chunks[-1:]
     return ([("prefill", B, T, workload.prefill_micro_batches)
              for B in workload.step_rows("prefill") for T in chunks]
@@ -196,7 +198,8 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     """Accelerator and host bytes ``plan`` needs to run ``workload``.
 
     Weights as ``held_weight_bytes`` counts them, KV caches on the accelerator
-    ``models.tensors.kv_bytes`` per layer at R = ``workload.rows`` rows (B·N rows of a block
+    ``models.tensors.cache_bytes`` (each layer as held: a sliding window's ring) at
+    ``workload.rows`` rows (B·N rows of a block
     plus spare rows). On top, the highest peak of a dry run (``hx.schedule.dry_run``) of the
     schedule of every step shape the run takes (``step_shapes``): staged weights, step
     inputs, copied-in and held activations, and each accelerator segment's XLA temporaries
@@ -224,15 +227,19 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
     resident, host = held_weight_bytes(plan, spec)
     disk = disk_weight_bytes(plan, spec)
     host += read_buffer_bytes(plan, spec)  # disk weights read into host memory each step
-    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
-    kv_acc = sum(kv_layer for home in plan.kv if home == ACCELERATOR)
-    host += sum(kv_layer for home in plan.kv if home in (HOST, STREAMED))
-    host += kept_activation_bytes(plan, spec, workload)
-    if DISK in plan.kv:  # a layer's cache read into host memory for one micro-batch, twice
-        disk += sum(kv_layer for home in plan.kv if home == DISK)
-        host += 2 * kv_bytes(spec, workload.batch, workload.cache_slots)
+    S = workload.cache_slots
 
-    S, steps = workload.cache_slots, step_shapes(plan, workload, every_chunk=sizing == EXACT)
+    def caches(*homes: str, rows: int = workload.rows) -> int:
+        return cache_bytes(spec, rows, S, [i for i, home in enumerate(plan.kv) if home in homes])
+
+    kv_acc = caches(ACCELERATOR)
+    host += caches(HOST, STREAMED) + kept_activation_bytes(plan, spec, workload)
+    if DISK in plan.kv:  # a layer's cache read into host memory for one micro-batch, twice
+        disk += caches(DISK)
+        host += 2 * max(cache_bytes(spec, workload.batch, S, [i])
+                        for i, home in enumerate(plan.kv) if home == DISK)
+
+    steps = step_shapes(plan, spec, workload, every_chunk=sizing == EXACT)
     temp_bytes = None
     if sizing != UNSIZED:
         programs = programs or programs_for(spec)
@@ -256,11 +263,13 @@ def estimate(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,
 
 
 def kept_activation_bytes(plan: ExecutionPlan, spec: ModelSpec, workload: Workload) -> int:
-    """Host bytes of the activations ``h`` the recomputing layers keep: every one of S slots
-    of ``workload.rows`` rows per layer with r > 0, d_model values each in the model's dtype
-    (``models.tensors.activation_bytes``; KVPR's stored activations, kept for every slot so
-    that r may change: ``hx.streamed_kv``)."""
-    return sum(activation_bytes(spec, "h", workload.rows, workload.cache_slots)
+    """Host bytes of the activations ``h`` the recomputing layers keep: every one of the
+    layer's slots (``models.tensors.held_slots``) of ``workload.rows`` rows per layer with
+    r > 0, d_model values each in the model's dtype (``models.tensors.activation_bytes``;
+    KVPR's stored activations, kept for every slot so that r may change:
+    ``hx.streamed_kv``)."""
+    return sum(activation_bytes(spec, "h", workload.rows,
+                                held_slots(spec.layer_spec(layer), workload.cache_slots))
                for layer in range(plan.n_layers) if plan.recompute(layer))
 
 
@@ -269,7 +278,7 @@ def reframe_bytes(spec: ModelSpec, workload: Workload) -> int:
     held (``models.tensors.kv_bytes``; compressed: its codes, scales and offsets, at least
     its largest array): the temporary of shifting a cache along its slots (iteration-level
     scheduling re-frames a micro-batch's caches one array at a time, between steps)."""
-    return kv_bytes(spec, workload.batch, workload.cache_slots) // 2
+    return kv_bytes(spec, workload.batch, widest_slots(spec, workload.cache_slots)) // 2
 
 
 def describe_batch(workload: Workload) -> str:

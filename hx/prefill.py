@@ -13,6 +13,7 @@ from hx.errors import HxError
 from hx.executor import Executor
 from hx.models.layers import Step
 from hx.models.spec import ModelSpec
+from hx.models.tensors import step_limit
 from hx.workload import prefill_chunks
 
 
@@ -39,7 +40,8 @@ def run_prefill(executor: Executor, tokens: np.ndarray, step: Step, caches: list
     """Run a left-padded prompt batch through ``executor`` in chunks of at most ``chunk``
     tokens (``hx.workload.prefill_chunks``; None: one step): ``prefill_in_chunks``."""
     return prefill_in_chunks(executor, tokens, step, caches,
-                             prefill_chunks(tokens.shape[1], chunk), on_chunk)
+                             prefill_chunks(tokens.shape[1], chunk, step_limit(executor.spec)),
+                             on_chunk)
 
 
 def prefill_in_chunks(executor: Executor, tokens: np.ndarray, step: Step, caches: list,

@@ -47,8 +47,8 @@ from hx.models.layers import Step, append_kv
 from hx.models.decoder import apply_op
 from hx.models.sharding import TP_AXIS, activation_partition, cache_partition, partition
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
-from hx.models.tensors import (OPS, activation_shape, held_weights, kv_arrays, kv_bytes,
-                               kv_format, weight_dtype)
+from hx.models.tensors import (OPS, activation_shape, held_slots, held_weights, kv_arrays,
+                               kv_bytes, kv_format, weight_dtype, widest_slots)
 from hx.plan import ExecutionPlan
 from hx.segments import Segment, split_segments
 from hx.sizing import absent_accelerator
@@ -81,7 +81,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
         for op, p, op_spec in zip(ops, params, specs):
             if OPS[op].uses_cache and not attend:
                 caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index,
-                                         fmt)
+                                         fmt, ring=op_spec.sliding_window is not None)
                 slot += 1
                 continue
             if OPS[op].uses_cache:
@@ -278,12 +278,19 @@ class Programs:
             self.weight_sharding, segment.device)) for _, op in segment.ops)
         acts = _activation_structs(s, segment.reads, batch, tokens, functools.partial(
             self.activation_sharding, segment.device))
-        cache = {name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
-                 for name, (shape, dtype) in kv_arrays(s, batch, slots).items()}
-        caches = tuple(dict(cache) for _ in segment.cache_layers)
+        caches = tuple({name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
+                        for name, (shape, dtype) in kv_arrays(
+                            s, batch, held_slots(s.type_spec(kind), slots)).items()}
+                       for kind in self.cache_types(segment))
         step = Step(_struct((batch, tokens), "int32", where), _struct((), "int32", where),
                     _struct((batch,), "int32", where))
         return params, acts, caches, step
+
+    def cache_types(self, segment: Segment) -> tuple[str, ...]:
+        """The layer type (``layer_types``) of each of ``segment``'s KV caches
+        (``Segment.cache_layers``: its SCORE ops, in order)."""
+        return tuple(kind for (_, op), kind in zip(segment.ops, self.layer_types(segment))
+                     if OPS[op].uses_cache)
 
     def layer_types(self, segment: Segment) -> tuple[str, ...]:
         """Per op of ``segment``, its layer's type (``ModelSpec.layer_type``; "" for EMBED,
@@ -302,7 +309,7 @@ class Programs:
              keep_h: tuple[int, ...] = ()) -> tuple:
         device, ops, _, reads, writes, types = self.signature(segment)
         return (device, ops, reads, writes, types, batch, tokens,
-                slots if segment.cache_layers else 0, keep_h)
+                widest_slots(self.spec, slots) if segment.cache_layers else 0, keep_h)
 
     def _function(self, device: str, ops: tuple[str, ...], writes: tuple[str, ...],
                   attend: bool, keep_h: tuple[int, ...] = (), types: tuple[str, ...] = ()):
@@ -318,9 +325,11 @@ class Programs:
         device, ops, _, _, writes, types = self.signature(segment)
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
         s = self.spec
-        elements = 2 * batch * slots * s.n_kv_heads * s.head_dim
+        held = max((held_slots(s.type_spec(kind), slots) for kind in self.cache_types(segment)),
+                   default=slots)  # the largest cache a SCORE of the segment reads
+        elements = 2 * batch * held * s.n_kv_heads * s.head_dim
         if device != HOST or not segment.cache_layers or not attends_in_numpy(
-                batch, slots, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, slots) / elements):
+                batch, held, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, held) / elements):
             return self._function(device, ops, writes, True, keep_h, types).lower(
                 params, acts, caches, step)
         where = self.shardings[HOST]

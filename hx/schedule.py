@@ -70,7 +70,8 @@ from typing import Callable, Hashable, NamedTuple
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
-from hx.models.tensors import ACTIVATIONS, OPS, activation_bytes, kv_bytes, step_bytes
+from hx.models.tensors import (ACTIVATIONS, OPS, activation_bytes, cache_bytes, held_slots,
+                               kv_bytes, step_bytes)
 from hx.plan import DISK, STREAMED, ExecutionPlan
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
@@ -323,8 +324,8 @@ class _Builder:
         self.held: set[tuple[str, int]] = set()
         # per segment: (layer, r) of its streamed caches; how many of its caches are on disk
         self.streamed = [streamed_layers(plan, seg) for seg in segments]
-        self.disk_caches = [sum(plan.kv[layer] == DISK for layer in seg.cache_layers)
-                            if DISK in plan.kv else 0 for seg in segments]
+        self.disk_caches = [tuple(layer for layer in seg.cache_layers if plan.kv[layer] == DISK)
+                            for seg in segments]
         self.act_sizes = activation_sizes(spec, batch, tokens)
         weights = plan.weights
         self.reads_disk = DISK in (weights.embed, weights.head) or any(
@@ -417,13 +418,17 @@ class _Builder:
         self.add(producers, MOVE, i, m, resource, moves, nbytes,
                  allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ())
 
+    def slots_of(self, layer: int) -> int:
+        """Cache slots layer ``layer`` holds (``models.tensors.held_slots``)."""
+        return held_slots(self.spec.layer_spec(layer), self.S)
+
     def kv_read(self, i: int, m: int) -> int | None:
         """Micro-batch ``m``'s KV caches of segment ``i``'s disk-homed layers into host
         memory (all S slots; the simulator prices the positions written before the step)."""
         layers = self.disk_caches[i]
         if not layers:
             return None
-        nbytes = layers * kv_bytes(self.spec, self.B, self.S)
+        nbytes = cache_bytes(self.spec, self.B, self.S, layers)
         return self.add([self.synced], KV_READ, i, m, DISK_READ, ("kv",), nbytes)
 
     def launch(self, i: int, m: int) -> None:
@@ -468,13 +473,14 @@ class _Builder:
         layers = self.streamed[i]
         r = sum(r for _, r in layers)
         if r:
-            head = sum(kv_bytes(self.spec, self.B, min(r, self.S)) for _, r in layers)
-            held = len(layers) * kv_bytes(self.spec, self.B, self.S)
+            head = sum(kv_bytes(self.spec, self.B, min(r, self.slots_of(layer)))
+                       for layer, r in layers)
+            held = cache_bytes(self.spec, self.B, self.S, [layer for layer, _ in layers])
             after = [self.last.get((STAGE, i)), self.synced if self.segments[i].streams
                      else None]
             # the K and V products in float32 before their cast: the recompute's temporaries
-            temp = sum(2 * self.B * min(r, self.S) * self.spec.n_kv_heads
-                       * self.spec.head_dim * 4 for _, r in layers)
+            temp = sum(2 * self.B * min(r, self.slots_of(layer)) * self.spec.n_kv_heads
+                       * self.spec.head_dim * 4 for layer, r in layers)
             deps.append(self.add(
                 self.loads[(i, m)][:1] + after, RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
                 tokens=r,
@@ -496,8 +502,8 @@ class _Builder:
         i, m = pair
         after = [self.last_store.get(self.kv_pairs[k - 2])] if k >= 2 else []
         layers = self.streamed[i]
-        acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B, self.S, r)
-                                   for _, r in layers)))
+        acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B, self.slots_of(layer), r)
+                                   for layer, r in layers)))
         r = sum(r for _, r in layers)
         self.loads[pair] = []
         allocs = [(copy_key(i, m), "kv", kvs)]
@@ -506,8 +512,8 @@ class _Builder:
                 after, ACT_LOAD, i, m, H2D, ("h",), acts,
                 allocs=((act_copy_key(i, m), "kv", acts),), tokens=r))
         else:  # the copy, padded to S slots, is the cache
-            allocs.append((cache_key(i, m), "kv", len(layers) * kv_bytes(self.spec, self.B,
-                                                                         self.S)))
+            allocs.append((cache_key(i, m), "kv", cache_bytes(self.spec, self.B, self.S,
+                                                              [layer for layer, _ in layers])))
         self.loads[pair].append(self.add(
             after, KV_LOAD, i, m, H2D, ("k", "v"), kvs, allocs=tuple(allocs),
             releases=() if r else (copy_key(i, m),)))

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hx.models.layers import Cache, Step, kv_parts
+from hx.models.layers import Cache, Step, kv_parts, read_slots, ring_positions, write_slots
 
 from hx.models.decoder import apply_op
 from hx.models.spec import ModelSpec
@@ -80,38 +80,40 @@ def assemble(head: Cache, tail: Cache, slots: int) -> Cache:
 
 @functools.lru_cache(maxsize=None)
 def recompute_function(spec: ModelSpec, held: str):
-    """``(K params, V params, h (B, r, D), kv_start (B,)) -> head``: the K, V of slots [0, r)
-    from their kept activations, by the layer's own K and V ops (``models.decoder.apply_op``
-    with ``spec``, the layer's: ``ModelSpec.layer_spec``, its RoPE; weights in ``held``), in
-    the cache's format (``models.layers.kv_parts``; dense in the model's dtype). Jitted; runs
-    where its arguments are (the accelerator)."""
+    """``(K params, V params, h (B, r, D), kv_start (B,), written, slots) -> head``: the K, V
+    of cache indices [0, r) from their kept activations, by the layer's own K and V ops
+    (``models.decoder.apply_op`` with ``spec``, the layer's: ``ModelSpec.layer_spec``, its
+    RoPE; weights in ``held``), in the cache's format (``models.layers.kv_parts``; dense in
+    the model's dtype). Each index's position is that of the slot it holds once ``written``
+    slots are (``models.layers.ring_positions`` of a cache of ``slots`` indices: a ring's
+    indices hold later slots once it wraps). Jitted; runs where its arguments are (the
+    accelerator)."""
     fmt = kv_format(spec)
 
-    def run(k_params, v_params, h, kv_start):
+    def run(k_params, v_params, h, kv_start, written, slots):
         r = h.shape[1]
-        positions = jnp.maximum(jnp.arange(r, dtype=jnp.int32)[None, :] - kv_start[:, None], 0)
+        held_slot = ring_positions(jnp.arange(r, dtype=jnp.int32), slots, written)
+        positions = jnp.maximum(held_slot[None, :] - kv_start[:, None], 0)
         step = Step(positions, jnp.int32(0), kv_start)
         k, _ = apply_op(spec, "K", k_params, {H: h}, step, held=held)
         v, _ = apply_op(spec, "V", v_params, {H: h}, step, held=held)
         return kv_parts(k["k"], v["v"], fmt, spec.dtype)
 
-    return jax.jit(run)
+    return jax.jit(run, static_argnums=(5,))
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def new_positions(cache: Cache, write_index: jax.Array, tokens: int) -> Cache:
-    """The ``tokens`` slots from ``write_index`` of a launch's cache (its new positions), and
-    ``h`` as it is (the launch returns only the new positions' ``h``)."""
-    return {name: a if name == H else jax.lax.dynamic_slice_in_dim(a, write_index, tokens, 1)
+    """The ``tokens`` slots from ``write_index`` of a launch's cache (its new positions; a
+    ring's at their indices, ``models.layers.read_slots``), and ``h`` as it is (the launch
+    returns only the new positions' ``h``)."""
+    return {name: a if name == H else read_slots(a, write_index, tokens, ring=True)
             for name, a in cache.items()}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def write_back(host: Cache, new: Cache, write_index: jax.Array) -> Cache:
-    """``host`` (donated) with ``new``'s slots written from ``write_index``."""
-    out = dict(host)
-    for name, a in new.items():
-        out[name] = jax.lax.dynamic_update_slice(host[name], a.astype(host[name].dtype),
-                                                 (0, write_index) + (0,) * (a.ndim - 2))
-    return out
-
+    """``host`` (donated) with ``new``'s slots written from ``write_index`` (a ring's at their
+    indices, ``models.layers.write_slots``)."""
+    return {**host, **{name: write_slots(host[name], a, write_index, ring=True)
+                       for name, a in new.items()}}

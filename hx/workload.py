@@ -47,21 +47,29 @@ def powers_of_two(rows: int) -> list[int]:
     return [1 << k for k in range(rows.bit_length()) if 1 << k <= rows]
 
 
-def prefill_chunks(prompt_tokens: int, chunk: int | None) -> list[int]:
+def prefill_chunks(prompt_tokens: int, chunk: int | None, limit: int | None = None
+                   ) -> list[int]:
     """Tokens per prefill step when a prompt of ``prompt_tokens`` (padded) tokens is prefilled
-    in chunks of at most ``chunk`` tokens (None: one step). The first chunk takes the
-    remainder, so the others share one compiled shape; every chunk attends over the cache the
-    chunks before it wrote.
+    in chunks of at most ``chunk`` tokens (None: one step), and of at most ``limit`` where
+    one is given (a model with sliding windows: ``models.tensors.step_limit``). The first
+    chunk takes the remainder, so the others share one compiled shape; every chunk attends
+    over the cache the chunks before it wrote.
 
     Raises:
       ValueError: ``chunk`` < 1.
     """
+    chunk = step_chunk(chunk, limit)
     if chunk is None or chunk >= prompt_tokens:
         return [prompt_tokens]
     if chunk < 1:
         raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
     n = -(-prompt_tokens // chunk)
     return [prompt_tokens - (n - 1) * chunk] + [chunk] * (n - 1)
+
+
+def step_chunk(chunk: int | None, limit: int | None) -> int | None:
+    """A prefill chunk (None: the whole prompt) bounded by ``limit`` (None: no bound)."""
+    return chunk if limit is None else min(chunk or limit, limit)
 
 
 @dataclass(frozen=True)

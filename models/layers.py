@@ -268,8 +268,10 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
 
     Args:
       q: (B, T, H, E) queries of the new tokens, slots ``write_index .. write_index+T-1``.
-      cache: {"k", "v"}: (B, S, K, E) with the new tokens' keys/values written (compressed
-        in ``fmt`` when given: decompressed whole to float32 first, ``read_kv``).
+      cache: {"k", "v"}: (B, R, K, E) with the new tokens' keys/values written (compressed
+        in ``fmt`` when given: decompressed whole to float32 first, ``read_kv``); a ring of
+        R slots, slot s at index s mod R (``ring_positions``; R >= every slot written: the
+        slots in order).
       step: ``kv_start`` masks each row's left padding; causality masks future slots.
       window: a query sees only the last ``window`` slots, its own included (sliding-window
         attention, ``ModelSpec.sliding_window``); None: every slot before it.
@@ -279,16 +281,25 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
     """
     B, T, H, E = q.shape
     ck, cv = read_kv(cache, "k", fmt), read_kv(cache, "v", fmt)
-    S, K = ck.shape[1], ck.shape[2]
+    R, K = ck.shape[1], ck.shape[2]
     qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
     scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
-    slot = jnp.arange(S)[None, None, :]  # (1,1,S)
+    slot = ring_positions(jnp.arange(R), R, step.write_index + T)[None, None, :]  # (1,1,R)
     query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
-    valid = visible(slot, query_slot, step.kv_start[:, None, None], window)  # (B,T,S)
+    valid = visible(slot, query_slot, step.kv_start[:, None, None], window)  # (B,T,R)
     scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,S)
+    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,R)
     o = jnp.einsum("bkgts,bske->btkge", probs, cv)
     return o.reshape(B, T, H, E).astype(q.dtype)
+
+
+def ring_positions(index, size: int, end):
+    """The slot held at cache index ``index`` (array or int, numpy or JAX) of a ring of ``size``
+    indices once slots ``0 .. end - 1`` are written (slot s at index s mod size): the last
+    such slot, ``index + size * floor((end - 1 - index) / size)``; negative where none was
+    written (masked: below every ``kv_start``). A cache of at least ``end`` slots is the
+    identity on its written part."""
+    return index + size * ((end - 1 - index) // size)
 
 
 def visible(slot, query_slot, kv_start, window: int | None):
@@ -310,15 +321,32 @@ def kv_parts(k: jax.Array, v: jax.Array, fmt: Format | None, dtype) -> Cache:
 
 
 def append_kv(cache: Cache, k: jax.Array, v: jax.Array, write_index: jax.Array,
-              fmt: Format | None = None) -> Cache:
+              fmt: Format | None = None, ring: bool = False) -> Cache:
     """Write k, v (B,T,K,E) into cache slots ``write_index .. write_index+T-1``: as they are
     (in the cache's dtype), or quantized into ``fmt`` (``quantize_kv``: only the new
-    positions; the slots before are never touched)."""
-    out = dict(cache)
-    for key, a in kv_parts(k, v, fmt, cache["k"].dtype).items():
-        at = (0, write_index) + (0,) * (a.ndim - 2)
-        out[key] = jax.lax.dynamic_update_slice(cache[key], a, at)
-    return out
+    positions; the slots before are never touched). ``ring``: the cache may be a ring
+    (a sliding-window layer's, ``models.tensors.held_slots``): slot s at index s mod R."""
+    return {**cache, **{key: write_slots(cache[key], a, write_index, ring)
+                        for key, a in kv_parts(k, v, fmt, cache["k"].dtype).items()}}
+
+
+def write_slots(a: jax.Array, new: jax.Array, write_index: jax.Array, ring: bool) -> jax.Array:
+    """``a`` (B, R, ...) with ``new`` (B, T, ...) written at slots ``write_index ..
+    write_index+T-1`` (T <= R), as ``new`` stands or cast to ``a``'s dtype; ``ring``: at
+    indices modulo R (``ring_positions``)."""
+    new = new.astype(a.dtype)
+    if not ring:
+        return jax.lax.dynamic_update_slice(a, new, (0, write_index) + (0,) * (a.ndim - 2))
+    return a.at[:, (write_index + jnp.arange(new.shape[1])) % a.shape[1]].set(
+        new, unique_indices=True)
+
+
+def read_slots(a: jax.Array, write_index: jax.Array, tokens: int, ring: bool) -> jax.Array:
+    """The ``tokens`` slots of ``a`` (B, R, ...) from ``write_index`` (``write_slots``'
+    inverse)."""
+    if not ring:
+        return jax.lax.dynamic_slice_in_dim(a, write_index, tokens, 1)
+    return jnp.take(a, (write_index + jnp.arange(tokens)) % a.shape[1], axis=1)
 
 
 class ScoreOp(nn.Module):
@@ -335,9 +363,9 @@ class ScoreOp(nn.Module):
     attend: Callable[..., jax.Array] = attention
 
     def __call__(self, q, k, v, step: Step, cache: Cache) -> tuple[tuple[jax.Array], Cache]:
-        fmt = kv_format(self.spec)
-        cache = append_kv(cache, k, v, step.write_index, fmt)
-        return (self.attend(q, cache, step, fmt, self.spec.sliding_window),), cache
+        fmt, window = kv_format(self.spec), self.spec.sliding_window
+        cache = append_kv(cache, k, v, step.write_index, fmt, ring=window is not None)
+        return (self.attend(q, cache, step, fmt, window),), cache
 
 
 

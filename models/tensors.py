@@ -13,7 +13,8 @@ D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary
   offsets (``models.formats``); ``layer_key`` names a layer in the parameter tree.
 * **KV cache**: per layer a K and a V array of logical shape (B, S, K, E) (``kv_shape``),
   held in the model's dtype or, compressed (``ModelSpec.kv_format``), as codes, scales and
-  offsets grouped along E (``kv_format``, ``kv_arrays``, ``kv_bytes``).
+  offsets grouped along E (``kv_format``, ``kv_arrays``, ``kv_bytes``). A sliding-window
+  layer holds a ring of fewer slots (``held_slots``; ``cache_bytes`` sums the layers).
 * **Activations** between ops: ``ACTIVATIONS`` maps each name of the op table (``OPS``) to its
   axes and dtype; ``activation_shape`` and ``activation_bytes`` read it.
 * **Step inputs**: int32 positions (B, T), a write index and row starts (B,) (``step_bytes``).
@@ -109,6 +110,57 @@ def kv_shape(spec: ModelSpec, rows: int, slots: int) -> tuple[int, int, int, int
     """Logical shape (B, S, K, E) of one layer's K (and of its V): ``rows`` rows of ``slots``
     cache slots; ``kv_arrays`` gives the arrays that hold it."""
     return rows, slots, spec.n_kv_heads, spec.head_dim
+
+
+# Most tokens one step writes into a sliding-window layer's ring (llama.cpp's default micro-batch,
+# ``n_ubatch``, which its sliding-window cache is sized by: ``n_swa + n_ubatch``)
+RING_STEP = 512
+RING_QUANTUM = 16  # a ring's slots are a multiple of this (its blocked reads stay whole)
+
+
+def step_limit(spec: ModelSpec) -> int | None:
+    """Most tokens one step may write (a prefill chunk's bound) so that every sliding-window
+    layer's ring holds what its queries see (``held_slots``): ``min(window, RING_STEP)`` of
+    the smallest window; None for a model without sliding windows (no bound)."""
+    windows = [spec.type_spec(kind).sliding_window for kind in spec.layer_types or ("",)]
+    windows = [w for w in windows if w is not None]
+    return min(min(w, RING_STEP) for w in windows) if windows else None
+
+
+def held_slots(layer_spec: ModelSpec, slots: int) -> int:
+    """KV-cache slots a layer holds in a run of ``slots`` slots (S), given the layer's spec
+    (``ModelSpec.layer_spec``): S; for a sliding window of w, a ring of at most
+    w + min(w, RING_STEP) - 1 slots (rounded up to ``RING_QUANTUM``), slot s at index
+    s mod R (``models.layers.ring_positions``). A step of T <= ``step_limit`` tokens writes
+    its keys then attends: its first query sees the w - 1 slots before it, its last the T - 1
+    new ones after, so w + T - 1 slots must be held (llama.cpp sizes its sliding-window cache
+    so: ``n_swa + n_ubatch``)."""
+    w = layer_spec.sliding_window
+    if w is None:
+        return slots
+    ring = -(-(w + min(w, RING_STEP) - 1) // RING_QUANTUM) * RING_QUANTUM
+    return min(slots, ring)
+
+
+def widest_slots(spec: ModelSpec, slots: int) -> int:
+    """Slots of the widest KV cache a run of ``slots`` slots holds: ``slots``, or where every
+    layer has a sliding window, the largest ring (from which each layer's follows alike:
+    ``held_slots`` of either gives the same caches)."""
+    return max(held_slots(spec.type_spec(kind), slots) for kind in spec.layer_types or ("",))
+
+
+def cache_bytes(spec: ModelSpec, rows: int, slots: int, layers: Iterable[int]) -> int:
+    """Bytes of the KV caches of decoder ``layers`` at ``rows`` rows in a run of ``slots``
+    slots, each as held (``kv_bytes`` of its ``held_slots``)."""
+    return sum(kv_bytes(spec, rows, held_slots(spec.layer_spec(i), slots)) for i in layers)
+
+
+def layer_cache_bytes(spec: ModelSpec, rows: int, slots: int) -> int:
+    """One decoder layer's KV-cache bytes averaged over the model's layers (``cache_bytes``
+    of them all over their count, rounded up): what planners that price every layer alike
+    count per layer, exact in total where every layer's cache has one home (the memory
+    estimate counts each layer's own)."""
+    return -(-cache_bytes(spec, rows, slots, range(spec.n_layers)) // spec.n_layers)
 
 
 def kv_format(spec: ModelSpec) -> Format | None:

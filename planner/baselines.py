@@ -13,7 +13,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, activation_reserve, check_fits
 from hx.models.spec import HEAD, LAYER_OPS, SCORE, ModelSpec
-from hx.models.tensors import kv_bytes
+from hx.models.tensors import layer_cache_bytes
 from hx.plan import DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan
 from hx.planner.fitting import fits
 from hx.planner.patterns import Pattern, layer_plan
@@ -56,7 +56,7 @@ def min_max(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workloa
     times = _op_times(spec, profile, workload)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)
-    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
+    kv_layer = layer_cache_bytes(spec, workload.rows, workload.cache_slots)
     state: dict[tuple[int | None, str], str] = {(i, op): HOST for i in range(spec.n_layers)
                                                 for op in LAYER_OPS}
     state[(None, HEAD)] = HOST
@@ -129,7 +129,7 @@ def flexgen_lp(spec: ModelSpec, profile: HardwareProfile, devices: Devices, work
     L = spec.n_layers
     times = _op_times(spec, profile, workload)
     layer_w = spec.layer_weight_bytes
-    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
+    kv_layer = layer_cache_bytes(spec, workload.rows, workload.cache_slots)
     acc_compute = sum(times[ACCELERATOR][op] for op in WEIGHTED_OPS)
     capacity = devices.accelerator.capacity
     act = _reserve(spec, workload)

@@ -22,7 +22,7 @@ from hx.devices import ACCELERATOR, Devices
 from hx.errors import HxError
 from hx.memory import PROXY, activation_reserve, check_fits, estimate, head_reserve
 from hx.models.spec import ModelSpec
-from hx.models.tensors import kv_bytes
+from hx.models.tensors import cache_bytes
 from hx.plan import RESIDENT, ExecutionPlan
 from hx.planner.cpsat_model import Hint, solve_counts
 from hx.planner.fitting import CHUNKS, fit_prefill_chunk, fits
@@ -368,8 +368,8 @@ def solve(spec: ModelSpec, profile: HardwareProfile, devices: Devices, workload:
     """
     # the disk tier only when host memory cannot hold the weights and the KV cache: its twins
     # nearly triple the patterns, and CP-SAT's search time with them
-    host_need = spec.weight_bytes + spec.n_layers * kv_bytes(spec, workload.rows,
-                                                             workload.cache_slots)
+    host_need = spec.weight_bytes + cache_bytes(spec, workload.rows, workload.cache_slots,
+                                                range(spec.n_layers))
     short = devices.host.capacity is not None and host_need > devices.host.capacity
     disk = short and bool(profile.disk_read_bandwidth)
     if whole_run:

@@ -25,7 +25,7 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST
 from hx.memory import held_weight_bytes
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
-from hx.models.tensors import activation_bytes, kv_bytes, weight_dtype
+from hx.models.tensors import activation_bytes, layer_cache_bytes, weight_dtype
 from hx.plan import (DISK, RESIDENT, STREAMED, WEIGHTED_OPS, ExecutionPlan, Placement,
                      WeightHomes, score_device)
 from hx.planner.profile import HardwareProfile
@@ -187,7 +187,7 @@ def copied_cache_bytes(spec: ModelSpec, pattern: Pattern, workload: Workload) ->
     once (the double buffer)."""
     if pattern.kv != STREAMED:
         return 0
-    return (2 * kv_bytes(spec, workload.batch, workload.cache_slots)
+    return (2 * layer_cache_bytes(spec, workload.batch, workload.cache_slots)
             + activation_bytes(spec, "h", workload.batch, pattern.recompute))
 
 
@@ -211,7 +211,7 @@ def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
     p = with_recompute(spec, profile, pattern, workload, context)
     seconds = marginal_seconds(spec, profile, p, "decode", workload.batch, 1,
                                workload.cache_slots, context, workload.micro_batches)
-    kv_layer = kv_bytes(spec, workload.rows, workload.cache_slots)
+    kv_layer = layer_cache_bytes(spec, workload.rows, workload.cache_slots)
     resident = sum(spec.op_weight_bytes(op) for op, s in zip(WEIGHTED_OPS, p.ops)
                    if s == RESIDENT)
     host = sum(spec.op_weight_bytes(op, weight_dtype(spec, HOST)) if s == HOST  # host dtype
@@ -229,7 +229,7 @@ def price_pattern(spec: ModelSpec, profile: HardwareProfile, pattern: Pattern,
         staged[0] if staged else 0, staged[-1] if staged else 0,
         host + (kv_layer if p.kv in (HOST, STREAMED) else 0) + kept,
         ACCELERATOR in p.devices(), _switches(p.devices()),
-        max(on_disk) + (kv_bytes(spec, workload.batch, workload.cache_slots)
+        max(on_disk) + (layer_cache_bytes(spec, workload.batch, workload.cache_slots)
                         if p.kv == DISK else 0),
         staged_pair=max(map(sum, zip(staged, staged[1:])), default=sum(staged)))
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.models.tensors import int4_matrices, kv_bytes, weight_dtype
-from hx.plan import ExecutionPlan
+from hx.models.tensors import held_slots, int4_matrices, kv_bytes, weight_dtype
+from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.mesh import collective_seconds
 from hx.planner.profile import HardwareProfile
@@ -144,11 +144,12 @@ def assemble_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProf
     S written at the accelerator's memory bandwidth; 0 for a cache copied whole (r = 0 and the
     written slots' quanta reach S: the copy is the cache)."""
     acc, seconds = profile.device(ACCELERATOR), 0.0
-    for _, r in streamed_layers(plan, segment):
-        end = copy_end(slots, r, prior)
-        if r or end < slots:
+    for layer, r in streamed_layers(plan, segment):
+        held = held_slots(spec.layer_spec(layer), slots)
+        end = copy_end(held, r, prior)
+        if r or end < held:
             seconds += acc.launch_seconds(batch) + (
-                kv_bytes(spec, batch, end) + kv_bytes(spec, batch, slots)) / acc.memory_bandwidth
+                kv_bytes(spec, batch, end) + kv_bytes(spec, batch, held)) / acc.memory_bandwidth
     return seconds
 
 
@@ -182,13 +183,17 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
                     tokens: int, slots: int, context: int,
                     memo: dict[tuple[str, str], float]) -> float:
     """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
-    ``op_seconds`` at these shapes (``step_memo``)."""
+    ``op_seconds`` at these shapes (``step_memo``); a SCORE's per layer window: a
+    sliding-window layer's over its ring (``models.tensors.held_slots``), at most that many
+    slots in use."""
     total = 0.0
-    for _, op in segment.ops:
-        key = (segment.device, op)
+    for layer, op in segment.ops:
+        window = None if layer is None else spec.layer_spec(layer).sliding_window
+        key = (segment.device, op, window if op == SCORE else None)
         if key not in memo:
-            memo[key] = op_seconds(spec, profile, segment.device, op, batch, tokens, slots,
-                                   context)
+            held = held_slots(spec.layer_spec(layer), slots) if op == SCORE else slots
+            memo[key] = op_seconds(spec, profile, segment.device, op, batch, tokens, held,
+                                   min(context, held))
         total += memo[key]
     return total
 
@@ -241,8 +246,11 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             name, duration, nbytes = f"wait {i}", profile.sync_overhead, 0
         elif kind == READ:
             name, duration = f"read {i}", nbytes / _disk(profile, plan)
-        elif kind == KV_READ:  # the prefix written before the step
-            nbytes = nbytes * prior // slots
+        elif kind == KV_READ:  # the prefix written before the step (a ring's, at most whole)
+            nbytes = sum(kv_bytes(spec, batch, min(prior, held_slots(spec.layer_spec(layer),
+                                                                      slots)))
+                         for layer in schedule.segments[i].cache_layers
+                         if plan.kv[layer] == DISK)
             name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
         elif kind == KV_STORE:
             name = f"kv store {i}"
@@ -267,17 +275,20 @@ def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfi
     streamed layers). A copy of part of the host cache is sliced there first
     (``hx.streamed_kv.host_slice``: the ``h`` of [0, r) always, K and V unless the whole
     cache crosses): a host launch and the bytes read and written at its memory bandwidth."""
-    layers = streamed_layers(plan, seg)
+    layers = [(held_slots(spec.layer_spec(layer), slots), r)
+              for layer, r in streamed_layers(plan, seg)]  # a ring's slots, not S
     if kind == RECOMPUTE:
-        return "recompute K V", sum(recompute_seconds(spec, profile, batch, min(r, prior))
-                                    for _, r in layers), 0
+        return "recompute K V", sum(recompute_seconds(spec, profile, batch,
+                                                      min(r, prior, held))
+                                    for held, r in layers), 0
     part = 0 if kind == ACT_LOAD else 1
     host = profile.device(HOST)
     seconds = nbytes = 0
-    for _, r in layers:
-        moved = kv_link_bytes(spec, batch, prior, r)[part]
-        seconds += kv_load_seconds(spec, profile, batch, prior, r)[part]
-        if kind == ACT_LOAD or r or copy_end(slots, 0, prior) < slots:  # sliced on the host
+    for held, r in layers:
+        written = min(prior, held)
+        moved = kv_link_bytes(spec, batch, written, r)[part]
+        seconds += kv_load_seconds(spec, profile, batch, written, r)[part]
+        if kind == ACT_LOAD or r or copy_end(held, 0, written) < held:  # sliced on the host
             seconds += host.launch_seconds(batch) + 2 * moved / host.memory_bandwidth
         nbytes += moved
     return ("h" if kind == ACT_LOAD else "KV"), seconds, nbytes

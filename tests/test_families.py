@@ -31,6 +31,7 @@ from hx.errors import HxError
 from hx.generate import Engine
 from hx.models.family import HF_IGNORED, family
 from hx.models.safetensors_loader import spec_from_config
+from hx.models.tensors import step_limit
 from hx.planner import policies
 from hx.sampling import SamplingParams
 from hx.workload import Workload
@@ -84,6 +85,10 @@ def test_matches_transformers(checkpoint):
         assert [c.token_ids for c in completions] == ref_greedy, plan_name
         if devices.accelerator.capacity is not None:
             assert engine.accountant.peak <= devices.accelerator.capacity
+    if step_limit(model.spec) is not None:  # its windowed layers held rings, the others S
+        held = {c["k"].shape[1] for c in engine.executor.new_cache(1, 64)}
+        assert held == ({16, 64} if model.spec.layer_types else {16})
+        engine.executor.release_cache()
     assert sum(map(len, ref_greedy)) >= NEW_TOKENS  # real continuations were compared
 
 

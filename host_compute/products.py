@@ -4,12 +4,14 @@ executor passes ``HOST_PRODUCTS`` to them, as it passes the host's attention ker
 from __future__ import annotations
 
 from hx.devices import HOST
-from hx.host_compute import int4_kernel
+from hx.host_compute import ggml_kernel, int4_kernel
 from hx.models.compressed import DEFAULT_PRODUCTS, Products
 
-# torch's int4 kernel up to its rows; a one-row LM-head product over a float32 table
+# torch's int4 kernel and ggml's up to their rows; a one-row LM-head product over a float32
+# table
 HOST_PRODUCTS = Products(int4=int4_kernel.matmul, int4_rows=int4_kernel.KERNEL_ROWS,
-                         head_vector_f32=True)
+                         head_vector_f32=True, blocks=ggml_kernel.matmul,
+                         blocks_rows=ggml_kernel.KERNEL_ROWS)
 
 
 def products_on(device: str) -> Products:

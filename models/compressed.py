@@ -9,9 +9,12 @@ last -- is held as one of:
 * ``Int4Packed``: a 4-bit format in the layout torch's CPU int4 kernel multiplies
   (``Format.int4pack_arrays``: packed codes in torch's row blocks, bfloat16 scale-and-zero
   pairs; the format and the row block static), made at load under ``host_matmul`` torch-int4
-  (``hx.host_compute.int4_kernel.int4pack_params``).
+  (``hx.host_compute.int4_kernel.int4pack_params``);
+* ``GGUFBlocks``: a GGUF block format (q4_0, q4_1, q8_0) in the file's own blocks, the layout
+  ggml multiplies (``Format.blocks_arrays``), made at load under ``host_matmul`` ggml
+  (``GGUFBlocks.from_group``).
 
-Both compressed types are registered pytree nodes whose children are keyed as dict entries
+The compressed types are registered pytree nodes whose children are keyed as dict entries
 (``codes``, ``scale``, ``offset``; ``packed``, ``sz``), so a parameter tree's key paths read
 ``.../wq/kernel/codes`` as the byte tables (``ModelSpec.op_weight_arrays``), the executor's
 placement and ``models.sharding`` name them: every array is placed, streamed, split and
@@ -19,7 +22,8 @@ counted as a leaf, and the type rides along as static data.
 
 ``product`` dispatches on the held type (``functools.singledispatch``): a dense matrix is
 multiplied as it is; a compressed one is decompressed right before its product (``after``)
--- or, an ``Int4Packed`` one, multiplied by the kernel the caller passes in ``Products``
+-- or, an ``Int4Packed`` or ``GGUFBlocks`` one, multiplied by the kernel the caller passes in
+``Products``
 (the executor passes the host's for host ops, as it passes SCORE's ``attend``), so model code
 holds no device choice.
 """
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey
 
-from hx.models.formats import Format
+from hx.models.formats import GGUF_BLOCKS, Format
 
 
 def dequantize_parts(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...],
@@ -170,6 +174,74 @@ def unpack_rows(packed, block: int, lift: Callable[[Any], Any] = lambda c: c):
     return codes.transpose(0, 2, 1).reshape(n, 2 * half)
 
 
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A matrix in a GGUF's own blocks (``Format.blocks_arrays``): per row of N = prod(out)
+    rows, in / g blocks of ``fmt.block_bytes`` bytes: the group's float16 scale, in q4_1 its
+    float16 offset, then its codes (4-bit: element j of the group in the low nibble of byte
+    j, j + g/2 in the high one; q8_0: int8, code - 128).
+
+    Attributes:
+      blocks: uint8 (N, in / g * block bytes).
+      fmt: its format (static).
+    """
+
+    blocks: Any
+    fmt: Format
+
+    def parts(self) -> dict[str, Any]:
+        return {"blocks": self.blocks}
+
+    def map(self, fn: Callable[[Any], Any]) -> "GGUFBlocks":
+        """``fn`` applied to the blocks (a gather or slice of rows: the blocks stay whole)."""
+        return GGUFBlocks(fn(self.blocks), self.fmt)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The 2-D product's (N, K)."""
+        n, row = self.blocks.shape
+        return n, row // self.fmt.block_bytes * self.fmt.group
+
+    def group_parts(self, xp=jnp) -> dict[str, Any]:
+        """The ``GroupMatrix`` arrays (codes, scale[, offset]) of the blocks, (N, in / g, ...),
+        as views (numpy) or slices (JAX) of them."""
+        fmt, (n, k) = self.fmt, self.shape
+        b = self.blocks.reshape(n, k // fmt.group, fmt.block_bytes)
+        half = (lambda a: jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], 1, 2), jnp.float16)
+                .reshape(a.shape[:-1])) if xp is jnp else (
+            lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0])
+        parts = {"scale": half(b[..., 0:2])}
+        start = 2
+        if fmt.asymmetric:
+            parts["offset"], start = half(b[..., 2:4]), 4
+        codes = b[..., start:]
+        parts["codes"] = codes ^ 128 if fmt.bits == 8 else codes
+        return parts
+
+    def decompress(self, dtype, after: jax.Array | None = None) -> jax.Array:
+        """The (N, K) matrix in ``dtype`` (``dequantize_parts`` of ``group_parts``), its
+        blocks read after ``after`` exists (``dequantize_parts``' dependency, on the blocks
+        themselves: the codes and scales are both cut from them)."""
+        held = self
+        if after is not None:
+            held = self.map(lambda b: b + (after.reshape(-1)[0] * 0).astype(b.dtype))
+        return dequantize_parts(held.group_parts(), self.fmt, self.shape, dtype)
+
+    @classmethod
+    def from_group(cls, held: "GroupMatrix", shape: tuple[int, int]) -> "GGUFBlocks":
+        """``held`` (numpy arrays) in blocks, as the 2-D product (N, K) ``shape`` it computes
+        (``ModelSpec.product_shape``)."""
+        fmt = held.fmt
+        n, k = shape
+        groups = k // fmt.group
+        pieces = [np.asarray(held.scale).reshape(n, groups, 1).view(np.uint8)]
+        if fmt.asymmetric:
+            pieces.append(np.asarray(held.offset).reshape(n, groups, 1).view(np.uint8))
+        codes = np.asarray(held.codes).reshape(n, groups, -1)
+        pieces.append(codes ^ 128 if fmt.bits == 8 else codes)
+        return cls(np.concatenate(pieces, axis=-1).reshape(n, -1), fmt)
+
+
 def _register(cls, static: Callable[[Any], tuple], build: Callable[..., Any]) -> None:
     """Register ``cls`` as a pytree node: children ``parts()`` keyed as dict entries, the
     ``static`` fields as auxiliary data; ``build(aux, children)`` rebuilds it."""
@@ -191,17 +263,20 @@ def _register(cls, static: Callable[[Any], tuple], build: Callable[..., Any]) ->
 _register(GroupMatrix, lambda m: m.fmt, GroupMatrix.from_parts)
 _register(Int4Packed, lambda m: (m.fmt, m.block),
           lambda fixed, parts: Int4Packed(parts["packed"], parts["sz"], *fixed))
+_register(GGUFBlocks, lambda m: m.fmt, lambda fmt, parts: GGUFBlocks(parts["blocks"], fmt))
 
-COMPRESSED = (GroupMatrix, Int4Packed)
+COMPRESSED = (GroupMatrix, Int4Packed, GGUFBlocks)
 
 
 def held_matrix(fmt: Format, parts: Mapping[str, Any], block: Callable[[], int]):
     """The compressed leaf holding ``parts``: an ``Int4Packed`` for the keys of
-    ``Format.int4pack_arrays`` (``block()``: torch's row block on this CPU), else a
-    ``GroupMatrix`` (``Format.arrays``' keys). Arrays may be abstract
-    (``jax.ShapeDtypeStruct``), for a program's input tree."""
+    ``Format.int4pack_arrays`` (``block()``: torch's row block on this CPU), a ``GGUFBlocks``
+    for ``Format.blocks_arrays``', else a ``GroupMatrix`` (``Format.arrays``' keys). Arrays
+    may be abstract (``jax.ShapeDtypeStruct``), for a program's input tree."""
     if "packed" in parts:
         return Int4Packed(parts["packed"], parts["sz"], fmt, block())
+    if "blocks" in parts:
+        return GGUFBlocks(parts["blocks"], fmt)
     return GroupMatrix.from_parts(fmt, parts)
 
 
@@ -218,10 +293,21 @@ class Products:
       head_vector_f32: a one-row product against a compressed LM head decompresses the table
         into float32 (XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway: SmolLM2's
         Q8_0 head 3.2 ms into float32 against 4.6 ms into bfloat16, 2-core VM, median of 21).
+      blocks: a product ``(x (M, K), blocks, ggml type) -> (M, N) float32`` over a
+        ``GGUFBlocks`` matrix without decompressing it (the host's: ggml's,
+        ``hx.host_compute.ggml_kernel.matmul``); None: decompress for XLA's product.
+      blocks_rows: (format name, rows) pairs: the most rows ``blocks`` multiplies in that
+        format; past them XLA's product of the decompressed matrix is faster.
     """
 
     int4: Callable[..., jax.Array] | None = None
     int4_rows: int = 0
+    blocks: Callable[..., jax.Array] | None = None
+    blocks_rows: tuple[tuple[str, int], ...] = ()
+
+    def takes_blocks(self, fmt: Format, rows: int) -> bool:
+        """Whether ``blocks`` multiplies a ``GGUFBlocks`` matrix in ``fmt`` at ``rows`` rows."""
+        return self.blocks is not None and rows <= dict(self.blocks_rows).get(fmt.name, 0)
     head_vector_f32: bool = False
 
 
@@ -272,11 +358,18 @@ def _(kernel: Int4Packed, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
     return product(kernel.decompress(dtype, after), x)
 
 
+@product.register
+def _(kernel: GGUFBlocks, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
+    if products.takes_blocks(kernel.fmt, x.shape[0]):
+        return products.blocks(x, kernel.blocks, GGUF_BLOCKS[kernel.fmt.name])
+    return product(kernel.decompress(dtype, after), x)
+
+
 def check_shape(held, shape: tuple[int, ...], path: str) -> None:
     """Raise ValueError unless the compressed ``held`` holds a matrix of logical ``shape``
-    (an ``Int4Packed`` one as a 2-D product of it: its output axes and its contracted ones
-    each flattened)."""
-    if isinstance(held, Int4Packed):
+    (an ``Int4Packed`` or ``GGUFBlocks`` one as a 2-D product of it: its output axes and its
+    contracted ones each flattened)."""
+    if isinstance(held, (Int4Packed, GGUFBlocks)):
         fits = any((math.prod(shape[:i]), math.prod(shape[i:])) == held.shape
                    for i in range(1, len(shape)))
     else:

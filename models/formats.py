@@ -161,6 +161,29 @@ class Format:
                 "sz": ((n_in // self.group, n_out, 2), "bfloat16")}
 
 
+    def blocks_arrays(self, shape: tuple[int, ...]
+                      ) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """(shape, dtype name) of a matrix of logical ``shape`` (out..., in) held in a GGUF's
+        own blocks (``GGUF_BLOCKS``), the layout ggml multiplies
+        (``hx.host_compute.ggml_kernel``): ``blocks`` uint8 (N, in / g * block bytes), N =
+        prod(out), each group's float16 scale, its float16 offset (q4_1's ``m``) and its
+        codes (q8_0's as int8: code - 128). The same bytes as ``arrays``. None for a format
+        GGUF has no blocks of."""
+        if self.name not in GGUF_BLOCKS:
+            return None
+        *out, n_in = shape
+        self.arrays(shape)  # raises on a last axis that is not whole groups
+        return {"blocks": ((math.prod(out), n_in // self.group * self.block_bytes), "uint8")}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one group held (codes, float16 scale and offset): a GGUF block's size."""
+        return self.group * self.bits // 8 + (4 if self.asymmetric else 2)
+
+
+# The formats that are GGUF block types, with ggml's type numbers (``gguf.GGMLQuantizationType``)
+GGUF_BLOCKS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("int8", 8, 32, True, fit="mse"), Format("int4", 4, 64, True),
     Format("q8_0", 8, 32, False), Format("q4_0", 4, 32, False), Format("q4_1", 4, 32, True))}

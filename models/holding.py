@@ -68,3 +68,37 @@ def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
         out[key] = (hold_tree(value, format_of, path) if isinstance(value, dict)
                     else hold(value, format_of(path)))
     return out
+
+
+def relayout(spec, params: dict, part: str, convert) -> dict:
+    """``params`` (a parameter tree of ``models.decoder.init_params`` in ``spec``'s formats)
+    with every matrix that ``spec`` holds in another layout (``ModelSpec.op_weight_arrays``
+    names its arrays ``PATH/part``: ``packed`` for torch's int4 layout, ``blocks`` for
+    GGUF's) replaced by ``convert(held GroupMatrix, (N, K) product shape)``, in place, one
+    matrix at a time (a tied table once, shared as before): a loader's own tree then never
+    holds both layouts of more than one matrix, and a mapped matrix's pages leave the
+    resident set once converted."""
+    from hx.models.mapped import release
+    from hx.models.spec import EMBED, HEAD, LAYER_OPS
+    from hx.models.tensors import layer_key
+
+    done: dict[int, tuple] = {}  # id of a converted matrix -> (it, kept alive; its new layout)
+    owners = [(EMBED, params[EMBED])] if EMBED in params else []
+    owners += [(op, params[layer_key(i)][op]) for i in range(spec.n_layers) for op in LAYER_OPS]
+    owners += [(HEAD, params[HEAD])] if HEAD in params else []
+    for op, tree in owners:
+        held = spec.op_weight_arrays(op)
+        for path, shape in spec.op_weight_shapes(op).items():
+            if f"{path}/{part}" not in held:
+                continue
+            *parents, leaf = path.split("/")
+            node = tree
+            for p in parents:
+                node = node[p]
+            old = node[leaf]
+            if id(old) not in done:
+                done[id(old)] = (old, convert(old, spec.product_shape(path, shape)))
+                for array in old.parts().values():
+                    release(array)
+            node[leaf] = done[id(old)][1]
+    return params

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from hx.models.compressed import (COMPRESSED, DEFAULT_PRODUCTS, GroupMatrix, Products,
-                                  check_shape, dequantize_parts, product)
+from hx.models.compressed import (COMPRESSED, DEFAULT_PRODUCTS, GGUFBlocks, GroupMatrix,
+                                  Products, check_shape, dequantize_parts, product)
 from hx.models.family import TABLE
 from hx.models.formats import DENSE, Format, get_format
 from hx.models.spec import ModelSpec
@@ -397,6 +397,9 @@ def lookup(module: nn.Module, name: str, ids: jax.Array, rows: int, fmt: str) ->
                    nn.initializers.normal(0.02))
     if isinstance(table, GroupMatrix):
         return table.map(lambda a: jnp.take(a, ids, axis=0)).decompress(s.dtype)
+    if isinstance(table, GGUFBlocks):  # rows of blocks, flattened to (rows, row bytes)
+        picked = table.map(lambda a: jnp.take(a, ids.reshape(-1), axis=0))
+        return picked.decompress(s.dtype).reshape(*ids.shape, s.d_model)
     return jnp.take(table, ids, axis=0).astype(s.dtype)
 
 
@@ -404,11 +407,15 @@ def lm_head(module: nn.Module, n: jax.Array) -> jax.Array:
     """Logits (B, V) float32 of the normed last positions ``n`` (B, D) against op module
     ``module``'s table ``embedding`` (V, D) (EMBED's when tied), in the model's embedding
     format: a compressed table in chunks (``_compressed_logits``; one row decompressed into
-    float32 where the op's products ask it: ``Products.head_vector_f32``)."""
+    float32 where the op's products ask it: ``Products.head_vector_f32``), or, in GGUF's
+    blocks, multiplied as they are where the op's products take them
+    (``Products.takes_blocks``)."""
     s = module.spec
     table = matrix(module, TABLE, (s.vocab_size, s.d_model), s.embedding_format,
                    held_dtype(module), nn.initializers.normal(0.02))
-    if isinstance(table, GroupMatrix):
+    if isinstance(table, GGUFBlocks) and module.products.takes_blocks(table.fmt, n.shape[0]):
+        return product(table, n, products=module.products)
+    if isinstance(table, (GroupMatrix, GGUFBlocks)):
         wide = module.products.head_vector_f32 and n.shape[0] == 1
         return _compressed_logits(n, table, jnp.float32 if wide else held_dtype(module))
     return product(table, n)

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hx.errors import HxError
-from hx.models.formats import DENSE, FORMATS, INT4PACK_ROW_BLOCK, get_format
+from hx.models.formats import DENSE, FORMATS, GGUF_BLOCKS, INT4PACK_ROW_BLOCK, get_format
+from hx.models.holding import relayout
 from hx.models.gguf_loader import (AUTO as AUTO_WEIGHTS, held_formats, load_gguf, open_gguf,
                                    read_metadata, spec_from_metadata)
 from hx.models.safetensors_loader import load_safetensors_dir, spec_from_config
 from hx.models.random_weights import NoTokenizer, random_params
-from hx.models.spec import (DTYPE_BYTES, HOST_MATMULS, PRESETS, TORCH_INT4, XLA, ModelSpec,
-                           is_preset, preset)
+from hx.models.spec import (DTYPE_BYTES, GGML, HOST_MATMULS, PRESETS, TORCH_INT4, XLA,
+                           ModelSpec, is_preset, preset)
 from hx.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -106,14 +107,21 @@ def _with_kv(spec: ModelSpec, kv: str) -> ModelSpec:
 def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> ModelSpec:
     """``spec`` with ``host_matmul`` (``ModelSpec.host_matmul``) set. ``auto``/None chooses
     ``torch-int4`` for a bfloat16 model whose projection matrices are 4-bit in a group size
-    torch's int4 kernel takes, where the kernel builds (``host_compute.int4_kernel``:
-    torch and g++), else ``xla``. Measured on the 2-core VM, one batch-1 SmolLM2 decode step's
-    products: Q4_1 decompressed by XLA 107-118 ms, float32 dense 30.1 ms, the int4 kernel
-    8.3 ms (``scripts/ffi_int4/bench.py``; docs/measurements/log.md, "Bytes, third part"). A
-    float32 model keeps ``xla``: the kernel rounds activations to bfloat16.
+    torch's int4 kernel takes, where the kernel builds (``host_compute.int4_kernel``: torch
+    and g++); else ``xla``. ``ggml`` (asked for: projection matrices and tables in a GGUF
+    block format, q4_0, q4_1 or q8_0, multiplied by llama.cpp's kernels,
+    ``host_compute.ggml_kernel``) is faster still but not yet ``auto``'s choice: the proxy
+    memory estimate under-sizes the accelerator's decompression of blocks (SmolLM2
+    all-accelerator at batch 8: 3.6 MB over what it claimed). Measured on the 2-core VM,
+    SmolLM2's Q4_1 file, batch-1 all-host decode: float32 xla 8.7 tokens/s, bfloat16
+    torch-int4 29.5, float32 ggml 55.2 (docs/measurements/log.md, "Sliding-window rings;
+    ggml's products"). ggml and torch-int4 round the activations of a product (ggml to 8
+    bits a block of 32, as llama.cpp; torch to bfloat16); ``xla`` multiplies in the model's
+    dtype.
 
     Raises:
-      HxError: an unknown choice, or ``torch-int4`` asked where the kernel cannot be built.
+      HxError: an unknown choice, ``torch-int4`` or ``ggml`` asked where it cannot be built,
+        or ``ggml`` for matrices in no GGUF block format.
     """
     host_matmul = host_matmul or AUTO
     if host_matmul not in (AUTO, *HOST_MATMULS):
@@ -121,23 +129,52 @@ def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> Mode
                       f"{', '.join((AUTO, *HOST_MATMULS))}")
     fmt = get_format(spec.weight_format)
     fits = fmt is not None and fmt.int4pack_arrays((INT4PACK_ROW_BLOCK, fmt.group)) is not None
+    blocks = fmt is not None and fmt.name in GGUF_BLOCKS  # what ggml multiplies
     if host_matmul == AUTO:
         host_matmul = TORCH_INT4 if spec.dtype == "bfloat16" and fits else XLA
         if host_matmul == TORCH_INT4 and _int4_kernel_unavailable():
             host_matmul = XLA
     elif host_matmul == TORCH_INT4 and (reason := _int4_kernel_unavailable()):
         raise HxError(f"--host-matmul {TORCH_INT4}: {reason}; use --host-matmul xla")
+    elif host_matmul == GGML:
+        if not blocks:
+            raise HxError(f"--host-matmul {GGML} multiplies GGUF block formats "
+                          f"({', '.join(GGUF_BLOCKS)}); the weights are {spec.weight_format}: "
+                          "pick one with --weights, or --host-matmul xla")
+        if reason := _ggml_unavailable():
+            raise HxError(f"--host-matmul {GGML}: {reason}; or use --host-matmul xla")
     return spec if spec.host_matmul == host_matmul else spec.replace(host_matmul=host_matmul)
 
 
-def _int4pack_params(spec: ModelSpec, params: dict) -> dict:
-    """``params`` with the matrices ``spec`` holds in torch's int4 layout converted
-    (``host_compute.int4_kernel.int4pack_params``; nothing for other specs)."""
-    if spec.host_matmul != TORCH_INT4:
-        return params
-    from hx.host_compute.int4_kernel import int4pack_params
+def _int4pack(held, shape):
+    from hx.host_compute.int4_kernel import int4pack  # torch: only where it is asked for
 
-    return int4pack_params(spec, params)
+    return int4pack(held, shape)
+
+
+def _gguf_blocks(held, shape):
+    from hx.models.compressed import GGUFBlocks
+
+    return GGUFBlocks.from_group(held, shape)
+
+
+# host matmul -> (the part that names a relaid matrix's array, the conversion of a GroupMatrix)
+RELAYOUTS = {TORCH_INT4: ("packed", _int4pack), GGML: ("blocks", _gguf_blocks)}
+
+
+def _relayout_params(spec: ModelSpec, params: dict) -> dict:
+    """``params`` with the matrices ``spec`` holds in its host matmul's layout converted
+    (``RELAYOUTS``, ``models.holding.relayout``); as they are under ``xla``."""
+    if spec.host_matmul not in RELAYOUTS:
+        return params
+    part, convert = RELAYOUTS[spec.host_matmul]
+    return relayout(spec, params, part, convert)
+
+
+def _ggml_unavailable() -> str | None:
+    from hx.host_compute.ggml_kernel import unavailable
+
+    return unavailable()
 
 
 def _int4_kernel_unavailable() -> str | None:
@@ -293,7 +330,7 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
             tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
             model = Model(contents.spec, contents.params, tokenizer, path)
     model.spec = resolve_host_matmul(_with_kv(model.spec, kv), host_matmul)
-    model.params = _int4pack_params(model.spec, model.params)
+    model.params = _relayout_params(model.spec, model.params)
     model.load_s = time.perf_counter() - start
     return model
 

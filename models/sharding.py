@@ -26,8 +26,8 @@ A compressed matrix (``models.formats``: codes, scales and offsets grouped along
 splits as its dense matrix does: each array keeps the matrix's leading axes at their indices and
 has its groups where the last axis was, so the same axis index splits it (a row-parallel split
 of the contracted axis, MLP2's F, cuts whole groups); F is then padded to a multiple of ``tp``
-groups, and zero codes with zero scales and offsets decompress to zeros. Matrices held in torch's
-int4 layout (``host_matmul`` torch-int4) are not split (``HxError``).
+groups, and zero codes with zero scales and offsets decompress to zeros. Matrices held in a host
+matmul's layout (``host_matmul`` torch-int4 or ggml) are not split (``HxError``).
 
 Not yet as the planner prices it: with fewer KV heads than devices (Llama-2-70B's 8 over 16),
 every device here holds all K heads of K, V and the cache, where ``ModelSpec.shard`` prices one
@@ -45,7 +45,7 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.family import TABLE
 from hx.models.formats import PARTS, get_format
-from hx.models.spec import TORCH_INT4, ModelSpec
+from hx.models.spec import XLA, ModelSpec
 
 TP_AXIS = "tp"
 KV_AXIS = 2  # of a cache's (B, S, K, E)
@@ -56,13 +56,13 @@ def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     (module docstring); ``spec`` itself where it already does.
 
     Raises:
-      HxError: ``tp`` < 1, or matrices in torch's int4 layout (``host_matmul`` torch-int4).
+      HxError: ``tp`` < 1, or matrices in a host matmul's layout (``host_matmul`` not xla).
     """
     if tp < 1:
         raise HxError(f"tensor-parallel degree {tp}: 1 or more accelerators")
-    if spec.host_matmul == TORCH_INT4 and tp > 1:
-        raise HxError(f"tensor parallelism does not split matrices held in torch's int4 "
-                      f"layout; run {spec.name} with --host-matmul xla")
+    if spec.host_matmul != XLA and tp > 1:
+        raise HxError(f"tensor parallelism does not split matrices held in the layout of "
+                      f"--host-matmul {spec.host_matmul}; run {spec.name} with --host-matmul xla")
     K, group = spec.n_kv_heads, spec.n_heads // spec.n_kv_heads
     if K % tp and tp % K:
         K = -(-K // tp) * tp

@@ -16,13 +16,31 @@ from typing import Any
 
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
-from hx.models.formats import DENSE, get_format, kv_cache_format
+from hx.models.formats import DENSE, Format, get_format, kv_cache_format
 from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE  # noqa: F401  (SCORE: re-exported)
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-XLA, TORCH_INT4 = "xla", "torch-int4"
-HOST_MATMULS = (XLA, TORCH_INT4)  # ``ModelSpec.host_matmul``
+XLA, TORCH_INT4, GGML = "xla", "torch-int4", "ggml"
+
+
+@dataclass(frozen=True)
+class HeldLayout:
+    """How a host matmul (``ModelSpec.host_matmul``) holds compressed matrices.
+
+    Attributes:
+      arrays: ``Format``'s method giving a matrix's arrays in the layout (None where the
+        format has no such layout); None: every matrix in its format's own arrays.
+      tables: the embedding tables are held so too (else only projection kernels).
+    """
+
+    arrays: Any = None
+    tables: bool = False
+
+
+HELD_LAYOUTS = {XLA: HeldLayout(), TORCH_INT4: HeldLayout(Format.int4pack_arrays),
+                GGML: HeldLayout(Format.blocks_arrays, tables=True)}
+HOST_MATMULS = tuple(HELD_LAYOUTS)
 # the fields a layer type may set for its layers (``ModelSpec.layer_overrides``): what a
 # layer's ops compute with, never a shape
 LAYER_FIELDS = ("sliding_window", "rope_theta", "rope_scaling")
@@ -117,7 +135,11 @@ class ModelSpec:
         devices: the accelerator decompresses it) and calls that kernel
         (``hx.host_compute.int4_kernel``: bfloat16 activations, a bfloat16 scale and zero per
         group), where XLA:CPU cannot come close (it writes each decompressed matrix out and
-        reads it back). ``models.loader.resolve_host_matmul`` chooses it.
+        reads it back); ``ggml`` holds each matrix of a GGUF block format (q4_0, q4_1, q8_0)
+        in the file's own blocks (``Format.blocks_arrays``; the accelerator decompresses them)
+        and multiplies it with ggml, llama.cpp's kernels (``hx.host_compute.ggml_kernel``:
+        float32 activations rounded to 8 bits a block, as llama.cpp).
+        ``models.loader.resolve_host_matmul`` chooses it.
       embeds / heads: False in a pipeline stage (``pipeline_stage``) that does not hold the
         model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
         in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
@@ -272,9 +294,10 @@ class ModelSpec:
         tensor at its ``op_weight_shapes`` path in ``dtype`` (default: the model's dtype;
         ``host_dtype`` of it for what a host-computed op holds), a compressed matrix as the arrays
         of its format (``models.formats.Format.arrays``) at ``PATH/codes``, ``PATH/scale``
-        and ``PATH/offset``; under ``host_matmul`` torch-int4, a 4-bit projection kernel the
-        int4 kernel can take as ``PATH/packed`` and ``PATH/sz`` (``Format.int4pack_arrays``),
-        on either device.
+        and ``PATH/offset``; a projection kernel that ``host_matmul``'s layout can hold
+        (``HELD_LAYOUTS``) in its arrays, on either device: torch-int4's ``PATH/packed`` and
+        ``PATH/sz`` (``Format.int4pack_arrays``), ggml's ``PATH/blocks``
+        (``Format.blocks_arrays``).
 
         Raises:
           HxError: a compressed matrix's last axis is not a multiple of its format's group.
@@ -282,9 +305,10 @@ class ModelSpec:
         held = {}
         for path, shape in self.op_weight_shapes(op).items():
             fmt = get_format(self.matrix_format(path))
-            packed = (fmt.int4pack_arrays(self.product_shape(path, shape))
-                      if fmt and self.host_matmul == TORCH_INT4 and path.endswith("kernel")
-                      else None)
+            layout = HELD_LAYOUTS[self.host_matmul]
+            relaid = path.endswith("kernel") or (layout.tables and path == TABLE)
+            packed = (layout.arrays(fmt, self.product_shape(path, shape))
+                      if fmt and layout.arrays and relaid else None)
             if fmt is None:
                 held[path] = (shape, dtype or self.dtype)
             elif packed:

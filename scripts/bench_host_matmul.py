@@ -1,6 +1,6 @@
 """Host linear layers y = x W^T: XLA vs torch kernels over dense and group-wise weights.
 
-Usage: python scripts/bench_host_matmul.py [--runs 7] [--json OUT.json] [--slow]
+Usage: python scripts/bench_host_matmul.py [--runs 7] [--rows 1,16,32,64] [--json OUT.json] [--slow]
 
 Takes 2-4 minutes on the 2-core development VM (128 s and 235 s measured under other load;
 --slow adds minutes).
@@ -15,6 +15,9 @@ g along ``in``; 4-bit codes hold element j of a group in the low nibble of byte 
 high one. Each kernel's error is max |y - ref| / max |ref| against float64 over the exact
 dequantized weights; "exact" means within float32 rounding (< 1e-5). Also the per-call cost of
 running torch from JAX: ``jax.pure_callback`` inside jit, and DLPack hand-offs outside it.
+The GGUF block formats (q4_0, q4_1, q8_0) also through ggml's product inside jit
+(``hx.host_compute.ggml_kernel``: the file's own blocks, as llama.cpp multiplies them; its
+reference is the blocks ``gguf.quants`` writes, decoded), where ggml is built.
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from rich.table import Table
 
 from hx.cli.console import print_table
 from hx.devices import discover
+from hx.host_compute import ggml_kernel
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # callbacks
 
@@ -50,7 +56,9 @@ THREADS = 2
 SHAPES = {"SmolLM2 1536x576": (1536, 576), "Llama-2-7B 11008x4096": (11008, 4096)}
 ROWS = (1, 16, 32, 64)
 FORMATS = {"int8": (8, 64, True), "q8_0": (8, 32, False), "int4": (4, 64, True),
-           "q4_1": (4, 32, True)}  # name: (bits, group, asymmetric), as models/formats.py
+           "q4_0": (4, 32, False), "q4_1": (4, 32, True)}  # (bits, group, asymmetric)
+GGUF_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+              "q8_0": GGMLQuantizationType.Q8_0}
 EXACT = 1e-5
 DOT_T = (((1,), (1,)), ((), ()))  # contract x's last axis with W's last axis
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -138,6 +146,12 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
     out = {"xla.dequant+dot": (lambda: deq(xj, pj), ref),
            "torch.dequant+linear": (lambda: F.linear(xt, dequantize(pt, bits, torch,
                                                                     torch.float32)), ref)}
+    if name in GGUF_TYPES and ggml_kernel.unavailable() is None:
+        kind = GGUF_TYPES[name]
+        blocks = jax.device_put(gguf_quantize(W, kind), host)
+        mm = jax.jit(ggml_kernel.matmul, static_argnums=(2,))
+        out["ggml"] = (lambda: mm(xj, blocks, int(kind)),
+                       gguf_dequantize(np.asarray(blocks), kind).astype(np.float64))
     if B == 1 or slow:
         red = jax.jit(lambda x, p: xla_group_reduce(x, p, bits))
         out["xla.group_reduce"] = (lambda: red(xj, pj), ref)
@@ -237,28 +251,33 @@ def main() -> None:
     """Run every shape x rows, print the tables, write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="comma-separated row counts")
     parser.add_argument("--json", help="write the results as JSON")
     parser.add_argument("--slow", action="store_true",
                         help="also kernels that take seconds (group_reduce and int4pack(f32) "
                              "at 16-64 rows, xla.int8_dot at Llama's shape)")
     args = parser.parse_args()
+    row_counts = tuple(int(r) for r in args.rows.split(","))
     torch.set_num_threads(THREADS)
     host = discover().host.device
     start, rows, load = time.perf_counter(), [], [os.getloadavg()[0]]
     for shape in SHAPES.values():
-        for B in ROWS:
+        for B in row_counts:
             rows += bench(shape, B, args.runs, host, args.slow)
     over = overheads(host)
     load.append(os.getloadavg()[0])
     for name, shape in SHAPES.items():
         table = Table(title=f"host y = x W^T, W {name}: median ms per call ({THREADS} threads)")
-        for col in ("format", "kernel", *(f"{b} rows" for b in ROWS), "rel err", "exact"):
+        for col in ("format", "kernel", *(f"{b} rows" for b in row_counts), "rel err",
+                    "exact"):
             table.add_column(col, justify="right")
         mine = [r for r in rows if r["shape"] == f"{shape[0]}x{shape[1]}"]
         for fmt, k in dict.fromkeys((r["format"], r["kernel"]) for r in mine):
             got = {r["rows"]: r for r in mine if (r["format"], r["kernel"]) == (fmt, k)}
             err = max(r["rel_err"] for r in got.values())
-            table.add_row(fmt, k, *(f"{got[b]['ms']:.2f}" if b in got else "-" for b in ROWS),
+            table.add_row(fmt, k, *(f"{got[b]['ms']:.2f}" if b in got else "-"
+                                    for b in row_counts),
                           f"{err:.1e}", "yes" if err < EXACT else "no")
         print_table(table)
     table = Table(title="calling torch from JAX (SmolLM2 1536x576, 1 row)")

@@ -53,9 +53,11 @@ KvOption = typer.Option(
          "as they are written and decompressed right before attention reads them.")
 HostMatmulOption = typer.Option(
     "auto", "--host-matmul",
-    help="How host-computed ops multiply 4-bit matrices: auto (torch's CPU int4 kernel for a "
-         "bfloat16 model whose matrices are 4-bit, where torch and g++ build it; else xla), "
-         "xla (decompressed in the program, then an XLA product) or torch-int4.")
+    help="How host-computed ops multiply compressed matrices: auto (torch's CPU int4 kernel "
+         "for a bfloat16 model whose matrices are 4-bit, where torch and g++ build it; else "
+         "xla), xla (decompressed in the program, then an XLA product), torch-int4, or ggml "
+         "(llama.cpp's kernels over a GGUF's own q4_0/q4_1/q8_0 blocks, activations rounded to "
+         "8 bits as llama.cpp does; SmolLM2 Q4_1 all-host decode 6.3x xla's here).")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

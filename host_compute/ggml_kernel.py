@@ -1,0 +1,108 @@
+"""Host products over a GGUF's own blocks with ggml's CPU kernels, inside XLA programs (FFI).
+
+The product llama.cpp runs: x (M, K) float32 is quantized to the weights' dot type (Q8_0 for
+Q4_0 and Q8_0, Q8_1 for Q4_1) and multiplied block by block with AVX-512/VNNI integer dots
+against W (N, K) held as the file stores it (``ggml_row_size(type, K)`` bytes a row), never
+decompressed; so its results are llama.cpp's, not float32's (SmolLM2's Q4_1 ``ffn_up`` at 4
+rows: 4.8e-3 relative to float64 over the decoded weights, the activations' 8-bit rounding).
+
+``ggml_mm.cc`` (the handler) is compiled once per (source, jaxlib, ggml build) with g++ against
+the ggml that ``hx.host_compute.ggml_build`` built for this CPU, into
+``~/.cache/hx/kernels/<digest>/`` (``HX_KERNEL_DIR`` overrides the root), and registered with
+``jax.ffi``; without that build or a compiler ``unavailable()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hx.errors import HxError
+from hx.host_compute import ffi_build
+from hx.host_compute.ggml_build import built, ggml_dir
+
+SOURCE = Path(__file__).with_name("ggml_mm.cc")
+TARGET = "hx_ggml_mm"
+SMALL_WORK = 1 << 22  # M * N * K at most this: one ggml thread (a pool's hand-off costs more)
+# ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
+# 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
+# docs/measurements/log.md, "ggml's products"):
+#
+#   rows               1      16     64     512
+#   q4_0  ggml       2.44   25.8   71.9   475
+#         xla       88.9   109    138    372
+#   q4_1  ggml       3.47   29.7   107    711
+#         xla       99.6   108    129    373
+#   q8_0  ggml       4.14   16.1   59.7   404
+#         xla       78.0   87.6   118    370
+#
+# (torch's int4 kernel, bfloat16 x: 4.37-6.38 ms at 1 row, 28-30 at 16, 107-115 at 64.) ggml
+# takes up to 64 rows; past them (a prefill chunk) the matrix is decompressed for XLA.
+KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64))
+
+
+def kernel_dir() -> Path:
+    """Where the handler is built (``ffi_build.kernel_dir``: a digest of the source, jaxlib's
+    version and the ggml build it links)."""
+    return ffi_build.kernel_dir(SOURCE.read_bytes(), str(ggml_dir().resolve()).encode(),
+                                (ggml_dir() / "BUILT").read_bytes())
+
+
+def build(out_dir: Path) -> Path:
+    """The handler's shared library in ``out_dir``, compiled with g++ when missing
+    (``ffi_build.compile_handler``).
+
+    Raises:
+      OSError, subprocess.CalledProcessError: no compiler, or the build failed.
+    """
+    lib = (ggml_dir() / "lib").resolve()
+    return ffi_build.compile_handler(SOURCE, out_dir / "libhx_ggml_mm.so", [
+        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
+        f"-Wl,-rpath,{lib}"])
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """None once the handler is built and registered with JAX; else why it cannot be (ggml
+    not built for this machine, no compiler, a failed build)."""
+    if not built():
+        return (f"ggml is not built in {ggml_dir()} (python -m hx.host_compute.ggml_build; "
+                "`make install` runs it)")
+    try:
+        so = build(kernel_dir())
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        return f"building {SOURCE.name} failed: {e} {err.decode(errors='replace')[-300:]}"
+    lib = ctypes.cdll.LoadLibrary(str(so))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.hx_ggml_mm), platform="cpu")
+    return None
+
+
+def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = None
+           ) -> jax.Array:
+    """x (M, K) @ W^T -> (M, N) float32, W (N, K) held as ``w`` (N, row bytes) uint8 in ggml
+    type ``ggml_type`` (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3, Q8_0 8, ...): ggml's
+    product through the FFI target, ``x`` first cast to float32. On one thread up to
+    ``SMALL_WORK`` multiply-adds, else on every core this process may use (``threads``
+    overrides). Usable inside ``jax.jit`` on a CPU device only.
+
+    Raises:
+      HxError: the handler cannot be built or loaded (``unavailable`` says why).
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise HxError(f"ggml's products are unavailable: {reason}")
+    M, K = x.shape
+    N = w.shape[0]
+    if threads is None:
+        threads = 1 if M * N * K <= SMALL_WORK else len(os.sched_getaffinity(0))
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w,
+                                         type=np.int64(ggml_type), threads=np.int64(threads))

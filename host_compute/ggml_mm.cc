@@ -1,0 +1,80 @@
+// hx_ggml_mm: y = x W^T on the host CPU with ggml's matrix product (the kernels llama.cpp runs),
+// as an XLA FFI custom call (host_compute/ggml_kernel.py builds, registers and calls it).
+//
+//   x  (M, K)            float32 activations (ggml quantizes them to its dot type, as llama.cpp)
+//   w  (N, row_bytes)    uint8: N rows of K weights in ggml type `type` as a GGUF file stores
+//                        them (row_bytes = ggml_row_size(type, K): Q4_1, 20 bytes a block of 32)
+//   -> y (M, N)          float32; attributes: type (ggml_type), threads (ggml's pool size).
+//
+// XLA's buffers become ggml tensors' data without copies; each call builds a one-node graph in
+// a reused context and runs it on a thread pool kept per size, started without polling (its
+// threads sleep between calls rather than spin beside XLA's).
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ggml_threadpool* Pool(int threads) {
+  static std::mutex lock;
+  static std::map<int, ggml_threadpool*> pools;
+  std::lock_guard<std::mutex> hold(lock);
+  auto& pool = pools[threads];
+  if (pool == nullptr) {
+    ggml_threadpool_params params = ggml_threadpool_params_default(threads);
+    params.poll = 0;
+    pool = ggml_threadpool_new(&params);
+  }
+  return pool;
+}
+
+ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                  int64_t type, int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
+      w.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("hx_ggml_mm: x and y float32, w uint8");
+  if (type < 0 || type >= GGML_TYPE_COUNT || threads < 1)
+    return ffi::Error::InvalidArgument("hx_ggml_mm: unknown ggml type or no threads");
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
+      int64_t(ggml_row_size(ggml_type(type), xd[1])) != wd[1])
+    return ffi::Error::InvalidArgument(
+        "hx_ggml_mm: shapes x (M, K), w (N, ggml_row_size(type, K)), y (M, N)");
+  thread_local std::vector<uint8_t> meta(16 * ggml_tensor_overhead() + ggml_graph_overhead());
+  thread_local std::vector<uint8_t> work;
+  ggml_init_params init = {meta.size(), meta.data(), /*no_alloc=*/true};
+  ggml_context* ctx = ggml_init(init);
+  ggml_tensor* wt = ggml_new_tensor_2d(ctx, ggml_type(type), xd[1], wd[0]);
+  ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, xd[1], xd[0]);
+  wt->data = w.untyped_data();
+  xt->data = x.untyped_data();
+  ggml_tensor* yt = ggml_mul_mat(ctx, wt, xt);  // (ne0 N, ne1 M): y row-major (M, N)
+  yt->data = y->untyped_data();
+  ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
+  ggml_build_forward_expand(graph, yt);
+  ggml_cplan plan = ggml_graph_plan(graph, int(threads), Pool(int(threads)));
+  if (work.size() < plan.work_size) work.resize(plan.work_size);
+  plan.work_data = work.data();
+  ggml_status status = ggml_graph_compute(graph, &plan);
+  ggml_free(ctx);
+  if (status != GGML_STATUS_SUCCESS)
+    return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_mm: ggml_graph_compute failed");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_mm, GgmlMm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("type")
+                                  .Attr<int64_t>("threads"));

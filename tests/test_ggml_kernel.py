@@ -1,0 +1,86 @@
+"""ggml's products over a GGUF's own blocks, called from inside XLA programs, and the model
+path that holds a GGUF's matrices in those blocks (``host_matmul`` ggml).
+
+Against float64 products of the decoded weights (``gguf.quants.dequantize``): ggml rounds the
+activations to 8 bits per block of 32 (its dot type), as llama.cpp does, so the error is that
+rounding's (about 2^-8 of the largest activation of a block, relative), whatever the rows.
+"""
+
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+import hx
+from hx.devices import discover
+from hx.errors import HxError
+from hx.generate import Engine
+from hx.host_compute import ggml_kernel
+from hx.models.compressed import GGUFBlocks, GroupMatrix
+from hx.models.formats import GGUF_BLOCKS, get_format, quantize as hx_quantize
+from hx.planner import policies
+
+pytestmark = pytest.mark.skipif(ggml_kernel.unavailable() is not None,
+                                reason=str(ggml_kernel.unavailable()))
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_products_match_float64_over_the_decoded_blocks(kind, rows):
+    rng = np.random.default_rng(int(kind) * 100 + rows)
+    N, K = 96, 256
+    blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), kind)
+    assert blocks.shape == (N, K // 32 * {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[kind])
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize(blocks, kind).astype(np.float64).T
+    for threads in (1, 2):
+        got = np.asarray(jax.jit(ggml_kernel.matmul, static_argnums=(2, 3))(
+            x, blocks, int(kind), threads))
+        assert got.shape == (rows, N) and got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_a_row_of_the_wrong_size_is_refused():
+    blocks = quantize(np.ones((4, 64), np.float32), Q.Q8_0)
+    with pytest.raises(Exception, match="ggml_row_size"):
+        jax.block_until_ready(ggml_kernel.matmul(np.ones((1, 32), np.float32), blocks,
+                                                 int(Q.Q8_0), 1))
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
+def test_blocks_are_the_group_matrix_and_gguf_reads_them(name):
+    """A ``GroupMatrix`` in GGUF's blocks (``GGUFBlocks.from_group``) decompresses to the same
+    matrix in JAX, and ``gguf``'s own decoder reads the blocks as that matrix: the layout is
+    the file's."""
+    fmt = get_format(name)
+    w = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    held = GroupMatrix.from_parts(fmt, hx_quantize(w, fmt))
+    blocks = GGUFBlocks.from_group(held, (64, 128))
+    assert blocks.blocks.shape == fmt.blocks_arrays((64, 128))["blocks"][0]
+    assert blocks.shape == (64, 128)
+    want = np.asarray(held.decompress(np.float32))
+    np.testing.assert_array_equal(np.asarray(blocks.decompress(np.float32)), want)
+    kind = Q(GGUF_BLOCKS[name])
+    np.testing.assert_array_equal(dequantize(blocks.blocks, kind), want)
+
+
+def test_a_gguf_model_runs_its_host_products_in_ggml():
+    """SmolLM2's Q4_1 file under ``host_matmul`` ggml: its projection matrices held in the
+    file's blocks; all-accelerator (the blocks decompressed by XLA) gives the logits of the
+    ``xla`` layout to float32 rounding, all-host (ggml's products, activations rounded to 8
+    bits a block as llama.cpp's) within 5 % of them, the same next token. A format without
+    GGUF blocks is refused."""
+    ref, got = (hx.load(dtype="float32", host_matmul=m) for m in ("xla", "ggml"))
+    assert isinstance(got.params["layer_0"]["MLP2"]["w_down"]["kernel"], GGUFBlocks)
+    ids = [ref.tokenizer.encode("The capital of France is")]
+    n = ref.spec.n_layers
+    base = Engine(ref, policies.all_host(n), discover()).last_logits(ids)
+    on_acc = Engine(got, policies.all_accelerator(n), discover()).last_logits(ids)
+    on_host = Engine(got, policies.all_host(n), discover()).last_logits(ids)
+    scale = np.abs(base).max()
+    assert np.abs(on_acc - base).max() <= 1e-5 * scale
+    assert 1e-5 * scale < np.abs(on_host - base).max() <= 5e-2 * scale  # ggml's, not XLA's
+    assert on_host.argmax() == base.argmax()
+    with pytest.raises(HxError, match="GGUF block formats"):
+        hx.load(dtype="float32", weights="int8", host_matmul="ggml")

@@ -9,7 +9,9 @@ with CMake (``GGML_NATIVE=ON``; ``GGML_OPENMP=OFF``, so ggml's own thread pool, 
 without polling, runs beside XLA's: no OpenMP team spinning between calls). 40 s on the 2-core
 VM. The libraries and headers go to ``ggml_dir()``: ``HX_GGML_DIR`` or ``<venv>/hx-ggml``.
 A native build runs only on CPUs with this one's instructions: a venv copied to another machine
-rebuilds (``python -m hx.host_compute.ggml_build --force``).
+rebuilds (``python -m hx.host_compute.ggml_build --force``). ``--tools`` also builds llama.cpp's
+``llama-bench`` and ``llama-batched-bench`` from the same source, statically linked, into
+``bin/`` (8-10 minutes here): what ``scripts/bench_llama_cpp.py`` compares hx with.
 """
 
 from __future__ import annotations
@@ -39,16 +41,21 @@ def built(root: Path | None = None) -> bool:
     return (root / "BUILT").exists() and all((root / "lib" / n).exists() for n in LIBRARIES)
 
 
-def build(root: Path | None = None, force: bool = False) -> Path:
+TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+def build(root: Path | None = None, force: bool = False, tools: bool = False) -> Path:
     """Download ``SDIST`` and build ggml's CPU library for this machine into ``root`` (default
-    ``ggml_dir()``); nothing to do when built (unless ``force``).
+    ``ggml_dir()``); nothing to do when built (unless ``force``). ``tools``: llama.cpp's
+    ``TOOLS`` too, into ``root / "bin"`` (statically linked, native).
 
     Raises:
       subprocess.CalledProcessError: pip, CMake or the compiler failed (their output attached).
       FileNotFoundError: cmake or a C++ compiler is not installed.
     """
     root = root or ggml_dir()
-    if built(root) and not force:
+    have_tools = all((root / "bin" / t).exists() for t in TOOLS)
+    if built(root) and not force and (have_tools or not tools):
         return root
     with tempfile.TemporaryDirectory(prefix="hx-ggml-") as tmp:
         work = Path(tmp)
@@ -65,12 +72,23 @@ def build(root: Path | None = None, force: bool = False) -> Path:
              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF"])
         run(["cmake", "--build", str(out), "-j", str(os.cpu_count() or 1), "--target",
              "ggml-cpu"])
+        if tools:
+            static = work / "static"
+            run(["cmake", "-S", str(source), "-B", str(static), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CCACHE=OFF",
+                 "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"])
+            run(["cmake", "--build", str(static), "-j", str(os.cpu_count() or 1), "--target",
+                 *TOOLS])
         if root.exists():
             shutil.rmtree(root)
         (root / "lib").mkdir(parents=True)
         for so in (out / "bin").glob("libggml*.so*"):
             shutil.copy2(so, root / "lib", follow_symlinks=False)
         shutil.copytree(source / "ggml" / "include", root / "include")
+        if tools:
+            (root / "bin").mkdir()
+            for tool in TOOLS:
+                shutil.copy2(static / "bin" / tool, root / "bin")
         (root / "BUILT").write_text(f"{SDIST}\n")
     return root
 
@@ -83,9 +101,11 @@ def run(command: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even when built")
+    parser.add_argument("--tools", action="store_true",
+                        help=f"also build {' and '.join(TOOLS)} (minutes)")
     args = parser.parse_args()
     try:
-        print(f"ggml for this CPU in {build(force=args.force)}")
+        print(f"ggml for this CPU in {build(force=args.force, tools=args.tools)}")
     except subprocess.CalledProcessError as e:
         sys.exit(f"building ggml failed: {' '.join(e.cmd[:4])}...: {(e.stderr or '')[-2000:]}")
 

@@ -106,13 +106,11 @@ def _with_kv(spec: ModelSpec, kv: str) -> ModelSpec:
 
 def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> ModelSpec:
     """``spec`` with ``host_matmul`` (``ModelSpec.host_matmul``) set. ``auto``/None chooses
-    ``torch-int4`` for a bfloat16 model whose projection matrices are 4-bit in a group size
-    torch's int4 kernel takes, where the kernel builds (``host_compute.int4_kernel``: torch
-    and g++); else ``xla``. ``ggml`` (asked for: projection matrices and tables in a GGUF
-    block format, q4_0, q4_1 or q8_0, multiplied by llama.cpp's kernels,
-    ``host_compute.ggml_kernel``) is faster still but not yet ``auto``'s choice: the proxy
-    memory estimate under-sizes the accelerator's decompression of blocks (SmolLM2
-    all-accelerator at batch 8: 3.6 MB over what it claimed). Measured on the 2-core VM,
+    ``ggml`` for projection matrices in a GGUF block format (q4_0, q4_1, q8_0) where ggml is
+    built for this CPU (``host_compute.ggml_build``: llama.cpp's kernels over the file's own
+    blocks, ``host_compute.ggml_kernel``); else ``torch-int4`` for a bfloat16 model whose
+    projection matrices are 4-bit in a group size torch's int4 kernel takes, where the kernel
+    builds (``host_compute.int4_kernel``: torch and g++); else ``xla``. Measured on the 2-core VM,
     SmolLM2's Q4_1 file, batch-1 all-host decode: float32 xla 8.7 tokens/s, bfloat16
     torch-int4 29.5, float32 ggml 55.2 (docs/measurements/log.md, "Sliding-window rings;
     ggml's products"). ggml and torch-int4 round the activations of a product (ggml to 8
@@ -131,9 +129,12 @@ def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> Mode
     fits = fmt is not None and fmt.int4pack_arrays((INT4PACK_ROW_BLOCK, fmt.group)) is not None
     blocks = fmt is not None and fmt.name in GGUF_BLOCKS  # what ggml multiplies
     if host_matmul == AUTO:
-        host_matmul = TORCH_INT4 if spec.dtype == "bfloat16" and fits else XLA
-        if host_matmul == TORCH_INT4 and _int4_kernel_unavailable():
-            host_matmul = XLA
+        if blocks and _ggml_unavailable() is None:
+            host_matmul = GGML
+        else:
+            host_matmul = TORCH_INT4 if spec.dtype == "bfloat16" and fits else XLA
+            if host_matmul == TORCH_INT4 and _int4_kernel_unavailable():
+                host_matmul = XLA
     elif host_matmul == TORCH_INT4 and (reason := _int4_kernel_unavailable()):
         raise HxError(f"--host-matmul {TORCH_INT4}: {reason}; use --host-matmul xla")
     elif host_matmul == GGML:

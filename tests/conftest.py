@@ -59,7 +59,8 @@ def tiny_model(tokenizer):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The default model as ``hx.load()`` gives it: its GGUF's Q4_1/Q8_0 blocks, float32."""
+    """The default model as ``hx.load()`` gives it: its GGUF's Q4_1/Q8_0 blocks, float32 (the
+    blocks as the file holds them, ggml's layout: ``host_matmul`` auto)."""
     return hx.load()
 
 

@@ -161,12 +161,13 @@ def test_host_ops_multiply_in_the_kernels_layout_within_bfloat16_of_float64(
 
 
 def test_auto_chooses_the_kernel_for_bfloat16_4_bit_matrices(tokenizer):
-    """``resolve_host_matmul``: torch-int4 for a bfloat16 model with 4-bit matrices, xla for a
-    float32 one (the kernel rounds activations to bfloat16) and for 8-bit matrices."""
-    spec = WIDE.replace(weight_format="q4_1")
+    """``resolve_host_matmul``: torch-int4 for a bfloat16 model with 4-bit matrices in no GGUF
+    block format (those go to ggml where it is built), xla for a float32 one (the kernel
+    rounds activations to bfloat16) and for 8-bit matrices."""
+    spec = WIDE.replace(weight_format="int4")
     assert resolve_host_matmul(spec).host_matmul == TORCH_INT4
     assert resolve_host_matmul(spec.replace(dtype="float32")).host_matmul == "xla"
-    assert resolve_host_matmul(spec.replace(weight_format="q8_0")).host_matmul == "xla"
+    assert resolve_host_matmul(spec.replace(weight_format="int8")).host_matmul == "xla"
     assert resolve_host_matmul(spec, "xla").host_matmul == "xla"
     with pytest.raises(HxError, match="unknown host matmul"):
         resolve_host_matmul(spec, "cublas")

@@ -47,9 +47,11 @@ PLANS = {name: plan for name, plan in acceptance_plans(30, splits=()).items()
 
 
 @pytest.fixture(scope="module")
-def smollm(smollm):
-    """The default model in float32 whatever the platform (``auto`` is bfloat16 on a GPU)."""
-    return smollm if smollm.spec.dtype == "float32" else hx.load(dtype="float32")
+def smollm():
+    """The default model in float32 whatever the platform (``auto`` is bfloat16 on a GPU), its
+    host ops multiplying in float32 (``host_matmul`` xla: ``auto``'s ggml rounds activations
+    to 8 bits, as llama.cpp; tests/test_ggml_kernel.py bounds that)."""
+    return hx.load(dtype="float32", host_matmul="xla")
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +169,8 @@ TEXT_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def smollm_bf16():
-    return hx.load(dtype="bfloat16")
+    """bfloat16, its host ops' 4-bit products in torch's kernel (bfloat16 activations)."""
+    return hx.load(dtype="bfloat16", host_matmul="torch-int4")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,120 @@
+"""hx's host against llama.cpp on the same GGUF: batch-1 decode and prefill (issue 39, A and B).
+
+Usage: python scripts/bench_llama_cpp.py [--gguf FILE] [--rounds 3] [--threads 2]
+           [--new-tokens 64] [--prompt-tokens 512] [--llama-bench PATH] [--json OUT.json]
+
+Takes 2-4 minutes on the 2-core development VM with SmolLM2 (the default file), after
+``python -m hx.host_compute.ggml_build --tools`` has built ``llama-bench`` from the same pinned
+llama.cpp source as hx's ggml, with this machine's instructions (``GGML_NATIVE=ON``: a generic
+build runs 3x slower and makes the comparison meaningless).
+
+llama.cpp: ``llama-bench -t THREADS -r 1`` of ``-p 0 -n NEW`` (decode tokens/s) and ``-p PROMPT
+-n 0`` (prefill tokens/s). hx: the file as ``hx.load`` gives it (``host_matmul`` auto), every op
+on the host (``all-host``: what the host's kernels are worth; the emulated accelerator is a CPU
+device and says nothing of a GPU), greedy: decode tokens/s of a 16-token prompt generating NEW
+tokens (``Completion.decode_tok_s``: the tokens after the first over their seconds) and prefill
+tokens/s of one PROMPT-token prompt (``Engine.last_logits``, its plan's prefill chunks). Each
+round runs all four once, interleaved, after one untimed warm-up of each (hx compiles); medians
+over rounds and the median of the per-round ratios hx / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+from rich.table import Table
+
+from hx.devices import configure_runtime
+
+configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
+
+import hx  # noqa: E402
+from hx.cli.console import print_table  # noqa: E402
+from hx.devices import discover  # noqa: E402
+from hx.generate import Engine  # noqa: E402
+from hx.host_compute.ggml_build import ggml_dir  # noqa: E402
+from hx.models.loader import default_model_path  # noqa: E402
+from hx.planner import policies  # noqa: E402
+from hx.sampling import SamplingParams  # noqa: E402
+
+
+def llama_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: int) -> float:
+    """One ``llama-bench`` run (``-r 1``) of a ``prompt``-token prefill or ``new`` decode steps:
+    its tokens/s."""
+    out = subprocess.run([bench, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n",
+                          str(new), "-r", "1", "-o", "json"], check=True, capture_output=True,
+                         text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", default=str(default_model_path()))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--llama-bench", default=str(ggml_dir() / "bin" / "llama-bench"))
+    parser.add_argument("--json", help="write the results as JSON")
+    args = parser.parse_args()
+    if not os.path.exists(args.llama_bench):
+        raise SystemExit(f"no llama-bench at {args.llama_bench}: build it with "
+                         "`python -m hx.host_compute.ggml_build --tools`")
+    model = hx.load(args.gguf)
+    engine = Engine(model, policies.all_host(model.spec.n_layers), discover())
+    ids = model.tokenizer.encode("The history of the printing press begins " * 200)
+    short, long = ids[:16], ids[:args.prompt_tokens]
+    greedy = SamplingParams(max_new_tokens=args.new_tokens)
+
+    def hx_decode() -> float:
+        return engine.generate_ids([short], greedy)[0].decode_tok_s
+
+    def hx_prefill() -> float:
+        start = time.perf_counter()
+        engine.last_logits([long])
+        return len(long) / (time.perf_counter() - start)
+
+    runs = {
+        ("decode", "hx"): hx_decode,
+        ("decode", "llama.cpp"): lambda: llama_tokens_per_s(
+            args.llama_bench, args.gguf, args.threads, 0, args.new_tokens),
+        ("prefill", "hx"): hx_prefill,
+        ("prefill", "llama.cpp"): lambda: llama_tokens_per_s(
+            args.llama_bench, args.gguf, args.threads, args.prompt_tokens, 0),
+    }
+    for run in runs.values():  # warm-up: hx compiles its shapes
+        run()
+    seen: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for _ in range(args.rounds):
+        for key, run in runs.items():
+            seen[key].append(run())
+    table = Table(title=f"{os.path.basename(args.gguf)}, batch 1, {args.threads} threads: "
+                        f"tokens/s, median of {args.rounds} interleaved rounds")
+    for col in ("test", "hx (all-host)", "llama.cpp", "hx / llama.cpp"):
+        table.add_column(col, justify="right")
+    rows = []
+    for test, size in (("decode", args.new_tokens), ("prefill", args.prompt_tokens)):
+        ours, theirs = seen[test, "hx"], seen[test, "llama.cpp"]
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        rows.append({"test": test, "tokens": size, "hx_tok_s": statistics.median(ours),
+                     "llama_cpp_tok_s": statistics.median(theirs), "ratio": ratio,
+                     "hx_rounds": ours, "llama_cpp_rounds": theirs})
+        table.add_row(f"{test} {size}", f"{rows[-1]['hx_tok_s']:.1f}",
+                      f"{rows[-1]['llama_cpp_tok_s']:.1f}", f"{ratio:.2f}x")
+    print_table(table)
+    print(f"hx: host matmul {model.spec.host_matmul}, weights {model.spec.weight_format}/"
+          f"{model.spec.embedding_format}, dtype {model.spec.dtype}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gguf": args.gguf, "threads": args.threads, "rounds": args.rounds,
+                       "host_matmul": model.spec.host_matmul, "dtype": model.spec.dtype,
+                       "llama_bench": args.llama_bench, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

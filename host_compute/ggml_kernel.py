@@ -30,7 +30,6 @@ from hx.host_compute.ggml_build import built, ggml_dir
 
 SOURCE = Path(__file__).with_name("ggml_mm.cc")
 TARGET = "hx_ggml_mm"
-SMALL_WORK = 1 << 22  # M * N * K at most this: one ggml thread (a pool's hand-off costs more)
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
 # docs/measurements/log.md, "ggml's products"):
@@ -89,9 +88,9 @@ def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = Non
            ) -> jax.Array:
     """x (M, K) @ W^T -> (M, N) float32, W (N, K) held as ``w`` (N, row bytes) uint8 in ggml
     type ``ggml_type`` (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3, Q8_0 8, ...): ggml's
-    product through the FFI target, ``x`` first cast to float32. On one thread up to
-    ``SMALL_WORK`` multiply-adds, else on every core this process may use (``threads``
-    overrides). Usable inside ``jax.jit`` on a CPU device only.
+    product through the FFI target, ``x`` first cast to float32, on every core this process
+    may use (``threads`` overrides; ``ggml_mm.cc`` says why even small products take them
+    all). Usable inside ``jax.jit`` on a CPU device only.
 
     Raises:
       HxError: the handler cannot be built or loaded (``unavailable`` says why).
@@ -99,10 +98,7 @@ def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = Non
     reason = unavailable()
     if reason is not None:
         raise HxError(f"ggml's products are unavailable: {reason}")
-    M, K = x.shape
-    N = w.shape[0]
-    if threads is None:
-        threads = 1 if M * N * K <= SMALL_WORK else len(os.sched_getaffinity(0))
-    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    threads = threads or len(os.sched_getaffinity(0))
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w,
                                          type=np.int64(ggml_type), threads=np.int64(threads))

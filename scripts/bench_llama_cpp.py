@@ -31,6 +31,10 @@ from rich.table import Table
 
 from hx.devices import configure_runtime
 
+# llama-bench runs in the environment this script was started in: hx sets OMP_WAIT_POLICY=PASSIVE
+# for torch's threads, which makes llama.cpp's OpenMP threads sleep at every barrier (SmolLM2
+# decode 29-34 tokens/s against 108-128)
+LLAMA_ENV = dict(os.environ)
 configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
 
 import hx  # noqa: E402
@@ -44,11 +48,11 @@ from hx.sampling import SamplingParams  # noqa: E402
 
 
 def llama_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: int) -> float:
-    """One ``llama-bench`` run (``-r 1``) of a ``prompt``-token prefill or ``new`` decode steps:
-    its tokens/s."""
+    """One ``llama-bench`` run (``-r 1``) of a ``prompt``-token prefill or ``new`` decode steps,
+    in ``LLAMA_ENV``: its tokens/s."""
     out = subprocess.run([bench, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n",
                           str(new), "-r", "1", "-o", "json"], check=True, capture_output=True,
-                         text=True).stdout
+                         text=True, env=LLAMA_ENV).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 

@@ -13,8 +13,9 @@ SmolLM2-135M-Instruct from its GGUF, greedy, two hx paths:
 * **hx f32** -- the float32 path: the GGUF expanded to dense float32 (``weights="dense"``), the
   plan ``auto`` picks without a budget (all-accelerator);
 * **hx q4_1** -- the GGUF's weights kept compressed (``weights="auto"``: its Q4_1 matrices and
-  Q8_0 embedding as they are), bfloat16, all-host, the Q4_1 products by torch's CPU int4 kernel
-  (``host_matmul`` auto: ``hx.host_compute.int4_kernel``).
+  Q8_0 embedding as they are), bfloat16, all-host, the products by ggml over the file's blocks
+  (``host_matmul`` auto: ``hx.host_compute.ggml_kernel``; torch's CPU int4 kernel before
+  session 21, ``--host-matmul torch-int4``).
 
 Each as one static batch (``Engine.generate_ids``, latency mode) and with iteration-level
 scheduling over one micro-batch of the batch's rows (throughput mode); transformers is CPU

@@ -53,11 +53,12 @@ KvOption = typer.Option(
          "as they are written and decompressed right before attention reads them.")
 HostMatmulOption = typer.Option(
     "auto", "--host-matmul",
-    help="How host-computed ops multiply compressed matrices: auto (torch's CPU int4 kernel "
-         "for a bfloat16 model whose matrices are 4-bit, where torch and g++ build it; else "
-         "xla), xla (decompressed in the program, then an XLA product), torch-int4, or ggml "
-         "(llama.cpp's kernels over a GGUF's own q4_0/q4_1/q8_0 blocks, activations rounded to "
-         "8 bits as llama.cpp does; SmolLM2 Q4_1 all-host decode 6.3x xla's here).")
+    help="How host-computed ops multiply compressed matrices: auto (ggml for a GGUF's "
+         "q4_0/q4_1/q8_0 blocks where ggml is built; else torch's CPU int4 kernel for a "
+         "bfloat16 model whose matrices are 4-bit; else xla), xla (decompressed in the program, "
+         "then an XLA product in the model's dtype), torch-int4, or ggml (llama.cpp's kernels "
+         "over the file's own blocks, activations rounded to 8 bits as llama.cpp does; SmolLM2 "
+         "Q4_1 all-host decode 7.6x xla's here).")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

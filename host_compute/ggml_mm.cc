@@ -30,10 +30,12 @@ namespace {
 
 constexpr uint32_t kPoll = 10;  // ggml's polling level, 0 (none) to 100
 
+// XLA:CPU runs independent custom calls at once (a layer's Q, K and V products), and a ggml
+// pool runs one graph at a time: calls take turns (each already uses every core).
+std::mutex turn;
+
 ggml_threadpool* Pool(int threads) {
-  static std::mutex lock;
   static std::map<int, ggml_threadpool*> pools;
-  std::lock_guard<std::mutex> hold(lock);
   auto& pool = pools[threads];
   if (pool == nullptr) {
     ggml_threadpool_params params = ggml_threadpool_params_default(threads);
@@ -55,6 +57,7 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
       int64_t(ggml_row_size(ggml_type(type), xd[1])) != wd[1])
     return ffi::Error::InvalidArgument(
         "hx_ggml_mm: shapes x (M, K), w (N, ggml_row_size(type, K)), y (M, N)");
+  std::lock_guard<std::mutex> hold(turn);
   thread_local std::vector<uint8_t> meta(16 * ggml_tensor_overhead() + ggml_graph_overhead());
   thread_local std::vector<uint8_t> work;
   ggml_init_params init = {meta.size(), meta.data(), /*no_alloc=*/true};

@@ -5,9 +5,9 @@ llama.cpp), and a generic build runs llama.cpp about 3x slower than one built wi
 machine's own instructions (SmolLM2 Q4_1 decode on the 2-core VM: 40.8 against 128 tokens/s),
 so hx builds it once, at install (``make install`` runs ``python -m hx.host_compute.ggml_build``):
 the pinned sdist is downloaded with pip, and only ``ggml-base`` and ``ggml-cpu`` are compiled
-with CMake (``GGML_NATIVE=ON``; ``GGML_OPENMP=OFF``, so ggml's own thread pool, which hx starts
-without polling, runs beside XLA's: no OpenMP team spinning between calls). 40 s on the 2-core
-VM. The libraries and headers go to ``ggml_dir()``: ``HX_GGML_DIR`` or ``<venv>/hx-ggml``.
+with CMake (``GGML_NATIVE=ON``; ``GGML_OPENMP=OFF``, so ggml's own thread pool runs beside XLA's,
+polling only briefly after a product, ``ggml_mm.cc``: no OpenMP team spinning between calls).
+40-60 s on the 2-core VM. The libraries and headers go to ``ggml_dir()``: ``HX_GGML_DIR`` or ``<venv>/hx-ggml``.
 A native build runs only on CPUs with this one's instructions: a venv copied to another machine
 rebuilds (``python -m hx.host_compute.ggml_build --force``). ``--tools`` also builds llama.cpp's
 ``llama-bench`` and ``llama-batched-bench`` from the same source, statically linked, into

@@ -64,7 +64,7 @@ from hx.models.formats import DENSE
 from hx.models.layers import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models import sharding
-from hx.models.tensors import (held_slots, held_weights, kv_arrays, layer_key, step_limit,
+from hx.models.tensors import (held_weights, kv_arrays, layer_key, layer_slots, step_limit,
                                weight_dtype, widest_slots)
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
@@ -350,7 +350,7 @@ class Executor:
         own = dtype is not None and s.kv_format == DENSE
 
         def arrays(layer: int) -> dict:
-            slots = held_slots(s.layer_spec(layer), length)
+            slots = layer_slots(s, layer, length)
             kv = {name: (shape, jnp.dtype(dtype if own else held))
                   for name, (shape, held) in kv_arrays(s, batch, slots).items()}
             kept = {streamed_kv.H: ((batch, slots, s.d_model), jnp.dtype(s.dtype))}
@@ -653,11 +653,6 @@ class _BlockStep:
 
     # -- a streamed KV cache (hx.streamed_kv) ------------------------------------------------
 
-    def held(self, layer: int) -> int:
-        """Cache slots layer ``layer`` holds (``models.tensors.held_slots``: a ring for a
-        sliding window)."""
-        return held_slots(self.ex.spec.layer_spec(layer), self.schedule.slots)
-
     def written(self, m: int) -> int:
         """Cache slots micro-batch ``m`` had written before this step (its write index)."""
         return int(np.asarray(self.steps[m].write_index))
@@ -667,7 +662,7 @@ class _BlockStep:
         layers into accelerator memory (H2D)."""
         i, m = ins.segment, ins.micro
         dispatch = time.perf_counter()
-        r_of = {layer: min(r, self.held(layer))
+        r_of = {layer: min(r, layer_slots(self.ex.spec, layer, self.schedule.slots))
                 for layer, r in streamed_layers(self.ex.plan, self.segments[i]) if r}
         moved = {layer: jax.device_put(streamed_kv.host_slice(
             {streamed_kv.H: self.caches[m][layer][streamed_kv.H]}, 0, r)[streamed_kv.H],
@@ -686,7 +681,7 @@ class _BlockStep:
         tails, caches = copies.setdefault("tail", {}), copies.setdefault("cache", {})
         nbytes = padded = 0  # bytes copied; of copies padded into a cache at once
         for layer, r in streamed_layers(self.ex.plan, self.segments[i]):
-            S = self.held(layer)
+            S = layer_slots(self.ex.spec, layer, self.schedule.slots)
             parts = streamed_kv.kv_only(self.caches[m][layer])
             end = copy_end(S, r, self.written(m))
             if (r, end) != (0, S):
@@ -713,13 +708,14 @@ class _BlockStep:
         spec, held = self.ex.spec, weight_dtype(self.ex.spec, ACCELERATOR)
         kv_start = self.placed_steps[(ACCELERATOR, m)].kv_start
         written = self.steps[m].write_index
+        slots = {layer: layer_slots(spec, layer, self.schedule.slots) for layer in copies["h"]}
         heads = {layer: streamed_kv.recompute_function(spec.layer_spec(layer), held)(
                      params[(layer, "K")], params[(layer, "V")], h, kv_start, written,
-                     self.held(layer))
+                     slots[layer])
                  for layer, h in copies.pop("h").items()}
         for layer, head in heads.items():
             copies["cache"][layer] = streamed_kv.assemble(head, copies["tail"].pop(layer),
-                                                          self.held(layer))
+                                                          slots[layer])
         self.acct.apply(ins, {head_key(i, m): tree_bytes(heads),
                               cache_key(i, m): tree_bytes(copies["cache"])})
         self.record(index, ins, ACC_COMPUTE, "recompute K V", (heads, copies["cache"]),

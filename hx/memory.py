@@ -21,8 +21,8 @@ from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
 from hx.models.spec import HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
-from hx.models.tensors import (ACTIVATIONS, activation_bytes, cache_bytes, held_slots,
-                               held_weights, kv_bytes, step_bytes, step_limit, widest_slots)
+from hx.models.tensors import (ACTIVATIONS, activation_bytes, cache_bytes, held_weights,
+                               kv_bytes, layer_slots, step_bytes, step_limit, widest_slots)
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
@@ -269,7 +269,7 @@ def kept_activation_bytes(plan: ExecutionPlan, spec: ModelSpec, workload: Worklo
     KVPR's stored activations, kept for every slot so that r may change:
     ``hx.streamed_kv``)."""
     return sum(activation_bytes(spec, "h", workload.rows,
-                                held_slots(spec.layer_spec(layer), workload.cache_slots))
+                                layer_slots(spec, layer, workload.cache_slots))
                for layer in range(plan.n_layers) if plan.recompute(layer))
 
 

@@ -70,8 +70,8 @@ from typing import Callable, Hashable, NamedTuple
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, ModelSpec
-from hx.models.tensors import (ACTIVATIONS, OPS, activation_bytes, cache_bytes, held_slots,
-                               kv_bytes, step_bytes)
+from hx.models.tensors import (ACTIVATIONS, OPS, activation_bytes, cache_bytes, kv_bytes,
+                               layer_slots, step_bytes)
 from hx.plan import DISK, STREAMED, ExecutionPlan
 from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
 
@@ -418,10 +418,6 @@ class _Builder:
         self.add(producers, MOVE, i, m, resource, moves, nbytes,
                  allocs=((INPUT_KEY, "activations", nbytes),) if on_acc else ())
 
-    def slots_of(self, layer: int) -> int:
-        """Cache slots layer ``layer`` holds (``models.tensors.held_slots``)."""
-        return held_slots(self.spec.layer_spec(layer), self.S)
-
     def kv_read(self, i: int, m: int) -> int | None:
         """Micro-batch ``m``'s KV caches of segment ``i``'s disk-homed layers into host
         memory (all S slots; the simulator prices the positions written before the step)."""
@@ -473,14 +469,15 @@ class _Builder:
         layers = self.streamed[i]
         r = sum(r for _, r in layers)
         if r:
-            head = sum(kv_bytes(self.spec, self.B, min(r, self.slots_of(layer)))
-                       for layer, r in layers)
+            # each layer's recomputed slots, at most what it holds
+            heads = [min(r, layer_slots(self.spec, layer, self.S)) for layer, r in layers]
+            head = sum(kv_bytes(self.spec, self.B, n) for n in heads)
             held = cache_bytes(self.spec, self.B, self.S, [layer for layer, _ in layers])
             after = [self.last.get((STAGE, i)), self.synced if self.segments[i].streams
                      else None]
             # the K and V products in float32 before their cast: the recompute's temporaries
-            temp = sum(2 * self.B * min(r, self.slots_of(layer)) * self.spec.n_kv_heads
-                       * self.spec.head_dim * 4 for layer, r in layers)
+            temp = sum(2 * self.B * n * self.spec.n_kv_heads * self.spec.head_dim * 4
+                       for n in heads)
             deps.append(self.add(
                 self.loads[(i, m)][:1] + after, RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
                 tokens=r,
@@ -502,7 +499,8 @@ class _Builder:
         i, m = pair
         after = [self.last_store.get(self.kv_pairs[k - 2])] if k >= 2 else []
         layers = self.streamed[i]
-        acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B, self.slots_of(layer), r)
+        acts, kvs = map(sum, zip(*(kv_link_bytes(self.spec, self.B,
+                                                 layer_slots(self.spec, layer, self.S), r)
                                    for layer, r in layers)))
         r = sum(r for _, r in layers)
         self.loads[pair] = []

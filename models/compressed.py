@@ -202,14 +202,15 @@ class GGUFBlocks:
         n, row = self.blocks.shape
         return n, row // self.fmt.block_bytes * self.fmt.group
 
-    def group_parts(self, xp=jnp) -> dict[str, Any]:
+    def group_parts(self) -> dict[str, jax.Array]:
         """The ``GroupMatrix`` arrays (codes, scale[, offset]) of the blocks, (N, in / g, ...),
-        as views (numpy) or slices (JAX) of them."""
+        cut from them in JAX."""
         fmt, (n, k) = self.fmt, self.shape
-        b = self.blocks.reshape(n, k // fmt.group, fmt.block_bytes)
-        half = (lambda a: jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], 1, 2), jnp.float16)
-                .reshape(a.shape[:-1])) if xp is jnp else (
-            lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0])
+        b = jnp.asarray(self.blocks).reshape(n, k // fmt.group, fmt.block_bytes)
+
+        def half(a: jax.Array) -> jax.Array:  # (..., 2) bytes -> (...) float16
+            return jax.lax.bitcast_convert_type(a, jnp.float16)
+
         parts = {"scale": half(b[..., 0:2])}
         start = 2
         if fmt.asymmetric:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 from hx.devices import HOST
 from hx.models.formats import Format, kv_cache_format
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype, numpy_dtype
+from hx.workload import round_up
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,17 @@ RING_STEP = 512
 RING_QUANTUM = 16  # a ring's slots are a multiple of this (its blocked reads stay whole)
 
 
+def _type_specs(spec: ModelSpec) -> list[ModelSpec]:
+    """The spec of each of the model's layer types (the model's own where its layers are
+    alike)."""
+    return [spec.type_spec(kind) for kind in spec.layer_types or ("",)]
+
+
 def step_limit(spec: ModelSpec) -> int | None:
     """Most tokens one step may write (a prefill chunk's bound) so that every sliding-window
     layer's ring holds what its queries see (``held_slots``): ``min(window, RING_STEP)`` of
     the smallest window; None for a model without sliding windows (no bound)."""
-    windows = [spec.type_spec(kind).sliding_window for kind in spec.layer_types or ("",)]
-    windows = [w for w in windows if w is not None]
+    windows = [s.sliding_window for s in _type_specs(spec) if s.sliding_window is not None]
     return min(min(w, RING_STEP) for w in windows) if windows else None
 
 
@@ -138,21 +144,25 @@ def held_slots(layer_spec: ModelSpec, slots: int) -> int:
     w = layer_spec.sliding_window
     if w is None:
         return slots
-    ring = -(-(w + min(w, RING_STEP) - 1) // RING_QUANTUM) * RING_QUANTUM
-    return min(slots, ring)
+    return min(slots, round_up(w + min(w, RING_STEP) - 1, RING_QUANTUM))
+
+
+def layer_slots(spec: ModelSpec, layer: int, slots: int) -> int:
+    """``held_slots`` of decoder layer ``layer`` of ``spec`` (its layer type's window)."""
+    return held_slots(spec.layer_spec(layer), slots)
 
 
 def widest_slots(spec: ModelSpec, slots: int) -> int:
     """Slots of the widest KV cache a run of ``slots`` slots holds: ``slots``, or where every
     layer has a sliding window, the largest ring (from which each layer's follows alike:
     ``held_slots`` of either gives the same caches)."""
-    return max(held_slots(spec.type_spec(kind), slots) for kind in spec.layer_types or ("",))
+    return max(held_slots(s, slots) for s in _type_specs(spec))
 
 
 def cache_bytes(spec: ModelSpec, rows: int, slots: int, layers: Iterable[int]) -> int:
     """Bytes of the KV caches of decoder ``layers`` at ``rows`` rows in a run of ``slots``
     slots, each as held (``kv_bytes`` of its ``held_slots``)."""
-    return sum(kv_bytes(spec, rows, held_slots(spec.layer_spec(i), slots)) for i in layers)
+    return sum(kv_bytes(spec, rows, layer_slots(spec, i, slots)) for i in layers)
 
 
 def layer_cache_bytes(spec: ModelSpec, rows: int, slots: int) -> int:

@@ -27,7 +27,7 @@ from typing import Callable
 
 from hx.devices import ACCELERATOR, Devices
 from hx.models.spec import ModelSpec
-from hx.models.tensors import held_slots, kv_bytes
+from hx.models.tensors import kv_bytes, layer_slots
 from hx.plan import (RESIDENT, ExecutionPlan, Stint, plan_at, recompute_consistent,
                      weight_owners)
 from hx.planner.profile import HardwareProfile
@@ -107,7 +107,7 @@ def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
     for layer in range(spec.n_layers):
         before, after = old.kv[layer] == ACCELERATOR, new.kv[layer] == ACCELERATOR
         if before != after:  # host, streamed: host memory both
-            nbytes = kv_bytes(spec, workload.rows, held_slots(spec.layer_spec(layer), context))
+            nbytes = kv_bytes(spec, workload.rows, layer_slots(spec, layer, context))
             h2d, d2h, copies = h2d + nbytes * after, d2h + nbytes * before, copies + 1
     if not copies:
         return 0.0

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.models.tensors import held_slots, int4_matrices, kv_bytes, weight_dtype
+from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.mesh import collective_seconds
@@ -145,7 +145,7 @@ def assemble_seconds(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProf
     written slots' quanta reach S: the copy is the cache)."""
     acc, seconds = profile.device(ACCELERATOR), 0.0
     for layer, r in streamed_layers(plan, segment):
-        held = held_slots(spec.layer_spec(layer), slots)
+        held = layer_slots(spec, layer, slots)
         end = copy_end(held, r, prior)
         if r or end < held:
             seconds += acc.launch_seconds(batch) + (
@@ -191,7 +191,7 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
         window = None if layer is None else spec.layer_spec(layer).sliding_window
         key = (segment.device, op, window if op == SCORE else None)
         if key not in memo:
-            held = held_slots(spec.layer_spec(layer), slots) if op == SCORE else slots
+            held = layer_slots(spec, layer, slots) if op == SCORE else slots
             memo[key] = op_seconds(spec, profile, segment.device, op, batch, tokens, held,
                                    min(context, held))
         total += memo[key]
@@ -247,8 +247,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         elif kind == READ:
             name, duration = f"read {i}", nbytes / _disk(profile, plan)
         elif kind == KV_READ:  # the prefix written before the step (a ring's, at most whole)
-            nbytes = sum(kv_bytes(spec, batch, min(prior, held_slots(spec.layer_spec(layer),
-                                                                      slots)))
+            nbytes = sum(kv_bytes(spec, batch, min(prior, layer_slots(spec, layer, slots)))
                          for layer in schedule.segments[i].cache_layers
                          if plan.kv[layer] == DISK)
             name, duration = f"read KV {i}", nbytes / _disk(profile, plan)
@@ -275,7 +274,7 @@ def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfi
     streamed layers). A copy of part of the host cache is sliced there first
     (``hx.streamed_kv.host_slice``: the ``h`` of [0, r) always, K and V unless the whole
     cache crosses): a host launch and the bytes read and written at its memory bandwidth."""
-    layers = [(held_slots(spec.layer_spec(layer), slots), r)
+    layers = [(layer_slots(spec, layer, slots), r)
               for layer, r in streamed_layers(plan, seg)]  # a ring's slots, not S
     if kind == RECOMPUTE:
         return "recompute K V", sum(recompute_seconds(spec, profile, batch,

@@ -1,4 +1,4 @@
-"""Building an XLA FFI handler: one C++ source compiled with g++ into a shared library, cached.
+"""Building XLA FFI handlers: C++ sources compiled with g++ into one shared library, cached.
 
 ``kernel_dir`` names the cache folder of one build (``HX_KERNEL_DIR`` or ``~/.cache/hx/kernels``,
 then a digest of what the library depends on); ``compile_handler`` compiles into it once.
@@ -21,8 +21,8 @@ def kernel_dir(*depends: bytes) -> Path:
     return root / hashlib.sha256(b"".join(depends) + jax.__version__.encode()).hexdigest()[:16]
 
 
-def compile_handler(source: Path, so: Path, flags: list[str]) -> Path:
-    """``so``, compiled from ``source`` with g++ (``-O2 -shared -fPIC``, jaxlib's FFI headers,
+def compile_handler(sources: list[Path], so: Path, flags: list[str]) -> Path:
+    """``so``, compiled from ``sources`` with g++ (``-O2 -shared -fPIC``, jaxlib's FFI headers,
     then ``flags``) when missing; written under a temporary name and renamed once whole, so a
     process never loads half a library another is writing.
 
@@ -34,6 +34,6 @@ def compile_handler(source: Path, so: Path, flags: list[str]) -> Path:
     so.parent.mkdir(parents=True, exist_ok=True)
     partial = so.with_name(f"{so.name}.{os.getpid()}")
     subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-                    str(source), *flags, "-o", str(partial)], check=True, capture_output=True)
+                    *map(str, sources), *flags, "-o", str(partial)], check=True, capture_output=True)
     partial.rename(so)
     return so

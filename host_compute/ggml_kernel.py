@@ -6,10 +6,12 @@ against W (N, K) held as the file stores it (``ggml_row_size(type, K)`` bytes a 
 decompressed; so its results are llama.cpp's, not float32's (SmolLM2's Q4_1 ``ffn_up`` at 4
 rows: 4.8e-3 relative to float64 over the decoded weights, the activations' 8-bit rounding).
 
-``ggml_mm.cc`` (the handler) is compiled once per (source, jaxlib, ggml build) with g++ against
-the ggml that ``hx.host_compute.ggml_build`` built for this CPU, into
-``~/.cache/hx/kernels/<digest>/`` (``HX_KERNEL_DIR`` overrides the root), and registered with
-``jax.ffi``; without that build or a compiler ``unavailable()`` says why.
+``ggml_mm.cc`` (this handler) and ``ggml_layer.cc`` (a whole decoder layer as one ggml graph,
+``host_compute.ggml_layer``) share one thread pool (``ggml_pool.h``), so they are one library:
+compiled once per (sources, jaxlib, ggml build) with g++ against the ggml that
+``hx.host_compute.ggml_build`` built for this CPU, into ``~/.cache/hx/kernels/<digest>/``
+(``HX_KERNEL_DIR`` overrides the root), and both registered with ``jax.ffi``; without that
+build or a compiler ``unavailable()`` says why.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from hx.errors import HxError
 from hx.host_compute import ffi_build
 from hx.host_compute.ggml_build import built, ggml_dir
 
-SOURCE = Path(__file__).with_name("ggml_mm.cc")
-TARGET = "hx_ggml_mm"
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
+TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layer"
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
 # docs/measurements/log.md, "ggml's products"):
@@ -48,29 +51,29 @@ KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64))
 
 
 def kernel_dir() -> Path:
-    """Where the handler is built (``ffi_build.kernel_dir``: a digest of the source, jaxlib's
-    version and the ggml build it links)."""
-    return ffi_build.kernel_dir(SOURCE.read_bytes(), str(ggml_dir().resolve()).encode(),
+    """Where the handlers are built (``ffi_build.kernel_dir``: a digest of the sources,
+    jaxlib's version and the ggml build they link)."""
+    return ffi_build.kernel_dir(*(p.read_bytes() for p in SOURCES), str(ggml_dir().resolve()).encode(),
                                 (ggml_dir() / "BUILT").read_bytes())
 
 
 def build(out_dir: Path) -> Path:
-    """The handler's shared library in ``out_dir``, compiled with g++ when missing
+    """The handlers' shared library in ``out_dir``, compiled with g++ when missing
     (``ffi_build.compile_handler``).
 
     Raises:
       OSError, subprocess.CalledProcessError: no compiler, or the build failed.
     """
     lib = (ggml_dir() / "lib").resolve()
-    return ffi_build.compile_handler(SOURCE, out_dir / "libhx_ggml_mm.so", [
-        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
+    return ffi_build.compile_handler(list(SOURCES[:2]), out_dir / "libhx_ggml.so", [
+        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
         f"-Wl,-rpath,{lib}"])
 
 
 @functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
-    """None once the handler is built and registered with JAX; else why it cannot be (ggml
-    not built for this machine, no compiler, a failed build)."""
+    """None once the handlers are built and registered with JAX; else why they cannot be
+    (ggml not built for this machine, no compiler, a failed build)."""
     if not built():
         return (f"ggml is not built in {ggml_dir()} (python -m hx.host_compute.ggml_build; "
                 "`make install` runs it)")
@@ -78,9 +81,11 @@ def unavailable() -> str | None:
         so = build(kernel_dir())
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        return f"building {SOURCE.name} failed: {e} {err.decode(errors='replace')[-300:]}"
+        return f"building {SOURCES[0].name} and {SOURCES[1].name} failed: {e} {err.decode(errors='replace')[-300:]}"
     lib = ctypes.cdll.LoadLibrary(str(so))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.hx_ggml_mm), platform="cpu")
+    for target in (TARGET, LAYER_TARGET):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                    platform="cpu")
     return None
 
 

@@ -7,43 +7,16 @@
 //   -> y (M, N)          float32; attributes: type (ggml_type), threads (ggml's pool size).
 //
 // XLA's buffers become ggml tensors' data without copies; each call builds a one-node graph in
-// a reused context and runs it on a thread pool kept per size, whose threads poll a while for
-// the next product before they sleep (ggml's poll level kPoll): within a decode step the next
-// call comes tens of microseconds later, and a woken thread costs more than that. SmolLM2 Q4_1
-// all-host decode, 2 threads, 2-core VM (hx.generate, median of 3): poll 0 with one thread
-// for small products 41.5 tokens/s, poll 0 two threads 40.2; two threads polling at level 2
-// 51.3, 10 54.9, 50 54.8-55.7, 100 55.8. A level polls 128 Ki pause rounds (ggml-cpu.c), so
-// level 10 spins about a millisecond or two after a product, then sleeps: the lowest level
-// that gains all, to leave the cores to XLA and other processes between steps.
+// a reused context and runs it on the shared polling pool (ggml_pool.h).
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <vector>
 
-#include "ggml-cpu.h"
-#include "ggml.h"
+#include "ggml_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr uint32_t kPoll = 10;  // ggml's polling level, 0 (none) to 100
-
-// XLA:CPU runs independent custom calls at once (a layer's Q, K and V products), and a ggml
-// pool runs one graph at a time: calls take turns (each already uses every core).
-std::mutex turn;
-
-ggml_threadpool* Pool(int threads) {
-  static std::map<int, ggml_threadpool*> pools;
-  auto& pool = pools[threads];
-  if (pool == nullptr) {
-    ggml_threadpool_params params = ggml_threadpool_params_default(threads);
-    params.poll = kPoll;
-    pool = ggml_threadpool_new(&params);
-  }
-  return pool;
-}
 
 ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                   int64_t type, int64_t threads) {
@@ -57,9 +30,8 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
       int64_t(ggml_row_size(ggml_type(type), xd[1])) != wd[1])
     return ffi::Error::InvalidArgument(
         "hx_ggml_mm: shapes x (M, K), w (N, ggml_row_size(type, K)), y (M, N)");
-  std::lock_guard<std::mutex> hold(turn);
+  std::lock_guard<std::mutex> hold(hx_ggml::Turn());
   thread_local std::vector<uint8_t> meta(16 * ggml_tensor_overhead() + ggml_graph_overhead());
-  thread_local std::vector<uint8_t> work;
   ggml_init_params init = {meta.size(), meta.data(), /*no_alloc=*/true};
   ggml_context* ctx = ggml_init(init);
   ggml_tensor* wt = ggml_new_tensor_2d(ctx, ggml_type(type), xd[1], wd[0]);
@@ -70,12 +42,9 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   yt->data = y->untyped_data();
   ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
   ggml_build_forward_expand(graph, yt);
-  ggml_cplan plan = ggml_graph_plan(graph, int(threads), Pool(int(threads)));
-  if (work.size() < plan.work_size) work.resize(plan.work_size);
-  plan.work_data = work.data();
-  ggml_status status = ggml_graph_compute(graph, &plan);
+  bool done = hx_ggml::Compute(graph, int(threads));
   ggml_free(ctx);
-  if (status != GGML_STATUS_SUCCESS)
+  if (!done)
     return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_mm: ggml_graph_compute failed");
   return ffi::Error::Success();
 }

@@ -75,7 +75,7 @@ def build(out_dir: Path) -> Path:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     lib = library_paths()[0]
-    return ffi_build.compile_handler(SOURCE, out_dir / "libhx_int4mm.so", [
+    return ffi_build.compile_handler([SOURCE], out_dir / "libhx_int4mm.so", [
         "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in include_paths()), f"-L{lib}", "-ltorch_cpu", "-lc10",
         f"-Wl,-rpath,{lib}"])

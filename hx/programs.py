@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
-from hx.host_compute import int4_kernel
+from hx.host_compute import ggml_layer, int4_kernel
 from hx.host_compute.products import products_on
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.compressed import held_matrix
@@ -66,7 +66,8 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     Gemma 3 attend over their own window with their own RoPE. SCORE on the host uses
     ``xla_attention.blocked_attention``; with ``attend=False`` it only appends k and v to its
     cache -- quantized there when the cache is compressed (``models.layers.append_kv``) -- and
-    ``SplitHostProgram`` attends outside XLA.
+    ``SplitHostProgram`` attends outside XLA. A host segment runs each whole decoder layer
+    that ``host_compute.ggml_layer.runs`` takes as one ggml graph.
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
@@ -77,8 +78,19 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     def run(params, acts, caches, step):
         acts = dict(acts)
         caches = list(caches)
-        slot = 0
-        for op, p, op_spec in zip(ops, params, specs):
+        slot, i = 0, 0
+        while i < len(ops):
+            op, p, op_spec = ops[i], params[i], specs[i]
+            layer = params[i:i + len(LAYER_OPS)]
+            if (device == HOST and attend and slot not in keep_h
+                    and ops[i:i + len(LAYER_OPS)] == LAYER_OPS
+                    and ggml_layer.runs(op_spec, layer, acts["x"].shape[0] * acts["x"].shape[1],
+                                        caches[slot])):
+                acts["x"], caches[slot] = ggml_layer.decoder_layer(op_spec, layer, acts["x"],
+                                                                   step, caches[slot])
+                slot, i = slot + 1, i + len(LAYER_OPS)
+                continue
+            i += 1
             if OPS[op].uses_cache and not attend:
                 caches[slot] = append_kv(caches[slot], acts["k"], acts["v"], step.write_index,
                                          fmt, ring=op_spec.sliding_window is not None)

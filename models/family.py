@@ -181,6 +181,24 @@ class MetadataReader(KeyReader):
 
 
 @dataclass(frozen=True)
+class GraphLayer:
+    """A decoder layer that is Llama's -- RMSNorm, q/k/v projections, RoPE (rotate-half),
+    grouped-query attention over the KV cache, the output projection and residual add, RMSNorm,
+    SwiGLU, the down projection and residual add (``models.llama``) -- with its relatives'
+    switches: what a host kernel runs as one graph (``hx.host_compute.ggml_layer``).
+
+    Attributes:
+      qkv_bias: q, k, v add biases (Qwen2).
+      qk_norm: q and k RMS-normed per head before RoPE (Qwen3).
+      inv_frequencies: spec -> RoPE's inverse frequencies (E/2,) float32, scaling applied.
+    """
+
+    qkv_bias: bool
+    qk_norm: bool
+    inv_frequencies: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class Family:
     """What one model family is (module docstring); subclasses override what differs.
 
@@ -254,6 +272,11 @@ class Family:
     def modules(self) -> Mapping[str, type]:
         """op -> the Flax module computing it (``models.decoder.apply_op``)."""
         raise NotImplementedError
+
+    def graph_layer(self, spec) -> GraphLayer | None:
+        """The family's decoder layer as one host graph (``GraphLayer``), or None where it is
+        not that graph's (hx then runs its ops one by one)."""
+        return None
 
     # -- files -------------------------------------------------------------------------------
     def spec_from_hf(self, config: Mapping[str, Any], where: str):

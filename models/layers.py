@@ -284,13 +284,19 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
     R, K = ck.shape[1], ck.shape[2]
     qg = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
     scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
-    slot = ring_positions(jnp.arange(R), R, step.write_index + T)[None, None, :]  # (1,1,R)
-    query_slot = step.write_index + jnp.arange(T)[None, :, None]  # (1,T,1)
-    valid = visible(slot, query_slot, step.kv_start[:, None, None], window)  # (B,T,R)
+    valid = attention_mask(step, T, R, window)
     scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,R)
     o = jnp.einsum("bkgts,bske->btkge", probs, cv)
     return o.reshape(B, T, H, E).astype(q.dtype)
+
+
+def attention_mask(step: Step, tokens: int, size: int, window: int | None) -> jax.Array:
+    """(B, T, R) bool: whether each of a step's ``tokens`` new queries sees each index of a
+    cache of ``size`` (a ring or not: ``ring_positions``; ``visible``)."""
+    slot = ring_positions(jnp.arange(size), size, step.write_index + tokens)[None, None, :]
+    query_slot = step.write_index + jnp.arange(tokens)[None, :, None]  # (1,T,1)
+    return visible(slot, query_slot, step.kv_start[:, None, None], window)
 
 
 def ring_positions(index, size: int, end):

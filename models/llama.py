@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from hx.errors import HxError
-from hx.models.family import ROPE_FREQS, ConfigReader, Family, MetadataReader
+from hx.models.family import ROPE_FREQS, ConfigReader, Family, GraphLayer, MetadataReader
 from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, dense, held_dtype,
                               inv_frequencies as base_frequencies, lm_head, lookup, rope)
 from hx.models.ops import EMBED, HEAD, SCORE
@@ -317,6 +317,10 @@ class LlamaFamily(Family):
 
     def modules(self) -> Mapping[str, type]:
         return MODULES
+
+    def graph_layer(self, spec: ModelSpec) -> GraphLayer:
+        """Llama's layer with this family's switches (``GraphLayer``)."""
+        return GraphLayer(self.qkv_bias, self.qk_norm, inv_frequencies)
 
     def read_window(self, reader: ConfigReader) -> int | None:
         """The sliding window a config sets (None: none); the Llama config has none."""

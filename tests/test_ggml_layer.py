@@ -1,0 +1,130 @@
+"""A decoder layer as one ggml graph (``host_compute.ggml_layer``) computes what the composition
+of its seven ops computes (``models.decoder.decoder_layer``, XLA).
+
+Over float32 matrices ggml's products do not round the activations, so the two agree to float32
+rounding: for each switch of the Llama layer (Qwen2's biases, Qwen3's q/k norms, Llama 3.1's
+RoPE scaling, Mistral's window over a ring that wraps), through a left-padded prefill chunk and
+decode steps, the layer's output and its KV cache. Over a GGUF's blocks ggml rounds each
+activation row to 8 bits a block as llama.cpp does: the graph gives what the composition with
+ggml's products gives, and differs from XLA's products of the decoded blocks by that rounding
+alone. A model whose layer is not Llama's
+(Gemma 3) or whose run ggml cannot take keeps its ops.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from hx.host_compute import ggml_kernel, ggml_layer
+from hx.host_compute.products import HOST_PRODUCTS
+from hx.models.compressed import DEFAULT_PRODUCTS
+from hx.models.decoder import decoder_layer, init_params
+from hx.models.holding import relayout
+from hx.models.loader import RELAYOUTS
+from hx.models.spec import GGML, LAYER_OPS, ModelSpec
+from hx.models.tensors import held_slots
+
+from steps import left_padded_steps
+
+pytestmark = pytest.mark.skipif(ggml_kernel.unavailable() is not None,
+                                reason=str(ggml_kernel.unavailable()))
+
+SLOTS = 32
+LLAMA3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+          ("original_max_position_embeddings", 16.0), ("rope_type", "llama3"))
+SWITCHES = {"llama": {}, "qwen2": {"family": "qwen2"}, "qwen3": {"family": "qwen3"},
+            "llama3-scaling": {"rope_scaling": LLAMA3},
+            "mistral-ring": {"family": "mistral", "sliding_window": 6}}
+
+
+def tiny(**fields) -> ModelSpec:
+    shapes = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 96}
+    return ModelSpec(name="tiny", n_layers=1, vocab_size=128, context_length=SLOTS,
+                     **{**shapes, **fields})
+
+
+def layer_params(spec: ModelSpec, seed: int = 0) -> dict:
+    """Layer 0's tree with every norm scale and bias perturbed (random weights' are 1 and 0)."""
+    params = init_params(spec, seed)
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, a):
+        names = [getattr(k, "key", "") for k in path]
+        if names[-1] in ("scale", "bias") and "kernel" not in names:
+            return a + 0.3 * rng.standard_normal(a.shape).astype(a.dtype)
+        return a
+
+    params["layer_0"] = jax.tree_util.tree_map_with_path(perturb, params["layer_0"])
+    return params
+
+
+def run_both(spec, params, products=DEFAULT_PRODUCTS, decode_steps=20, prompt=5):
+    """The layer over a left-padded prefill then decode steps, both ways: per step (ggml's x,
+    XLA's x, padding-query mask), and both final caches."""
+    layer = params["layer_0"]
+    R = held_slots(spec, SLOTS)
+    zeros = {name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), np.float32)
+             for name in ("k", "v")}
+    ours, theirs = dict(zeros), dict(zeros)
+    fused = jax.jit(lambda x, step, cache: ggml_layer.decoder_layer(
+        spec, [layer[op] for op in LAYER_OPS], x, step, cache))
+    composed = jax.jit(lambda x, step, cache: decoder_layer(spec, layer, {"x": x}, step, cache,
+                                                            products))
+    rng = np.random.default_rng(1)
+    out = []
+    for step in left_padded_steps(prompt, decode_steps):
+        T = step.positions.shape[1]
+        x = rng.standard_normal((2, T, spec.d_model)).astype(np.float32)
+        got, ours = fused(x, step, ours)
+        acts, theirs = composed(x, step, theirs)
+        real = (int(step.write_index) + np.arange(T))[None, :] >= step.kv_start[:, None]
+        out.append((np.asarray(got), np.asarray(acts["x"]), real))
+    return out, ours, theirs
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_the_graph_is_the_composition_over_float32_matrices(name):
+    spec = tiny(**SWITCHES[name])
+    assert spec.model_family.graph_layer(spec) is not None
+    steps, ours, theirs = run_both(spec, layer_params(spec))
+    for got, want, real in steps:
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got[real], want[real], atol=2e-5 * scale, rtol=0)
+    for key in ("k", "v"):
+        np.testing.assert_allclose(ours[key], theirs[key], atol=2e-5 * np.abs(theirs[key]).max(),
+                                   rtol=0)
+    if spec.sliding_window:  # 25 slots written into a ring of 16
+        assert ours["k"].shape[1] == 16 < 5 + 20
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
+    spec = tiny(weight_format=fmt, host_matmul=GGML, head_dim=32)  # wo's blocks run along E
+    part, convert = RELAYOUTS[GGML]
+    params = relayout(spec, layer_params(spec), part, convert)
+    steps, _, _ = run_both(spec, params, HOST_PRODUCTS, decode_steps=4)
+    for got, want, real in steps:  # the same products over the same rounded activations
+        np.testing.assert_allclose(got[real], want[real], atol=1e-5 * np.abs(want).max(),
+                                   rtol=0)
+    steps, _, _ = run_both(spec, params, DEFAULT_PRODUCTS, decode_steps=4)
+    for got, want, real in steps:  # XLA's products of the decoded blocks: no 8-bit rounding
+        error = np.abs(got[real] - want[real]).max() / np.abs(want).max()
+        assert 1e-4 < error < 3e-2
+
+
+def test_runs_takes_llama_layers_in_float32_with_ggml_and_short_steps():
+    spec = tiny(weight_format="q4_0", host_matmul=GGML, head_dim=32)
+    part, convert = RELAYOUTS[GGML]
+    layer = relayout(spec, init_params(spec), part, convert)["layer_0"]
+    ops = [layer[op] for op in LAYER_OPS]
+    cache = {"k": np.zeros((1, 8, 2, 32), np.float32), "v": np.zeros((1, 8, 2, 32), np.float32)}
+    assert ggml_layer.runs(spec, ops, ggml_layer.ROWS, cache)
+    assert not ggml_layer.runs(spec, ops, ggml_layer.ROWS + 1, cache)  # a long prefill chunk
+    assert not ggml_layer.runs(dataclasses.replace(spec, host_matmul="xla"), ops, 1, cache)
+    int8 = {"k": cache["k"].astype(np.uint8), "k_scale": cache["k"], "v": cache["v"]}
+    assert not ggml_layer.runs(spec, ops, 1, int8)
+    gemma = ModelSpec(name="g", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                      d_ff=96, vocab_size=128, context_length=SLOTS, family="gemma3")
+    assert gemma.model_family.graph_layer(gemma) is None

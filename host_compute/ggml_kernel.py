@@ -32,7 +32,7 @@ from hx.host_compute.ggml_build import built, ggml_dir
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
-TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layer"
+TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layers"
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
 # docs/measurements/log.md, "ggml's products"):

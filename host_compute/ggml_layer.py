@@ -1,19 +1,19 @@
-"""A whole decoder layer on the host as one ggml graph: one FFI call where the ops' composition
-makes about twenty XLA thunks and seven product calls.
+"""Whole decoder layers on the host as one ggml graph: one FFI call for a run of layers where the
+ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
-A host segment runs each decoder layer whose family's layer is Llama's (``Family.graph_layer``:
+A host segment runs each run of consecutive decoder layers of one type whose family's layer is Llama's (``Family.graph_layer``:
 Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices ggml multiplies
 (``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows) as ``ggml_layer.cc``'s
-graph -- llama.cpp's own for that layer: norms, projections, RoPE, the KV-cache write
+graph -- llama.cpp's own for those layers: norms, projections, RoPE, the KV-cache write
 (``ggml_set_rows``, in place) and attention (``ggml_flash_attn_ext``) -- on the thread pool
 ggml's products share (``ggml_pool.h``). The mask comes from the same function XLA's attention
 masks with (``models.layers.attention_mask``: rings, windows, left padding), RoPE's
 frequencies from the family (as factors over theta^(-2i/E), ggml's ``freq_factors``). Up to
-``ROWS`` rows (batch x new tokens) a layer; a longer prefill chunk runs the ops one by one,
+``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one by one,
 its matrices decompressed for XLA's dot (``ggml_kernel.KERNEL_ROWS`` says why).
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
-("one graph a layer").
+("one ggml graph for a run of layers").
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _matrix(m: Any) -> tuple[Any, int] | None:
 
 def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
          cache: Cache) -> bool:
-    """Whether ``decoder_layer`` runs this layer: its family's layer is a ``GraphLayer``, the
+    """Whether ``decoder_layers`` runs this layer: its family's layer is a ``GraphLayer``, the
     model computes in float32 with ggml's products (``host_matmul`` ggml, built), every
     matrix is held as ggml reads it, its cache is float keys and values, and ``rows`` <=
     ``ROWS``."""
@@ -63,49 +63,61 @@ def _op_params(spec: ModelSpec, params: Sequence[Mapping[str, Any]], op: str) ->
     return params[LAYER_OPS.index(op)]
 
 
-def decoder_layer(spec: ModelSpec, params: Sequence[Mapping[str, Any]], x: jax.Array,
-                  step: Step, cache: Cache) -> tuple[jax.Array, Cache]:
-    """One decoder layer (Q through MLP2) as one ggml graph; only where ``runs`` says so.
+def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]],
+                   x: jax.Array, step: Step, caches: Sequence[Cache]
+                   ) -> tuple[jax.Array, list[Cache]]:
+    """Consecutive decoder layers (Q through MLP2 each) of one spec as one ggml graph; only
+    where ``runs`` says so of each.
 
     Args:
-      spec: the layer's spec (``ModelSpec.layer_spec``).
-      params: its seven ops' parameter trees, in ``LAYER_OPS`` order.
-      x: (B, T, D) float32, the layer's input.
+      spec: the layers' spec (``ModelSpec.layer_spec``; one for the run).
+      layers: each layer's seven ops' parameter trees, in ``LAYER_OPS`` order.
+      x: (B, T, D) float32, the first layer's input.
       step: positions (B, T), write_index, kv_start (``models.layers.Step``).
-      cache: {"k", "v"} (B, R, K, E), a ring where the layer has a window; written in place.
+      caches: each layer's {"k", "v"} (B, R, K, E), a ring where the layers have a window;
+        written in place.
     Returns:
-      (x after the layer (B, T, D) float32, the cache with the new keys and values).
+      (x after the last layer (B, T, D) float32, each layer's cache with the new keys and
+      values).
     Raises:
       XlaRuntimeError (at run time): ``ggml_layer.cc`` refused an argument's size or type.
     """
     graph = spec.model_family.graph_layer(spec)
     B, T, D = x.shape
-    R, E = cache["k"].shape[1], spec.head_dim
-    p = {op: _op_params(spec, params, op) for op in LAYER_OPS}
-    matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
-    freq_factors = inv_frequencies(E, spec.rope_theta) / graph.inv_frequencies(spec)
+    R, E = caches[0]["k"].shape[1], spec.head_dim
+
     def f32(a):
         return jnp.asarray(a, jnp.float32).reshape(-1)
 
-    tensors = [f32(p["Q"]["attn_norm"]["scale"]), *(a for a, _ in matrices[:4]),
-               f32(p["MLP1"]["ffn_norm"]["scale"]), *(a for a, _ in matrices[4:]),
-               f32(freq_factors)]
-    if graph.qkv_bias:
-        tensors += [f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
-    if graph.qk_norm:
-        tensors += [f32(p["Q"]["q_norm"]["scale"]), f32(p["K"]["k_norm"]["scale"])]
+    tensors, types = [], []
+    for params, cache in zip(layers, caches):
+        p = {op: _op_params(spec, params, op) for op in LAYER_OPS}
+        matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
+        tensors += [cache["k"], cache["v"], f32(p["Q"]["attn_norm"]["scale"]),
+                    *(a for a, _ in matrices[:4]), f32(p["MLP1"]["ffn_norm"]["scale"]),
+                    *(a for a, _ in matrices[4:])]
+        if graph.qkv_bias:
+            tensors += [f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
+        if graph.qk_norm:
+            tensors += [f32(p["Q"]["q_norm"]["scale"]), f32(p["K"]["k_norm"]["scale"])]
+        types += [t for _, t in matrices]
+    per_layer = len(tensors) // len(layers)
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
     slots = (step.write_index + jnp.arange(T, dtype=jnp.int32)) % R
-    used = jnp.minimum(step.write_index + T, R).astype(jnp.int32)
-    results = (jax.ShapeDtypeStruct((B * T, D), jnp.float32),
-               jax.ShapeDtypeStruct(cache["k"].shape, cache["k"].dtype),
-               jax.ShapeDtypeStruct(cache["v"].shape, cache["v"].dtype))
-    y, k, v = jax.ffi.ffi_call(ggml_kernel.LAYER_TARGET, results,
-                               input_output_aliases={5: 1, 6: 2})(
+    used = jnp.minimum(step.write_index + T, R)
+    freq_factors = inv_frequencies(E, spec.rope_theta) / graph.inv_frequencies(spec)
+    results = [jax.ShapeDtypeStruct((B * T, D), jnp.float32)]
+    results += [jax.ShapeDtypeStruct(c[name].shape, c[name].dtype) for c in caches
+                for name in ("k", "v")]
+    first = 6  # x, positions, slots, mask, used, freq_factors
+    aliases = {first + per_layer * layer + i: 1 + 2 * layer + i
+               for layer in range(len(layers)) for i in (0, 1)}
+    y, *written = jax.ffi.ffi_call(ggml_kernel.LAYER_TARGET, results,
+                                   input_output_aliases=aliases)(
         x.reshape(B * T, D), step.positions.astype(jnp.int32), slots.astype(jnp.int32),
-        mask.astype(jnp.float16), used, cache["k"], cache["v"], *tensors,
-        types=np.array([t for _, t in matrices], np.int64), heads=np.int64(spec.n_heads),
+        mask.astype(jnp.float16), used.astype(jnp.int32), f32(freq_factors), *tensors,
+        types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),
         qk_norm=np.int64(graph.qk_norm), threads=np.int64(len(os.sched_getaffinity(0))))
-    return y.reshape(B, T, D), {"k": k, "v": v}
+    return y.reshape(B, T, D), [{"k": k, "v": v} for k, v in zip(written[::2], written[1::2])]

@@ -66,8 +66,8 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     Gemma 3 attend over their own window with their own RoPE. SCORE on the host uses
     ``xla_attention.blocked_attention``; with ``attend=False`` it only appends k and v to its
     cache -- quantized there when the cache is compressed (``models.layers.append_kv``) -- and
-    ``SplitHostProgram`` attends outside XLA. A host segment runs each whole decoder layer
-    that ``host_compute.ggml_layer.runs`` takes as one ggml graph.
+    ``SplitHostProgram`` attends outside XLA. A host segment runs consecutive whole decoder
+    layers of one type that ``host_compute.ggml_layer.runs`` takes as one ggml graph.
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
     kernel = blocked_attention if device == HOST else None
@@ -75,20 +75,32 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     held, fmt = weight_dtype(spec, device), kv_format(spec)
     specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
 
+    width = len(LAYER_OPS)
+
+    def graph_layers(params, caches, i: int, slot: int, rows: int) -> int:
+        """How many whole decoder layers from op ``i`` (cache ``slot``) run as one ggml graph
+        (``host_compute.ggml_layer``): the consecutive ones of one type it takes."""
+        n = 0
+        while (device == HOST and attend and ops[i + n * width:i + (n + 1) * width] == LAYER_OPS
+               and specs[i + n * width] == specs[i] and slot + n not in keep_h
+               and ggml_layer.runs(specs[i], params[i + n * width:i + (n + 1) * width], rows,
+                                   caches[slot + n])):
+            n += 1
+        return n
+
     def run(params, acts, caches, step):
         acts = dict(acts)
         caches = list(caches)
         slot, i = 0, 0
         while i < len(ops):
             op, p, op_spec = ops[i], params[i], specs[i]
-            layer = params[i:i + len(LAYER_OPS)]
-            if (device == HOST and attend and slot not in keep_h
-                    and ops[i:i + len(LAYER_OPS)] == LAYER_OPS
-                    and ggml_layer.runs(op_spec, layer, acts["x"].shape[0] * acts["x"].shape[1],
-                                        caches[slot])):
-                acts["x"], caches[slot] = ggml_layer.decoder_layer(op_spec, layer, acts["x"],
-                                                                   step, caches[slot])
-                slot, i = slot + 1, i + len(LAYER_OPS)
+            x = acts.get("x")
+            n = 0 if x is None else graph_layers(params, caches, i, slot, x.shape[0] * x.shape[1])
+            if n:
+                acts["x"], caches[slot:slot + n] = ggml_layer.decoder_layers(
+                    op_spec, [params[i + j * width:i + (j + 1) * width] for j in range(n)],
+                    x, step, caches[slot:slot + n])
+                slot, i = slot + n, i + n * width
                 continue
             i += 1
             if OPS[op].uses_cache and not attend:

@@ -1,8 +1,8 @@
-"""A decoder layer as one ggml graph (``host_compute.ggml_layer``) computes what the composition
-of its seven ops computes (``models.decoder.decoder_layer``, XLA).
+"""Decoder layers as one ggml graph (``host_compute.ggml_layer``) compute what the composition of
+their seven ops computes (``models.decoder.decoder_layer``, XLA).
 
 Over float32 matrices ggml's products do not round the activations, so the two agree to float32
-rounding: for each switch of the Llama layer (Qwen2's biases, Qwen3's q/k norms, Llama 3.1's
+rounding: for one layer and three in one graph, for each switch of the Llama layer (Qwen2's biases, Qwen3's q/k norms, Llama 3.1's
 RoPE scaling, Mistral's window over a ring that wraps), through a left-padded prefill chunk and
 decode steps, the layer's output and its KV cache. Over a GGUF's blocks ggml rounds each
 activation row to 8 bits a block as llama.cpp does: the graph gives what the composition with
@@ -24,7 +24,7 @@ from hx.models.decoder import decoder_layer, init_params
 from hx.models.holding import relayout
 from hx.models.loader import RELAYOUTS
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
-from hx.models.tensors import held_slots
+from hx.models.tensors import held_slots, layer_key
 
 from steps import left_padded_steps
 
@@ -34,19 +34,21 @@ pytestmark = pytest.mark.skipif(ggml_kernel.unavailable() is not None,
 SLOTS = 32
 LLAMA3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
           ("original_max_position_embeddings", 16.0), ("rope_type", "llama3"))
-SWITCHES = {"llama": {}, "qwen2": {"family": "qwen2"}, "qwen3": {"family": "qwen3"},
+SWITCHES = {"llama": {}, "llama-3-layers": {"n_layers": 3}, "qwen2": {"family": "qwen2"},
+            "qwen3": {"family": "qwen3"},
             "llama3-scaling": {"rope_scaling": LLAMA3},
             "mistral-ring": {"family": "mistral", "sliding_window": 6}}
 
 
 def tiny(**fields) -> ModelSpec:
     shapes = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 96}
-    return ModelSpec(name="tiny", n_layers=1, vocab_size=128, context_length=SLOTS,
-                     **{**shapes, **fields})
+    return ModelSpec(name="tiny", vocab_size=128, context_length=SLOTS,
+                     **{"n_layers": 1, **shapes, **fields})
 
 
 def layer_params(spec: ModelSpec, seed: int = 0) -> dict:
-    """Layer 0's tree with every norm scale and bias perturbed (random weights' are 1 and 0)."""
+    """Random weights with every layer's norm scales and biases perturbed (random weights'
+    are 1 and 0)."""
     params = init_params(spec, seed)
     rng = np.random.default_rng(seed)
 
@@ -56,31 +58,39 @@ def layer_params(spec: ModelSpec, seed: int = 0) -> dict:
             return a + 0.3 * rng.standard_normal(a.shape).astype(a.dtype)
         return a
 
-    params["layer_0"] = jax.tree_util.tree_map_with_path(perturb, params["layer_0"])
+    for i in range(spec.n_layers):
+        params[layer_key(i)] = jax.tree_util.tree_map_with_path(perturb, params[layer_key(i)])
     return params
 
 
 def run_both(spec, params, products=DEFAULT_PRODUCTS, decode_steps=20, prompt=5):
-    """The layer over a left-padded prefill then decode steps, both ways: per step (ggml's x,
-    XLA's x, padding-query mask), and both final caches."""
-    layer = params["layer_0"]
+    """The model's layers over a left-padded prefill then decode steps, both ways: per step
+    (ggml's x, XLA's x, the mask of real queries), and both ways' final caches."""
+    layers = [params[layer_key(i)] for i in range(spec.n_layers)]
     R = held_slots(spec, SLOTS)
-    zeros = {name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), np.float32)
-             for name in ("k", "v")}
-    ours, theirs = dict(zeros), dict(zeros)
-    fused = jax.jit(lambda x, step, cache: ggml_layer.decoder_layer(
-        spec, [layer[op] for op in LAYER_OPS], x, step, cache))
-    composed = jax.jit(lambda x, step, cache: decoder_layer(spec, layer, {"x": x}, step, cache,
-                                                            products))
+    zeros = [{name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), np.float32)
+              for name in ("k", "v")} for _ in layers]
+    ours, theirs = list(zeros), list(zeros)
+    fused = jax.jit(lambda x, step, caches: ggml_layer.decoder_layers(
+        spec, [[layer[op] for op in LAYER_OPS] for layer in layers], x, step, caches))
+
+    @jax.jit
+    def composed(x, step, caches):
+        caches = list(caches)
+        for i, layer in enumerate(layers):
+            acts, caches[i] = decoder_layer(spec, layer, {"x": x}, step, caches[i], products)
+            x = acts["x"]
+        return x, caches
+
     rng = np.random.default_rng(1)
     out = []
     for step in left_padded_steps(prompt, decode_steps):
         T = step.positions.shape[1]
         x = rng.standard_normal((2, T, spec.d_model)).astype(np.float32)
         got, ours = fused(x, step, ours)
-        acts, theirs = composed(x, step, theirs)
+        want, theirs = composed(x, step, theirs)
         real = (int(step.write_index) + np.arange(T))[None, :] >= step.kv_start[:, None]
-        out.append((np.asarray(got), np.asarray(acts["x"]), real))
+        out.append((np.asarray(got), np.asarray(want), real))
     return out, ours, theirs
 
 
@@ -92,16 +102,18 @@ def test_the_graph_is_the_composition_over_float32_matrices(name):
     for got, want, real in steps:
         scale = np.abs(want).max()
         np.testing.assert_allclose(got[real], want[real], atol=2e-5 * scale, rtol=0)
-    for key in ("k", "v"):
-        np.testing.assert_allclose(ours[key], theirs[key], atol=2e-5 * np.abs(theirs[key]).max(),
-                                   rtol=0)
+    padding = np.arange(ours[0]["k"].shape[1])[None, :] < np.array([0, 2])[:, None]
+    for mine, other in zip(ours, theirs):  # past layer 0 a padding query's x differs: its
+        for key in ("k", "v"):             # slots (masked for every query) differ too
+            np.testing.assert_allclose(mine[key][~padding], other[key][~padding],
+                                       atol=2e-5 * np.abs(other[key]).max(), rtol=0)
     if spec.sliding_window:  # 25 slots written into a ring of 16
-        assert ours["k"].shape[1] == 16 < 5 + 20
+        assert ours[0]["k"].shape[1] == 16 < 5 + 20
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
-    spec = tiny(weight_format=fmt, host_matmul=GGML, head_dim=32)  # wo's blocks run along E
+    spec = tiny(weight_format=fmt, host_matmul=GGML, head_dim=32, n_layers=2)  # wo's blocks: E
     part, convert = RELAYOUTS[GGML]
     params = relayout(spec, layer_params(spec), part, convert)
     steps, _, _ = run_both(spec, params, HOST_PRODUCTS, decode_steps=4)

@@ -29,6 +29,8 @@ import numpy as np
 from hx.errors import HxError
 from hx.host_compute import ffi_build
 from hx.host_compute.ggml_build import built, ggml_dir
+from hx.models.compressed import unrepack_rows
+from hx.models.formats import GGUF_BLOCKS, get_format
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
@@ -46,8 +48,12 @@ TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layers"
 #         xla       78.0   87.6   118    370
 #
 # (torch's int4 kernel, bfloat16 x: 4.37-6.38 ms at 1 row, 28-30 at 16, 107-115 at 64.) ggml
-# takes up to 64 rows; past them (a prefill chunk) the matrix is decompressed for XLA.
-KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64))
+# takes up to 64 rows; past them (a prefill chunk) the matrix is decompressed for XLA -- except
+# q4_0 in ggml's repacked layout (``repack``), whose kernels beat XLA's at every prefill chunk
+# (one run, median of 3, ms: 64 rows 36.2 against 135; 128 74.4 / 158; 256 155 / 236; 512 291
+# / 342; the file's layout 51.6, 106, 224, 428): to the step limit, 512.
+KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512))
+REPACKED = 1 << 16  # a type's flag: the matrix is in ggml's repacked layout (ggml_pool.h)
 
 
 def kernel_dir() -> Path:
@@ -70,6 +76,9 @@ def build(out_dir: Path) -> Path:
         f"-Wl,-rpath,{lib}"])
 
 
+_LIBRARY: list = []  # the loaded handlers' library, once ``unavailable`` has loaded it
+
+
 @functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
     """None once the handlers are built and registered with JAX; else why they cannot be
@@ -81,18 +90,57 @@ def unavailable() -> str | None:
         so = build(kernel_dir())
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        return f"building {SOURCES[0].name} and {SOURCES[1].name} failed: {e} {err.decode(errors='replace')[-300:]}"
+        return (f"building {SOURCES[0].name} and {SOURCES[1].name} failed: {e} "
+                f"{err.decode(errors='replace')[-300:]}")
     lib = ctypes.cdll.LoadLibrary(str(so))
+    _LIBRARY.append(lib)
     for target in (TARGET, LAYER_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                     platform="cpu")
     return None
 
 
-def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = None
-           ) -> jax.Array:
+def repack(blocks: np.ndarray, fmt_name: str) -> np.ndarray | None:
+    """``blocks`` (N, row bytes) uint8 of GGUF block format ``fmt_name`` in ggml's repacked CPU
+    layout (the same bytes, interleaved for its kernels: llama.cpp's default where the CPU has
+    one), or None where ggml has none for this format and N on this CPU (or is unavailable)."""
+    if unavailable() is not None:
+        return None
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    (n, row), fmt = blocks.shape, get_format(fmt_name)
+    out = np.empty_like(blocks)
+    done = _LIBRARY[0].hx_ggml_repack(
+        ctypes.c_int64(GGUF_BLOCKS[fmt_name]), ctypes.c_int64(n),
+        ctypes.c_int64(row // fmt.block_bytes * fmt.group),
+        ctypes.c_void_p(blocks.ctypes.data), ctypes.c_void_p(out.ctypes.data))
+    return out if done else None
+
+
+@functools.lru_cache(maxsize=1)
+def repacked_formats() -> frozenset[str]:
+    """The formats whose projection matrices hx holds in ggml's repacked CPU layout: q4_0
+    where ggml interleaves it by 8 rows on this CPU (x86 with AVX2: llama.cpp's default, its
+    own kernels 1.3x faster at batch-1 decode and 1.5x at a 128-token prefill of Llama-2-7B's
+    shapes), which ``models.compressed.unrepack_rows`` reads back: checked once on a sample."""
+    sample = np.random.default_rng(0).integers(0, 256, (16, 4 * 18), dtype=np.uint8)
+    got = repack(sample, "q4_0")
+    if got is None or not np.array_equal(np.asarray(unrepack_rows(got, get_format("q4_0"))),
+                                         sample):
+        return frozenset()
+    return frozenset({"q4_0"})
+
+
+def repacks(fmt_name: str, rows: int) -> bool:
+    """Whether a projection matrix of ``rows`` rows in ``fmt_name`` is held repacked
+    (``repacked_formats``; ggml's layout interleaves 8 rows)."""
+    return rows % 8 == 0 and fmt_name in repacked_formats()
+
+
+def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = None,
+           repacked: bool = False) -> jax.Array:
     """x (M, K) @ W^T -> (M, N) float32, W (N, K) held as ``w`` (N, row bytes) uint8 in ggml
-    type ``ggml_type`` (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3, Q8_0 8, ...): ggml's
+    type ``ggml_type`` (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3, Q8_0 8, ...), in
+    ggml's repacked CPU layout where ``repacked`` (``repack``): ggml's
     product through the FFI target, ``x`` first cast to float32, on every core this process
     may use (``threads`` overrides; ``ggml_mm.cc`` says why even small products take them
     all). Usable inside ``jax.jit`` on a CPU device only.
@@ -106,4 +154,5 @@ def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = Non
     threads = threads or len(os.sched_getaffinity(0))
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w,
-                                         type=np.int64(ggml_type), threads=np.int64(threads))
+                                         type=np.int64(ggml_type | (REPACKED if repacked else 0)),
+                                         threads=np.int64(threads))

@@ -20,7 +20,8 @@
 //   per layer: its k, v caches (B, R, K, E) f32, f16 or bf16 (aliased to its results),
 //   attn_norm (D,), wq, wk, wv, wo, ffn_norm (D,), w_gate, w_up, w_down, [bq (H E), bk, bv
 //   (K E)], [q_norm, k_norm (E,)], norms and biases f32. A matrix is held as its (out, in)
-//   rows: uint8 blocks of ggml type types[7 l + i] (a GGUF's), or f32 rows where that is -1.
+//   rows: uint8 blocks of ggml type types[7 l + i] (a GGUF's; with hx_ggml::kRepacked in ggml's
+//   repacked CPU layout), or f32 rows where that is -1.
 // Results: y (N, D) f32, then each layer's k and v caches.
 // Attributes: types (7 a layer: wq wk wv wo w_gate w_up w_down), heads, eps, scale,
 //   freq_base, qkv_bias, qk_norm, threads.
@@ -71,12 +72,17 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
   auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(first + i).value(); };
   auto matrix = [&](size_t i, int64_t type, int64_t in, int64_t out, const char* name) {
+    const bool repacked = type >= 0 && (type & hx_ggml::kRepacked) != 0;
+    if (type >= 0) type &= ~hx_ggml::kRepacked;
     ggml_type t = type < 0 ? GGML_TYPE_F32 : ggml_type(type);
     if (type >= GGML_TYPE_COUNT || (type >= 0 && arg(i).element_type() != ffi::DataType::U8)) {
       *bad += std::string(" ") + name;
       t = GGML_TYPE_F32;
     }
-    return Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), t, in, out, 1, bad, name);
+    ggml_tensor* w = Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), t, in, out, 1,
+                          bad, name);
+    if (repacked && !hx_ggml::MarkRepacked(w)) *bad += std::string(" ") + name + " (repacked)";
+    return w;
   };
   auto vec = [&](size_t i, int64_t n, const char* name) {
     return Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), GGML_TYPE_F32, n, 1, 1,
@@ -175,7 +181,10 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   s.eps = eps, s.scale = scale, s.freq_base = freq_base;
   s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0;
   ffi::AnyBuffer gate = args.get<ffi::AnyBuffer>(8).value();
-  s.F = gate.size_bytes() / (types[4] < 0 ? 4 * s.D : ggml_row_size(ggml_type(types[4]), s.D));
+  const int64_t gate_type = types[4] < 0 ? types[4] : types[4] & ~hx_ggml::kRepacked;
+  if (gate_type >= GGML_TYPE_COUNT)
+    return ffi::Error::InvalidArgument("hx_ggml_layers: unknown ggml type");
+  s.F = gate.size_bytes() / (gate_type < 0 ? 4 * s.D : ggml_row_size(ggml_type(gate_type), s.D));
   if (s.N != s.B * s.T || s.n_kv < 1 || s.n_kv > s.R)
     return ffi::Error::InvalidArgument("hx_ggml_layers: N = B T rows, 1 <= used <= R");
 

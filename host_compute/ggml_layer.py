@@ -9,8 +9,8 @@ graph -- llama.cpp's own for those layers: norms, projections, RoPE, the KV-cach
 ggml's products share (``ggml_pool.h``). The mask comes from the same function XLA's attention
 masks with (``models.layers.attention_mask``: rings, windows, left padding), RoPE's
 frequencies from the family (as factors over theta^(-2i/E), ggml's ``freq_factors``). Up to
-``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one by one,
-its matrices decompressed for XLA's dot (``ggml_kernel.KERNEL_ROWS`` says why).
+``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one by one, each
+product by ggml or XLA as ``ggml_kernel.KERNEL_ROWS`` says.
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
 ("one ggml graph for a run of layers").
@@ -31,16 +31,16 @@ from hx.models.formats import GGUF_BLOCKS
 from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
-ROWS = max(rows for _, rows in ggml_kernel.KERNEL_ROWS)
+ROWS = 64  # the graph's results are not reused within it: its arena grows with rows x layers
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
             ("MLP1", "w_up"), ("MLP2", "w_down"))
 
 
 def _matrix(m: Any) -> tuple[Any, int] | None:
-    """(the array ggml reads, its ggml type; -1: float32 rows), or None where ggml cannot
-    multiply the matrix as held."""
+    """(the array ggml reads, its ggml type -- with ``ggml_kernel.REPACKED`` where repacked; -1:
+    float32 rows), or None where ggml cannot multiply the matrix as held."""
     if isinstance(m, GGUFBlocks):
-        return m.blocks, GGUF_BLOCKS[m.fmt.name]
+        return m.blocks, GGUF_BLOCKS[m.fmt.name] | (ggml_kernel.REPACKED if m.repacked else 0)
     if isinstance(m, (jax.Array, np.ndarray)) and m.dtype == jnp.float32:
         return m, -1
     return None

@@ -4,11 +4,13 @@
 //   x  (M, K)            float32 activations (ggml quantizes them to its dot type, as llama.cpp)
 //   w  (N, row_bytes)    uint8: N rows of K weights in ggml type `type` as a GGUF file stores
 //                        them (row_bytes = ggml_row_size(type, K): Q4_1, 20 bytes a block of 32)
-//   -> y (M, N)          float32; attributes: type (ggml_type), threads (ggml's pool size).
+//   -> y (M, N)          float32; attributes: type (ggml_type; with hx_ggml::kRepacked, w is in
+//                        ggml's repacked CPU layout), threads (ggml's pool size).
 //
 // XLA's buffers become ggml tensors' data without copies; each call builds a one-node graph in
 // a reused context and runs it on the shared polling pool (ggml_pool.h).
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "ggml_pool.h"
@@ -24,6 +26,8 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
       w.element_type() != ffi::DataType::U8)
     return ffi::Error::InvalidArgument("hx_ggml_mm: x and y float32, w uint8");
+  const bool repacked = (type & hx_ggml::kRepacked) != 0;
+  type &= ~hx_ggml::kRepacked;
   if (type < 0 || type >= GGML_TYPE_COUNT || threads < 1)
     return ffi::Error::InvalidArgument("hx_ggml_mm: unknown ggml type or no threads");
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
@@ -37,6 +41,10 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   ggml_tensor* wt = ggml_new_tensor_2d(ctx, ggml_type(type), xd[1], wd[0]);
   ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, xd[1], xd[0]);
   wt->data = w.untyped_data();
+  if (repacked && !hx_ggml::MarkRepacked(wt)) {
+    ggml_free(ctx);
+    return ffi::Error::InvalidArgument("hx_ggml_mm: ggml has no repacked layout of this type");
+  }
   xt->data = x.untyped_data();
   ggml_tensor* yt = ggml_mul_mat(ctx, wt, xt);  // (ne0 N, ne1 M): y row-major (M, N)
   yt->data = y->untyped_data();
@@ -50,6 +58,26 @@ ffi::Error GgmlMm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 }
 
 }  // namespace
+
+// The rows of w (rows, ggml_row_size(type, cols)) in ggml's repacked CPU layout, into dst (the
+// same size): 1, or 0 where ggml has none for this type and shape on this CPU (dst untouched).
+// hx calls it once per matrix at load (host_compute/ggml_kernel.py: repack).
+extern "C" int hx_ggml_repack(int64_t type, int64_t rows, int64_t cols, const void* src,
+                              void* dst) {
+  if (rows % 8 != 0) return 0;  // ggml's layouts interleave 8 rows (it aborts on others)
+  ggml_context* ctx = ggml_init({4 * ggml_tensor_overhead(), nullptr, true});
+  ggml_backend_buffer_t buffer;
+  ggml_tensor* t = hx_ggml::InRepackBuffer(ctx, ggml_type(type), cols, rows, &buffer);
+  int done = 0;
+  if (t != nullptr && t->extra != nullptr) {
+    ggml_backend_tensor_set(t, src, 0, ggml_nbytes(t));
+    std::memcpy(dst, t->data, ggml_nbytes(t));
+    done = 1;
+  }
+  if (buffer != nullptr) ggml_backend_buffer_free(buffer);
+  ggml_free(ctx);
+  return done;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_mm, GgmlMm,
                               ffi::Ffi::Bind()

@@ -1,6 +1,6 @@
 // What hx's ggml handlers share (ggml_mm.cc, ggml_layer.cc; built into one library): one thread
-// pool per size, whose threads poll a while for the next graph before they sleep, and one turn
-// at a time.
+// pool per size, whose threads poll a while for the next graph before they sleep, one turn at a
+// time, and ggml's CPU layouts of repacked matrices.
 //
 // Within a decode step the next graph comes tens of microseconds after the last, and a woken
 // thread costs more than that. SmolLM2 Q4_1 all-host decode, 2 threads, 2-core VM (hx.generate,
@@ -11,10 +11,13 @@
 // other processes between steps.
 #pragma once
 
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <vector>
 
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 
@@ -48,6 +51,65 @@ inline bool Compute(ggml_cgraph* graph, int threads) {
   if (work.size() < plan.work_size) work.resize(plan.work_size);
   plan.work_data = work.data();
   return ggml_graph_compute(graph, &plan) == GGML_STATUS_SUCCESS;
+}
+
+// A matrix's type with this bit: its rows are held in ggml's repacked CPU layout (Repack).
+constexpr int64_t kRepacked = int64_t(1) << 16;
+
+// ggml's CPU_REPACK buffer type: its matrices are held interleaved for the CPU's kernels
+// (Q4_0 on AVX2: 8 rows' blocks at a time, llama.cpp's default), multiplied by their own
+// kernels; null where ggml was built without it.
+inline ggml_backend_buffer_type_t RepackType() {
+  static ggml_backend_buffer_type_t found = [] {
+    // ggml logs every repacked matrix at its default level: keep its warnings and errors
+    ggml_log_set(
+        [](ggml_log_level level, const char* text, void*) {
+          if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+        },
+        nullptr);
+    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+    auto extra = (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(
+        reg, "ggml_backend_dev_get_extra_bufts");
+    ggml_backend_buffer_type_t buft = nullptr;
+    for (auto* b = extra ? extra(ggml_backend_reg_dev_get(reg, 0)) : nullptr; b && *b; ++b)
+      if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) buft = *b;
+    return buft;
+  }();
+  return found;
+}
+
+// A (cols, rows) tensor of `type` in a new CPU_REPACK buffer: its `extra` names the repacked
+// layout ggml chose for it (null: none for this type and shape on this CPU). Free `*buffer`.
+inline ggml_tensor* InRepackBuffer(ggml_context* ctx, ggml_type type, int64_t cols, int64_t rows,
+                                   ggml_backend_buffer_t* buffer) {
+  *buffer = nullptr;
+  if (RepackType() == nullptr) return nullptr;
+  ggml_tensor* t = ggml_new_tensor_2d(ctx, type, cols, rows);
+  *buffer = ggml_backend_buft_alloc_buffer(RepackType(), ggml_nbytes(t) + 64);
+  if (*buffer == nullptr) return nullptr;
+  if (ggml_backend_tensor_alloc(*buffer, t, ggml_backend_buffer_get_base(*buffer)) !=
+      GGML_STATUS_SUCCESS)
+    return nullptr;
+  return t;
+}
+
+// Marks `t` (data held in the repacked layout, rows a multiple of 8) as ggml's repacked
+// matrix: the buffer and layout of a marker tensor of its type, made once. False where ggml
+// has no repacked layout for its type.
+inline bool MarkRepacked(ggml_tensor* t) {
+  static std::mutex made;
+  static std::map<int, ggml_tensor*> markers;
+  std::lock_guard<std::mutex> hold(made);
+  auto& marker = markers[t->type];
+  if (marker == nullptr) {
+    static ggml_context* ctx = ggml_init({64 * ggml_tensor_overhead(), nullptr, true});
+    ggml_backend_buffer_t buffer;
+    marker = InRepackBuffer(ctx, t->type, 256, 8, &buffer);
+  }
+  if (marker == nullptr || marker->extra == nullptr || t->ne[1] % 8 != 0) return false;
+  t->buffer = marker->buffer;
+  t->extra = marker->extra;
+  return true;
 }
 
 }  // namespace hx_ggml

@@ -38,10 +38,11 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
-from hx.host_compute import ggml_layer, int4_kernel
+from hx.host_compute import ggml_kernel, ggml_layer, int4_kernel
 from hx.host_compute.products import products_on
 from hx.host_compute.xla_attention import blocked_attention
 from hx.models.compressed import held_matrix
+from hx.models.holding import rows_stay
 from hx.models.formats import get_format
 from hx.models.layers import Step, append_kv
 from hx.models.decoder import apply_op
@@ -202,7 +203,9 @@ def param_tree(spec: ModelSpec, op: str, device: str, where) -> dict:
         if fmt is not None:
             *parents, leaf = path.split("/")
             node = functools.reduce(dict.__getitem__, parents, tree)
-            node[leaf] = held_matrix(fmt, node[leaf], int4_kernel.row_block)
+            stay = rows_stay(spec, op, path)
+            node[leaf] = held_matrix(fmt, node[leaf], int4_kernel.row_block,
+                                     lambda rows: stay and ggml_kernel.repacks(fmt.name, rows))
     return tree
 
 

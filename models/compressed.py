@@ -12,7 +12,8 @@ last -- is held as one of:
   (``hx.host_compute.int4_kernel.int4pack_params``);
 * ``GGUFBlocks``: a GGUF block format (q4_0, q4_1, q8_0) in the file's own blocks, the layout
   ggml multiplies (``Format.blocks_arrays``), made at load under ``host_matmul`` ggml
-  (``GGUFBlocks.from_group``).
+  (``GGUFBlocks.from_group``) -- a projection matrix in q4_0 interleaved by 8 rows as ggml's
+  CPU kernels want it where ggml does so on this CPU (``repacked``; ``unrepack_rows``).
 
 The compressed types are registered pytree nodes whose children are keyed as dict entries
 (``codes``, ``scale``, ``offset``; ``packed``, ``sz``), so a parameter tree's key paths read
@@ -184,17 +185,28 @@ class GGUFBlocks:
     Attributes:
       blocks: uint8 (N, in / g * block bytes).
       fmt: its format (static).
+      repacked: the rows are in ggml's repacked CPU layout, the same bytes interleaved by 8
+        rows (``unrepack_rows``; static): its kernels are told so.
     """
 
     blocks: Any
     fmt: Format
+    repacked: bool = False
 
     def parts(self) -> dict[str, Any]:
         return {"blocks": self.blocks}
 
     def map(self, fn: Callable[[Any], Any]) -> "GGUFBlocks":
-        """``fn`` applied to the blocks (a gather or slice of rows: the blocks stay whole)."""
-        return GGUFBlocks(fn(self.blocks), self.fmt)
+        """``fn`` applied to the blocks (a gather or slice of rows: the blocks stay whole; a
+        repacked matrix's rows are interleaved, so it takes none).
+
+        Raises:
+          ValueError: a repacked matrix's rows would be moved.
+        """
+        new = fn(self.blocks)
+        if self.repacked and new.shape != self.blocks.shape:
+            raise ValueError("a repacked GGUFBlocks' rows are interleaved: gather none")
+        return GGUFBlocks(new, self.fmt, self.repacked)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -206,7 +218,8 @@ class GGUFBlocks:
         """The ``GroupMatrix`` arrays (codes, scale[, offset]) of the blocks, (N, in / g, ...),
         cut from them in JAX."""
         fmt, (n, k) = self.fmt, self.shape
-        b = jnp.asarray(self.blocks).reshape(n, k // fmt.group, fmt.block_bytes)
+        file = unrepack_rows(self.blocks, fmt) if self.repacked else jnp.asarray(self.blocks)
+        b = file.reshape(n, k // fmt.group, fmt.block_bytes)
 
         def half(a: jax.Array) -> jax.Array:  # (..., 2) bytes -> (...) float16
             return jax.lax.bitcast_convert_type(a, jnp.float16)
@@ -243,6 +256,39 @@ class GGUFBlocks:
         return cls(np.concatenate(pieces, axis=-1).reshape(n, -1), fmt)
 
 
+def row_slice(held, start: int, stop: int):
+    """Rows ``start`` .. ``stop`` of a compressed matrix (N, K); a repacked ``GGUFBlocks``'
+    interleaved 8-row groups stay whole where ``start`` and ``stop`` (or N) are multiples of 8.
+
+    Raises:
+      ValueError: a cut through a repacked matrix's 8-row group.
+    """
+    if isinstance(held, GGUFBlocks) and held.repacked:
+        n = held.blocks.shape[0]
+        if start % 8 or (min(stop, n) % 8 and stop < n):
+            raise ValueError(f"rows {start}..{stop} cut a repacked matrix's 8-row groups")
+        return GGUFBlocks(held.blocks[start:stop], held.fmt, True)
+    return held.map(lambda a: a[start:stop])
+
+
+def unrepack_rows(blocks, fmt: Format) -> jax.Array:
+    """q4_0 ``blocks`` (N, row bytes) uint8 in ggml's repacked CPU layout back in the file's
+    (N % 8 == 0): ggml's ``block_q4_0x8`` (ggml-cpu/repack.cpp, ``make_block_q4_0x8`` with an
+    8-byte interleave) holds, per group of 8 rows and per block of 32 columns, the 8 rows'
+    float16 scales, then 16 chunks of 8 code bytes -- chunk c is row c mod 8's bytes 8 (c div
+    8) .. +8 -- each byte XOR 0x88 (its nibbles' signs flipped). Numpy or JAX in, JAX out."""
+    if fmt.name != "q4_0":
+        raise ValueError(f"hx reads ggml's repacked layout of q4_0 alone, not {fmt.name}")
+    n, row = blocks.shape
+    k = row // fmt.block_bytes
+    b = jnp.asarray(blocks).reshape(n // 8, k, 8 * fmt.block_bytes)
+    scales = b[..., :16].reshape(n // 8, k, 8, 2)
+    codes = b[..., 16:].reshape(n // 8, k, 2, 8, 8).transpose(0, 1, 3, 2, 4)
+    codes = codes.reshape(n // 8, k, 8, 16) ^ jnp.uint8(0x88)
+    file = jnp.concatenate([scales, codes], axis=-1)  # (N/8, k, 8 rows, 18)
+    return file.transpose(0, 2, 1, 3).reshape(n, row)
+
+
 def _register(cls, static: Callable[[Any], tuple], build: Callable[..., Any]) -> None:
     """Register ``cls`` as a pytree node: children ``parts()`` keyed as dict entries, the
     ``static`` fields as auxiliary data; ``build(aux, children)`` rebuilds it."""
@@ -264,20 +310,23 @@ def _register(cls, static: Callable[[Any], tuple], build: Callable[..., Any]) ->
 _register(GroupMatrix, lambda m: m.fmt, GroupMatrix.from_parts)
 _register(Int4Packed, lambda m: (m.fmt, m.block),
           lambda fixed, parts: Int4Packed(parts["packed"], parts["sz"], *fixed))
-_register(GGUFBlocks, lambda m: m.fmt, lambda fmt, parts: GGUFBlocks(parts["blocks"], fmt))
+_register(GGUFBlocks, lambda m: (m.fmt, m.repacked),
+          lambda fixed, parts: GGUFBlocks(parts["blocks"], *fixed))
 
 COMPRESSED = (GroupMatrix, Int4Packed, GGUFBlocks)
 
 
-def held_matrix(fmt: Format, parts: Mapping[str, Any], block: Callable[[], int]):
+def held_matrix(fmt: Format, parts: Mapping[str, Any], block: Callable[[], int],
+                repacked: Callable[[int], bool] = lambda rows: False):
     """The compressed leaf holding ``parts``: an ``Int4Packed`` for the keys of
     ``Format.int4pack_arrays`` (``block()``: torch's row block on this CPU), a ``GGUFBlocks``
-    for ``Format.blocks_arrays``', else a ``GroupMatrix`` (``Format.arrays``' keys). Arrays
-    may be abstract (``jax.ShapeDtypeStruct``), for a program's input tree."""
+    for ``Format.blocks_arrays``' (``repacked(rows)``: held in ggml's repacked layout), else a
+    ``GroupMatrix`` (``Format.arrays``' keys). Arrays may be abstract
+    (``jax.ShapeDtypeStruct``), for a program's input tree."""
     if "packed" in parts:
         return Int4Packed(parts["packed"], parts["sz"], fmt, block())
     if "blocks" in parts:
-        return GGUFBlocks(parts["blocks"], fmt)
+        return GGUFBlocks(parts["blocks"], fmt, repacked(parts["blocks"].shape[0]))
     return GroupMatrix.from_parts(fmt, parts)
 
 
@@ -294,11 +343,12 @@ class Products:
       head_vector_f32: a one-row product against a compressed LM head decompresses the table
         into float32 (XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway: SmolLM2's
         Q8_0 head 3.2 ms into float32 against 4.6 ms into bfloat16, 2-core VM, median of 21).
-      blocks: a product ``(x (M, K), blocks, ggml type) -> (M, N) float32`` over a
+      blocks: a product ``(x (M, K), blocks, ggml type, repacked=) -> (M, N) float32`` over a
         ``GGUFBlocks`` matrix without decompressing it (the host's: ggml's,
         ``hx.host_compute.ggml_kernel.matmul``); None: decompress for XLA's product.
       blocks_rows: (format name, rows) pairs: the most rows ``blocks`` multiplies in that
-        format; past them XLA's product of the decompressed matrix is faster.
+        format ("NAME repacked": in ggml's repacked layout); past them XLA's product of the
+        decompressed matrix is faster.
     """
 
     int4: Callable[..., jax.Array] | None = None
@@ -306,9 +356,11 @@ class Products:
     blocks: Callable[..., jax.Array] | None = None
     blocks_rows: tuple[tuple[str, int], ...] = ()
 
-    def takes_blocks(self, fmt: Format, rows: int) -> bool:
-        """Whether ``blocks`` multiplies a ``GGUFBlocks`` matrix in ``fmt`` at ``rows`` rows."""
-        return self.blocks is not None and rows <= dict(self.blocks_rows).get(fmt.name, 0)
+    def takes_blocks(self, held: "GGUFBlocks", rows: int) -> bool:
+        """Whether ``blocks`` multiplies the ``GGUFBlocks`` matrix ``held`` at ``rows`` rows
+        (``blocks_rows`` of its format, "NAME repacked" where it is repacked)."""
+        name = f"{held.fmt.name} repacked" if held.repacked else held.fmt.name
+        return self.blocks is not None and rows <= dict(self.blocks_rows).get(name, 0)
     head_vector_f32: bool = False
 
 
@@ -361,8 +413,9 @@ def _(kernel: Int4Packed, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
 
 @product.register
 def _(kernel: GGUFBlocks, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
-    if products.takes_blocks(kernel.fmt, x.shape[0]):
-        return products.blocks(x, kernel.blocks, GGUF_BLOCKS[kernel.fmt.name])
+    if products.takes_blocks(kernel, x.shape[0]):
+        return products.blocks(x, kernel.blocks, GGUF_BLOCKS[kernel.fmt.name],
+                               repacked=kernel.repacked)
     return product(kernel.decompress(dtype, after), x)
 
 

@@ -70,11 +70,23 @@ def hold_tree(tree: dict, format_of, prefix: str = "") -> dict:
     return out
 
 
+def rows_stay(spec, op: str, path: str) -> bool:
+    """Whether the matrix at ``path`` of ``op`` is only ever multiplied, never gathered by
+    rows (an embedding lookup): a projection matrix, or an LM head's table that is not the
+    embedding's (untied). Such a matrix may be held with its rows interleaved (ggml's
+    repacked layout, ``models.compressed.GGUFBlocks``)."""
+    from hx.models.spec import HEAD
+
+    kind = spec.model_family.matrix_kind(path)
+    return kind == "kernel" or (kind == "table" and op == HEAD and not spec.tie_embeddings)
+
+
 def relayout(spec, params: dict, part: str, convert) -> dict:
     """``params`` (a parameter tree of ``models.decoder.init_params`` in ``spec``'s formats)
     with every matrix that ``spec`` holds in another layout (``ModelSpec.op_weight_arrays``
     names its arrays ``PATH/part``: ``packed`` for torch's int4 layout, ``blocks`` for
-    GGUF's) replaced by ``convert(held GroupMatrix, (N, K) product shape)``, in place, one
+    GGUF's) replaced by ``convert(held GroupMatrix, (N, K) product shape, whether its rows
+    are gathered: not ``rows_stay``)``, in place, one
     matrix at a time (a tied table once, shared as before): a loader's own tree then never
     holds both layouts of more than one matrix, and a mapped matrix's pages leave the
     resident set once converted."""
@@ -97,7 +109,8 @@ def relayout(spec, params: dict, part: str, convert) -> dict:
                 node = node[p]
             old = node[leaf]
             if id(old) not in done:
-                done[id(old)] = (old, convert(old, spec.product_shape(path, shape)))
+                done[id(old)] = (old, convert(old, spec.product_shape(path, shape),
+                                              not rows_stay(spec, op, path)))
                 for array in old.parts().values():
                     release(array)
             node[leaf] = done[id(old)][1]

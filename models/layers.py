@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from hx.models.compressed import (COMPRESSED, DEFAULT_PRODUCTS, GGUFBlocks, GroupMatrix,
-                                  Products, check_shape, dequantize_parts, product)
+                                  Products, check_shape, dequantize_parts, product, row_slice)
 from hx.models.family import TABLE
 from hx.models.formats import DENSE, Format, get_format
 from hx.models.spec import ModelSpec
@@ -385,10 +385,10 @@ def _compressed_logits(n: jax.Array, table: GroupMatrix, dtype) -> jax.Array:
     chunk's logits exist (``product``'s ``after``), so one chunk is held at a time, not the
     whole table (SmolLM2's in float32: 113 MB), decompressed into ``dtype``."""
     vocab, D = table.shape
-    rows = max(1, HEAD_CHUNK_ELEMENTS // D)
+    rows = max(8, HEAD_CHUNK_ELEMENTS // D // 8 * 8)  # whole groups of a repacked table's rows
     parts, after = [], n
     for start in range(0, vocab, rows):
-        chunk = table.map(lambda a: a[start:start + rows])
+        chunk = row_slice(table, start, start + rows)
         after = product(chunk, n, dtype, after=after)
         parts.append(after)
     return jnp.concatenate(parts, axis=-1)
@@ -419,7 +419,7 @@ def lm_head(module: nn.Module, n: jax.Array) -> jax.Array:
     s = module.spec
     table = matrix(module, TABLE, (s.vocab_size, s.d_model), s.embedding_format,
                    held_dtype(module), nn.initializers.normal(0.02))
-    if isinstance(table, GGUFBlocks) and module.products.takes_blocks(table.fmt, n.shape[0]):
+    if isinstance(table, GGUFBlocks) and module.products.takes_blocks(table, n.shape[0]):
         return product(table, n, products=module.products)
     if isinstance(table, (GroupMatrix, GGUFBlocks)):
         wide = module.products.head_vector_f32 and n.shape[0] == 1

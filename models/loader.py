@@ -147,16 +147,23 @@ def resolve_host_matmul(spec: ModelSpec, host_matmul: str | None = None) -> Mode
     return spec if spec.host_matmul == host_matmul else spec.replace(host_matmul=host_matmul)
 
 
-def _int4pack(held, shape):
+def _int4pack(held, shape, gathered: bool):
     from hx.host_compute.int4_kernel import int4pack  # torch: only where it is asked for
 
     return int4pack(held, shape)
 
 
-def _gguf_blocks(held, shape):
+def _gguf_blocks(held, shape, gathered: bool):
+    """``held`` in its GGUF blocks; in ggml's repacked CPU layout where ggml has one hx reads
+    (``ggml_kernel.repacks``) and its rows are never ``gathered`` (an embedding table keeps
+    the file's rows, which lookups gather)."""
+    from hx.host_compute import ggml_kernel
     from hx.models.compressed import GGUFBlocks
 
-    return GGUFBlocks.from_group(held, shape)
+    blocks = GGUFBlocks.from_group(held, shape)
+    if gathered or not ggml_kernel.repacks(held.fmt.name, shape[0]):
+        return blocks
+    return GGUFBlocks(ggml_kernel.repack(blocks.blocks, held.fmt.name), held.fmt, True)
 
 
 # host matmul -> (the part that names a relaid matrix's array, the conversion of a GroupMatrix)

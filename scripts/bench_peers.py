@@ -13,9 +13,10 @@ SmolLM2-135M-Instruct from its GGUF, greedy, two hx paths:
 * **hx f32** -- the float32 path: the GGUF expanded to dense float32 (``weights="dense"``), the
   plan ``auto`` picks without a budget (all-accelerator);
 * **hx q4_1** -- the GGUF's weights kept compressed (``weights="auto"``: its Q4_1 matrices and
-  Q8_0 embedding as they are), bfloat16, all-host, the products by ggml over the file's blocks
-  (``host_matmul`` auto: ``hx.host_compute.ggml_kernel``; torch's CPU int4 kernel before
-  session 21, ``--host-matmul torch-int4``).
+  Q8_0 embedding as they are), float32 (what ``hx.load`` picks on a CPU), all-host, each run
+  of decoder layers one ggml graph over the file's blocks (``host_matmul`` auto:
+  ``hx.host_compute.ggml_layer``; bfloat16 with torch's CPU int4 kernel before session 21,
+  bfloat16 with ggml's products in session 21).
 
 Each as one static batch (``Engine.generate_ids``, latency mode) and with iteration-level
 scheduling over one micro-batch of the batch's rows (throughput mode); transformers is CPU
@@ -91,7 +92,7 @@ def main() -> int:
                                               gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     f32 = Engine(hx.load(dtype="float32", weights="dense"))
-    q4 = hx.load(dtype="bfloat16")  # the GGUF's blocks; host_matmul auto
+    q4 = hx.load()  # the GGUF's blocks, float32 (auto on a CPU); host_matmul auto
     devices = hx.discover()
     q4_plan = hx.policies.build("all-host", q4.spec, devices, hx.Workload(1, 1, 1))
     q4_1 = Engine(q4, q4_plan, devices)

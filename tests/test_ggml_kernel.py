@@ -17,7 +17,7 @@ from hx.devices import discover
 from hx.errors import HxError
 from hx.generate import Engine
 from hx.host_compute import ggml_kernel
-from hx.models.compressed import GGUFBlocks, GroupMatrix
+from hx.models.compressed import GGUFBlocks, GroupMatrix, unrepack_rows
 from hx.models.formats import GGUF_BLOCKS, get_format, quantize as hx_quantize
 from hx.planner import policies
 
@@ -39,6 +39,32 @@ def test_products_match_float64_over_the_decoded_blocks(kind, rows):
             x, blocks, int(kind), threads))
         assert got.shape == (rows, N) and got.dtype == np.float32
         assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.skipif("q4_0" not in ggml_kernel.repacked_formats(),
+                    reason="ggml repacks no format hx reads on this CPU")
+def test_repacked_q4_0_is_the_same_matrix_and_the_same_products():
+    """q4_0 in ggml's repacked CPU layout (llama.cpp's default on AVX2: 8 rows interleaved):
+    the same bytes moved (``unrepack_rows`` gives the file's back), the same products as the
+    file's blocks to float32 rounding, the same matrix decompressed by XLA; a row gather is
+    refused."""
+    rng = np.random.default_rng(7)
+    blocks = quantize(rng.standard_normal((64, 256)).astype(np.float32), Q.Q4_0)
+    packed = ggml_kernel.repack(blocks, "q4_0")
+    assert packed.shape == blocks.shape and (packed != blocks).mean() > 0.9
+    np.testing.assert_array_equal(np.asarray(unrepack_rows(packed, get_format("q4_0"))), blocks)
+    assert ggml_kernel.repack(blocks[:60], "q4_0") is None  # ggml interleaves 8 rows
+    for rows in (1, 5, 64):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        file = jax.jit(lambda x, w: ggml_kernel.matmul(x, w, int(Q.Q4_0)))(x, blocks)
+        ours = jax.jit(lambda x, w: ggml_kernel.matmul(x, w, int(Q.Q4_0), repacked=True))(
+            x, packed)
+        np.testing.assert_allclose(ours, file, atol=1e-5 * np.abs(file).max(), rtol=0)
+    held = GGUFBlocks(packed, get_format("q4_0"), True)
+    np.testing.assert_array_equal(np.asarray(held.decompress(np.float32)),
+                                  dequantize(blocks, Q.Q4_0))
+    with pytest.raises(ValueError, match="interleaved"):
+        held.map(lambda a: a[:8])
 
 
 def test_a_row_of_the_wrong_size_is_refused():

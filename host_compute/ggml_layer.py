@@ -3,7 +3,8 @@ ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
 A host segment runs each run of consecutive decoder layers of one type whose family's layer is Llama's (``Family.graph_layer``:
 Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices ggml multiplies
-(``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows) as ``ggml_layer.cc``'s
+(``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32 or
+bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s
 graph -- llama.cpp's own for those layers: norms, projections, RoPE, the KV-cache write
 (``ggml_set_rows``, in place) and attention (``ggml_flash_attn_ext``) -- on the thread pool
 ggml's products share (``ggml_pool.h``). The mask comes from the same function XLA's attention
@@ -49,11 +50,12 @@ def _matrix(m: Any) -> tuple[Any, int] | None:
 def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
          cache: Cache) -> bool:
     """Whether ``decoder_layers`` runs this layer: its family's layer is a ``GraphLayer``, the
-    model computes in float32 with ggml's products (``host_matmul`` ggml, built), every
-    matrix is held as ggml reads it, its cache is float keys and values, and ``rows`` <=
-    ``ROWS``."""
+    model runs in float32 or bfloat16 with ggml's products (``host_matmul`` ggml, built),
+    every matrix is held as ggml reads it, its cache is float keys and values, and ``rows``
+    <= ``ROWS``."""
     return (spec.model_family.graph_layer(spec) is not None and spec.host_matmul == GGML
-            and spec.dtype == "float32" and rows <= ROWS and set(cache) == {"k", "v"}
+            and spec.dtype in ("float32", "bfloat16") and rows <= ROWS
+            and set(cache) == {"k", "v"}
             and ggml_kernel.unavailable() is None
             and all(_matrix(_op_params(spec, params, op)[name]["kernel"]) is not None
                     for op, name in MATRICES))
@@ -72,13 +74,14 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     Args:
       spec: the layers' spec (``ModelSpec.layer_spec``; one for the run).
       layers: each layer's seven ops' parameter trees, in ``LAYER_OPS`` order.
-      x: (B, T, D) float32, the first layer's input.
+      x: (B, T, D) float32 or bfloat16, the first layer's input (the residual stream stays
+        float32 through the run's layers; its output is cast back to x's dtype).
       step: positions (B, T), write_index, kv_start (``models.layers.Step``).
       caches: each layer's {"k", "v"} (B, R, K, E), a ring where the layers have a window;
         written in place.
     Returns:
-      (x after the last layer (B, T, D) float32, each layer's cache with the new keys and
-      values).
+      (x after the last layer (B, T, D) in x's dtype, each layer's cache with the new keys
+      and values, written in the cache's dtype).
     Raises:
       XlaRuntimeError (at run time): ``ggml_layer.cc`` refused an argument's size or type.
     """
@@ -114,10 +117,11 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
                for layer in range(len(layers)) for i in (0, 1)}
     y, *written = jax.ffi.ffi_call(ggml_kernel.LAYER_TARGET, results,
                                    input_output_aliases=aliases)(
-        x.reshape(B * T, D), step.positions.astype(jnp.int32), slots.astype(jnp.int32),
+        x.reshape(B * T, D).astype(jnp.float32), step.positions.astype(jnp.int32), slots.astype(jnp.int32),
         mask.astype(jnp.float16), used.astype(jnp.int32), f32(freq_factors), *tensors,
         types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),
         qk_norm=np.int64(graph.qk_norm), threads=np.int64(len(os.sched_getaffinity(0))))
-    return y.reshape(B, T, D), [{"k": k, "v": v} for k, v in zip(written[::2], written[1::2])]
+    return (y.reshape(B, T, D).astype(x.dtype),
+            [{"k": k, "v": v} for k, v in zip(written[::2], written[1::2])])

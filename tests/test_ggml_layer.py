@@ -14,6 +14,7 @@ alone. A model whose layer is not Llama's
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -124,6 +125,31 @@ def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
     for got, want, real in steps:  # XLA's products of the decoded blocks: no 8-bit rounding
         error = np.abs(got[real] - want[real]).max() / np.abs(want).max()
         assert 1e-4 < error < 3e-2
+
+
+def test_in_bfloat16_the_graph_keeps_float32_inside_and_a_bfloat16_cache():
+    """A bfloat16 model: the graph takes and gives bfloat16 x and writes a bfloat16 cache,
+    computing in float32 between (the composition rounds every op's output to bfloat16: the
+    two differ by that rounding)."""
+    spec = tiny(weight_format="q8_0", host_matmul=GGML, head_dim=32, dtype="bfloat16")
+    part, convert = RELAYOUTS[GGML]
+    layer = relayout(spec, layer_params(spec), part, convert)["layer_0"]
+    ops = [layer[op] for op in LAYER_OPS]
+    R = held_slots(spec, SLOTS)
+    cache = {n: jnp.zeros((2, R, 2, 32), jnp.bfloat16) for n in ("k", "v")}
+    assert ggml_layer.runs(spec, ops, 10, cache)
+    step = next(left_padded_steps(5, 0))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 64)), jnp.bfloat16)
+    got, (ours,) = jax.jit(lambda x, c: ggml_layer.decoder_layers(spec, [ops], x, step, [c]))(
+        x, cache)
+    want, theirs = jax.jit(lambda x, c: decoder_layer(spec, layer, {"x": x}, step, c,
+                                                      HOST_PRODUCTS))(x, cache)
+    assert got.dtype == jnp.bfloat16 and ours["k"].dtype == jnp.bfloat16
+    real = np.array([[True] * 5, [False, False, True, True, True]])
+    got, want = np.asarray(got, np.float32)[real], np.asarray(want["x"], np.float32)[real]
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    k_ours, k_theirs = (np.asarray(c["k"], np.float32) for c in (ours, theirs))
+    assert np.abs(k_ours - k_theirs).max() <= 3e-2 * np.abs(k_theirs).max()
 
 
 def test_runs_takes_llama_layers_in_float32_with_ggml_and_short_steps():

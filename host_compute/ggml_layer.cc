@@ -194,6 +194,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   thread_local std::vector<uint8_t> meta, arena;
   thread_local std::vector<ggml_fp16_t> mask_used;
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
+  // the bound ggml_layer.layers_per_graph keeps within ARENA_BYTES
   size_t results = 4 * N * (10 * D + 8 * H * E + 12 * K * E + 4 * s.F) * L;
   size_t need = results + nodes * (ggml_tensor_overhead() + 64) +
                 ggml_graph_overhead_custom(nodes, false);

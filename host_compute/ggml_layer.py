@@ -33,6 +33,18 @@ from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
 ROWS = 64  # the graph's results are not reused within it: its arena grows with rows x layers
+ARENA_BYTES = 64 << 20  # the most a graph's results may take (ggml_layer.cc sizes its arena so)
+
+
+def layers_per_graph(spec: ModelSpec, rows: int) -> int:
+    """How many layers one graph runs at ``rows`` rows: as many as keep its results within
+    ``ARENA_BYTES`` (``ggml_layer.cc``'s arena: 4 rows (10 D + 8 H E + 12 K E + 4 F) bytes a
+    layer, float32 results none of which is reused), at least one. Llama-2-7B's shapes: a
+    layer a graph at 64 rows (43 MB), 100 at one row; SmolLM2's 30 in one up to 29 rows."""
+    s = spec
+    per_layer = 4 * rows * (10 * s.d_model + 8 * s.n_heads * s.head_dim
+                            + 12 * s.n_kv_heads * s.head_dim + 4 * s.d_ff)
+    return max(1, ARENA_BYTES // per_layer)
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
             ("MLP1", "w_up"), ("MLP2", "w_down"))
 

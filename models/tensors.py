@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from hx.devices import HOST
-from hx.models.formats import Format, kv_cache_format
+from hx.models.formats import KV_DTYPES, Format, kv_cache_format
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype, numpy_dtype
 from hx.workload import round_up
 
@@ -190,14 +190,15 @@ def kv_arrays(spec: ModelSpec, rows: int, slots: int
               ) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of every array of one layer's KV cache, keyed as the cache dict
     (``models.layers.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's
-    dtype. Compressed (``kv_format``, group g along E): for each of ``k`` and ``v`` its codes
+    dtype, or the dtype ``spec.kv_format`` names (``models.formats.KV_DTYPES``). Compressed (``kv_format``, group g along E): for each of ``k`` and ``v`` its codes
     uint8 (B, S, K, E/g, g·bits/8) under the name, float16 scales (B, S, K, E/g) under
     ``k_scale``, and for an asymmetric format float16 offsets under ``k_offset``
     (``models.formats.Format.arrays`` of the logical shape). Every array has B on axis 0 and
     S on axis 1 (re-framing and row gathers rely on it)."""
     shape, fmt = kv_shape(spec, rows, slots), kv_format(spec)
     if fmt is None:
-        return {name: (shape, spec.dtype) for name in KV_NAMES}
+        dtype = spec.kv_format if spec.kv_format in KV_DTYPES else spec.dtype
+        return {name: (shape, dtype) for name in KV_NAMES}
     return {kv_key(name, part): array for name in KV_NAMES
             for part, array in fmt.arrays(shape).items()}
 

@@ -1,7 +1,8 @@
 """hx's host against llama.cpp on the same GGUF: batch-1 decode and prefill (issue 39, A and B).
 
 Usage: python scripts/bench_llama_cpp.py [--gguf FILE] [--rounds 3] [--threads 2]
-           [--new-tokens 64] [--prompt-tokens 512] [--llama-bench PATH] [--json OUT.json]
+           [--new-tokens 64] [--prompt-tokens 512] [--depth 4096] [--kv float16]
+           [--llama-bench PATH] [--json OUT.json]
 
 Takes 2-4 minutes on the 2-core development VM with SmolLM2 (the default file), after
 ``python -m hx.host_compute.ggml_build --tools`` has built ``llama-bench`` from the same pinned
@@ -15,7 +16,10 @@ device and says nothing of a GPU), greedy: decode tokens/s of a 16-token prompt 
 tokens (``Completion.decode_tok_s``: the tokens after the first over their seconds) and prefill
 tokens/s of one PROMPT-token prompt (``Engine.last_logits``, its plan's prefill chunks). Each
 round runs all four once, interleaved, after one untimed warm-up of each (hx compiles); medians
-over rounds and the median of the per-round ratios hx / llama.cpp.
+over rounds and the median of the per-round ratios hx / llama.cpp. ``--depth D`` adds a third
+pair (issue 39 D): decode of NEW tokens after a D-token prompt (hx: ``decode_tok_s`` of that
+generate; llama.cpp: ``llama-bench -p 0 -n NEW -d D``); ``--kv`` holds hx's KV cache so
+(``float16``: llama.cpp's cache type).
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ from hx.planner import policies  # noqa: E402
 from hx.sampling import SamplingParams  # noqa: E402
 
 
-def llama_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: int) -> float:
-    """One ``llama-bench`` run (``-r 1``) of a ``prompt``-token prefill or ``new`` decode steps,
-    in ``LLAMA_ENV``: its tokens/s."""
+def llama_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: int,
+                       depth: int = 0) -> float:
+    """One ``llama-bench`` run (``-r 1``) of a ``prompt``-token prefill or ``new`` decode steps
+    (after ``depth`` tokens in the cache), in ``LLAMA_ENV``: its tokens/s."""
     out = subprocess.run([bench, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n",
-                          str(new), "-r", "1", "-o", "json"], check=True, capture_output=True,
-                         text=True, env=LLAMA_ENV).stdout
+                          str(new), "-d", str(depth), "-r", "1", "-o", "json"], check=True,
+                         capture_output=True, text=True, env=LLAMA_ENV).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -63,16 +68,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=0, help="add decode after this many tokens")
+    parser.add_argument("--kv", default="dense", help="hx's KV cache format (hx.load's kv)")
     parser.add_argument("--llama-bench", default=str(ggml_dir() / "bin" / "llama-bench"))
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
     if not os.path.exists(args.llama_bench):
         raise SystemExit(f"no llama-bench at {args.llama_bench}: build it with "
                          "`python -m hx.host_compute.ggml_build --tools`")
-    model = hx.load(args.gguf)
+    model = hx.load(args.gguf, kv=args.kv)
     engine = Engine(model, policies.all_host(model.spec.n_layers), discover())
-    ids = model.tokenizer.encode("The history of the printing press begins " * 200)
-    short, long = ids[:16], ids[:args.prompt_tokens]
+    ids = model.tokenizer.encode("The history of the printing press begins " * 1000)
+    short, long, deep = ids[:16], ids[:args.prompt_tokens], ids[:args.depth]
     greedy = SamplingParams(max_new_tokens=args.new_tokens)
 
     def hx_decode() -> float:
@@ -83,6 +90,9 @@ def main() -> None:
         engine.last_logits([long])
         return len(long) / (time.perf_counter() - start)
 
+    def hx_deep() -> float:
+        return engine.generate_ids([deep], greedy)[0].decode_tok_s
+
     runs = {
         ("decode", "hx"): hx_decode,
         ("decode", "llama.cpp"): lambda: llama_tokens_per_s(
@@ -91,6 +101,10 @@ def main() -> None:
         ("prefill", "llama.cpp"): lambda: llama_tokens_per_s(
             args.llama_bench, args.gguf, args.threads, args.prompt_tokens, 0),
     }
+    if args.depth:
+        runs[("depth", "hx")] = hx_deep
+        runs[("depth", "llama.cpp")] = lambda: llama_tokens_per_s(
+            args.llama_bench, args.gguf, args.threads, 0, args.new_tokens, args.depth)
     for run in runs.values():  # warm-up: hx compiles its shapes
         run()
     seen: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
@@ -102,21 +116,25 @@ def main() -> None:
     for col in ("test", "hx (all-host)", "llama.cpp", "hx / llama.cpp"):
         table.add_column(col, justify="right")
     rows = []
-    for test, size in (("decode", args.new_tokens), ("prefill", args.prompt_tokens)):
+    tests = [("decode", args.new_tokens), ("prefill", args.prompt_tokens)]
+    tests += [("depth", args.depth)] if args.depth else []
+    for test, size in tests:
         ours, theirs = seen[test, "hx"], seen[test, "llama.cpp"]
         ratio = statistics.median(a / b for a, b in zip(ours, theirs))
         rows.append({"test": test, "tokens": size, "hx_tok_s": statistics.median(ours),
                      "llama_cpp_tok_s": statistics.median(theirs), "ratio": ratio,
                      "hx_rounds": ours, "llama_cpp_rounds": theirs})
-        table.add_row(f"{test} {size}", f"{rows[-1]['hx_tok_s']:.1f}",
+        name = f"decode {args.new_tokens} @ d{size}" if test == "depth" else f"{test} {size}"
+        table.add_row(name, f"{rows[-1]['hx_tok_s']:.1f}",
                       f"{rows[-1]['llama_cpp_tok_s']:.1f}", f"{ratio:.2f}x")
     print_table(table)
     print(f"hx: host matmul {model.spec.host_matmul}, weights {model.spec.weight_format}/"
-          f"{model.spec.embedding_format}, dtype {model.spec.dtype}")
+          f"{model.spec.embedding_format}, dtype {model.spec.dtype}, KV {model.spec.kv_format}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gguf": args.gguf, "threads": args.threads, "rounds": args.rounds,
                        "host_matmul": model.spec.host_matmul, "dtype": model.spec.dtype,
+                       "kv": model.spec.kv_format, "depth": args.depth,
                        "llama_bench": args.llama_bench, "rows": rows}, f, indent=1)
 
 

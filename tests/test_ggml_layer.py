@@ -25,7 +25,7 @@ from hx.models.decoder import decoder_layer, init_params
 from hx.models.holding import relayout
 from hx.models.loader import RELAYOUTS
 from hx.models.spec import GGML, LAYER_OPS, PRESETS, ModelSpec
-from hx.models.tensors import held_slots, layer_key
+from hx.models.tensors import held_slots, kv_arrays, kv_bytes, layer_key
 
 from steps import left_padded_steps
 
@@ -69,7 +69,8 @@ def run_both(spec, params, products=DEFAULT_PRODUCTS, decode_steps=20, prompt=5)
     (ggml's x, XLA's x, the mask of real queries), and both ways' final caches."""
     layers = [params[layer_key(i)] for i in range(spec.n_layers)]
     R = held_slots(spec, SLOTS)
-    zeros = [{name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), np.float32)
+    dtype = kv_arrays(spec, 2, R)["k"][1]
+    zeros = [{name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), dtype)
               for name in ("k", "v")} for _ in layers]
     ours, theirs = list(zeros), list(zeros)
     fused = jax.jit(lambda x, step, caches: ggml_layer.decoder_layers(
@@ -150,6 +151,24 @@ def test_in_bfloat16_the_graph_keeps_float32_inside_and_a_bfloat16_cache():
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
     k_ours, k_theirs = (np.asarray(c["k"], np.float32) for c in (ours, theirs))
     assert np.abs(k_ours - k_theirs).max() <= 3e-2 * np.abs(k_theirs).max()
+
+
+def test_a_float16_cache_is_written_and_read_as_the_composition_does():
+    """``kv_format`` float16 (llama.cpp's cache): the graph writes the new keys and values
+    rounded to float16 as the composition does, and attends over them as llama.cpp does --
+    q rounded to float16 for its dots with K, V summed in float16 -- within that rounding of
+    XLA's float32 attention over the same cache; the cache is half the bytes."""
+    spec = tiny(kv_format="float16")
+    assert kv_arrays(spec, 2, SLOTS)["k"] == ((2, SLOTS, 2, 16), "float16")
+    assert kv_bytes(spec, 2, SLOTS) * 2 == kv_bytes(tiny(), 2, SLOTS)
+    steps, ours, theirs = run_both(spec, layer_params(spec), decode_steps=6)
+    assert ours[0]["k"].dtype == np.float16
+    for got, want, real in steps:
+        np.testing.assert_allclose(got[real], want[real], atol=2e-3 * np.abs(want).max(), rtol=0)
+    for key in ("k", "v"):  # one float16 rounding of float32 values equal to 2e-5
+        np.testing.assert_allclose(ours[0][key].astype(np.float32),
+                                   theirs[0][key].astype(np.float32),
+                                   atol=1e-3 * np.abs(theirs[0][key]).max(), rtol=0)
 
 
 def test_runs_takes_llama_layers_in_float32_with_ggml_and_short_steps():

@@ -9,8 +9,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption, ModelOption,
-                           app, describe_dtype, note, out, plan_by_name, print_table)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption, KvOption,
+                           ModelOption, app, describe_dtype, note, out, plan_by_name,
+                           print_table)
 from hx.devices import discover
 from hx.models.loader import load, resolve_dtype
 
@@ -25,6 +26,7 @@ def bench(
              "(e.g. dense,int8,int4,auto: the H2D MB column compares the bytes each streams "
              "per step under one plan and budget)."),
     host_matmul: str = HostMatmulOption,
+    kv: str = KvOption,
     batches: str = typer.Option("1,16", help="Comma-separated batch sizes."),
     plans: str = typer.Option("all-accelerator,all-host,stream-all,host:SCORE+MLP1",
                               help="Comma-separated plans: a policy name, layer-split:N, or "
@@ -42,7 +44,7 @@ def bench(
     devices = discover(accelerator_memory)
     rows = []
     for fmt in (w.strip() for w in weights.split(",") if w.strip()):
-        loaded = load(model, resolve_dtype(dtype, devices), fmt, host_matmul=host_matmul)
+        loaded = load(model, resolve_dtype(dtype, devices), fmt, host_matmul=host_matmul, kv=kv)
         spec = loaded.spec
         for b in (int(x) for x in batches.split(",")):
             workload = bench_workload(b, context, steps)
@@ -53,7 +55,8 @@ def bench(
                 note(f"measured {plan.name} batch {b}, weights {rows[-1].weights}")
         del loaded  # one format's weights at a time
 
-    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, context {context}, median of "
+    table = Table(title=f"decode step, {spec.name}, {spec.dtype}, KV {spec.kv_format}, "
+                        f"context {context}, median of "
                         f"{steps} steps; ratio = executor / one jit of the whole model "
                         f"(resident); H2D MB = weights copied in per step")
     for col in ("plan", "weights", "host matmul"):

@@ -59,7 +59,8 @@ REPACKED = 1 << 16  # a type's flag: the matrix is in ggml's repacked layout (gg
 def kernel_dir() -> Path:
     """Where the handlers are built (``ffi_build.kernel_dir``: a digest of the sources,
     jaxlib's version and the ggml build they link)."""
-    return ffi_build.kernel_dir(*(p.read_bytes() for p in SOURCES), str(ggml_dir().resolve()).encode(),
+    return ffi_build.kernel_dir(*(p.read_bytes() for p in SOURCES),
+                                str(ggml_dir().resolve()).encode(),
                                 (ggml_dir() / "BUILT").read_bytes())
 
 
@@ -72,7 +73,8 @@ def build(out_dir: Path) -> Path:
     """
     lib = (ggml_dir() / "lib").resolve()
     return ffi_build.compile_handler(list(SOURCES[:2]), out_dir / "libhx_ggml.so", [
-        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
+        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}",
+        "-lggml-cpu", "-lggml-base",
         f"-Wl,-rpath,{lib}"])
 
 

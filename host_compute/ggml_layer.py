@@ -1,17 +1,16 @@
 """Whole decoder layers on the host as one ggml graph: one FFI call for a run of layers where the
 ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
-A host segment runs each run of consecutive decoder layers of one type whose family's layer is Llama's (``Family.graph_layer``:
-Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices ggml multiplies
-(``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32 or
-bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s
-graph -- llama.cpp's own for those layers: norms, projections, RoPE, the KV-cache write
-(``ggml_set_rows``, in place) and attention (``ggml_flash_attn_ext``) -- on the thread pool
-ggml's products share (``ggml_pool.h``). The mask comes from the same function XLA's attention
-masks with (``models.layers.attention_mask``: rings, windows, left padding), RoPE's
-frequencies from the family (as factors over theta^(-2i/E), ggml's ``freq_factors``). Up to
-``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one by one, each
-product by ggml or XLA as ``ggml_kernel.KERNEL_ROWS`` says.
+A host segment runs each run of consecutive decoder layers of one type whose family's layer is
+Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices
+ggml multiplies (``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32
+or bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s graph -- llama.cpp's own for those
+layers: norms, projections, RoPE, the KV-cache write (``ggml_set_rows``, in place) and attention
+(``ggml_flash_attn_ext``) -- on the thread pool ggml's products share (``ggml_pool.h``). The mask
+comes from the same function XLA's attention masks with (``models.layers.attention_mask``: rings,
+windows, left padding), RoPE's frequencies from the family (as factors over theta^(-2i/E), ggml's
+``freq_factors``). Up to ``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one
+by one, each product by ggml or XLA as ``ggml_kernel.KERNEL_ROWS`` says.
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
 ("one ggml graph for a run of layers").
@@ -41,10 +40,11 @@ def layers_per_graph(spec: ModelSpec, rows: int) -> int:
     ``ARENA_BYTES`` (``ggml_layer.cc``'s arena: 4 rows (10 D + 8 H E + 12 K E + 4 F) bytes a
     layer, float32 results none of which is reused), at least one. Llama-2-7B's shapes: a
     layer a graph at 64 rows (43 MB), 100 at one row; SmolLM2's 30 in one up to 29 rows."""
-    s = spec
-    per_layer = 4 * rows * (10 * s.d_model + 8 * s.n_heads * s.head_dim
-                            + 12 * s.n_kv_heads * s.head_dim + 4 * s.d_ff)
+    per_layer = 4 * rows * (10 * spec.d_model + 8 * spec.n_heads * spec.head_dim
+                            + 12 * spec.n_kv_heads * spec.head_dim + 4 * spec.d_ff)
     return max(1, ARENA_BYTES // per_layer)
+
+
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
             ("MLP1", "w_up"), ("MLP2", "w_down"))
 
@@ -129,7 +129,8 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
                for layer in range(len(layers)) for i in (0, 1)}
     y, *written = jax.ffi.ffi_call(ggml_kernel.LAYER_TARGET, results,
                                    input_output_aliases=aliases)(
-        x.reshape(B * T, D).astype(jnp.float32), step.positions.astype(jnp.int32), slots.astype(jnp.int32),
+        x.reshape(B * T, D).astype(jnp.float32), step.positions.astype(jnp.int32),
+        slots.astype(jnp.int32),
         mask.astype(jnp.float16), used.astype(jnp.int32), f32(freq_factors), *tensors,
         types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),

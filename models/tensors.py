@@ -189,12 +189,12 @@ def kv_key(name: str, part: str) -> str:
 def kv_arrays(spec: ModelSpec, rows: int, slots: int
               ) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of every array of one layer's KV cache, keyed as the cache dict
-    (``models.layers.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's
-    dtype, or the dtype ``spec.kv_format`` names (``models.formats.KV_DTYPES``). Compressed (``kv_format``, group g along E): for each of ``k`` and ``v`` its codes
-    uint8 (B, S, K, E/g, g·bits/8) under the name, float16 scales (B, S, K, E/g) under
-    ``k_scale``, and for an asymmetric format float16 offsets under ``k_offset``
-    (``models.formats.Format.arrays`` of the logical shape). Every array has B on axis 0 and
-    S on axis 1 (re-framing and row gathers rely on it)."""
+    (``models.layers.Cache``) keys them. Dense: ``k`` and ``v``, (B, S, K, E) in the model's dtype,
+    or the dtype ``spec.kv_format`` names (``models.formats.KV_DTYPES``). Compressed (``kv_format``,
+    group g along E): for each of ``k`` and ``v`` its codes uint8 (B, S, K, E/g, g·bits/8) under the
+    name, float16 scales (B, S, K, E/g) under ``k_scale``, and for an asymmetric format float16
+    offsets under ``k_offset`` (``models.formats.Format.arrays`` of the logical shape). Every array
+    has B on axis 0 and S on axis 1 (re-framing and row gathers rely on it)."""
     shape, fmt = kv_shape(spec, rows, slots), kv_format(spec)
     if fmt is None:
         dtype = spec.kv_format if spec.kv_format in KV_DTYPES else spec.dtype

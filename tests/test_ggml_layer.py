@@ -2,13 +2,13 @@
 their seven ops computes (``models.decoder.decoder_layer``, XLA).
 
 Over float32 matrices ggml's products do not round the activations, so the two agree to float32
-rounding: for one layer and three in one graph, for each switch of the Llama layer (Qwen2's biases, Qwen3's q/k norms, Llama 3.1's
-RoPE scaling, Mistral's window over a ring that wraps), through a left-padded prefill chunk and
-decode steps, the layer's output and its KV cache. Over a GGUF's blocks ggml rounds each
-activation row to 8 bits a block as llama.cpp does: the graph gives what the composition with
-ggml's products gives, and differs from XLA's products of the decoded blocks by that rounding
-alone. A model whose layer is not Llama's
-(Gemma 3) or whose run ggml cannot take keeps its ops.
+rounding: for one layer and three in one graph, for each switch of the Llama layer (Qwen2's biases,
+Qwen3's q/k norms, Llama 3.1's RoPE scaling, Mistral's window over a ring that wraps), through a
+left-padded prefill chunk and decode steps, the layer's output and its KV cache. Over a GGUF's
+blocks ggml rounds each activation row to 8 bits a block as llama.cpp does: the graph gives what the
+composition with ggml's products gives, and differs from XLA's products of the decoded blocks by
+that rounding alone. A model whose layer is not Llama's (Gemma 3) or whose run ggml cannot take
+keeps its ops.
 """
 
 import dataclasses

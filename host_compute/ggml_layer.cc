@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml-alloc.h"
 #include "ggml_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -189,19 +190,18 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("hx_ggml_layers: N = B T rows, 1 <= used <= R");
 
   std::lock_guard<std::mutex> hold(hx_ggml::Turn());
-  // leaves: XLA's buffers, no copies; the rest in an arena sized for the run's results
+  // leaves: XLA's buffers, no copies; the results placed by ggml's graph allocator, which
+  // reuses a result's memory once its last reader ran (one buffer per calling thread, kept)
   const size_t nodes = 64 * L + 16;
-  thread_local std::vector<uint8_t> meta, arena;
+  thread_local std::vector<uint8_t> meta, graph_meta;
   thread_local std::vector<ggml_fp16_t> mask_used;
+  thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
-  // the bound ggml_layer.layers_per_graph keeps within ARENA_BYTES
-  size_t results = 4 * N * (10 * D + 8 * H * E + 12 * K * E + 4 * s.F) * L;
-  size_t need = results + nodes * (ggml_tensor_overhead() + 64) +
-                ggml_graph_overhead_custom(nodes, false);
   meta.resize(std::max(meta.size(), (24 * L + 16) * ggml_tensor_overhead()));
-  if (arena.size() < need) arena.resize(need);
+  graph_meta.resize(std::max(graph_meta.size(), nodes * ggml_tensor_overhead() +
+                                                    ggml_graph_overhead_custom(nodes, false)));
   ggml_context* leaves = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
-  ggml_context* ctx = ggml_init({arena.size(), arena.data(), /*no_alloc=*/false});
+  ggml_context* ctx = ggml_init({graph_meta.size(), graph_meta.data(), /*no_alloc=*/true});
 
   std::string bad;
   ggml_tensor* xt = Leaf(leaves, x.untyped_data(), x.size_bytes(), GGML_TYPE_F32, D, N, 1,
@@ -238,7 +238,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   out->data = y->untyped_data();
   ggml_cgraph* graph = ggml_new_graph_custom(ctx, nodes, false);
   ggml_build_forward_expand(graph, out);
-  bool done = hx_ggml::Compute(graph, int(threads));
+  bool done = ggml_gallocr_alloc_graph(placer, graph) && hx_ggml::Compute(graph, int(threads));
   ggml_free(ctx);
   ggml_free(leaves);
   if (!done)

@@ -9,8 +9,10 @@ layers: norms, projections, RoPE, the KV-cache write (``ggml_set_rows``, in plac
 (``ggml_flash_attn_ext``) -- on the thread pool ggml's products share (``ggml_pool.h``). The mask
 comes from the same function XLA's attention masks with (``models.layers.attention_mask``: rings,
 windows, left padding), RoPE's frequencies from the family (as factors over theta^(-2i/E), ggml's
-``freq_factors``). Up to ``ROWS`` rows (batch x new tokens); a longer prefill chunk runs the ops one
-by one, each product by ggml or XLA as ``ggml_kernel.KERNEL_ROWS`` says.
+``freq_factors``). Up to the rows ggml's products take (``ggml_kernel.KERNEL_ROWS``: 64, or a
+whole 512-token prefill chunk for repacked q4_0); past them the ops run one by one, each product
+by ggml or XLA. The graph's results are placed by ggml's graph allocator, which reuses memory as
+results die, so a graph's memory does not grow with its layers.
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
 ("one ggml graph for a run of layers").
@@ -31,18 +33,7 @@ from hx.models.formats import GGUF_BLOCKS
 from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
-ROWS = 64  # the graph's results are not reused within it: its arena grows with rows x layers
-ARENA_BYTES = 64 << 20  # the most a graph's results may take (ggml_layer.cc sizes its arena so)
-
-
-def layers_per_graph(spec: ModelSpec, rows: int) -> int:
-    """How many layers one graph runs at ``rows`` rows: as many as keep its results within
-    ``ARENA_BYTES`` (``ggml_layer.cc``'s arena: 4 rows (10 D + 8 H E + 12 K E + 4 F) bytes a
-    layer, float32 results none of which is reused), at least one. Llama-2-7B's shapes: a
-    layer a graph at 64 rows (43 MB), 100 at one row; SmolLM2's 30 in one up to 29 rows."""
-    per_layer = 4 * rows * (10 * spec.d_model + 8 * spec.n_heads * spec.head_dim
-                            + 12 * spec.n_kv_heads * spec.head_dim + 4 * spec.d_ff)
-    return max(1, ARENA_BYTES // per_layer)
+DENSE_ROWS = 64  # float32 rows: up to where ggml's products were measured against XLA's
 
 
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
@@ -59,18 +50,28 @@ def _matrix(m: Any) -> tuple[Any, int] | None:
     return None
 
 
+def _rows(m: Any) -> int:
+    """The most rows ggml multiplies the held matrix ``m`` at (``ggml_kernel.KERNEL_ROWS`` of
+    its layout; ``DENSE_ROWS`` for float32 rows)."""
+    if not isinstance(m, GGUFBlocks):
+        return DENSE_ROWS
+    name = f"{m.fmt.name} repacked" if m.repacked else m.fmt.name
+    return dict(ggml_kernel.KERNEL_ROWS).get(name, 0)
+
+
 def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
          cache: Cache) -> bool:
     """Whether ``decoder_layers`` runs this layer: its family's layer is a ``GraphLayer``, the
     model runs in float32 or bfloat16 with ggml's products (``host_matmul`` ggml, built),
-    every matrix is held as ggml reads it, its cache is float keys and values, and ``rows``
-    <= ``ROWS``."""
-    return (spec.model_family.graph_layer(spec) is not None and spec.host_matmul == GGML
-            and spec.dtype in ("float32", "bfloat16") and rows <= ROWS
-            and set(cache) == {"k", "v"}
-            and ggml_kernel.unavailable() is None
-            and all(_matrix(_op_params(spec, params, op)[name]["kernel"]) is not None
-                    for op, name in MATRICES))
+    every matrix is held as ggml reads it at ``rows`` rows (``_rows``: up to 512 for
+    repacked q4_0, a whole prefill chunk; 64 for the other layouts), and its cache is float
+    keys and values."""
+    if (spec.model_family.graph_layer(spec) is None or spec.host_matmul != GGML
+            or spec.dtype not in ("float32", "bfloat16") or set(cache) != {"k", "v"}
+            or ggml_kernel.unavailable() is not None):
+        return False
+    kernels = [_op_params(spec, params, op)[name]["kernel"] for op, name in MATRICES]
+    return all(_matrix(m) is not None and rows <= _rows(m) for m in kernels)
 
 
 def _op_params(spec: ModelSpec, params: Sequence[Mapping[str, Any]], op: str) -> Mapping:

@@ -80,11 +80,9 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
 
     def graph_layers(params, caches, i: int, slot: int, rows: int) -> int:
         """How many whole decoder layers from op ``i`` (cache ``slot``) run as one ggml graph
-        (``host_compute.ggml_layer``): the consecutive ones of one type it takes, as many as
-        its arena bound allows (``layers_per_graph``)."""
-        n, most = 0, ggml_layer.layers_per_graph(specs[i], rows)
-        while (n < most and device == HOST and attend
-               and ops[i + n * width:i + (n + 1) * width] == LAYER_OPS
+        (``host_compute.ggml_layer``): the consecutive ones of one type it takes."""
+        n = 0
+        while (device == HOST and attend and ops[i + n * width:i + (n + 1) * width] == LAYER_OPS
                and specs[i + n * width] == specs[i] and slot + n not in keep_h
                and ggml_layer.runs(specs[i], params[i + n * width:i + (n + 1) * width], rows,
                                    caches[slot + n])):

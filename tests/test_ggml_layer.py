@@ -24,7 +24,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS
 from hx.models.decoder import decoder_layer, init_params
 from hx.models.holding import relayout
 from hx.models.loader import RELAYOUTS
-from hx.models.spec import GGML, LAYER_OPS, PRESETS, ModelSpec
+from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 from hx.models.tensors import held_slots, kv_arrays, kv_bytes, layer_key
 
 from steps import left_padded_steps
@@ -64,11 +64,11 @@ def layer_params(spec: ModelSpec, seed: int = 0) -> dict:
     return params
 
 
-def run_both(spec, params, products=DEFAULT_PRODUCTS, decode_steps=20, prompt=5):
+def run_both(spec, params, products=DEFAULT_PRODUCTS, decode_steps=20, prompt=5, slots=SLOTS):
     """The model's layers over a left-padded prefill then decode steps, both ways: per step
     (ggml's x, XLA's x, the mask of real queries), and both ways' final caches."""
     layers = [params[layer_key(i)] for i in range(spec.n_layers)]
-    R = held_slots(spec, SLOTS)
+    R = held_slots(spec, slots)
     dtype = kv_arrays(spec, 2, R)["k"][1]
     zeros = [{name: np.zeros((2, R, spec.n_kv_heads, spec.head_dim), dtype)
               for name in ("k", "v")} for _ in layers]
@@ -126,6 +126,14 @@ def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
     for got, want, real in steps:  # XLA's products of the decoded blocks: no 8-bit rounding
         error = np.abs(got[real] - want[real]).max() / np.abs(want).max()
         assert 1e-4 < error < 3e-2
+    if params["layer_0"]["Q"]["wq"]["kernel"].repacked:  # a 2 x 40-row prefill in the graph
+        assert ggml_layer.runs(spec, [params["layer_0"][op] for op in LAYER_OPS], 80,
+                               {"k": 0, "v": 0})
+        steps, _, _ = run_both(spec, params, HOST_PRODUCTS, decode_steps=2, prompt=40,
+                               slots=64)
+        for got, want, real in steps:
+            np.testing.assert_allclose(got[real], want[real], atol=1e-5 * np.abs(want).max(),
+                                       rtol=0)
 
 
 def test_in_bfloat16_the_graph_keeps_float32_inside_and_a_bfloat16_cache():
@@ -177,14 +185,12 @@ def test_runs_takes_llama_layers_in_float32_with_ggml_and_short_steps():
     layer = relayout(spec, init_params(spec), part, convert)["layer_0"]
     ops = [layer[op] for op in LAYER_OPS]
     cache = {"k": np.zeros((1, 8, 2, 32), np.float32), "v": np.zeros((1, 8, 2, 32), np.float32)}
-    assert ggml_layer.runs(spec, ops, ggml_layer.ROWS, cache)
-    assert not ggml_layer.runs(spec, ops, ggml_layer.ROWS + 1, cache)  # a long prefill chunk
+    most = 512 if layer["Q"]["wq"]["kernel"].repacked else 64  # ggml_kernel.KERNEL_ROWS
+    assert ggml_layer.runs(spec, ops, most, cache)
+    assert not ggml_layer.runs(spec, ops, most + 1, cache)  # a longer prefill chunk
     assert not ggml_layer.runs(dataclasses.replace(spec, host_matmul="xla"), ops, 1, cache)
     int8 = {"k": cache["k"].astype(np.uint8), "k_scale": cache["k"], "v": cache["v"]}
     assert not ggml_layer.runs(spec, ops, 1, int8)
-    llama7b = PRESETS["llama2-7b"]
-    assert ggml_layer.layers_per_graph(llama7b, 64) == 1  # 43 MB of results a layer
-    assert ggml_layer.layers_per_graph(llama7b, 1) >= llama7b.n_layers
     gemma = ModelSpec(name="g", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
                       d_ff=96, vocab_size=128, context_length=SLOTS, family="gemma3")
     assert gemma.model_family.graph_layer(gemma) is None

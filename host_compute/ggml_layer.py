@@ -34,8 +34,6 @@ from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
 DENSE_ROWS = 64  # float32 rows: up to where ggml's products were measured against XLA's
-
-
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
             ("MLP1", "w_up"), ("MLP2", "w_down"))
 
@@ -55,8 +53,7 @@ def _rows(m: Any) -> int:
     its layout; ``DENSE_ROWS`` for float32 rows)."""
     if not isinstance(m, GGUFBlocks):
         return DENSE_ROWS
-    name = f"{m.fmt.name} repacked" if m.repacked else m.fmt.name
-    return dict(ggml_kernel.KERNEL_ROWS).get(name, 0)
+    return dict(ggml_kernel.KERNEL_ROWS).get(m.layout, 0)
 
 
 def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
@@ -70,12 +67,29 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
             or spec.dtype not in ("float32", "bfloat16") or set(cache) != {"k", "v"}
             or ggml_kernel.unavailable() is not None):
         return False
-    kernels = [_op_params(spec, params, op)[name]["kernel"] for op, name in MATRICES]
+    p = dict(zip(LAYER_OPS, params))
+    kernels = [p[op][name]["kernel"] for op, name in MATRICES]
     return all(_matrix(m) is not None and rows <= _rows(m) for m in kernels)
 
 
-def _op_params(spec: ModelSpec, params: Sequence[Mapping[str, Any]], op: str) -> Mapping:
-    return params[LAYER_OPS.index(op)]
+def _f32(a) -> jax.Array:
+    return jnp.asarray(a, jnp.float32).reshape(-1)
+
+
+def _layer_tensors(graph, params: Sequence[Mapping[str, Any]], cache: Cache
+                   ) -> tuple[list, list[int]]:
+    """One layer's arguments of ``ggml_layer.cc`` in its order (its caches, norms, matrices,
+    then the switches' biases and q/k norms) and its seven matrices' types."""
+    p = dict(zip(LAYER_OPS, params))
+    matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
+    tensors = [cache["k"], cache["v"], _f32(p["Q"]["attn_norm"]["scale"]),
+               *(a for a, _ in matrices[:4]), _f32(p["MLP1"]["ffn_norm"]["scale"]),
+               *(a for a, _ in matrices[4:])]
+    if graph.qkv_bias:
+        tensors += [_f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
+    if graph.qk_norm:
+        tensors += [_f32(p["Q"]["q_norm"]["scale"]), _f32(p["K"]["k_norm"]["scale"])]
+    return tensors, [t for _, t in matrices]
 
 
 def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]],
@@ -102,21 +116,10 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     B, T, D = x.shape
     R, E = caches[0]["k"].shape[1], spec.head_dim
 
-    def f32(a):
-        return jnp.asarray(a, jnp.float32).reshape(-1)
-
     tensors, types = [], []
     for params, cache in zip(layers, caches):
-        p = {op: _op_params(spec, params, op) for op in LAYER_OPS}
-        matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
-        tensors += [cache["k"], cache["v"], f32(p["Q"]["attn_norm"]["scale"]),
-                    *(a for a, _ in matrices[:4]), f32(p["MLP1"]["ffn_norm"]["scale"]),
-                    *(a for a, _ in matrices[4:])]
-        if graph.qkv_bias:
-            tensors += [f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
-        if graph.qk_norm:
-            tensors += [f32(p["Q"]["q_norm"]["scale"]), f32(p["K"]["k_norm"]["scale"])]
-        types += [t for _, t in matrices]
+        layer_tensors, layer_types = _layer_tensors(graph, params, cache)
+        tensors, types = tensors + layer_tensors, types + layer_types
     per_layer = len(tensors) // len(layers)
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
     slots = (step.write_index + jnp.arange(T, dtype=jnp.int32)) % R
@@ -132,7 +135,7 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
                                    input_output_aliases=aliases)(
         x.reshape(B * T, D).astype(jnp.float32), step.positions.astype(jnp.int32),
         slots.astype(jnp.int32),
-        mask.astype(jnp.float16), used.astype(jnp.int32), f32(freq_factors), *tensors,
+        mask.astype(jnp.float16), used.astype(jnp.int32), _f32(freq_factors), *tensors,
         types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),

@@ -209,6 +209,12 @@ class GGUFBlocks:
         return GGUFBlocks(new, self.fmt, self.repacked)
 
     @property
+    def layout(self) -> str:
+        """The format's name, "NAME repacked" where the rows are in ggml's repacked layout
+        (the keys of ``Products.blocks_rows``)."""
+        return f"{self.fmt.name} repacked" if self.repacked else self.fmt.name
+
+    @property
     def shape(self) -> tuple[int, int]:
         """The 2-D product's (N, K)."""
         n, row = self.blocks.shape
@@ -358,9 +364,8 @@ class Products:
 
     def takes_blocks(self, held: "GGUFBlocks", rows: int) -> bool:
         """Whether ``blocks`` multiplies the ``GGUFBlocks`` matrix ``held`` at ``rows`` rows
-        (``blocks_rows`` of its format, "NAME repacked" where it is repacked)."""
-        name = f"{held.fmt.name} repacked" if held.repacked else held.fmt.name
-        return self.blocks is not None and rows <= dict(self.blocks_rows).get(name, 0)
+        (``blocks_rows`` of its ``GGUFBlocks.layout``)."""
+        return self.blocks is not None and rows <= dict(self.blocks_rows).get(held.layout, 0)
     head_vector_f32: bool = False
 
 

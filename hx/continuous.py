@@ -39,7 +39,7 @@ from hx.models.layers import Cache, Step
 from hx.models.spec import ModelSpec
 from hx.models.tensors import step_limit
 from hx.prefill import check_prompts, left_pad, prefill_in_chunks
-from hx.sampling import SamplingParams, sample
+from hx.sampling import Sampler, SamplingParams, sample
 from hx.scheduler import (BatchState, BlockConfig, Completion, Decode, Join, MicroBatch,
                           Reframe, Request, Row, Shrink, complete, schedule)
 from hx.workload import (CACHE_BUCKET, Workload, new_tokens, powers_of_two, round_up,
@@ -221,6 +221,7 @@ class BlockRunner:
         self.engine, self.config, self.sampling = engine, config, sampling
         self.compile_s, self.on_finish = compile_s, on_finish
         self.prompts: Sequence[Sequence[int]] = []
+        self.stop = np.zeros(0, bool)  # (V,) the run's stop tokens (``run`` sets it)
         self.caches: list[list[Cache]] = []  # per micro-batch, per layer
         self.results: list[Completion | None] = []
         self._shown = ""
@@ -235,6 +236,8 @@ class BlockRunner:
         stop = frozenset(self.sampling.stop_ids) | frozenset([] if eos is None else [eos])
         if seeds is None:
             seeds = [self.sampling.seed] * len(prompts)
+        self.stop = np.zeros(self.engine.executor.spec.vocab_size, bool)  # for decode loops
+        self.stop[[t for t in stop if 0 <= t < len(self.stop)]] = True
         requests = [Request(i, len(p), n, a, stop, s)
                     for i, (p, n, a, s) in enumerate(zip(prompts, limits, asked, seeds))]
         state = BatchState.start(self.config, requests)
@@ -306,7 +309,10 @@ class BlockRunner:
 
     def _step(self, state: BatchState, block: tuple[int, ...]) -> BatchState:
         """One decode step of micro-batches ``block`` (equal rows) as a block; samples and
-        records each live row's token."""
+        records each live row's token. A static batch whose plan loops runs several steps
+        (``_loop_steps``, ``_steps``)."""
+        if len(block) == 1 and (n := self._loop_steps(state.micro_batches[block[0]])) > 1:
+            return self._steps(state, block[0], n)
         S, batches = self.config.cache_slots, [state.micro_batches[m] for m in block]
         steps = [Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
                       np.array(mb.kv_starts(S), np.int32)) for mb in batches]
@@ -320,6 +326,44 @@ class BlockRunner:
                                     [0 if row is None else row.drawn for row in mb.rows],
                                     [0 if row is None else row.request.seed for row in mb.rows]))
             state, ended = state.decoded(m, new.tolist(), time.perf_counter())
+            self._finish(ended)
+        return state
+
+    def _loop_steps(self, mb: MicroBatch) -> int:
+        """Decode steps the next launch of ``mb`` runs: 1, but for a static batch (one plan)
+        whose decode loops (``Executor.loops``) up to ``Engine.loop_steps``, no more than
+        its live rows may still draw or its cache has slots for."""
+        engine, S = self.engine, self.config.cache_slots
+        if (self.config.refill or engine.loop_steps <= 1 or len(engine.stints) > 1
+                or not engine.executor.loops(len(mb.rows), S)):
+            return 1
+        left = max(mb.rows[r].request.limit - mb.rows[r].drawn for r in mb.live)
+        return min(engine.loop_steps, left, S - mb.frontier)
+
+    def _steps(self, state: BatchState, m: int, n: int) -> BatchState:
+        """Up to ``n`` decode steps of micro-batch ``m`` in one launch, sampled where they
+        run (``Executor.decode_steps``; it stops once every live row has ended); each step's
+        tokens go to the state as ``_step``'s would, all at the launch's end time."""
+        mb, S, sampling = state.micro_batches[m], self.config.cache_slots, self.sampling
+        live = set(mb.live)
+        step = Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
+                    np.array(mb.kv_starts(S), np.int32))
+        tokens = np.array([[0 if row is None else row.last] for row in mb.rows], np.int32)
+        rows = {"n": np.int32(n),
+                "drawn": np.array([0 if row is None else row.drawn for row in mb.rows],
+                                  np.uint32),
+                "seeds": np.array([0 if row is None else row.request.seed for row in mb.rows],
+                                  np.uint32),
+                "remaining": np.array([row.request.limit - row.drawn if r in live else 0
+                                       for r, row in enumerate(mb.rows)], np.int32),
+                "temperature": np.float32(sampling.temperature),
+                "top_p": np.float32(sampling.top_p)}
+        new, self.caches[m] = self.engine.executor.decode_steps(
+            tokens, step, self.caches[m], self.engine.loop_steps, Sampler.of(sampling), rows,
+            self.stop)
+        now = time.perf_counter()
+        for drawn in new.T:
+            state, ended = state.decoded(m, drawn.tolist(), now)
             self._finish(ended)
         return state
 

@@ -69,6 +69,7 @@ from hx.models.tensors import (held_weights, kv_arrays, layer_key, layer_slots, 
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
 from hx.programs import SplitHostProgram, programs_for
+from hx.sampling import Sampler
 from hx.schedule import (ACT_LOAD, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction, Schedule,
                          act_copy_key, act_key, cache_key, compile_schedule, copy_end, copy_key,
@@ -477,6 +478,62 @@ class Executor:
             self.timeline.begin_step(phase)
         return _BlockStep(self, phase, self.schedule(phase, B, T, S, N), tokens, steps,
                           caches).run()
+
+
+    def loops(self, batch: int, slots: int) -> bool:
+        """Whether decode of B=``batch`` rows over S=``slots`` cache slots can run several
+        steps a launch (``decode_steps``): the plan's decode is one segment on the host whose
+        weights and KV caches are all held there (no copy to schedule, nothing on the
+        accelerator to account), it attends in XLA (not ``SplitHostProgram``'s numpy), and no
+        timeline records its steps one by one."""
+        segments = self.segments["decode"]
+        if len(segments) != 1 or self.timeline is not None:
+            return False
+        seg = segments[0]
+        if seg.device != HOST or seg.reads != ("tokens",) or any(
+                (self.plan.weights.get(layer, op) or HOST) != HOST for layer, op in seg.ops
+        ) or any(home != HOST for home in self.plan.kv):
+            return False
+        slots = self.schedule("decode", batch, 1, slots).slots
+        return not isinstance(self._executable("decode", 0, batch, 1, slots)[0],
+                              SplitHostProgram)
+
+    def loop_executable(self, batch: int, slots: int, steps: int, sampler: Sampler):
+        """``decode_steps``'s executable at (B, S), compiled on first use (where ``loops``)."""
+        slots = self.schedule("decode", batch, 1, slots).slots
+        return self.programs.decode_loop(self.segments["decode"][0], batch, slots, steps,
+                                         sampler)
+
+    def decode_steps(self, tokens: np.ndarray, step: Step, caches: list[Cache], steps: int,
+                     sampler: Sampler, rows: dict[str, np.ndarray], stop: np.ndarray
+                     ) -> tuple[np.ndarray, list[Cache]]:
+        """Up to ``steps`` decode steps in one launch (``hx.decode_loop``), where ``loops``.
+
+        Args:
+          tokens: (B, 1) int32, each row's last token.
+          step: the first step's ``Step``.
+          caches: per-layer KV caches; consumed (donated), returned updated.
+          steps: the most steps a launch of this shape runs (one executable per value).
+          sampler: the sampling's static part (``hx.sampling.Sampler.of``).
+          rows: ``loop_function``'s per-step values: ``n`` () steps to run (<= ``steps``),
+            ``drawn``, ``seeds``, ``remaining`` (B,), ``temperature``, ``top_p`` ().
+          stop: (V,) bool, the stop tokens.
+        Returns:
+          (tokens (B, k) int32 numpy of the k steps run, updated caches).
+        """
+        seg = self.segments["decode"][0]
+        loop = self.loop_executable(tokens.shape[0], run_slots(caches), steps, sampler)
+        names = ("n", "drawn", "seeds", "remaining", "temperature", "top_p")
+        host = self.programs.shardings[HOST]
+        placed = jax.device_put((tokens, step, stop, *(rows[n] for n in names)), host)
+        tokens, step, stop, n, drawn, seeds, remaining, temperature, top_p = placed
+        out, ran, updated = loop(self._params["decode"][0], tokens,
+                                 tuple(caches[layer] for layer in seg.cache_layers), step, n,
+                                 drawn, seeds, remaining, stop, temperature, top_p)
+        caches = list(caches)
+        for layer, cache in zip(seg.cache_layers, updated):
+            caches[layer] = cache
+        return np.asarray(out)[:, :int(ran)], caches
 
 
 def run_slots(caches: Sequence[Cache]) -> int:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from hx.continuous import BlockRunner
+from hx.decode_loop import LOOP_STEPS
 from hx.devices import ACCELERATOR, HOST, Devices, discover, release_free_heap
 from hx.errors import HxError
 from hx.executor import Executor
@@ -30,7 +31,7 @@ from hx.models.tokenizer import Tokenizer
 from hx.pipeline import Pipeline
 from hx.plan import ExecutionPlan, Stint, plan_at, recompute_consistent
 from hx.prefill import check_prompts, left_pad, run_prefill
-from hx.sampling import SamplingParams, sample
+from hx.sampling import Sampler, SamplingParams, sample
 from hx.scheduler import BlockConfig, Completion
 from hx.segments import split_segments
 from hx.streamed_kv import keep_h
@@ -106,6 +107,10 @@ class Engine:
         each prefill chunk and decoding (a progress display: compiling and a long prompt's
         prefill can take minutes).
       plan_log: (first decode step, plan name) of each plan the last run ran under.
+      loop_steps: decode steps a launch of a static batch runs at most where the plan's
+        decode loops (``Executor.loops``: one host segment holding every weight and KV
+        cache); default ``hx.decode_loop.LOOP_STEPS``, 1 runs them one by one. The tokens
+        are the same either way.
     Raises:
       HxError: ``plan`` is not the first stint's; a stint recomputes where one before kept
         no ``h`` (``hx.plan.recompute_consistent``); no default plan fits the budgets
@@ -144,6 +149,7 @@ class Engine:
         self.model = dataclasses.replace(model, params={})
         self._compiled: set[tuple] = set()  # shapes and sampler kinds already compiled
         self.on_status: Callable[[str], None] | None = None
+        self.loop_steps = LOOP_STEPS
 
     def status(self, line: str) -> None:
         """Pass a progress line to ``on_status`` (when set)."""
@@ -235,7 +241,7 @@ class Engine:
         seconds it took (0 when already done). Keeps compilation out of TTFT and decode
         rates."""
         shapes = dataclasses.replace(workload, new_tokens=None)  # G changes no shape
-        key = (shapes, sampling.greedy, sampling.top_k, sampling.top_p < 1.0)
+        key = (shapes, Sampler.of(sampling), self.loop_steps)
         if key in self._compiled:
             return 0.0
         self.status(f"compiling batch {workload.batch} x {workload.prompt_tokens} tokens, "
@@ -246,6 +252,8 @@ class Engine:
                                         step_limit(self.model.spec))):
             self.executor.compile("prefill", B, chunk, S)
         self.executor.compile("decode", B, 1, S)
+        if self.loop_steps > 1 and len(self.stints) == 1 and self.executor.loops(B, S):
+            self.executor.loop_executable(B, S, self.loop_steps, Sampler.of(sampling))
         for stint in self.stints[1:]:  # the plans switched to later decode only
             self.executor.programs.prepare([(seg, B, 1, S, keep_h(stint.plan, seg))
                                             for seg in split_segments(stint.plan, "decode")])

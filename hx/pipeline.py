@@ -242,6 +242,11 @@ class Pipeline:
         for ex in self.executors:
             ex.compile(phase, batch, tokens, slots)
 
+    def loops(self, batch: int, slots: int) -> bool:
+        """False: stages hand each step's activations on, so decode steps one by one
+        (``Executor.loops``)."""
+        return False
+
     def new_cache(self, batch: int, length: int, dtype=None, micro: Hashable = 0
                   ) -> list[Cache]:
         """Zeroed KV caches of every layer (``Executor.new_cache`` of each stage), in order;

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from hx.decode_loop import loop_function
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.host_compute.attention import attends_in_numpy, cache_attention
 from hx.host_compute import ggml_kernel, ggml_layer, int4_kernel
@@ -51,6 +52,7 @@ from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec
 from hx.models.tensors import (OPS, activation_shape, held_slots, held_weights, kv_arrays,
                                kv_bytes, kv_format, weight_dtype, widest_slots)
 from hx.plan import ExecutionPlan
+from hx.sampling import Sampler
 from hx.segments import Segment, split_segments
 from hx.sizing import absent_accelerator
 from hx.streamed_kv import H
@@ -381,6 +383,28 @@ class Programs:
         key = self._key(segment, batch, tokens, slots, keep_h)
         if key not in self._compiled:
             self._compiled[key] = self._lower(segment, batch, tokens, slots, keep_h).compile()
+            self.compilations += 1
+        return self._compiled[key]
+
+    def decode_loop(self, segment: Segment, batch: int, slots: int, steps: int,
+                    sampler: Sampler):
+        """The executable of ``hx.decode_loop.loop_function`` over ``segment`` (a decode
+        segment reading only ``tokens``): up to ``steps`` decode steps of B=``batch`` rows
+        over S=``slots`` cache slots, sampled by ``sampler``, all on the segment's device
+        (compiled on first use)."""
+        key = ("loop", self._key(segment, batch, 1, slots), steps, sampler)
+        if key not in self._compiled:
+            device, ops, _, _, writes, types = self.signature(segment)
+            params, acts, caches, step = self.abstract_args(segment, batch, 1, slots)
+            where = self.shardings[device]
+            one, rows = functools.partial(_struct, (), sharding=where), functools.partial(
+                _struct, (batch,), sharding=where)
+            loop = loop_function(self._function(device, ops, writes, True, (), types), steps,
+                                 sampler)
+            self._compiled[key] = loop.lower(
+                params, acts["tokens"], caches, step, one("int32"), rows("uint32"),
+                rows("uint32"), rows("int32"), _struct((self.spec.vocab_size,), "bool", where),
+                one("float32"), one("float32")).compile()
             self.compilations += 1
         return self._compiled[key]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -63,9 +62,46 @@ def row_seed(seed: int, row_id: object) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "use_top_p"))
-def _sample(logits, seeds, steps, temperature, top_p, *, top_k: int, use_top_p: bool):
+@dataclass(frozen=True)
+class Sampler:
+    """What of ``SamplingParams`` a compiled sampler depends on (its static part).
+
+    Attributes:
+      greedy: argmax (temperature 0).
+      top_k: keep the k most likely tokens (0 = no limit).
+      use_top_p: nucleus filtering is on (top_p < 1).
+    """
+
+    greedy: bool
+    top_k: int = 0
+    use_top_p: bool = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "Sampler":
+        """The static part of ``params`` (none but ``greedy`` when it is greedy)."""
+        if params.greedy:
+            return cls(True)
+        return cls(False, params.top_k, params.top_p < 1.0)
+
+
+def choose(logits: jax.Array, sampler: Sampler, seeds: jax.Array, steps: jax.Array,
+           temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Next token of every row, traceable (``sample`` runs it jitted; ``hx.decode_loop``
+    inside its loop).
+
+    Args:
+      logits: (B, V) float32.
+      sampler: the static part of the sampling (``Sampler.of``).
+      seeds: (B,) uint32 seed of each row.
+      steps: (B,) uint32 index of the token each row draws (mixed into its PRNG key).
+      temperature, top_p: () float32 (not read when greedy).
+    Returns:
+      (B,) int32 token ids.
+    """
+    if sampler.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     B, V = logits.shape
+    top_k, use_top_p = sampler.top_k, sampler.use_top_p
     scaled = logits.astype(jnp.float32) / temperature
     if top_k or use_top_p:
         values, index = jax.lax.top_k(scaled, min(top_k, V) if top_k else V)  # (B,k) sorted
@@ -75,6 +111,7 @@ def _sample(logits, seeds, steps, temperature, top_p, *, top_k: int, use_top_p: 
         probs = jax.nn.softmax(values, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
         values = jnp.where(before < top_p, values, -jnp.inf)  # the top token always stays
+
     def draw(seed, step, row):
         return jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(seed), step), row)
 
@@ -82,9 +119,15 @@ def _sample(logits, seeds, steps, temperature, top_p, *, top_k: int, use_top_p: 
     return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@jax.jit
-def _greedy(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+_choose = jax.jit(choose, static_argnums=1)
+
+
+def row_arrays(params: SamplingParams, step: int | Sequence[int], seeds: Sequence[int] | None,
+               rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(seeds, steps), each (rows,) uint32: ``sample``'s ``seeds`` (default ``params.seed``
+    for every row) and ``step`` broadcast to every row."""
+    seed = np.full(rows, params.seed, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
+    return seed, np.broadcast_to(np.asarray(step, np.uint32), (rows,))
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: int | Sequence[int],
@@ -101,10 +144,6 @@ def sample(logits: jax.Array, params: SamplingParams, step: int | Sequence[int],
     Returns:
       (B,) int32 token ids, on the logits' device.
     """
-    if params.greedy:
-        return _greedy(logits)
-    B = logits.shape[0]
-    rows = np.full(B, params.seed, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
-    steps = np.broadcast_to(np.asarray(step, np.uint32), (B,))
-    return _sample(logits, rows, steps, params.temperature, params.top_p,
-                   top_k=params.top_k, use_top_p=params.top_p < 1.0)
+    rows, steps = row_arrays(params, step, seeds, logits.shape[0])
+    return _choose(logits, Sampler.of(params), rows, steps, np.float32(params.temperature),
+                   np.float32(params.top_p))

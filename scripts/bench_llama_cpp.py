@@ -1,8 +1,8 @@
-"""hx's host against llama.cpp on the same GGUF: batch-1 decode and prefill (issue 39, A and B).
+"""hx's host against llama.cpp on the same GGUF: decode and prefill (issue 39, A to D).
 
 Usage: python scripts/bench_llama_cpp.py [--gguf FILE] [--rounds 3] [--threads 2]
            [--new-tokens 64] [--prompt-tokens 512] [--depth 4096] [--kv float16]
-           [--llama-bench PATH] [--json OUT.json]
+           [--batch 32] [--llama-bench PATH] [--json OUT.json]
 
 Takes 2-4 minutes on the 2-core development VM with SmolLM2 (the default file), after
 ``python -m hx.host_compute.ggml_build --tools`` has built ``llama-bench`` from the same pinned
@@ -19,7 +19,10 @@ round runs all four once, interleaved, after one untimed warm-up of each (hx com
 over rounds and the median of the per-round ratios hx / llama.cpp. ``--depth D`` adds a third
 pair (issue 39 D): decode of NEW tokens after a D-token prompt (hx: ``decode_tok_s`` of that
 generate; llama.cpp: ``llama-bench -p 0 -n NEW -d D``); ``--kv`` holds hx's KV cache so
-(``float16``: llama.cpp's cache type).
+(``float16``: llama.cpp's cache type). ``--batch N`` adds a batch-N pair (issue 39 C): hx's
+decode tokens/s of N 64-token prompts generating NEW tokens each (the sum of the rows'
+``decode_tok_s``), llama.cpp's ``llama-batched-bench -npp 64 -ntg NEW -npl N`` (its S_TG), from
+the ``llama-batched-bench`` beside ``--llama-bench``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from hx.devices import configure_runtime
 # for torch's threads, which makes llama.cpp's OpenMP threads sleep at every barrier (SmolLM2
 # decode 29-34 tokens/s against 108-128)
 LLAMA_ENV = dict(os.environ)
+BATCH_PROMPT = 64  # tokens of each row's prompt in the batch pair
 configure_runtime()  # before JAX starts: two CPU devices where there is no GPU
 
 import hx  # noqa: E402
@@ -61,6 +65,17 @@ def llama_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: in
     return float(json.loads(out)[0]["avg_ts"])
 
 
+def batched_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: int,
+                         batch: int) -> float:
+    """One ``llama-batched-bench`` run of ``batch`` sequences of ``prompt`` + ``new`` tokens,
+    in ``LLAMA_ENV``: its decode tokens/s over all sequences (S_TG)."""
+    out = subprocess.run([bench, "-m", gguf, "-t", str(threads), "-npp", str(prompt), "-ntg",
+                          str(new), "-npl", str(batch), "-c", str(batch * (prompt + new)),
+                          "--output-format", "jsonl"], check=True, capture_output=True,
+                         text=True, env=LLAMA_ENV).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["speed_tg"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default=str(default_model_path()))
@@ -70,6 +85,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--depth", type=int, default=0, help="add decode after this many tokens")
     parser.add_argument("--kv", default="dense", help="hx's KV cache format (hx.load's kv)")
+    parser.add_argument("--batch", type=int, default=0, help="add decode of this many rows")
     parser.add_argument("--llama-bench", default=str(ggml_dir() / "bin" / "llama-bench"))
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
@@ -93,6 +109,10 @@ def main() -> None:
     def hx_deep() -> float:
         return engine.generate_ids([deep], greedy)[0].decode_tok_s
 
+    def hx_batch() -> float:
+        rows = [ids[i:i + BATCH_PROMPT] for i in range(args.batch)]
+        return sum(c.decode_tok_s for c in engine.generate_ids(rows, greedy))
+
     runs = {
         ("decode", "hx"): hx_decode,
         ("decode", "llama.cpp"): lambda: llama_tokens_per_s(
@@ -105,26 +125,33 @@ def main() -> None:
         runs[("depth", "hx")] = hx_deep
         runs[("depth", "llama.cpp")] = lambda: llama_tokens_per_s(
             args.llama_bench, args.gguf, args.threads, 0, args.new_tokens, args.depth)
+    if args.batch:
+        runs[("batch", "hx")] = hx_batch
+        runs[("batch", "llama.cpp")] = lambda: batched_tokens_per_s(
+            os.path.join(os.path.dirname(args.llama_bench), "llama-batched-bench"), args.gguf,
+            args.threads, BATCH_PROMPT, args.new_tokens, args.batch)
     for run in runs.values():  # warm-up: hx compiles its shapes
         run()
     seen: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for _ in range(args.rounds):
         for key, run in runs.items():
             seen[key].append(run())
-    table = Table(title=f"{os.path.basename(args.gguf)}, batch 1, {args.threads} threads: "
+    table = Table(title=f"{os.path.basename(args.gguf)}, {args.threads} threads: "
                         f"tokens/s, median of {args.rounds} interleaved rounds")
     for col in ("test", "hx (all-host)", "llama.cpp", "hx / llama.cpp"):
         table.add_column(col, justify="right")
     rows = []
     tests = [("decode", args.new_tokens), ("prefill", args.prompt_tokens)]
     tests += [("depth", args.depth)] if args.depth else []
+    tests += [("batch", args.batch)] if args.batch else []
     for test, size in tests:
         ours, theirs = seen[test, "hx"], seen[test, "llama.cpp"]
         ratio = statistics.median(a / b for a, b in zip(ours, theirs))
         rows.append({"test": test, "tokens": size, "hx_tok_s": statistics.median(ours),
                      "llama_cpp_tok_s": statistics.median(theirs), "ratio": ratio,
                      "hx_rounds": ours, "llama_cpp_rounds": theirs})
-        name = f"decode {args.new_tokens} @ d{size}" if test == "depth" else f"{test} {size}"
+        name = {"depth": f"decode {args.new_tokens} @ d{size}",
+                "batch": f"decode {args.new_tokens} x {size} rows"}.get(test, f"{test} {size}")
         table.add_row(name, f"{rows[-1]['hx_tok_s']:.1f}",
                       f"{rows[-1]['llama_cpp_tok_s']:.1f}", f"{ratio:.2f}x")
     print_table(table)
@@ -134,7 +161,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"gguf": args.gguf, "threads": args.threads, "rounds": args.rounds,
                        "host_matmul": model.spec.host_matmul, "dtype": model.spec.dtype,
-                       "kv": model.spec.kv_format, "depth": args.depth,
+                       "kv": model.spec.kv_format, "depth": args.depth, "batch": args.batch,
                        "llama_bench": args.llama_bench, "rows": rows}, f, indent=1)
 
 

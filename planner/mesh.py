@@ -100,6 +100,7 @@ def _host_share(host: DeviceProfile, tp: int) -> DeviceProfile:
         host, matmul=share(host.matmul), matmul_low=share(host.matmul_low),
         attention=share(host.attention), attention_low=share(host.attention_low),
         int4_matmul=share(host.int4_matmul), memory_bandwidth=host.memory_bandwidth / tp,
+        ggml_matmul=tuple((layout, share(curve)) for layout, curve in host.ggml_matmul),
         dequantize=slower(host.dequantize), dequantize_low=slower(host.dequantize_low))
 
 

@@ -76,6 +76,11 @@ class DeviceProfile:
         where it was measured (the host, when the kernel builds): what a host op multiplying
         its matrices in that layout (``ModelSpec.host_matmul`` torch-int4) runs at, with no
         decompression besides.
+      ggml_matmul: ((held layout, ((M, FLOP/s), ...)), ...) of ggml's products over a GGUF's
+        blocks (``rates.measure_ggml_matmul``; layouts as ``GGUFBlocks.layout`` names them:
+        ``q4_0``, ``q4_1``, ``q8_0``, ``q4_0 repacked``), where measured (the host, when ggml
+        is built): what a host op multiplying its matrices held so (``host_matmul`` ggml)
+        runs at, up to the rows each layout's kernel takes (``ggml_kernel.KERNEL_ROWS``).
     """
 
     matmul: tuple[tuple[int, float], ...]
@@ -88,6 +93,7 @@ class DeviceProfile:
     dequantize: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     dequantize_low: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     int4_matmul: tuple[tuple[int, float], ...] = ()
+    ggml_matmul: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
 
     def launch_seconds(self, batch: int) -> float:
         """``launch_overhead`` at ``batch``."""
@@ -109,6 +115,13 @@ class DeviceProfile:
             dtype = "bfloat16"
         curve = self.matmul_low if dtype in LOW_DTYPES and self.matmul_low else self.matmul
         return flops / _interpolate(curve, rows)
+
+    def ggml_seconds(self, layout: str, flops: float, rows: int) -> float | None:
+        """Seconds of ``flops`` of ggml's product over a matrix held in ``layout`` at M =
+        ``rows`` (``ggml_matmul``, interpolated in log M); None where that layout was not
+        measured."""
+        curve = dict(self.ggml_matmul).get(layout)
+        return None if curve is None else flops / _interpolate(curve, rows)
 
     def dequantize_seconds(self, fmt: str, weights: int, dtype: str = "float32") -> float:
         """Seconds that decompressing one matrix of ``weights`` weights held in format ``fmt``
@@ -254,7 +267,7 @@ class HardwareProfile:
                 d["launch_overhead"] = tuple((int(b), float(t)) for b, t in d["launch_overhead"])
                 for curve in ("matmul_low", "attention_low", "int4_matmul"):
                     d[curve] = tuple((int(x), float(r)) for x, r in d.get(curve, ()))
-                for curve in ("dequantize", "dequantize_low"):
+                for curve in ("dequantize", "dequantize_low", "ggml_matmul"):
                     d[curve] = tuple((str(f), tuple((int(n), float(r)) for n, r in points))
                                      for f, points in d.get(curve, ()))
                 devices[side] = DeviceProfile(**d)

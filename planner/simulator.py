@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
+from hx.host_compute.ggml_kernel import KERNEL_ROWS
+from hx.models.tensors import ggml_matrices, int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.mesh import collective_seconds
-from hx.planner.profile import HardwareProfile
+from hx.planner.profile import DeviceProfile, HardwareProfile
 from hx.errors import HxError
 from hx.schedule import (ACT_LOAD, D2H, H2D, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
                          RECOMPUTE, STAGE, WAIT, build_schedule, compile_schedule, copy_end,
@@ -119,8 +120,32 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
         return c.other_bytes / rates.memory_bandwidth
     if device == HOST and int4_matrices(spec, op):  # torch's int4 kernel: no decompression
         return rates.matmul_seconds(c.flops, c.rows, dtype, int4=True)
+    if device == HOST and (ggml := ggml_seconds(spec, rates, op, c.rows)) is not None:
+        return ggml
     return rates.matmul_seconds(c.flops, c.rows, dtype) + sum(
         rates.dequantize_seconds(fmt, n, dtype) for fmt, n in c.dequantized)
+
+
+def ggml_seconds(spec: ModelSpec, rates: DeviceProfile, op: str, rows: int) -> float | None:
+    """Seconds of ``op``'s products at M = ``rows`` by ggml's kernels, where the host holds its
+    matrices in a GGUF's blocks (``models.tensors.ggml_matrices``), each layout's kernel takes
+    ``rows`` (``ggml_kernel.KERNEL_ROWS``: past them hx decompresses for XLA) and the profile
+    measured it (``DeviceProfile.ggml_matmul``); a matrix whose rows only multiply is held
+    repacked where the profile has that layout, as the loader holds it on the machine that
+    measured it. None otherwise (priced as a decompression and a dense product)."""
+    matrices = ggml_matrices(spec, op)
+    if not matrices:
+        return None
+    most, seconds = dict(KERNEL_ROWS), 0.0
+    for fmt, n, k, stays in matrices:
+        repacked = f"{fmt} repacked"
+        layout = repacked if stays and n % 8 == 0 and repacked in dict(rates.ggml_matmul) \
+            else fmt
+        each = rates.ggml_seconds(layout, 2.0 * rows * n * k, rows)
+        if each is None or rows > most.get(layout, 0):
+            return None
+        seconds += each
+    return seconds
 
 
 def recompute_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int,

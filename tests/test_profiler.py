@@ -48,6 +48,16 @@ def test_quick_profile_is_measured_kept_apart_and_calibrates(devices, tmp_path, 
     # bfloat16 rates on the accelerator, where a bf16 model's ops run; the host computes float32
     assert [m for m, _ in quick.accelerator.matmul_low] == list(timing.QUICK.matmul_rows)
     assert quick.host.matmul_low == ()
+    # ggml's products per layout the host holds a GGUF's blocks in, to the rows each takes
+    from hx.host_compute import ggml_kernel
+    if ggml_kernel.unavailable() is None:
+        most = dict(ggml_kernel.KERNEL_ROWS)
+        assert {"q4_0", "q4_1", "q8_0"} <= {layout for layout, _ in quick.host.ggml_matmul}
+        for layout, curve in quick.host.ggml_matmul:
+            assert [m for m, _ in curve] == [m for m in timing.QUICK.matmul_rows
+                                             if m <= most[layout]]
+            assert all(rate > 0 for _, rate in curve)
+    assert quick.accelerator.ggml_matmul == ()
     # a device switch costs something: the launch fit takes what the transfers leave (>= 0)
     assert quick.accelerator.launch_seconds(1) + quick.transfer_latency > 0
     assert 0 <= quick.contention <= 1
@@ -93,7 +103,9 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
                                         dequantize_low=(("int4", ((1024, 2e-11),
                                                                   (2**24, 3e-11))),
                                                         ("q8_0", ((1024, 0.0),)))),
-        host=dataclasses.replace(base.host, int4_matmul=((1, 5e10), (64, 2e11))))
+        host=dataclasses.replace(base.host, int4_matmul=((1, 5e10), (64, 2e11)),
+                                 ggml_matmul=(("q4_0 repacked", ((1, 9e10), (512, 1.5e11))),
+                                              ("q8_0", ((1, 4e10),)))))
     profile.save(str(tmp_path / "p.json"))
     assert HardwareProfile.load(str(tmp_path / "p.json")) == profile
     old = base.to_json()
@@ -104,3 +116,4 @@ def test_new_fields_round_trip_and_old_files_load(tmp_path):
     loaded = HardwareProfile.from_json(old)
     assert loaded == base and not loaded.quick and loaded.accelerator.matmul_low == ()
     assert loaded.accelerator.dequantize == () and loaded.host.int4_matmul == ()
+    assert loaded.host.ggml_matmul == ()

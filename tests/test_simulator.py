@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hx.errors import HxError
-from hx.models.spec import PRESETS, TORCH_INT4
+from hx.models.spec import GGML, PRESETS, TORCH_INT4
 from hx.plan import ExecutionPlan
 from hx.planner import policies
 from hx.planner.cost import dequantized_weights, op_cost
@@ -143,6 +143,42 @@ def test_host_ops_under_the_int4_kernel_are_priced_at_its_rate():
     assert seconds(spec, "accelerator") == seconds(xla, "accelerator")
     int8 = spec.replace(weight_format="int8")
     assert seconds(int8, "host") == seconds(int8.replace(host_matmul="xla"), "host")
+
+
+def test_host_ops_over_gguf_blocks_are_priced_at_ggml_s_rates():
+    """A host op whose matrices the host holds in a GGUF's blocks (``host_matmul`` ggml) costs
+    each matrix's FLOPs at the profile's ``ggml_matmul`` curve of its layout -- repacked q4_0
+    for a projection whose rows only multiply, where measured -- with no decompression, up to
+    the rows that layout's kernel takes; past them, or unmeasured, the product plus the
+    decompression XLA runs. Accelerator ops keep theirs."""
+    base = gpu_like()
+    repacked, plain = ((1, 6e10), (512, 1.2e11)), ((1, 3e10), (64, 9e10))
+    ggml = dataclasses.replace(base, host=dataclasses.replace(
+        base.host, ggml_matmul=(("q4_0", plain), ("q4_0 repacked", repacked))))
+    spec = PRESETS["llama2-7b"].replace(n_layers=2, weight_format="q4_0", host_matmul=GGML)
+    xla = spec.replace(host_matmul="xla")
+
+    def seconds(s, device, profile=ggml, batch=4, op="MLP1"):
+        return op_seconds(s, profile, device, op, batch, 1, 256, 256)
+
+    flops = op_cost(spec, "MLP1", 4, 1, 256).flops
+    rate = 6e10 + (1.2e11 - 6e10) * math.log(4) / math.log(512)
+    assert seconds(spec, "host") == pytest.approx(flops / rate)
+    unrepacked = dataclasses.replace(ggml, host=dataclasses.replace(
+        ggml.host, ggml_matmul=(("q4_0", plain),)))
+    assert seconds(spec, "host", unrepacked) == pytest.approx(
+        flops / (3e10 + (9e10 - 3e10) * math.log(4) / math.log(64)))
+    # 128 rows: past the file layout's 64, within the repacked layout's 512
+    assert seconds(spec, "host", batch=128) == pytest.approx(
+        op_cost(spec, "MLP1", 128, 1, 256).flops / _interp(repacked, 128))
+    for profile, batch in ((unrepacked, 128), (base, 4)):
+        assert seconds(spec, "host", profile, batch) == seconds(xla, "host", profile, batch)
+    assert seconds(spec, "accelerator") == seconds(xla, "accelerator")
+
+
+def _interp(curve, x):
+    (x0, y0), (x1, y1) = curve
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
 
 
 def test_a_compressed_matrix_costs_its_product_plus_its_decompression():

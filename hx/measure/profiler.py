@@ -42,7 +42,8 @@ from hx.measure.links import (ROUND_TRIP_SHAPE, SMALL_SHAPE, measure_d2h, measur
                               measure_staging_latency)
 from hx.measure.rates import (DISK_BYTES, LOW_DTYPE, measure_attention,
                               measure_compute_contention, measure_contention, measure_dequantize,
-                              measure_disk_read, measure_int4_matmul, measure_matmul,
+                              measure_disk_read, measure_ggml_matmul, measure_int4_matmul,
+                              measure_matmul,
                               measure_memory_bandwidth)
 from hx.measure.timing import FULL, QUICK, MiB, Effort
 from hx.models.layers import attention
@@ -140,8 +141,13 @@ def measure_side(devices: Devices, side: str, kernel, effort: Effort,
     if int4:
         log(f"{side}: torch's int4 kernel {int4[0][1] / 1e9:.1f} GFLOP/s at M={int4[0][0]}, "
             f"{int4[-1][1] / 1e9:.1f} at M={int4[-1][0]}")
+    ggml = measure_ggml_matmul(device, effort.matmul_rows, effort) if side == HOST else ()
+    for layout, curve in ggml:
+        log(f"{side}: ggml's {layout} products {curve[0][1] / 1e9:.1f} GFLOP/s at "
+            f"M={curve[0][0]}, {curve[-1][1] / 1e9:.1f} at M={curve[-1][0]}")
     return DeviceProfile(
         matmul=curves[jnp.float32], memory_bandwidth=memory, int4_matmul=int4,
+        ggml_matmul=ggml,
         attention=measure_attention(device, kernel, effort.attention_slots, effort),
         attention_low=measure_attention(device, kernel, effort.attention_slots, effort,
                                         LOW_DTYPE),

@@ -57,6 +57,30 @@ ggml_tensor* Leaf(ggml_context* ctx, void* data, size_t bytes, ggml_type type, i
   return t;
 }
 
+int64_t Address(const void* p) { return int64_t(reinterpret_cast<uintptr_t>(p)); }
+
+int64_t Bits(float f) {
+  int32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+// The graph a calling thread built last, with what it was built over (every buffer's address,
+// the shapes and attributes); its contexts live in the thread's metadata buffers until the
+// next graph is built.
+struct Built {
+  std::vector<int64_t> key;
+  ggml_cgraph* graph = nullptr;
+  ggml_context* ctx = nullptr;
+  ggml_context* leaves = nullptr;
+
+  void Forget() {
+    if (ctx != nullptr) ggml_free(ctx);
+    if (leaves != nullptr) ggml_free(leaves);
+    *this = Built();
+  }
+};
+
 // The run's shapes and switches.
 struct Shape {
   int64_t B, T, N, R, K, E, H, D, F, n_kv;
@@ -196,7 +220,38 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   thread_local std::vector<uint8_t> meta, graph_meta;
   thread_local std::vector<ggml_fp16_t> mask_used;
   thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+  thread_local Built last;
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
+  if (mask.size_bytes() != size_t(2 * B * T * R))
+    return ffi::Error::InvalidArgument("hx_ggml_layers: mask (B, T, R) f16");
+  // the mask of the slots read, contiguous as ggml_flash_attn_ext wants it
+  const ggml_fp16_t* full = static_cast<const ggml_fp16_t*>(mask.untyped_data());
+  const ggml_fp16_t* mask_data = full;
+  if (s.n_kv < R) {
+    mask_used.resize(B * T * s.n_kv);
+    for (int64_t r = 0; r < B * T; ++r)
+      std::memcpy(&mask_used[r * s.n_kv], full + r * R, s.n_kv * sizeof(ggml_fp16_t));
+    mask_data = mask_used.data();
+  }
+  // a decode loop calls step after step with the same buffers and, as llama.cpp pads the
+  // slots read to 256 (ggml_layer.py), the same shapes: the graph built last is run again
+  std::vector<int64_t> key = {B, T, R, K, E, H, D, s.n_kv, threads, qkv_bias, qk_norm,
+                              Bits(eps), Bits(scale), Bits(freq_base), Address(x.untyped_data()),
+                              Address(positions.untyped_data()), Address(slots.untyped_data()),
+                              Address(mask_data), Address(freq_factors.untyped_data()),
+                              Address(y->untyped_data())};
+  key.insert(key.end(), types.begin(), types.end());
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::AnyBuffer a = args.get<ffi::AnyBuffer>(i).value();
+    key.insert(key.end(), {Address(a.untyped_data()), int64_t(a.size_bytes()),
+                           int64_t(a.element_type())});
+  }
+  if (last.graph != nullptr && key == last.key) {
+    if (!hx_ggml::Compute(last.graph, int(threads)))
+      return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_layers: ggml_graph_compute failed");
+    return ffi::Error::Success();
+  }
+  last.Forget();
   meta.resize(std::max(meta.size(), (24 * L + 16) * ggml_tensor_overhead()));
   graph_meta.resize(std::max(graph_meta.size(), nodes * ggml_tensor_overhead() +
                                                     ggml_graph_overhead_custom(nodes, false)));
@@ -212,19 +267,9 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                           1, 1, &bad, "slots");
   ggml_tensor* factors = Leaf(leaves, freq_factors.untyped_data(), freq_factors.size_bytes(),
                               GGML_TYPE_F32, E / 2, 1, 1, &bad, "freq_factors");
-  if (mask.size_bytes() != size_t(2 * B * T * R)) bad += " mask";
   if (y->size_bytes() != x.size_bytes()) bad += " y (as x)";
-  // the mask of the slots read, contiguous as ggml_flash_attn_ext wants it
-  const ggml_fp16_t* full = static_cast<const ggml_fp16_t*>(mask.untyped_data());
   ggml_tensor* mt = ggml_new_tensor_4d(leaves, GGML_TYPE_F16, s.n_kv, T, 1, B);
-  if (s.n_kv == R || !bad.empty()) {
-    mt->data = const_cast<ggml_fp16_t*>(full);
-  } else {
-    mask_used.resize(B * T * s.n_kv);
-    for (int64_t r = 0; r < B * T; ++r)
-      std::memcpy(&mask_used[r * s.n_kv], full + r * R, s.n_kv * sizeof(ggml_fp16_t));
-    mt->data = mask_used.data();
-  }
+  mt->data = const_cast<ggml_fp16_t*>(mask_data);
   ggml_tensor* out = xt;
   for (size_t l = 0; l < L && bad.empty(); ++l)
     out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, l * per_layer,
@@ -239,8 +284,12 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   ggml_cgraph* graph = ggml_new_graph_custom(ctx, nodes, false);
   ggml_build_forward_expand(graph, out);
   bool done = ggml_gallocr_alloc_graph(placer, graph) && hx_ggml::Compute(graph, int(threads));
-  ggml_free(ctx);
-  ggml_free(leaves);
+  if (done) {
+    last = {std::move(key), graph, ctx, leaves};
+  } else {
+    ggml_free(ctx);
+    ggml_free(leaves);
+  }
   if (!done)
     return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_layers: ggml_graph_compute failed");
   return ffi::Error::Success();

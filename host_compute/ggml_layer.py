@@ -12,7 +12,11 @@ windows, left padding), RoPE's frequencies from the family (as factors over thet
 ``freq_factors``). Up to the rows ggml's products take (``ggml_kernel.KERNEL_ROWS``: 64, or a
 whole 512-token prefill chunk for repacked q4_0); past them the ops run one by one, each product
 by ggml or XLA. The graph's results are placed by ggml's graph allocator, which reuses memory as
-results die, so a graph's memory does not grow with its layers.
+results die, so a graph's memory does not grow with its layers. Attention reads the cache's
+slots up to the last written, rounded up to ``READ_PAD`` (the rest masked, which ggml's attention
+skips), as llama.cpp pads its KV cache's view: a decode loop's steps then call with the same
+shapes and buffers for ``READ_PAD`` steps, and ``ggml_layer.cc`` runs the graph it built the step
+before instead of building it again (about a thousand tensors for SmolLM2's 30 layers).
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
 ("one ggml graph for a run of layers").
@@ -33,6 +37,7 @@ from hx.models.formats import GGUF_BLOCKS
 from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
+READ_PAD = 256  # attention reads cache slots in multiples of this (llama.cpp's KV padding)
 DENSE_ROWS = 64  # float32 rows: up to where ggml's products were measured against XLA's
 MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
             ("MLP1", "w_up"), ("MLP2", "w_down"))
@@ -123,7 +128,7 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     per_layer = len(tensors) // len(layers)
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
     slots = (step.write_index + jnp.arange(T, dtype=jnp.int32)) % R
-    used = jnp.minimum(step.write_index + T, R)
+    used = jnp.minimum((step.write_index + T + READ_PAD - 1) // READ_PAD * READ_PAD, R)
     freq_factors = inv_frequencies(E, spec.rope_theta) / graph.inv_frequencies(spec)
     results = [jax.ShapeDtypeStruct((B * T, D), jnp.float32)]
     results += [jax.ShapeDtypeStruct(c[name].shape, c[name].dtype) for c in caches

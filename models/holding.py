@@ -8,6 +8,7 @@ formats they never load; JAX comes with the first compressed matrix).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,25 @@ def rows_stay(spec, op: str, path: str) -> bool:
 
     kind = spec.model_family.matrix_kind(path)
     return kind == "kernel" or (kind == "table" and op == HEAD and not spec.tie_embeddings)
+
+
+@functools.lru_cache(maxsize=256)
+def ggml_matrices(spec, op: str) -> tuple[tuple[str, int, int, bool], ...]:
+    """(format, N, K, rows stay) of each matrix of ``op`` that a host segment holds in a
+    GGUF's blocks for ggml's kernels (``models.tensors.held_weights``: ``PATH/blocks``,
+    ``host_matmul`` ggml), its product (N, K) and whether its rows are only multiplied
+    (``rows_stay``: ggml may hold them repacked); () when ``op`` holds no matrix so or any
+    compressed matrix otherwise (its product is then decompressed)."""
+    from hx.devices import HOST
+    from hx.models.tensors import held_weights
+
+    held = held_weights(spec, op, HOST)
+    if any(path.endswith("/codes") for path in held):
+        return ()
+    return tuple((spec.matrix_format(path), *spec.product_shape(path, shape),
+                  rows_stay(spec, op, path))
+                 for path, shape in spec.op_weight_shapes(op).items()
+                 if f"{path}/blocks" in held)
 
 
 def relayout(spec, params: dict, part: str, convert) -> dict:

@@ -84,15 +84,26 @@ def resolve_weights(weights: str | None) -> str:
 
 
 def resolve_kv(kv: str | None) -> str:
-    """``kv`` checked (``KV_FORMATS``), None meaning ``dense``.
+    """``kv`` checked (``KV_FORMATS`` or ``auto``), None meaning ``auto`` (``kv_for``).
 
     Raises:
       HxError: not a format hx holds a KV cache in.
     """
-    kv = kv or DENSE
-    if kv not in KV_FORMATS:
-        raise HxError(f"unknown KV cache format {kv!r}; choose {', '.join(KV_FORMATS)}")
+    kv = kv or AUTO
+    if kv not in (AUTO, *KV_FORMATS):
+        raise HxError(f"unknown KV cache format {kv!r}; choose {', '.join((AUTO, *KV_FORMATS))}")
     return kv
+
+
+def kv_for(spec: ModelSpec, kv: str) -> str:
+    """The KV cache format ``kv`` (``resolve_kv``'s) gives ``spec``: ``auto`` holds it in
+    float16 where the host multiplies a GGUF's blocks with ggml (``host_matmul`` ggml: llama.cpp's
+    path, whose cache type is float16 -- SmolLM2 Q4_1 all-host decode 64: 0.98-1.04x
+    llama.cpp's with it, 0.91-0.99x in float32; docs/measurements/log.md, "Decode loops"),
+    else dense in the model's dtype; any other value as it is."""
+    if kv != AUTO:
+        return kv
+    return "float16" if spec.host_matmul == GGML else DENSE
 
 
 def _with_kv(spec: ModelSpec, kv: str) -> ModelSpec:
@@ -315,8 +326,9 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
         computed on the accelerator in it, and the KV caches are kept in it.
       weights: the format of the matrices (``WEIGHTS``; module docstring): ``auto``/None keeps
         a GGUF's Q8_0/Q4_0/Q4_1 blocks, else dense; ``dense``; ``int8``; ``int4``; ...
-      kv: the format of the KV cache (``KV_FORMATS``; ``ModelSpec.kv_format``): ``dense``/None
-        (in ``dtype``), ``int8`` or ``int4`` (FlexGen's group-wise min/max, grouped along the
+      kv: the format of the KV cache (``KV_FORMATS``; ``ModelSpec.kv_format``): ``auto``/None
+        (``kv_for``: float16 under ggml's host products, else dense), ``dense`` (in
+        ``dtype``), ``float16``, ``bfloat16``, ``float32``, ``int8`` or ``int4`` (FlexGen's group-wise min/max, grouped along the
         head dim: ``models.formats.kv_cache_format``), ...
       host_matmul: how host ops multiply 4-bit matrices (``ModelSpec.host_matmul``):
         ``auto``/None (``resolve_host_matmul``), ``xla`` or ``torch-int4``.
@@ -338,7 +350,8 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
             contents = load_gguf(path, dtype, weights)
             tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, path)
             model = Model(contents.spec, contents.params, tokenizer, path)
-    model.spec = resolve_host_matmul(_with_kv(model.spec, kv), host_matmul)
+    spec = resolve_host_matmul(model.spec, host_matmul)
+    model.spec = _with_kv(spec, kv_for(spec, kv))
     model.params = _relayout_params(model.spec, model.params)
     model.load_s = time.perf_counter() - start
     return model
@@ -350,13 +363,16 @@ def load_spec(path_or_name: str | None = None, dtype: str | None = None,
     ``llama2-7b:8L``; ``smollm2-135m`` is the preset too), a GGUF file (metadata only), a
     Hugging Face folder (config.json), or the default model (``None``); in ``dtype`` and
     ``weights`` as ``load`` would load it (``auto``/None: ``default_dtype()``; a GGUF's own
-    blocks, else dense), its KV cache in ``kv``.
+    blocks, else dense), its host products as ``load`` resolves them
+    (``resolve_host_matmul``) and its KV cache in ``kv`` (``kv_for``).
 
     Raises:
       HxError: as ``load``.
     """
     kv = resolve_kv(kv)
-    return _with_kv(_load_spec(path_or_name, resolve_dtype(dtype), resolve_weights(weights)), kv)
+    spec = resolve_host_matmul(_load_spec(path_or_name, resolve_dtype(dtype),
+                                          resolve_weights(weights)))
+    return _with_kv(spec, kv_for(spec, kv))
 
 
 def _load_spec(path_or_name: str | None, dtype: str, weights: str) -> ModelSpec:

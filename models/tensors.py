@@ -241,24 +241,6 @@ def int4_matrices(spec: ModelSpec, op: str) -> bool:
             and not any(path.endswith("/codes") for path in held if "kernel" in path))
 
 
-@functools.lru_cache(maxsize=256)
-def ggml_matrices(spec: ModelSpec, op: str) -> tuple[tuple[str, int, int, bool], ...]:
-    """(format, N, K, rows stay) of each matrix of ``op`` that a host segment holds in a
-    GGUF's blocks for ggml's kernels (``held_weights``: ``PATH/blocks``, ``host_matmul``
-    ggml), its product (N, K) and whether its rows are only multiplied
-    (``models.holding.rows_stay``: ggml may hold them repacked); () when ``op`` holds no
-    matrix so or any compressed matrix otherwise (its product is then decompressed)."""
-    from hx.models.holding import rows_stay
-
-    held = held_weights(spec, op, HOST)
-    if any(path.endswith("/codes") for path in held):
-        return ()
-    return tuple((spec.matrix_format(path), *spec.product_shape(path, shape),
-                  rows_stay(spec, op, path))
-                 for path, shape in spec.op_weight_shapes(op).items()
-                 if f"{path}/blocks" in held)
-
-
 def layer_key(i: int) -> str:
     """Parameter-tree key of decoder layer ``i``."""
     return f"layer_{i}"

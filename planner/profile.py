@@ -78,9 +78,10 @@ class DeviceProfile:
         decompression besides.
       ggml_matmul: ((held layout, ((M, FLOP/s), ...)), ...) of ggml's products over a GGUF's
         blocks (``rates.measure_ggml_matmul``; layouts as ``GGUFBlocks.layout`` names them:
-        ``q4_0``, ``q4_1``, ``q8_0``, ``q4_0 repacked``), where measured (the host, when ggml
-        is built): what a host op multiplying its matrices held so (``host_matmul`` ggml)
-        runs at, up to the rows each layout's kernel takes (``ggml_kernel.KERNEL_ROWS``).
+        ``q4_0``, ``q4_1``, ``q4_0 repacked``...), where measured (the host, when ggml is
+        built): what a host op multiplying its matrices held so (``host_matmul`` ggml) runs
+        at, each curve ending at the rows that layout's kernel takes
+        (``ggml_kernel.KERNEL_ROWS``).
     """
 
     matmul: tuple[tuple[int, float], ...]
@@ -119,9 +120,11 @@ class DeviceProfile:
     def ggml_seconds(self, layout: str, flops: float, rows: int) -> float | None:
         """Seconds of ``flops`` of ggml's product over a matrix held in ``layout`` at M =
         ``rows`` (``ggml_matmul``, interpolated in log M); None where that layout was not
-        measured."""
+        measured or ``rows`` passes its curve's last M (its kernel's rows)."""
         curve = dict(self.ggml_matmul).get(layout)
-        return None if curve is None else flops / _interpolate(curve, rows)
+        if curve is None or rows > curve[-1][0]:
+            return None
+        return flops / _interpolate(curve, rows)
 
     def dequantize_seconds(self, fmt: str, weights: int, dtype: str = "float32") -> float:
         """Seconds that decompressing one matrix of ``weights`` weights held in format ``fmt``

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
-from hx.host_compute.ggml_kernel import KERNEL_ROWS
-from hx.models.tensors import ggml_matrices, int4_matrices, kv_bytes, layer_slots, weight_dtype
+from hx.models.holding import ggml_matrices
+from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
 from hx.planner.cost import op_cost
 from hx.planner.mesh import collective_seconds
@@ -128,21 +128,21 @@ def _op_seconds(spec, rates, device, op, batch, tokens, slots, context) -> float
 
 def ggml_seconds(spec: ModelSpec, rates: DeviceProfile, op: str, rows: int) -> float | None:
     """Seconds of ``op``'s products at M = ``rows`` by ggml's kernels, where the host holds its
-    matrices in a GGUF's blocks (``models.tensors.ggml_matrices``), each layout's kernel takes
-    ``rows`` (``ggml_kernel.KERNEL_ROWS``: past them hx decompresses for XLA) and the profile
-    measured it (``DeviceProfile.ggml_matmul``); a matrix whose rows only multiply is held
+    matrices in a GGUF's blocks (``models.holding.ggml_matrices``) and the profile measured
+    each one's layout to ``rows`` (``DeviceProfile.ggml_seconds``: a curve ends at the rows its
+    kernel takes; past them hx decompresses for XLA); a matrix whose rows only multiply is held
     repacked where the profile has that layout, as the loader holds it on the machine that
     measured it. None otherwise (priced as a decompression and a dense product)."""
     matrices = ggml_matrices(spec, op)
     if not matrices:
         return None
-    most, seconds = dict(KERNEL_ROWS), 0.0
+    seconds = 0.0
     for fmt, n, k, stays in matrices:
         repacked = f"{fmt} repacked"
         layout = repacked if stays and n % 8 == 0 and repacked in dict(rates.ggml_matmul) \
             else fmt
         each = rates.ggml_seconds(layout, 2.0 * rows * n * k, rows)
-        if each is None or rows > most.get(layout, 0):
+        if each is None:
             return None
         seconds += each
     return seconds

@@ -22,7 +22,10 @@ generate; llama.cpp: ``llama-bench -p 0 -n NEW -d D``); ``--kv`` holds hx's KV c
 (``float16``: llama.cpp's cache type). ``--batch N`` adds a batch-N pair (issue 39 C): hx's
 decode tokens/s of N 64-token prompts generating NEW tokens each (the sum of the rows'
 ``decode_tok_s``), llama.cpp's ``llama-batched-bench -npp 64 -ntg NEW -npl N`` (its S_TG), from
-the ``llama-batched-bench`` beside ``--llama-bench``.
+the ``llama-batched-bench`` beside ``--llama-bench``; ``--transformers`` adds transformers
+(float32, CPU torch, the same GGUF through ``gguf_file=``, in its own process) on the same rows to
+that pair, its decode alone: N x NEW tokens over the seconds of a greedy generate of NEW + 1 tokens
+less one of 1 token (its prefill), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 from rich.table import Table
@@ -76,6 +80,35 @@ def batched_tokens_per_s(bench: str, gguf: str, threads: int, prompt: int, new: 
     return float(json.loads(out.strip().splitlines()[-1])["speed_tg"])
 
 
+TRANSFORMERS = """
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+gguf_dir, gguf_file, new, rows = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file,
+                                             dtype=torch.float32).eval()
+tokens = torch.tensor(rows)
+def generate(n):
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
+                       max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return time.perf_counter() - start
+generate(2)
+print(len(rows) * new / (generate(new + 1) - generate(1)))
+"""
+
+
+def transformers_tokens_per_s(gguf: str, rows: list[list[int]], new: int) -> float:
+    """One run of transformers' decode of ``rows`` (float32, CPU torch, the GGUF through
+    ``gguf_file=``) in its own process and ``LLAMA_ENV`` (torch's OpenMP threads as they run
+    by default): ``len(rows) x new`` tokens over the seconds of a greedy generate of ``new +
+    1`` tokens less one of 1 token (after one untimed generate)."""
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS, os.path.dirname(gguf),
+                          os.path.basename(gguf), str(new), json.dumps(rows)], check=True,
+                         capture_output=True, text=True, env=LLAMA_ENV).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default=str(default_model_path()))
@@ -86,6 +119,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=0, help="add decode after this many tokens")
     parser.add_argument("--kv", default="dense", help="hx's KV cache format (hx.load's kv)")
     parser.add_argument("--batch", type=int, default=0, help="add decode of this many rows")
+    parser.add_argument("--transformers", action="store_true",
+                        help="with --batch: transformers' decode of the same rows too")
     parser.add_argument("--llama-bench", default=str(ggml_dir() / "bin" / "llama-bench"))
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
@@ -130,6 +165,9 @@ def main() -> None:
         runs[("batch", "llama.cpp")] = lambda: batched_tokens_per_s(
             os.path.join(os.path.dirname(args.llama_bench), "llama-batched-bench"), args.gguf,
             args.threads, BATCH_PROMPT, args.new_tokens, args.batch)
+    if args.batch and args.transformers:
+        runs[("batch", "transformers")] = lambda: transformers_tokens_per_s(
+            args.gguf, [ids[i:i + BATCH_PROMPT] for i in range(args.batch)], args.new_tokens)
     for run in runs.values():  # warm-up: hx compiles its shapes
         run()
     seen: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
@@ -150,11 +188,20 @@ def main() -> None:
         rows.append({"test": test, "tokens": size, "hx_tok_s": statistics.median(ours),
                      "llama_cpp_tok_s": statistics.median(theirs), "ratio": ratio,
                      "hx_rounds": ours, "llama_cpp_rounds": theirs})
+        if (test, "transformers") in seen:
+            hf = seen[test, "transformers"]
+            rows[-1] |= {"transformers_tok_s": statistics.median(hf), "transformers_rounds": hf,
+                         "ratio_transformers": statistics.median(a / b for a, b in zip(ours, hf))}
         name = {"depth": f"decode {args.new_tokens} @ d{size}",
                 "batch": f"decode {args.new_tokens} x {size} rows"}.get(test, f"{test} {size}")
         table.add_row(name, f"{rows[-1]['hx_tok_s']:.1f}",
                       f"{rows[-1]['llama_cpp_tok_s']:.1f}", f"{ratio:.2f}x")
     print_table(table)
+    for row in rows:
+        if "transformers_tok_s" in row:
+            print(f"{row['test']} {row['tokens']}: transformers float32 decode "
+                  f"{row['transformers_tok_s']:.1f} tokens/s; hx / transformers "
+                  f"{row['ratio_transformers']:.2f}x (median of the rounds' ratios)")
     print(f"hx: host matmul {model.spec.host_matmul}, weights {model.spec.weight_format}/"
           f"{model.spec.embedding_format}, dtype {model.spec.dtype}, KV {model.spec.kv_format}")
     if args.json:

@@ -92,13 +92,16 @@ def test_blocks_are_the_group_matrix_and_gguf_reads_them(name):
 
 
 def test_a_gguf_model_runs_its_host_products_in_ggml():
-    """SmolLM2's Q4_1 file as ``hx.load`` gives it (``auto``: ggml, ggml being built): its
+    """SmolLM2's Q4_1 file as ``hx.load`` gives it (``auto``: ggml, ggml being built, and a
+    float16 KV cache, compared here with a float32 one): its
     projection matrices and its Q8_0 table held in the file's blocks; all-accelerator (the blocks decompressed by XLA) gives the logits of the
     ``xla`` layout to float32 rounding, all-host (ggml's products, activations rounded to 8
     bits a block as llama.cpp's) within 5 % of them, the same next token. A format without
     GGUF blocks is refused."""
-    ref, got = hx.load(dtype="float32", host_matmul="xla"), hx.load(dtype="float32")
-    assert got.spec.host_matmul == "ggml"
+    ref, got = hx.load(dtype="float32", host_matmul="xla"), hx.load(dtype="float32", kv="dense")
+    assert got.spec.host_matmul == "ggml" and ref.spec.kv_format == "dense"
+    # auto holds the KV cache as llama.cpp does where ggml multiplies: float16
+    assert hx.load(dtype="float32").spec.kv_format == "float16"
     assert isinstance(got.params["layer_0"]["MLP2"]["w_down"]["kernel"], GGUFBlocks)
     assert isinstance(got.params["HEAD"]["embedding"], GGUFBlocks)
     ids = [ref.tokenizer.encode("The capital of France is")]

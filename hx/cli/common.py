@@ -46,8 +46,10 @@ WeightsOption = typer.Option(
          "q4_0, q4_1; compressed matrices are "
          "decompressed inside each program right before use.")
 KvOption = typer.Option(
-    "dense", "--kv",
-    help="How each layer's KV cache is held, read and moved: dense (in --dtype), float16, "
+    "auto", "--kv",
+    help="How each layer's KV cache is held, read and moved: auto (float16 where the host "
+         "multiplies a GGUF's blocks with ggml, llama.cpp's cache type; else dense), dense (in "
+         "--dtype), float16, "
          "bfloat16 or float32 (dense in that dtype: llama.cpp's cache is float16), int8 or int4 "
          "(group-wise along the head dim, min/max as FlexGen's cache: int8 32 per group, "
          "int4 64, or the whole head where it is smaller); new keys and values are quantized "

@@ -173,7 +173,7 @@ class RunOptions:
     block: Optional[tuple[Optional[int], Optional[int]]]
     trace: Optional[Path]
     spill_dir: Optional[Path] = None
-    kv: str = "dense"
+    kv: str = "auto"
     host_matmul: str = "auto"
     replan_every: int = 0
     accelerators: int = 1

@@ -251,7 +251,7 @@ def ablate_command(
         "auto", "--weights", help="Weight format, as hx generate's --weights; with --hardware, "
                                   "a comma-separated list: an axis of the grid (auto: dense "
                                   "on a preset)."),
-    kv: str = typer.Option("dense", "--kv", help="KV cache format, as hx generate's --kv; with "
+    kv: str = typer.Option("auto", "--kv", help="KV cache format, as hx generate's --kv; with "
                                                  "--hardware, a comma-separated list: an axis."),
     profile: Optional[Path] = ProfileOption,
     budgets: str = typer.Option("0.2,0.4,0.7", help="Accelerator budgets as fractions of the "

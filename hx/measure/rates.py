@@ -209,8 +209,9 @@ def measure_ggml_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
     """((held layout, ((M, FLOP/s), ...)), ...) of ggml's products
     (``host_compute.ggml_kernel``) for each layout hx multiplies a GGUF's blocks in
     (``GGUFBlocks.layout``: ``ggml_kernel.KERNEL_ROWS``' q4_0, q4_1, q8_0, and q4_0 in ggml's
-    repacked layout where this CPU has it), at each M of ``rows`` up to the rows that
-    layout's kernel takes: (M x N) float32 times a (P x N) matrix of random codes under one
+    repacked layout where this CPU has it), at each M of ``rows`` below the rows that
+    layout's kernel takes and at those (the curve's last M: past it hx decompresses for
+    XLA): (M x N) float32 times a (P x N) matrix of random codes under one
     scale (the values do not change the time), P as ``measure_int4_matmul``'s; () where
     ggml's kernels are unavailable."""
     from hx.host_compute import ggml_kernel
@@ -235,7 +236,7 @@ def measure_ggml_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
         if repacked:
             blocks = ggml_kernel.repack(blocks, name)
         rates: list[tuple[int, float]] = []
-        for m in (m for m in rows if m <= most):
+        for m in [m for m in rows if m < most] + [most]:
             p = matmul_columns(m, widest, rates[-1][1] if rates else None,
                                effort.matmul_target_s)
             w = jax.device_put(blocks[:p], device)

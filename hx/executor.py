@@ -479,7 +479,6 @@ class Executor:
         return _BlockStep(self, phase, self.schedule(phase, B, T, S, N), tokens, steps,
                           caches).run()
 
-
     def loops(self, batch: int, slots: int) -> bool:
         """Whether decode of B=``batch`` rows over S=``slots`` cache slots can run several
         steps a launch (``decode_steps``): the plan's decode is one segment on the host whose

@@ -98,8 +98,9 @@ def resolve_kv(kv: str | None) -> str:
 def kv_for(spec: ModelSpec, kv: str) -> str:
     """The KV cache format ``kv`` (``resolve_kv``'s) gives ``spec``: ``auto`` holds it in
     float16 where the host multiplies a GGUF's blocks with ggml (``host_matmul`` ggml: llama.cpp's
-    path, whose cache type is float16 -- SmolLM2 Q4_1 all-host decode 64: 0.98-1.04x
-    llama.cpp's with it, 0.91-0.99x in float32; docs/measurements/log.md, "Decode loops"),
+    path, whose cache type is float16 -- SmolLM2 Q4_1 all-host, 2-core VM: decode at 32 rows
+    1.00x llama.cpp's with it, 0.92x in float32, at one row 0.94-1.04x and 0.91-0.99x;
+    docs/measurements/log.md, "Decode loops"),
     else dense in the model's dtype; any other value as it is."""
     if kv != AUTO:
         return kv

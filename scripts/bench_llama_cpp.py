@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--depth", type=int, default=0, help="add decode after this many tokens")
-    parser.add_argument("--kv", default="dense", help="hx's KV cache format (hx.load's kv)")
+    parser.add_argument("--kv", default="auto", help="hx's KV cache format (hx.load's kv)")
     parser.add_argument("--batch", type=int, default=0, help="add decode of this many rows")
     parser.add_argument("--transformers", action="store_true",
                         help="with --batch: transformers' decode of the same rows too")

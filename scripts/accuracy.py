@@ -87,7 +87,8 @@ class Setting:
 
     def load_kwargs(self) -> dict:
         """Keywords of ``hx.load``: ``weights`` always (hx's default, ``auto``, keeps a GGUF's
-        blocks), ``kv`` only where not dense (so dense-KV rows run on an hx without it)."""
+        blocks), ``kv`` only where not dense (so dense-KV rows run on an hx without it; hx's
+        default, ``auto``, then holds a GGUF's ggml path in float16, the row's KV says)."""
         kwargs: dict = {"dtype": self.dtype, "weights": self.weights}
         if self.kv != "dense":
             kwargs["kv"] = self.kv
@@ -280,6 +281,7 @@ def run_setting(setting: Setting, ids: list[int], reference: np.ndarray | None, 
     start = time.perf_counter()
     try:
         model = hx.load(None, **setting.load_kwargs())
+        row["kv"] = model.spec.kv_format  # as held: ``auto`` gives float16 under ggml
         plan = None
         if args.policy != "all-accelerator":
             plan = hx.policies.build(args.policy, model.spec, devices,

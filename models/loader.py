@@ -16,9 +16,10 @@ The matrices (projections and embedding tables) are held in a weight format (``w
 and holds everything else dense in the dtype; ``dense``, ``int8``, ``int4`` (or a GGUF block
 format by name) hold every source's matrices so. Files are memory-mapped, never read whole: a
 tensor costs host memory only where hx converts or compresses it (``models.mapped``). The KV
-cache (``kv``) is held in the dtype (``dense``) or compressed group-wise (``int8``, ``int4``:
-``ModelSpec.kv_format``); it changes no weight. Host-computed ops multiply 4-bit matrices with
-XLA or with torch's CPU int4 kernel (``host_matmul``, ``resolve_host_matmul``).
+cache (``kv``) is held in the dtype (``dense``), in a float dtype of its own (``float16``: by
+default where ggml multiplies a GGUF's blocks, ``kv_for``) or compressed group-wise (``int8``,
+``int4``: ``ModelSpec.kv_format``); it changes no weight. Host-computed ops multiply compressed
+matrices with XLA, ggml or torch's CPU int4 kernel (``host_matmul``, ``resolve_host_matmul``).
 """
 
 from __future__ import annotations
@@ -329,8 +330,8 @@ def load(path_or_name: str | None = None, dtype: str | None = None,
         a GGUF's Q8_0/Q4_0/Q4_1 blocks, else dense; ``dense``; ``int8``; ``int4``; ...
       kv: the format of the KV cache (``KV_FORMATS``; ``ModelSpec.kv_format``): ``auto``/None
         (``kv_for``: float16 under ggml's host products, else dense), ``dense`` (in
-        ``dtype``), ``float16``, ``bfloat16``, ``float32``, ``int8`` or ``int4`` (FlexGen's group-wise min/max, grouped along the
-        head dim: ``models.formats.kv_cache_format``), ...
+        ``dtype``), ``float16``, ``bfloat16``, ``float32``, ``int8`` or ``int4`` (FlexGen's
+        group-wise min/max, grouped along the head dim: ``models.formats.kv_cache_format``).
       host_matmul: how host ops multiply 4-bit matrices (``ModelSpec.host_matmul``):
         ``auto``/None (``resolve_host_matmul``), ``xla`` or ``torch-int4``.
     Raises:

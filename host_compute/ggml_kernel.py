@@ -30,7 +30,7 @@ from hx.errors import HxError
 from hx.host_compute import ffi_build
 from hx.host_compute.ggml_build import built, ggml_dir
 from hx.models.compressed import unrepack_rows
-from hx.models.formats import GGUF_BLOCKS, get_format
+from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, get_format
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
@@ -135,7 +135,7 @@ def repacked_formats() -> frozenset[str]:
 def repacks(fmt_name: str, rows: int) -> bool:
     """Whether a projection matrix of ``rows`` rows in ``fmt_name`` is held repacked
     (``repacked_formats``; ggml's layout interleaves 8 rows)."""
-    return rows % 8 == 0 and fmt_name in repacked_formats()
+    return rows % REPACK_ROWS == 0 and fmt_name in repacked_formats()
 
 
 def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = None,

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey
 
-from hx.models.formats import GGUF_BLOCKS, Format
+from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, Format, blocks_layout
 
 
 def dequantize_parts(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...],
@@ -212,7 +212,7 @@ class GGUFBlocks:
     def layout(self) -> str:
         """The format's name, "NAME repacked" where the rows are in ggml's repacked layout
         (the keys of ``Products.blocks_rows``)."""
-        return f"{self.fmt.name} repacked" if self.repacked else self.fmt.name
+        return blocks_layout(self.fmt.name, self.repacked)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -271,7 +271,7 @@ def row_slice(held, start: int, stop: int):
     """
     if isinstance(held, GGUFBlocks) and held.repacked:
         n = held.blocks.shape[0]
-        if start % 8 or (min(stop, n) % 8 and stop < n):
+        if start % REPACK_ROWS or (min(stop, n) % REPACK_ROWS and stop < n):
             raise ValueError(f"rows {start}..{stop} cut a repacked matrix's 8-row groups")
         return GGUFBlocks(held.blocks[start:stop], held.fmt, True)
     return held.map(lambda a: a[start:stop])

@@ -186,6 +186,14 @@ class Format:
 
 # The formats that are GGUF block types, with ggml's type numbers (``gguf.GGMLQuantizationType``)
 GGUF_BLOCKS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+REPACK_ROWS = 8  # rows ggml's repacked CPU layout interleaves (block_q4_0x8): whole groups only
+
+
+def blocks_layout(name: str, repacked: bool) -> str:
+    """The name of a GGUF block format's layout as ggml multiplies it: ``name``, or ``"NAME
+    repacked"`` where its rows are in ggml's repacked CPU layout (``GGUFBlocks.layout``; the
+    keys of ``ggml_kernel.KERNEL_ROWS`` and of a profile's ``ggml_matmul``)."""
+    return f"{name} repacked" if repacked else name
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("int8", 8, 32, True, fit="mse"), Format("int4", 4, 64, True),

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
+from hx.models.formats import REPACK_ROWS, blocks_layout
 from hx.models.holding import ggml_matrices
 from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
@@ -136,11 +137,10 @@ def ggml_seconds(spec: ModelSpec, rates: DeviceProfile, op: str, rows: int) -> f
     matrices = ggml_matrices(spec, op)
     if not matrices:
         return None
-    seconds = 0.0
+    seconds, measured = 0.0, dict(rates.ggml_matmul)
     for fmt, n, k, stays in matrices:
-        repacked = f"{fmt} repacked"
-        layout = repacked if stays and n % 8 == 0 and repacked in dict(rates.ggml_matmul) \
-            else fmt
+        layout = blocks_layout(fmt, stays and n % REPACK_ROWS == 0
+                               and blocks_layout(fmt, True) in measured)
         each = rates.ggml_seconds(layout, 2.0 * rows * n * k, rows)
         if each is None:
             return None

@@ -246,51 +246,48 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
     key.insert(key.end(), {Address(a.untyped_data()), int64_t(a.size_bytes()),
                            int64_t(a.element_type())});
   }
-  if (last.graph != nullptr && key == last.key) {
-    if (!hx_ggml::Compute(last.graph, int(threads)))
-      return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_layers: ggml_graph_compute failed");
-    return ffi::Error::Success();
-  }
-  last.Forget();
-  meta.resize(std::max(meta.size(), (24 * L + 16) * ggml_tensor_overhead()));
-  graph_meta.resize(std::max(graph_meta.size(), nodes * ggml_tensor_overhead() +
-                                                    ggml_graph_overhead_custom(nodes, false)));
-  ggml_context* leaves = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
-  ggml_context* ctx = ggml_init({graph_meta.size(), graph_meta.data(), /*no_alloc=*/true});
+  if (last.graph == nullptr || key != last.key) {
+    last.Forget();
+    meta.resize(std::max(meta.size(), (24 * L + 16) * ggml_tensor_overhead()));
+    graph_meta.resize(std::max(graph_meta.size(), nodes * ggml_tensor_overhead() +
+                                                      ggml_graph_overhead_custom(nodes, false)));
+    ggml_context* leaves = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
+    ggml_context* ctx = ggml_init({graph_meta.size(), graph_meta.data(), /*no_alloc=*/true});
 
-  std::string bad;
-  ggml_tensor* xt = Leaf(leaves, x.untyped_data(), x.size_bytes(), GGML_TYPE_F32, D, N, 1,
-                         &bad, "x");
-  ggml_tensor* pos = Leaf(leaves, positions.untyped_data(), positions.size_bytes(),
-                          GGML_TYPE_I32, N, 1, 1, &bad, "positions");
-  ggml_tensor* idx = Leaf(leaves, slots.untyped_data(), slots.size_bytes(), GGML_TYPE_I32, T,
-                          1, 1, &bad, "slots");
-  ggml_tensor* factors = Leaf(leaves, freq_factors.untyped_data(), freq_factors.size_bytes(),
-                              GGML_TYPE_F32, E / 2, 1, 1, &bad, "freq_factors");
-  if (y->size_bytes() != x.size_bytes()) bad += " y (as x)";
-  ggml_tensor* mt = ggml_new_tensor_4d(leaves, GGML_TYPE_F16, s.n_kv, T, 1, B);
-  mt->data = const_cast<ggml_fp16_t*>(mask_data);
-  ggml_tensor* out = xt;
-  for (size_t l = 0; l < L && bad.empty(); ++l)
-    out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, l * per_layer,
-                &types[7 * l], *caches.get<ffi::AnyBuffer>(2 * l).value(),
-                *caches.get<ffi::AnyBuffer>(2 * l + 1).value(), &bad);
-  if (!bad.empty()) {
-    ggml_free(ctx);
-    ggml_free(leaves);
-    return ffi::Error::InvalidArgument("hx_ggml_layers: wrong size, type or aliasing:" + bad);
-  }
-  out->data = y->untyped_data();
-  ggml_cgraph* graph = ggml_new_graph_custom(ctx, nodes, false);
-  ggml_build_forward_expand(graph, out);
-  bool done = ggml_gallocr_alloc_graph(placer, graph) && hx_ggml::Compute(graph, int(threads));
-  if (done) {
+    std::string bad;
+    ggml_tensor* xt = Leaf(leaves, x.untyped_data(), x.size_bytes(), GGML_TYPE_F32, D, N, 1,
+                           &bad, "x");
+    ggml_tensor* pos = Leaf(leaves, positions.untyped_data(), positions.size_bytes(),
+                            GGML_TYPE_I32, N, 1, 1, &bad, "positions");
+    ggml_tensor* idx = Leaf(leaves, slots.untyped_data(), slots.size_bytes(), GGML_TYPE_I32, T,
+                            1, 1, &bad, "slots");
+    ggml_tensor* factors = Leaf(leaves, freq_factors.untyped_data(), freq_factors.size_bytes(),
+                                GGML_TYPE_F32, E / 2, 1, 1, &bad, "freq_factors");
+    if (y->size_bytes() != x.size_bytes()) bad += " y (as x)";
+    ggml_tensor* mt = ggml_new_tensor_4d(leaves, GGML_TYPE_F16, s.n_kv, T, 1, B);
+    mt->data = const_cast<ggml_fp16_t*>(mask_data);
+    ggml_tensor* out = xt;
+    for (size_t l = 0; l < L && bad.empty(); ++l)
+      out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, l * per_layer,
+                  &types[7 * l], *caches.get<ffi::AnyBuffer>(2 * l).value(),
+                  *caches.get<ffi::AnyBuffer>(2 * l + 1).value(), &bad);
+    ggml_cgraph* graph = nullptr;
+    if (bad.empty()) {
+      out->data = y->untyped_data();
+      graph = ggml_new_graph_custom(ctx, nodes, false);
+      ggml_build_forward_expand(graph, out);
+    }
+    if (graph == nullptr || !ggml_gallocr_alloc_graph(placer, graph)) {
+      ggml_free(ctx);
+      ggml_free(leaves);
+      return bad.empty() ? ffi::Error(ffi::ErrorCode::kInternal,
+                                      "hx_ggml_layers: ggml_gallocr_alloc_graph failed")
+                         : ffi::Error::InvalidArgument(
+                               "hx_ggml_layers: wrong size, type or aliasing:" + bad);
+    }
     last = {std::move(key), graph, ctx, leaves};
-  } else {
-    ggml_free(ctx);
-    ggml_free(leaves);
   }
-  if (!done)
+  if (!hx_ggml::Compute(last.graph, int(threads)))
     return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_layers: ggml_graph_compute failed");
   return ffi::Error::Success();
 }

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +202,17 @@ class ContinuousBatcher:
         return runner.run(prompts, limits, asked, seeds)
 
 
+class StepInputs(NamedTuple):
+    """A micro-batch's decode step inputs: ``tokens`` (B, 1) int32, each row's last token; the
+    ``step``; ``drawn`` and ``seeds``, each row's tokens drawn so far and its sampling seed (a
+    free row: 0 each)."""
+
+    tokens: np.ndarray
+    step: Step
+    drawn: list[int]
+    seeds: list[int]
+
+
 class BlockRunner:
     """Carries out ``hx.scheduler.schedule``'s decisions for one run on an engine's executor:
     it holds each micro-batch's KV caches, runs prefill and decode steps, samples, and turns
@@ -313,21 +324,26 @@ class BlockRunner:
         (``_loop_steps``, ``_steps``)."""
         if len(block) == 1 and (n := self._loop_steps(state.micro_batches[block[0]])) > 1:
             return self._steps(state, block[0], n)
-        S, batches = self.config.cache_slots, [state.micro_batches[m] for m in block]
-        steps = [Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
-                      np.array(mb.kv_starts(S), np.int32)) for mb in batches]
-        tokens = [np.array([[0 if row is None else row.last] for row in mb.rows], np.int32)
-                  for mb in batches]
+        inputs = [self._inputs(state.micro_batches[m]) for m in block]
         logits, caches = self.engine.executor.run_block(
-            "decode", tokens, steps, [self.caches[m] for m in block])
-        for m, mb, out, cache in zip(block, batches, logits, caches):
+            "decode", [i.tokens for i in inputs], [i.step for i in inputs],
+            [self.caches[m] for m in block])
+        for m, i, out, cache in zip(block, inputs, logits, caches):
             self.caches[m] = cache
-            new = np.asarray(sample(out, self.sampling,
-                                    [0 if row is None else row.drawn for row in mb.rows],
-                                    [0 if row is None else row.request.seed for row in mb.rows]))
+            new = np.asarray(sample(out, self.sampling, i.drawn, i.seeds))
             state, ended = state.decoded(m, new.tolist(), time.perf_counter())
             self._finish(ended)
         return state
+
+    def _inputs(self, mb: MicroBatch) -> StepInputs:
+        """What a decode step of ``mb`` takes (``StepInputs``)."""
+        S = self.config.cache_slots
+        return StepInputs(
+            tokens=np.array([[0 if row is None else row.last] for row in mb.rows], np.int32),
+            step=Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
+                      np.array(mb.kv_starts(S), np.int32)),
+            drawn=[0 if row is None else row.drawn for row in mb.rows],
+            seeds=[0 if row is None else row.request.seed for row in mb.rows])
 
     def _loop_steps(self, mb: MicroBatch) -> int:
         """Decode steps the next launch of ``mb`` runs: 1, but for a static batch (one plan)
@@ -344,22 +360,16 @@ class BlockRunner:
         """Up to ``n`` decode steps of micro-batch ``m`` in one launch, sampled where they
         run (``Executor.decode_steps``; it stops once every live row has ended); each step's
         tokens go to the state as ``_step``'s would, all at the launch's end time."""
-        mb, S, sampling = state.micro_batches[m], self.config.cache_slots, self.sampling
-        live = set(mb.live)
-        step = Step(np.array(mb.positions(S), np.int32)[:, None], np.int32(mb.frontier),
-                    np.array(mb.kv_starts(S), np.int32))
-        tokens = np.array([[0 if row is None else row.last] for row in mb.rows], np.int32)
-        rows = {"n": np.int32(n),
-                "drawn": np.array([0 if row is None else row.drawn for row in mb.rows],
-                                  np.uint32),
-                "seeds": np.array([0 if row is None else row.request.seed for row in mb.rows],
-                                  np.uint32),
+        mb, sampling = state.micro_batches[m], self.sampling
+        live, i = set(mb.live), self._inputs(mb)
+        rows = {"n": np.int32(n), "drawn": np.array(i.drawn, np.uint32),
+                "seeds": np.array(i.seeds, np.uint32),
                 "remaining": np.array([row.request.limit - row.drawn if r in live else 0
                                        for r, row in enumerate(mb.rows)], np.int32),
                 "temperature": np.float32(sampling.temperature),
                 "top_p": np.float32(sampling.top_p)}
         new, self.caches[m] = self.engine.executor.decode_steps(
-            tokens, step, self.caches[m], self.engine.loop_steps, Sampler.of(sampling), rows,
+            i.tokens, i.step, self.caches[m], self.engine.loop_steps, Sampler.of(sampling), rows,
             self.stop)
         now = time.perf_counter()
         for drawn in new.T:

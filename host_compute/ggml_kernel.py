@@ -1,10 +1,12 @@
 """Host products over a GGUF's own blocks with ggml's CPU kernels, inside XLA programs (FFI).
 
 The product llama.cpp runs: x (M, K) float32 is quantized to the weights' dot type (Q8_0 for
-Q4_0 and Q8_0, Q8_1 for Q4_1) and multiplied block by block with AVX-512/VNNI integer dots
-against W (N, K) held as the file stores it (``ggml_row_size(type, K)`` bytes a row), never
-decompressed; so its results are llama.cpp's, not float32's (SmolLM2's Q4_1 ``ffn_up`` at 4
-rows: 4.8e-3 relative to float64 over the decoded weights, the activations' 8-bit rounding).
+Q4_0 and Q8_0) and multiplied block by block with AVX-512/VNNI integer dots against W (N, K)
+held in the file's blocks (``ggml_row_size(type, K)`` bytes a row), never decompressed; so its
+results are llama.cpp's, not float32's (SmolLM2's Q4_1 ``ffn_up`` at 4 rows: 4.8e-3 relative to
+float64 over the decoded weights, the activations' 8-bit rounding). Q4_1 is held centred
+(``models.formats.CENTRED_BLOCKS``): its Q4_0 part by Q4_0's kernels, plus each block's centre
+times x's block sum (``ggml_pool.h``'s ``Product``), where llama.cpp runs its Q4_1 x Q8_1 dot.
 
 ``ggml_mm.cc`` (this handler) and ``ggml_layer.cc`` (a whole decoder layer as one ggml graph,
 ``host_compute.ggml_layer``) share one thread pool (``ggml_pool.h``), so they are one library:
@@ -29,8 +31,8 @@ import numpy as np
 from hx.errors import HxError
 from hx.host_compute import ffi_build
 from hx.host_compute.ggml_build import built, ggml_dir
-from hx.models.compressed import unrepack_rows
-from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, get_format
+from hx.models.compressed import GGUFBlocks, unrepack_rows
+from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, blocks_format, get_format
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
@@ -52,8 +54,11 @@ TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layers"
 # q4_0 in ggml's repacked layout (``repack``), whose kernels beat XLA's at every prefill chunk
 # (one run, median of 3, ms: 64 rows 36.2 against 135; 128 74.4 / 158; 256 155 / 236; 512 291
 # / 342; the file's layout 51.6, 106, 224, 428): to the step limit, 512.
-KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512))
+# q4_1 is held centred (``models.formats.CENTRED_BLOCKS``): q4_0's kernels, so q4_0's rows.
+KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512),
+               ("q4_1 repacked", 512))
 REPACKED = 1 << 16  # a type's flag: the matrix is in ggml's repacked layout (ggml_pool.h)
+CENTRED = 1 << 17  # a type's flag: Q4_1 rows as Q4_0 blocks and their centres (ggml_pool.h)
 
 
 def kernel_dir() -> Path:
@@ -73,7 +78,7 @@ def build(out_dir: Path) -> Path:
     """
     lib = (ggml_dir() / "lib").resolve()
     return ffi_build.compile_handler(list(SOURCES[:2]), out_dir / "libhx_ggml.so", [
-        "-std=c++17", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}",
+        "-std=c++17", "-O3", "-march=native", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}",
         "-lggml-cpu", "-lggml-base",
         f"-Wl,-rpath,{lib}"])
 
@@ -133,19 +138,23 @@ def repacked_formats() -> frozenset[str]:
 
 
 def repacks(fmt_name: str, rows: int) -> bool:
-    """Whether a projection matrix of ``rows`` rows in ``fmt_name`` is held repacked
-    (``repacked_formats``; ggml's layout interleaves 8 rows)."""
-    return rows % REPACK_ROWS == 0 and fmt_name in repacked_formats()
+    """Whether a projection matrix of ``rows`` rows in ``fmt_name`` is held repacked: its
+    blocks' format (``models.formats.blocks_format``: q4_1's are q4_0's) is among
+    ``repacked_formats`` and ggml's layout interleaves 8 rows."""
+    return rows % REPACK_ROWS == 0 and blocks_format(fmt_name) in repacked_formats()
 
 
 def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = None,
-           repacked: bool = False) -> jax.Array:
+           repacked: bool = False, centres: jax.Array | None = None) -> jax.Array:
     """x (M, K) @ W^T -> (M, N) float32, W (N, K) held as ``w`` (N, row bytes) uint8 in ggml
     type ``ggml_type`` (``gguf.GGMLQuantizationType``: Q4_0 2, Q4_1 3, Q8_0 8, ...), in
     ggml's repacked CPU layout where ``repacked`` (``repack``): ggml's
     product through the FFI target, ``x`` first cast to float32, on every core this process
     may use (``threads`` overrides; ``ggml_mm.cc`` says why even small products take them
     all). Usable inside ``jax.jit`` on a CPU device only.
+
+    With ``centres`` (K / 32, N) float32, ``w`` is a centred q4_1 matrix's q4_0 blocks
+    (``models.compressed.GGUFBlocks``) and the centres' part is added (``ggml_pool.h``).
 
     Raises:
       HxError: the handler cannot be built or loaded (``unavailable`` says why).
@@ -155,6 +164,15 @@ def matmul(x: jax.Array, w: jax.Array, ggml_type: int, threads: int | None = Non
         raise HxError(f"ggml's products are unavailable: {reason}")
     threads = threads or len(os.sched_getaffinity(0))
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    flags = (REPACKED if repacked else 0) | (CENTRED if centres is not None else 0)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w,
-                                         type=np.int64(ggml_type | (REPACKED if repacked else 0)),
+                                         *(() if centres is None else (centres,)),
+                                         type=np.int64(ggml_type | flags),
                                          threads=np.int64(threads))
+
+
+def product(x: jax.Array, held: GGUFBlocks) -> jax.Array:
+    """x (M, K) @ W^T -> (M, N) float32 for W held as ``held`` (its blocks' format, layout and
+    centres: ``matmul``); ``models.compressed.Products.blocks`` on the host."""
+    return matmul(x, held.blocks, GGUF_BLOCKS[held.blocks_format.name], repacked=held.repacked,
+                  centres=held.centres)

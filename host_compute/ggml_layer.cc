@@ -19,9 +19,11 @@
 //   used () i32, the slots any query may see (0 .. used - 1); freq_factors (E/2,) f32; then
 //   per layer: its k, v caches (B, R, K, E) f32, f16 or bf16 (aliased to its results),
 //   attn_norm (D,), wq, wk, wv, wo, ffn_norm (D,), w_gate, w_up, w_down, [bq (H E), bk, bv
-//   (K E)], [q_norm, k_norm (E,)], norms and biases f32. A matrix is held as its (out, in)
-//   rows: uint8 blocks of ggml type types[7 l + i] (a GGUF's; with hx_ggml::kRepacked in ggml's
-//   repacked CPU layout), or f32 rows where that is -1.
+//   (K E)], [q_norm, k_norm (E,)], norms and biases f32, then the centres (in / 32, out) f32 of
+//   its centred matrices in that order. A matrix is held as its (out, in) rows: uint8 blocks
+//   of ggml type types[7 l + i] (a GGUF's; with hx_ggml::kRepacked in ggml's repacked CPU
+//   layout; with hx_ggml::kCentred Q4_1 as Q4_0 blocks and centres, hx_ggml::Product), or f32
+//   rows where that is -1.
 // Results: y (N, D) f32, then each layer's k and v caches.
 // Attributes: types (7 a layer: wq wk wv wo w_gate w_up w_down), heads, eps, scale,
 //   freq_base, qkv_bias, qk_norm, threads.
@@ -96,18 +98,32 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
                    ffi::AnyBuffer k_out, ffi::AnyBuffer v_out, std::string* bad) {
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
   auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(first + i).value(); };
+  size_t centre = 11 + (s.qkv_bias ? 3 : 0) + (s.qk_norm ? 2 : 0);  // the first centres' index
+  struct Matrix {
+    ggml_tensor* w;
+    ggml_tensor* centres;  // null unless centred
+  };
   auto matrix = [&](size_t i, int64_t type, int64_t in, int64_t out, const char* name) {
     const bool repacked = type >= 0 && (type & hx_ggml::kRepacked) != 0;
-    if (type >= 0) type &= ~hx_ggml::kRepacked;
+    const bool centred = type >= 0 && (type & hx_ggml::kCentred) != 0;
+    if (type >= 0) type &= ~(hx_ggml::kRepacked | hx_ggml::kCentred);
     ggml_type t = type < 0 ? GGML_TYPE_F32 : ggml_type(type);
-    if (type >= GGML_TYPE_COUNT || (type >= 0 && arg(i).element_type() != ffi::DataType::U8)) {
+    if (type >= GGML_TYPE_COUNT || (type >= 0 && arg(i).element_type() != ffi::DataType::U8) ||
+        (centred && t != GGML_TYPE_Q4_0)) {
       *bad += std::string(" ") + name;
       t = GGML_TYPE_F32;
     }
     ggml_tensor* w = Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), t, in, out, 1,
                           bad, name);
     if (repacked && !hx_ggml::MarkRepacked(w)) *bad += std::string(" ") + name + " (repacked)";
-    return w;
+    ggml_tensor* c = nullptr;
+    if (centred) {
+      if (arg(centre).element_type() != ffi::DataType::F32) *bad += std::string(" ") + name;
+      c = Leaf(leaves, arg(centre).untyped_data(), arg(centre).size_bytes(), GGML_TYPE_F32, out,
+               in / 32, 1, bad, name);
+      ++centre;
+    }
+    return Matrix{w, c};
   };
   auto vec = [&](size_t i, int64_t n, const char* name) {
     return Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), GGML_TYPE_F32, n, 1, 1,
@@ -123,14 +139,14 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   ggml_tensor* kc = cache(0, k_out, "k cache");
   ggml_tensor* vc = cache(1, v_out, "v cache");
   ggml_tensor* attn_norm = vec(2, D, "attn_norm");
-  ggml_tensor* wq = matrix(3, types[0], D, H * E, "wq");
-  ggml_tensor* wk = matrix(4, types[1], D, K * E, "wk");
-  ggml_tensor* wv = matrix(5, types[2], D, K * E, "wv");
-  ggml_tensor* wo = matrix(6, types[3], H * E, D, "wo");
+  Matrix wq = matrix(3, types[0], D, H * E, "wq");
+  Matrix wk = matrix(4, types[1], D, K * E, "wk");
+  Matrix wv = matrix(5, types[2], D, K * E, "wv");
+  Matrix wo = matrix(6, types[3], H * E, D, "wo");
   ggml_tensor* ffn_norm = vec(7, D, "ffn_norm");
-  ggml_tensor* w_gate = matrix(8, types[4], D, s.F, "w_gate");
-  ggml_tensor* w_up = matrix(9, types[5], D, s.F, "w_up");
-  ggml_tensor* w_down = matrix(10, types[6], s.F, D, "w_down");
+  Matrix w_gate = matrix(8, types[4], D, s.F, "w_gate");
+  Matrix w_up = matrix(9, types[5], D, s.F, "w_up");
+  Matrix w_down = matrix(10, types[6], s.F, D, "w_down");
   size_t next = 11;
   ggml_tensor *bq = nullptr, *bk = nullptr, *bv = nullptr, *qn = nullptr, *kn = nullptr;
   if (s.qkv_bias) {
@@ -144,9 +160,12 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   }
   if (!bad->empty()) return x;
 
-  auto heads_of = [&](ggml_tensor* w, ggml_tensor* b, ggml_tensor* norm, ggml_tensor* h,
+  auto product = [&](const Matrix& w, ggml_tensor* in) {
+    return hx_ggml::Product(ctx, w.w, w.centres, in);
+  };
+  auto heads_of = [&](const Matrix& w, ggml_tensor* b, ggml_tensor* norm, ggml_tensor* h,
                       int64_t n) {
-    ggml_tensor* t = ggml_mul_mat(ctx, w, h);
+    ggml_tensor* t = product(w, h);
     if (b) t = ggml_add(ctx, t, b);
     t = ggml_reshape_3d(ctx, t, E, n, N);
     if (norm) t = ggml_mul(ctx, ggml_rms_norm(ctx, t, s.eps), norm);
@@ -170,11 +189,10 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   ggml_tensor* o = ggml_flash_attn_ext(ctx, qp, slots_read(kw), slots_read(vw), mask, s.scale,
                                        0.0f, 0.0f);
   ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-  ggml_tensor* x1 = ggml_add(ctx, x, ggml_mul_mat(ctx, wo, ggml_reshape_2d(ctx, o, H * E, N)));
+  ggml_tensor* x1 = ggml_add(ctx, x, product(wo, ggml_reshape_2d(ctx, o, H * E, N)));
   ggml_tensor* n = ggml_mul(ctx, ggml_rms_norm(ctx, x1, s.eps), ffn_norm);
-  ggml_tensor* a = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w_gate, n),
-                                     ggml_mul_mat(ctx, w_up, n));
-  return ggml_add(ctx, x1, ggml_mul_mat(ctx, w_down, a));
+  ggml_tensor* a = ggml_swiglu_split(ctx, product(w_gate, n), product(w_up, n));
+  return ggml_add(ctx, x1, product(w_down, a));
 }
 
 ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
@@ -183,13 +201,19 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                       ffi::RemainingRets caches, ffi::Span<const int64_t> types, int64_t heads,
                       float eps, float scale, float freq_base, int64_t qkv_bias,
                       int64_t qk_norm, int64_t threads) {
-  const size_t per_layer = 11 + (qkv_bias ? 3 : 0) + (qk_norm ? 2 : 0);
-  const size_t L = args.size() / per_layer;
-  if (L < 1 || args.size() != L * per_layer || caches.size() != 2 * L ||
-      types.size() != 7 * L || threads < 1)
+  // each layer's first argument: 11 tensors, the switches' and one per centred matrix
+  const size_t L = types.size() / 7;
+  std::vector<size_t> firsts(L + 1, 0);
+  for (size_t l = 0; l < L; ++l)
+    firsts[l + 1] = firsts[l] + 11 + (qkv_bias ? 3 : 0) + (qk_norm ? 2 : 0) +
+                    std::count_if(&types[7 * l], &types[7 * l + 7], [](int64_t t) {
+                      return t >= 0 && (t & hx_ggml::kCentred) != 0;
+                    });
+  if (L < 1 || types.size() != 7 * L || args.size() != firsts[L] || caches.size() != 2 * L ||
+      threads < 1)
     return ffi::Error::InvalidArgument(
-        "hx_ggml_layers: each layer's caches and tensors as its switches say, 7 types a "
-        "layer, its two caches among the results");
+        "hx_ggml_layers: each layer's caches and tensors as its switches and types say, 7 "
+        "types a layer, its two caches among the results");
   ffi::AnyBuffer k0 = args.get<ffi::AnyBuffer>(0).value();
   auto cd = k0.dimensions(), xd = x.dimensions();
   Shape s;
@@ -206,7 +230,8 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   s.eps = eps, s.scale = scale, s.freq_base = freq_base;
   s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0;
   ffi::AnyBuffer gate = args.get<ffi::AnyBuffer>(8).value();
-  const int64_t gate_type = types[4] < 0 ? types[4] : types[4] & ~hx_ggml::kRepacked;
+  const int64_t gate_type =
+      types[4] < 0 ? types[4] : types[4] & ~(hx_ggml::kRepacked | hx_ggml::kCentred);
   if (gate_type >= GGML_TYPE_COUNT)
     return ffi::Error::InvalidArgument("hx_ggml_layers: unknown ggml type");
   s.F = gate.size_bytes() / (gate_type < 0 ? 4 * s.D : ggml_row_size(ggml_type(gate_type), s.D));
@@ -216,7 +241,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   std::lock_guard<std::mutex> hold(hx_ggml::Turn());
   // leaves: XLA's buffers, no copies; the results placed by ggml's graph allocator, which
   // reuses a result's memory once its last reader ran (one buffer per calling thread, kept)
-  const size_t nodes = 64 * L + 16;
+  const size_t nodes = 96 * L + 16;
   thread_local std::vector<uint8_t> meta, graph_meta;
   thread_local std::vector<ggml_fp16_t> mask_used;
   thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
@@ -248,7 +273,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   }
   if (last.graph == nullptr || key != last.key) {
     last.Forget();
-    meta.resize(std::max(meta.size(), (24 * L + 16) * ggml_tensor_overhead()));
+    meta.resize(std::max(meta.size(), (32 * L + 16) * ggml_tensor_overhead()));
     graph_meta.resize(std::max(graph_meta.size(), nodes * ggml_tensor_overhead() +
                                                       ggml_graph_overhead_custom(nodes, false)));
     ggml_context* leaves = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
@@ -268,7 +293,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
     mt->data = const_cast<ggml_fp16_t*>(mask_data);
     ggml_tensor* out = xt;
     for (size_t l = 0; l < L && bad.empty(); ++l)
-      out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, l * per_layer,
+      out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, firsts[l],
                   &types[7 * l], *caches.get<ffi::AnyBuffer>(2 * l).value(),
                   *caches.get<ffi::AnyBuffer>(2 * l + 1).value(), &bad);
     ggml_cgraph* graph = nullptr;

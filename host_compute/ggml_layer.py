@@ -10,8 +10,9 @@ layers: norms, projections, RoPE, the KV-cache write (``ggml_set_rows``, in plac
 comes from the same function XLA's attention masks with (``models.layers.attention_mask``: rings,
 windows, left padding), RoPE's frequencies from the family (as factors over theta^(-2i/E), ggml's
 ``freq_factors``). Up to the rows ggml's products take (``ggml_kernel.KERNEL_ROWS``: 64, or a
-whole 512-token prefill chunk for repacked q4_0); past them the ops run one by one, each product
-by ggml or XLA. The graph's results are placed by ggml's graph allocator, which reuses memory as
+whole 512-token prefill chunk for repacked q4_0 and q4_1); past them the ops run one by one,
+each product by ggml or XLA. A centred q4_1 matrix's product is q4_0's and the centres' part
+(``ggml_pool.h``'s ``Product``). The graph's results are placed by ggml's graph allocator, which reuses memory as
 results die, so a graph's memory does not grow with its layers. Attention reads the cache's
 slots up to the last written, rounded up to ``READ_PAD`` (the rest masked, which ggml's attention
 skips), as llama.cpp pads its KV cache's view: a decode loop's steps then call with the same
@@ -43,13 +44,16 @@ MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_ga
             ("MLP1", "w_up"), ("MLP2", "w_down"))
 
 
-def _matrix(m: Any) -> tuple[Any, int] | None:
-    """(the array ggml reads, its ggml type -- with ``ggml_kernel.REPACKED`` where repacked; -1:
+def _matrix(m: Any) -> tuple[Any, Any, int] | None:
+    """(the array ggml reads, a centred matrix's centres or None, its ggml type -- with
+    ``ggml_kernel.REPACKED`` where repacked, ``ggml_kernel.CENTRED`` where centred; -1:
     float32 rows), or None where ggml cannot multiply the matrix as held."""
     if isinstance(m, GGUFBlocks):
-        return m.blocks, GGUF_BLOCKS[m.fmt.name] | (ggml_kernel.REPACKED if m.repacked else 0)
+        flags = ((ggml_kernel.REPACKED if m.repacked else 0)
+                 | (ggml_kernel.CENTRED if m.centres is not None else 0))
+        return m.blocks, m.centres, GGUF_BLOCKS[m.blocks_format.name] | flags
     if isinstance(m, (jax.Array, np.ndarray)) and m.dtype == jnp.float32:
-        return m, -1
+        return m, None, -1
     return None
 
 
@@ -66,7 +70,7 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
     """Whether ``decoder_layers`` runs this layer: its family's layer is a ``GraphLayer``, the
     model runs in float32 or bfloat16 with ggml's products (``host_matmul`` ggml, built),
     every matrix is held as ggml reads it at ``rows`` rows (``_rows``: up to 512 for
-    repacked q4_0, a whole prefill chunk; 64 for the other layouts), and its cache is float
+    repacked q4_0 and q4_1, a whole prefill chunk; 64 for the other layouts), and its cache is float
     keys and values."""
     if (spec.model_family.graph_layer(spec) is None or spec.host_matmul != GGML
             or spec.dtype not in ("float32", "bfloat16") or set(cache) != {"k", "v"}
@@ -84,17 +88,19 @@ def _f32(a) -> jax.Array:
 def _layer_tensors(graph, params: Sequence[Mapping[str, Any]], cache: Cache
                    ) -> tuple[list, list[int]]:
     """One layer's arguments of ``ggml_layer.cc`` in its order (its caches, norms, matrices,
-    then the switches' biases and q/k norms) and its seven matrices' types."""
+    the switches' biases and q/k norms, then the centred matrices' centres) and its seven
+    matrices' types."""
     p = dict(zip(LAYER_OPS, params))
     matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
     tensors = [cache["k"], cache["v"], _f32(p["Q"]["attn_norm"]["scale"]),
-               *(a for a, _ in matrices[:4]), _f32(p["MLP1"]["ffn_norm"]["scale"]),
-               *(a for a, _ in matrices[4:])]
+               *(a for a, _, _ in matrices[:4]), _f32(p["MLP1"]["ffn_norm"]["scale"]),
+               *(a for a, _, _ in matrices[4:])]
     if graph.qkv_bias:
         tensors += [_f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
     if graph.qk_norm:
         tensors += [_f32(p["Q"]["q_norm"]["scale"]), _f32(p["K"]["k_norm"]["scale"])]
-    return tensors, [t for _, t in matrices]
+    tensors += [c for _, c, _ in matrices if c is not None]
+    return tensors, [t for _, _, t in matrices]
 
 
 def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]],
@@ -121,11 +127,11 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     B, T, D = x.shape
     R, E = caches[0]["k"].shape[1], spec.head_dim
 
-    tensors, types = [], []
+    tensors, types, firsts = [], [], []
     for params, cache in zip(layers, caches):
         layer_tensors, layer_types = _layer_tensors(graph, params, cache)
+        firsts.append(len(tensors))
         tensors, types = tensors + layer_tensors, types + layer_types
-    per_layer = len(tensors) // len(layers)
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
     slots = (step.write_index + jnp.arange(T, dtype=jnp.int32)) % R
     used = jnp.minimum((step.write_index + T + READ_PAD - 1) // READ_PAD * READ_PAD, R)
@@ -134,8 +140,8 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     results += [jax.ShapeDtypeStruct(c[name].shape, c[name].dtype) for c in caches
                 for name in ("k", "v")]
     first = 6  # x, positions, slots, mask, used, freq_factors
-    aliases = {first + per_layer * layer + i: 1 + 2 * layer + i
-               for layer in range(len(layers)) for i in (0, 1)}
+    aliases = {first + start + i: 1 + 2 * layer + i
+               for layer, start in enumerate(firsts) for i in (0, 1)}
     y, *written = jax.ffi.ffi_call(ggml_kernel.LAYER_TARGET, results,
                                    input_output_aliases=aliases)(
         x.reshape(B * T, D).astype(jnp.float32), step.positions.astype(jnp.int32),

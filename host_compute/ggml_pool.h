@@ -1,6 +1,6 @@
 // What hx's ggml handlers share (ggml_mm.cc, ggml_layer.cc; built into one library): one thread
 // pool per size, whose threads poll a while for the next graph before they sleep, one turn at a
-// time, and ggml's CPU layouts of repacked matrices.
+// time, ggml's CPU layouts of repacked matrices, and the product of a centred matrix.
 //
 // Within a decode step the next graph comes tens of microseconds after the last, and a woken
 // thread costs more than that. SmolLM2 Q4_1 all-host decode, 2 threads, 2-core VM (hx.generate,
@@ -11,6 +11,7 @@
 // other processes between steps.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -110,6 +111,54 @@ inline bool MarkRepacked(ggml_tensor* t) {
   t->buffer = marker->buffer;
   t->extra = marker->extra;
   return true;
+}
+
+// A matrix's type with this bit: it holds Q4_1 rows (w = d q + m) as Q4_0 blocks of the same d
+// and q (w = d (q - 8)) with each block's centre c = m + 8 d beside them (Product).
+constexpr int64_t kCentred = int64_t(1) << 17;
+
+// dst = y (N, M) plus the centres' part of a centred product, as a ggml custom op over every
+// thread: each takes a share of the N outputs (whole 16-float vectors) and, per row m of
+// x (K, M), adds sum_b c[b, n] s_b, s_b the sum of x's block b (32 values), to y[n, m].
+inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor* x,
+                       const ggml_tensor* c, int ith, int nth, void*) {
+  const int64_t N = y->ne[0], M = y->ne[1], G = x->ne[0] / 32;
+  const int64_t share = ((N + nth - 1) / nth + 15) / 16 * 16;
+  const int64_t n0 = std::min(N, ith * share), n1 = std::min(N, n0 + share);
+  thread_local std::vector<float> sums;
+  sums.resize(G);
+  for (int64_t m = 0; m < M && n0 < n1; ++m) {
+    const float* xm = reinterpret_cast<const float*>(static_cast<const char*>(x->data) +
+                                                     m * x->nb[1]);
+    for (int64_t b = 0; b < G; ++b) {
+      float total = 0.0f;
+      for (int j = 0; j < 32; ++j) total += xm[32 * b + j];
+      sums[b] = total;
+    }
+    const float* ym = reinterpret_cast<const float*>(static_cast<const char*>(y->data) +
+                                                     m * y->nb[1]);
+    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + m * dst->nb[1]);
+    std::copy(ym + n0, ym + n1, out + n0);
+    for (int64_t b = 0; b < G; ++b) {
+      const float* cb = static_cast<const float*>(c->data) + b * N;
+      const float sb = sums[b];
+      for (int64_t n = n0; n < n1; ++n) out[n] += cb[n] * sb;
+    }
+  }
+}
+
+// x W^T, (N, M) in ggml's order, of w (K, N) and x (K, M) with contiguous rows: ggml_mul_mat,
+// plus, where `centres` (N, K / 32 in ggml's order: numpy's (K / 32, N)) f32 is given, the
+// centres' part (AddCentres, one node after the product). With w a centred matrix's Q4_0
+// blocks (kCentred) this is the Q4_1 product over the same weights exactly; x's block sums in
+// float32, where llama.cpp's Q8_1 holds them in float16. One fused node where ggml's own ops
+// take four (sum_rows, on one thread; out_prod, on one thread at one row; add): SmolLM2 Q4_1
+// all-host decode spent 4 % of its samples in out_prod and waited at their barriers.
+inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* centres,
+                            ggml_tensor* x) {
+  ggml_tensor* y = ggml_mul_mat(ctx, w, x);
+  if (centres == nullptr) return y;
+  return ggml_map_custom3(ctx, y, x, centres, AddCentres, GGML_N_TASKS_MAX, nullptr);
 }
 
 }  // namespace hx_ggml

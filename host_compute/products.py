@@ -10,7 +10,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS, Products
 # torch's int4 kernel and ggml's up to their rows; a one-row LM-head product over a float32
 # table
 HOST_PRODUCTS = Products(int4=int4_kernel.matmul, int4_rows=int4_kernel.KERNEL_ROWS,
-                         head_vector_f32=True, blocks=ggml_kernel.matmul,
+                         head_vector_f32=True, blocks=ggml_kernel.product,
                          blocks_rows=ggml_kernel.KERNEL_ROWS)
 
 

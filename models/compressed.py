@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey
 
-from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, Format, blocks_layout
+from hx.models.formats import (CENTRED_BLOCKS, REPACK_ROWS, Format, blocks_format,
+                               blocks_layout, get_format)
 
 
 def dequantize_parts(held: Mapping[str, jax.Array], fmt: Format, shape: tuple[int, ...],
@@ -180,25 +181,35 @@ class GGUFBlocks:
     """A matrix in a GGUF's own blocks (``Format.blocks_arrays``): per row of N = prod(out)
     rows, in / g blocks of ``fmt.block_bytes`` bytes: the group's float16 scale, in q4_1 its
     float16 offset, then its codes (4-bit: element j of the group in the low nibble of byte
-    j, j + g/2 in the high one; q8_0: int8, code - 128).
+    j, j + g/2 in the high one; q8_0: int8, code - 128). A centred format
+    (``models.formats.CENTRED_BLOCKS``: q4_1, w = d q + m) holds its blocks in its blocks
+    format's (q4_0: the scale d and the codes q, w = d (q - 8)) and each group's centre
+    c = m + 8 d beside them, so ggml multiplies it with q4_0's kernels and adds the centres'
+    part; the weights are the file's exactly.
 
     Attributes:
-      blocks: uint8 (N, in / g * block bytes).
+      blocks: uint8 (N, in / g * block bytes of ``blocks_format``).
       fmt: its format (static).
       repacked: the rows are in ggml's repacked CPU layout, the same bytes interleaved by 8
         rows (``unrepack_rows``; static): its kernels are told so.
+      centres: a centred format's float32 (in / g, N): group by group, as ggml's outer
+        product reads them; None for the others.
     """
 
     blocks: Any
     fmt: Format
     repacked: bool = False
+    centres: Any = None
 
     def parts(self) -> dict[str, Any]:
-        return {"blocks": self.blocks}
+        if self.centres is None:
+            return {"blocks": self.blocks}
+        return {"blocks": self.blocks, "centres": self.centres}
 
     def map(self, fn: Callable[[Any], Any]) -> "GGUFBlocks":
-        """``fn`` applied to the blocks (a gather or slice of rows: the blocks stay whole; a
-        repacked matrix's rows are interleaved, so it takes none).
+        """``fn`` applied to the rows (a gather or slice of rows: the blocks stay whole, a
+        centred matrix's centres follow their rows; a repacked matrix's rows are interleaved,
+        so it takes none).
 
         Raises:
           ValueError: a repacked matrix's rows would be moved.
@@ -206,7 +217,14 @@ class GGUFBlocks:
         new = fn(self.blocks)
         if self.repacked and new.shape != self.blocks.shape:
             raise ValueError("a repacked GGUFBlocks' rows are interleaved: gather none")
-        return GGUFBlocks(new, self.fmt, self.repacked)
+        centres = None if self.centres is None else fn(self.centres.T).T
+        return GGUFBlocks(new, self.fmt, self.repacked, centres)
+
+    @property
+    def blocks_format(self) -> Format:
+        """The format of the blocks held: ``fmt``'s own, or a centred format's blocks format
+        (``models.formats.blocks_format``)."""
+        return get_format(blocks_format(self.fmt.name))
 
     @property
     def layout(self) -> str:
@@ -218,24 +236,28 @@ class GGUFBlocks:
     def shape(self) -> tuple[int, int]:
         """The 2-D product's (N, K)."""
         n, row = self.blocks.shape
-        return n, row // self.fmt.block_bytes * self.fmt.group
+        return n, row // self.blocks_format.block_bytes * self.fmt.group
 
     def group_parts(self) -> dict[str, jax.Array]:
         """The ``GroupMatrix`` arrays (codes, scale[, offset]) of the blocks, (N, in / g, ...),
-        cut from them in JAX."""
-        fmt, (n, k) = self.fmt, self.shape
-        file = unrepack_rows(self.blocks, fmt) if self.repacked else jnp.asarray(self.blocks)
-        b = file.reshape(n, k // fmt.group, fmt.block_bytes)
+        cut from them in JAX (a centred matrix's offset m = c - 8 d in float32)."""
+        held, (n, k) = self.blocks_format, self.shape
+        file = unrepack_rows(self.blocks, held) if self.repacked else jnp.asarray(self.blocks)
+        b = file.reshape(n, k // held.group, held.block_bytes)
 
         def half(a: jax.Array) -> jax.Array:  # (..., 2) bytes -> (...) float16
             return jax.lax.bitcast_convert_type(a, jnp.float16)
 
         parts = {"scale": half(b[..., 0:2])}
         start = 2
-        if fmt.asymmetric:
+        if held.asymmetric:
             parts["offset"], start = half(b[..., 2:4]), 4
+        if self.centres is not None:
+            zero = held.zero - self.fmt.zero
+            parts["offset"] = (jnp.asarray(self.centres, jnp.float32).T
+                               - zero * parts["scale"].astype(jnp.float32))
         codes = b[..., start:]
-        parts["codes"] = codes ^ 128 if fmt.bits == 8 else codes
+        parts["codes"] = codes ^ 128 if held.bits == 8 else codes
         return parts
 
     def decompress(self, dtype, after: jax.Array | None = None) -> jax.Array:
@@ -250,16 +272,22 @@ class GGUFBlocks:
     @classmethod
     def from_group(cls, held: "GroupMatrix", shape: tuple[int, int]) -> "GGUFBlocks":
         """``held`` (numpy arrays) in blocks, as the 2-D product (N, K) ``shape`` it computes
-        (``ModelSpec.product_shape``)."""
+        (``ModelSpec.product_shape``); a centred format's with its centres."""
         fmt = held.fmt
         n, k = shape
         groups = k // fmt.group
-        pieces = [np.asarray(held.scale).reshape(n, groups, 1).view(np.uint8)]
-        if fmt.asymmetric:
+        scale = np.asarray(held.scale).reshape(n, groups)
+        pieces = [scale.reshape(n, groups, 1).view(np.uint8)]
+        centres = None
+        if fmt.name in CENTRED_BLOCKS:
+            zero = get_format(CENTRED_BLOCKS[fmt.name]).zero - fmt.zero
+            centres = np.ascontiguousarray((np.asarray(held.offset, np.float32).reshape(n, groups)
+                                            + zero * scale.astype(np.float32)).T)
+        elif fmt.asymmetric:
             pieces.append(np.asarray(held.offset).reshape(n, groups, 1).view(np.uint8))
         codes = np.asarray(held.codes).reshape(n, groups, -1)
         pieces.append(codes ^ 128 if fmt.bits == 8 else codes)
-        return cls(np.concatenate(pieces, axis=-1).reshape(n, -1), fmt)
+        return cls(np.concatenate(pieces, axis=-1).reshape(n, -1), fmt, False, centres)
 
 
 def row_slice(held, start: int, stop: int):
@@ -273,7 +301,8 @@ def row_slice(held, start: int, stop: int):
         n = held.blocks.shape[0]
         if start % REPACK_ROWS or (min(stop, n) % REPACK_ROWS and stop < n):
             raise ValueError(f"rows {start}..{stop} cut a repacked matrix's 8-row groups")
-        return GGUFBlocks(held.blocks[start:stop], held.fmt, True)
+        centres = None if held.centres is None else held.centres[:, start:stop]
+        return GGUFBlocks(held.blocks[start:stop], held.fmt, True, centres)
     return held.map(lambda a: a[start:stop])
 
 
@@ -317,7 +346,7 @@ _register(GroupMatrix, lambda m: m.fmt, GroupMatrix.from_parts)
 _register(Int4Packed, lambda m: (m.fmt, m.block),
           lambda fixed, parts: Int4Packed(parts["packed"], parts["sz"], *fixed))
 _register(GGUFBlocks, lambda m: (m.fmt, m.repacked),
-          lambda fixed, parts: GGUFBlocks(parts["blocks"], *fixed))
+          lambda fixed, parts: GGUFBlocks(parts["blocks"], *fixed, parts.get("centres")))
 
 COMPRESSED = (GroupMatrix, Int4Packed, GGUFBlocks)
 
@@ -332,7 +361,8 @@ def held_matrix(fmt: Format, parts: Mapping[str, Any], block: Callable[[], int],
     if "packed" in parts:
         return Int4Packed(parts["packed"], parts["sz"], fmt, block())
     if "blocks" in parts:
-        return GGUFBlocks(parts["blocks"], fmt, repacked(parts["blocks"].shape[0]))
+        return GGUFBlocks(parts["blocks"], fmt, repacked(parts["blocks"].shape[0]),
+                          parts.get("centres"))
     return GroupMatrix.from_parts(fmt, parts)
 
 
@@ -349,9 +379,9 @@ class Products:
       head_vector_f32: a one-row product against a compressed LM head decompresses the table
         into float32 (XLA:CPU's matrix-vector path widens a bfloat16 matrix anyway: SmolLM2's
         Q8_0 head 3.2 ms into float32 against 4.6 ms into bfloat16, 2-core VM, median of 21).
-      blocks: a product ``(x (M, K), blocks, ggml type, repacked=) -> (M, N) float32`` over a
+      blocks: a product ``(x (M, K), held GGUFBlocks) -> (M, N) float32`` over a
         ``GGUFBlocks`` matrix without decompressing it (the host's: ggml's,
-        ``hx.host_compute.ggml_kernel.matmul``); None: decompress for XLA's product.
+        ``hx.host_compute.ggml_kernel.product``); None: decompress for XLA's product.
       blocks_rows: (format name, rows) pairs: the most rows ``blocks`` multiplies in that
         format ("NAME repacked": in ggml's repacked layout); past them XLA's product of the
         decompressed matrix is faster.
@@ -419,8 +449,7 @@ def _(kernel: Int4Packed, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
 @product.register
 def _(kernel: GGUFBlocks, x, dtype=None, products=DEFAULT_PRODUCTS, after=None):
     if products.takes_blocks(kernel, x.shape[0]):
-        return products.blocks(x, kernel.blocks, GGUF_BLOCKS[kernel.fmt.name],
-                               repacked=kernel.repacked)
+        return products.blocks(x, kernel)
     return product(kernel.decompress(dtype, after), x)
 
 

@@ -170,13 +170,20 @@ class Format:
         own blocks (``GGUF_BLOCKS``), the layout ggml multiplies
         (``hx.host_compute.ggml_kernel``): ``blocks`` uint8 (N, in / g * block bytes), N =
         prod(out), each group's float16 scale, its float16 offset (q4_1's ``m``) and its
-        codes (q8_0's as int8: code - 128). The same bytes as ``arrays``. None for a format
-        GGUF has no blocks of."""
+        codes (q8_0's as int8: code - 128) -- the same bytes as ``arrays``; a centred format
+        (``CENTRED_BLOCKS``: q4_1) in its blocks format's blocks (q4_0: scale and codes) with
+        ``centres`` float32 (in / g, N), each group's m + 8 d (``models.compressed.GGUFBlocks``).
+        None for a format GGUF has no blocks of."""
         if self.name not in GGUF_BLOCKS:
             return None
         *out, n_in = shape
         self.arrays(shape)  # raises on a last axis that is not whole groups
-        return {"blocks": ((math.prod(out), n_in // self.group * self.block_bytes), "uint8")}
+        n, groups = math.prod(out), n_in // self.group
+        held = FORMATS[blocks_format(self.name)]
+        arrays = {"blocks": ((n, groups * held.block_bytes), "uint8")}
+        if self.name in CENTRED_BLOCKS:
+            arrays["centres"] = ((groups, n), "float32")
+        return arrays
 
     @property
     def block_bytes(self) -> int:
@@ -187,6 +194,20 @@ class Format:
 # The formats that are GGUF block types, with ggml's type numbers (``gguf.GGMLQuantizationType``)
 GGUF_BLOCKS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 REPACK_ROWS = 8  # rows ggml's repacked CPU layout interleaves (block_q4_0x8): whole groups only
+# A centred format's GGUF blocks are held as another format's, with each group's centre beside
+# them: q4_1's w = d q + m is q4_0's d (q - 8) plus c = m + 8 d, so ggml multiplies it with
+# q4_0's kernels and adds the centres' part (``hx.host_compute.ggml_kernel``): 1.3x faster at
+# one row and 2x at 32 than ggml's q4_1 kernel, which has no repacked layout on x86 (SmolLM2's
+# 1536 x 576 ``ffn_up``, 2 threads, median of 100 interleaved calls on the 2-core VM, ms: 1 row
+# 0.048 -> 0.041 repacked; 32 rows 0.910 -> 0.447; docs/measurements/log.md, "centred q4_1").
+# The weights are the file's exactly; 4 bytes a group of 32 more than the file's 20.
+CENTRED_BLOCKS = {"q4_1": "q4_0"}
+
+
+def blocks_format(name: str) -> str:
+    """The GGUF block format a matrix in format ``name`` holds its blocks in under ggml: its
+    own, or a centred format's (``CENTRED_BLOCKS``)."""
+    return CENTRED_BLOCKS.get(name, name)
 
 
 def blocks_layout(name: str, repacked: bool) -> str:

@@ -168,7 +168,8 @@ def _int4pack(held, shape, gathered: bool):
 
 
 def _gguf_blocks(held, shape, gathered: bool):
-    """``held`` in its GGUF blocks; in ggml's repacked CPU layout where ggml has one hx reads
+    """``held`` in its GGUF blocks (a centred format's with its centres,
+    ``models.compressed.GGUFBlocks``); in ggml's repacked CPU layout where ggml has one hx reads
     (``ggml_kernel.repacks``) and its rows are never ``gathered`` (an embedding table keeps
     the file's rows, which lookups gather)."""
     from hx.host_compute import ggml_kernel
@@ -177,7 +178,8 @@ def _gguf_blocks(held, shape, gathered: bool):
     blocks = GGUFBlocks.from_group(held, shape)
     if gathered or not ggml_kernel.repacks(held.fmt.name, shape[0]):
         return blocks
-    return GGUFBlocks(ggml_kernel.repack(blocks.blocks, held.fmt.name), held.fmt, True)
+    return GGUFBlocks(ggml_kernel.repack(blocks.blocks, blocks.blocks_format.name), held.fmt,
+                      True, blocks.centres)
 
 
 # host matmul -> (the part that names a relaid matrix's array, the conversion of a GroupMatrix)

@@ -37,7 +37,7 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.measure.links import host_chunks, memories, room
 from hx.measure.timing import ATTENTION_SLOTS, FULL, MATMUL_ROWS, MiB, Effort
-from hx.models.formats import FORMATS
+from hx.models.formats import FORMATS, REPACK_ROWS
 from hx.models.layers import Step
 from hx.planner.profile import ATTENTION_PROBE
 
@@ -186,20 +186,19 @@ def measure_int4_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
     return tuple(rates)
 
 
-@partial(jax.jit, static_argnums=(3, 4))
-def _ggml_products(x: jax.Array, blocks: jax.Array, count: jax.Array, ggml_type: int,
-                   repacked: bool) -> jax.Array:
+@jax.jit
+def _ggml_products(x: jax.Array, held, count: jax.Array) -> jax.Array:
     """``_products`` by ggml's kernel: ``count`` products of x (M, N) float32 with the (P, N)
-    matrix ``blocks`` holds (``host_compute.ggml_kernel.matmul``), each input scaled by the
-    mean of the product before it."""
+    ``GGUFBlocks`` matrix ``held`` (``host_compute.ggml_kernel.product``), each input scaled
+    by the mean of the product before it."""
     from hx.host_compute import ggml_kernel
 
     def product(i, carry):
         x, _ = carry
-        y = ggml_kernel.matmul(x, blocks, ggml_type, repacked=repacked)
+        y = ggml_kernel.product(x, held)
         return x * (1 + jnp.mean(y) * 1e-12), y
 
-    first = jnp.zeros((x.shape[0], blocks.shape[0]), jnp.float32)
+    first = jnp.zeros((x.shape[0], held.shape[0]), jnp.float32)
     return jax.lax.fori_loop(0, count, product, (x, first))[1]
 
 
@@ -208,15 +207,15 @@ def measure_ggml_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
                         ) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
     """((held layout, ((M, FLOP/s), ...)), ...) of ggml's products
     (``host_compute.ggml_kernel``) for each layout hx multiplies a GGUF's blocks in
-    (``GGUFBlocks.layout``: ``ggml_kernel.KERNEL_ROWS``' q4_0, q4_1, q8_0, and q4_0 in ggml's
-    repacked layout where this CPU has it), at each M of ``rows`` below the rows that
+    (``GGUFBlocks.layout``: ``ggml_kernel.KERNEL_ROWS``' q4_0, q4_1 (centred), q8_0, and q4_0
+    and q4_1 in ggml's repacked layout where this CPU has it), at each M of ``rows`` below the
+    rows that
     layout's kernel takes and at those (the curve's last M: past it hx decompresses for
     XLA): (M x N) float32 times a (P x N) matrix of random codes under one
     scale (the values do not change the time), P as ``measure_int4_matmul``'s; () where
     ggml's kernels are unavailable."""
     from hx.host_compute import ggml_kernel
-    from hx.models.compressed import GGUFBlocks, GroupMatrix
-    from hx.models.formats import GGUF_BLOCKS
+    from hx.models.compressed import GGUFBlocks, GroupMatrix, row_slice
 
     if ggml_kernel.unavailable() is not None:
         return ()
@@ -225,27 +224,28 @@ def measure_ggml_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
     curves = []
     for layout, most in ggml_kernel.KERNEL_ROWS:
         name, repacked = layout.split()[0], layout.endswith("repacked")
-        if repacked and name not in ggml_kernel.repacked_formats():
+        if repacked and not ggml_kernel.repacks(name, REPACK_ROWS):
             continue
         fmt = FORMATS[name]
         groups = (widest, MATMUL_N // fmt.group)
         held = GroupMatrix(rng.integers(0, 256, (*groups, fmt.group * fmt.bits // 8), np.uint8),
                            np.full(groups, 2.0 ** -6, np.float16),
                            np.zeros(groups, np.float16) if fmt.asymmetric else None, fmt)
-        blocks = GGUFBlocks.from_group(held, (widest, MATMUL_N)).blocks
+        blocks = GGUFBlocks.from_group(held, (widest, MATMUL_N))
         if repacked:
-            blocks = ggml_kernel.repack(blocks, name)
+            blocks = GGUFBlocks(ggml_kernel.repack(blocks.blocks, blocks.blocks_format.name),
+                                fmt, True, blocks.centres)
         rates: list[tuple[int, float]] = []
         for m in [m for m in rows if m < most] + [most]:
             p = matmul_columns(m, widest, rates[-1][1] if rates else None,
                                effort.matmul_target_s)
-            w = jax.device_put(blocks[:p], device)
+            w = jax.device_put(row_slice(blocks, 0, p), device)
             x = jax.device_put(jnp.ones((m, MATMUL_N), jnp.float32), device)
             warmup = None if not rates else min(effort.warmup_s, 0.05)
 
             def time_one(k: int) -> float:
-                return effort.time(lambda: _ggml_products(x, w, k, GGUF_BLOCKS[name],
-                                                          repacked), warmup_s=warmup)[0].seconds
+                return effort.time(lambda: _ggml_products(x, w, k),
+                                   warmup_s=warmup)[0].seconds
 
             k, seconds = _repeats(time_one, effort.matmul_target_s)
             rates.append((m, 2.0 * m * MATMUL_N * p * k / seconds))

@@ -90,6 +90,9 @@ def test_blocks_are_the_group_matrix_and_gguf_reads_them(name):
     assert blocks.shape == (64, 128)
     want = np.asarray(held.decompress(np.float32))
     np.testing.assert_array_equal(np.asarray(blocks.decompress(np.float32)), want)
+    rows = np.array([5, 0, 63, 5])  # an embedding lookup's gather: a centred row keeps its centres
+    np.testing.assert_array_equal(
+        np.asarray(blocks.map(lambda a: a[rows]).decompress(np.float32)), want[rows])
     decoded = dequantize(blocks.blocks, Q(GGUF_BLOCKS[blocks.blocks_format.name]))
     if name in CENTRED_BLOCKS:
         assert blocks.centres.dtype == np.float32

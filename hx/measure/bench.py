@@ -96,9 +96,10 @@ class DecodeProbe:
 
 
 def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
-                prefill: bool = True) -> list[float]:
+                prefill: bool = True, warmup: int = WARMUP_STEPS) -> list[float]:
     """Seconds of each of ``steps`` executor decode steps until its logits were ready (after
-    a prefill and ``WARMUP_STEPS`` untimed steps); the KV caches are released at the end.
+    a prefill and ``warmup`` untimed steps: the first compiles, the next run on warm caches;
+    one will do for shapes the executor ran before); the KV caches are released at the end.
 
     ``prefill=False`` decodes at the same positions over the zero-filled cache instead: a
     decode step does the same work whatever the cache holds, and no prefill is run or compiled
@@ -110,12 +111,12 @@ def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
         if prefill:
             _, caches = run_prefill(executor, *probe.prefill(), caches,
                                     executor.plan.prefill_chunk)
-        for i in range(WARMUP_STEPS + steps):
+        for i in range(warmup + steps):
             tokens, step = probe.step(i)
             t0 = time.perf_counter()
             logits, caches = executor.run("decode", tokens, step, caches)
             logits.block_until_ready()
-            if i >= WARMUP_STEPS:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
         return times
     finally:
@@ -123,22 +124,22 @@ def time_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
 
 
 def time_block_decode(executor: Executor, probe: DecodeProbe, slots: int, steps: int,
-                      micro_batches: int) -> list[float]:
+                      micro_batches: int, warmup: int = WARMUP_STEPS) -> list[float]:
     """Seconds of each of ``steps`` decode steps of a block of ``micro_batches`` micro-batches
     of ``probe.batch`` rows (``Executor.run_block``, the zig-zag block schedule) until every
-    micro-batch's logits were ready, after ``WARMUP_STEPS`` untimed ones, over zero-filled
+    micro-batch's logits were ready, after ``warmup`` untimed ones, over zero-filled
     caches at ``probe``'s positions (as ``time_decode(prefill=False)``); the caches are
     released at the end."""
     caches = [executor.new_cache(probe.batch, slots, micro=m) for m in range(micro_batches)]
     times = []
     try:
-        for i in range(WARMUP_STEPS + steps):
+        for i in range(warmup + steps):
             tokens, step = probe.step(i)
             t0 = time.perf_counter()
             logits, caches = executor.run_block("decode", [tokens] * micro_batches,
                                                 [step] * micro_batches, caches)
             jax.block_until_ready(logits)
-            if i >= WARMUP_STEPS:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
         return times
     finally:

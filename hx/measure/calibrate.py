@@ -37,7 +37,7 @@ from scipy.optimize import nnls
 
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.executor import Executor
-from hx.measure.bench import DecodeProbe, time_block_decode, time_decode
+from hx.measure.bench import WARMUP_STEPS, DecodeProbe, time_block_decode, time_decode
 from hx.models.spec import SCORE, ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
@@ -45,7 +45,11 @@ from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import predict
 from hx.workload import CACHE_BUCKET, round_up
 
-CONTEXT, STEPS = 128, 12
+# 6 timed steps a probe (median), in each of ROUNDS rounds, after one warm-up step where the
+# shapes ran in an earlier round: with 12 timed and 3 warm-up steps every time, the 18 probes
+# took three quarters of a full `hx profile` (185 of 296 s on the idle 2-core VM; issue 39's
+# bound is 4 minutes). With 4 the fit's median error rose from 0.4-0.9 % to 6.5 % in one run.
+CONTEXT, STEPS = 128, 6
 FIT_PASSES = 3  # alternations of fit_compute and fit_launch (they converge in a few)
 ROUNDS = 3  # interleaved observations of each plan (median used)
 DISPATCH_PLANS = ((), (SCORE,), (SCORE, "MLP1"), ("K", "OUT"),  # host ops of each plan
@@ -67,9 +71,10 @@ def probe_slots(context: int, steps: int) -> int:
 
 def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
             devices: Devices, executors: dict | None = None, steps: int = STEPS,
-            context: int = CONTEXT) -> list[float]:
+            context: int = CONTEXT, warmup: int = WARMUP_STEPS) -> list[float]:
     """Seconds of the executor's decode steps under ``plan`` at positions ``context`` on (over a
-    zero-filled KV cache: same work as after a prefill, without running one).
+    zero-filled KV cache: same work as after a prefill, without running one), after
+    ``warmup`` untimed steps (``time_decode``).
 
     ``executors`` (plan -> Executor) keeps executors, and their compiled segments, for reuse
     across observations.
@@ -78,20 +83,22 @@ def observe(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch:
     if plan not in executors:
         executors[plan] = Executor(spec, params, plan, devices)
     return time_decode(executors[plan], DecodeProbe(spec, batch, context),
-                       probe_slots(context, steps), steps, prefill=False)
+                       probe_slots(context, steps), steps, prefill=False, warmup=warmup)
 
 
 def observe_block(spec: ModelSpec, params: dict[str, Any], plan: ExecutionPlan, batch: int,
                   micro_batches: int, devices: Devices, rounds: int = ROUNDS,
                   steps: int = STEPS, context: int = CONTEXT) -> float:
     """Median seconds of a decode step of a block of ``micro_batches`` x ``batch`` rows under
-    ``plan`` (``rounds`` medians of ``steps`` steps, at ``observe``'s positions)."""
+    ``plan`` (``rounds`` medians of ``steps`` steps, at ``observe``'s positions; the first
+    round compiles)."""
     executor = Executor(spec, params, plan, devices)
     probe = DecodeProbe(spec, batch, context)
     return statistics.median(
         statistics.median(time_block_decode(executor, probe, probe_slots(context, steps),
-                                            steps, micro_batches))
-        for _ in range(rounds))
+                                            steps, micro_batches,
+                                            warmup=WARMUP_STEPS if r == 0 else 1))
+        for r in range(rounds))
 
 
 def predicted_decode(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
@@ -129,8 +136,9 @@ def observe_interleaved(spec: ModelSpec, params: dict[str, Any], plans: list[Exe
     for r in range(rounds):
         log(f"round {r + 1} of {rounds}: {len(pairs)} (plan, batch) decode probes"
             + (" (each plan compiles on its first)" if r == 0 else ""))
-        for plan, b in pairs:
-            times = observe(spec, params, plan, b, devices, executors)
+        for plan, b in pairs:  # compiled in round 1: one warm-up step after it
+            times = observe(spec, params, plan, b, devices, executors,
+                            warmup=WARMUP_STEPS if r == 0 else 1)
             seen.setdefault((plan, b), []).append(statistics.median(times))
     return {key: statistics.median(steps) for key, steps in seen.items()}
 

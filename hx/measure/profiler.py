@@ -141,7 +141,7 @@ def measure_side(devices: Devices, side: str, kernel, effort: Effort,
     if int4:
         log(f"{side}: torch's int4 kernel {int4[0][1] / 1e9:.1f} GFLOP/s at M={int4[0][0]}, "
             f"{int4[-1][1] / 1e9:.1f} at M={int4[-1][0]}")
-    ggml = measure_ggml_matmul(device, effort.matmul_rows, effort) if side == HOST else ()
+    ggml = measure_ggml_matmul(device, effort.ggml_rows, effort) if side == HOST else ()
     for layout, curve in ggml:
         log(f"{side}: ggml's {layout} products {curve[0][1] / 1e9:.1f} GFLOP/s at "
             f"M={curve[0][0]}, {curve[-1][1] / 1e9:.1f} at M={curve[-1][0]}")

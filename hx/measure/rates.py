@@ -298,20 +298,24 @@ def measure_dequantize(devices: Devices, side: str, dtype=jnp.float32, effort: E
     """((format, ((weights per matrix, seconds per weight), ...)), ...) for every compressed
     format (``FORMATS``): what a layer's MLP segment (one decode row; ``_mlp_probe``) takes
     on ``side`` with its three matrices held in the format beyond the same segment with them
-    dense in ``dtype``, divided by their weights, 0 where it takes no longer; at each d_model
-    of ``effort.dequantize_widths`` whose dense matrices fit ``room`` (the first in any case).
+    dense in ``dtype``, divided by their weights, 0 where it takes no longer, every format
+    timed in the same interleaved rounds as the dense segment; at each d_model of
+    ``effort.dequantize_widths`` whose matrices in every format fit ``room`` (the first in
+    any case).
     The cost depends on the matrix: XLA:CPU fused the decompression of SmolLM2's matrices into
     their products (0.11 ns per weight over dense here) and decompressed Llama-2-7B's into
     memory first (4.3 ns); an H100 fused a (4096 x 4096) one (< 0.001 ns)."""
     first, *rest = effort.dequantize_widths
-    fits = room(devices[side]) // (3 * np.dtype(dtype).itemsize)
+    # the three dense matrices and the five formats' at once (those under 4 bytes a weight)
+    fits = room(devices[side]) // (3 * (np.dtype(dtype).itemsize + 4))
     curves: dict[str, list[tuple[int, float]]] = {f: [] for f in FORMATS}
     for width in [first] + [w for w in rest if w * _probe_ffn(w) <= fits]:
-        dense = _mlp_probe(side, devices, width, dtype, "dense")
         weights = width * _probe_ffn(width)
-        for name in FORMATS:  # each timed interleaved with the dense segment
-            plain, held = effort.time(dense, _mlp_probe(side, devices, width, dtype, name))
-            extra = max(0.0, held.seconds - plain.seconds)
+        # every format's segment and the dense one in the same interleaved rounds
+        plain, *held = effort.time(*(_mlp_probe(side, devices, width, dtype, name)
+                                     for name in ("dense", *FORMATS)))
+        for name, timing in zip(FORMATS, held):
+            extra = max(0.0, timing.seconds - plain.seconds)
             curves[name].append((weights, extra / (3 * weights)))
     return tuple((name, tuple(points)) for name, points in curves.items())
 

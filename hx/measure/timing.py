@@ -123,6 +123,8 @@ class Effort:
       memory_target_s / matmul_target_s: seconds one timed call of elementwise passes / of
         products should last (work is repeated inside the call until it does).
       matmul_rows: the M of the matmul rate curve.
+      ggml_rows: the M of ggml's product curves (``rates.measure_ggml_matmul``: five
+        layouts, up to 512 rows; the kernels' time is near linear in M between them).
       matmul_weight_bytes: weights of the product at M = 1, beyond any cache (256 MiB; the
         quick profile's 64 MiB are still beyond an H100's 50 MB L2).
       attention_slots: the S of the attention rate curve.
@@ -138,6 +140,7 @@ class Effort:
     memory_target_s: float
     matmul_target_s: float
     matmul_rows: tuple[int, ...]
+    ggml_rows: tuple[int, ...]
     matmul_weight_bytes: int
     attention_slots: tuple[int, ...]
     window: int
@@ -159,12 +162,13 @@ class Effort:
 
 
 FULL = Effort(link_target_s=0.02, memory_target_s=0.01, matmul_target_s=0.01,
-              matmul_rows=MATMUL_ROWS, matmul_weight_bytes=256 * MiB,
+              matmul_rows=MATMUL_ROWS, ggml_rows=(1, 4, 16, 32, 64, 256, 512),
+              matmul_weight_bytes=256 * MiB,
               attention_slots=ATTENTION_SLOTS, window=5,
               tolerance=0.05, max_rounds=25, max_seconds=1.0, warmup_s=0.3,
               launch_plans=(0, 1, 2, 3, 4), dequantize_widths=(512, 1024, 2048, 4096))
 QUICK = Effort(link_target_s=0.01, memory_target_s=0.005, matmul_target_s=0.005,
-               matmul_rows=(1, 16, 256), matmul_weight_bytes=64 * MiB,
+               matmul_rows=(1, 16, 256), ggml_rows=(1, 16, 256), matmul_weight_bytes=64 * MiB,
                attention_slots=(256, 4096), window=3,
                tolerance=0.05, max_rounds=7, max_seconds=0.4, warmup_s=0.1, launch_plans=(3,),
                dequantize_widths=(512,))

@@ -117,32 +117,48 @@ inline bool MarkRepacked(ggml_tensor* t) {
 // and q (w = d (q - 8)) with each block's centre c = m + 8 d beside them (Product).
 constexpr int64_t kCentred = int64_t(1) << 17;
 
+// The sum of the 32 floats at x, as a tree of vector adds (a reduction the compiler keeps in
+// order otherwise: 32 dependent scalar adds).
+inline float BlockSum(const float* x) {
+  float part[16];
+  for (int j = 0; j < 16; ++j) part[j] = x[j] + x[j + 16];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) part[j] += part[j + width];
+  return part[0];
+}
+
 // dst = y (N, M) plus the centres' part of a centred product, as a ggml custom op over every
-// thread: each takes a share of the N outputs (whole 16-float vectors) and, per row m of
-// x (K, M), adds sum_b c[b, n] s_b, s_b the sum of x's block b (32 values), to y[n, m].
+// thread: each takes a share of the N outputs (whole groups of 8) and, per row r of x (K, M),
+// adds sum_b c[b, n] s_b, s_b the sum of x's block b (32 values), to y[n, r], 8 outputs at a
+// time kept in a vector register across the K / 32 blocks.
 inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor* x,
                        const ggml_tensor* c, int ith, int nth, void*) {
+  constexpr int64_t kLanes = 8;
   const int64_t N = y->ne[0], M = y->ne[1], G = x->ne[0] / 32;
-  const int64_t share = ((N + nth - 1) / nth + 15) / 16 * 16;
+  const int64_t share = ((N + nth - 1) / nth + kLanes - 1) / kLanes * kLanes;
   const int64_t n0 = std::min(N, ith * share), n1 = std::min(N, n0 + share);
+  const float* centres = static_cast<const float*>(c->data);
   thread_local std::vector<float> sums;
   sums.resize(G);
-  for (int64_t m = 0; m < M && n0 < n1; ++m) {
-    const float* xm = reinterpret_cast<const float*>(static_cast<const char*>(x->data) +
-                                                     m * x->nb[1]);
-    for (int64_t b = 0; b < G; ++b) {
-      float total = 0.0f;
-      for (int j = 0; j < 32; ++j) total += xm[32 * b + j];
-      sums[b] = total;
+  for (int64_t r = 0; r < M && n0 < n1; ++r) {
+    const float* xr = reinterpret_cast<const float*>(static_cast<const char*>(x->data) +
+                                                     r * x->nb[1]);
+    for (int64_t b = 0; b < G; ++b) sums[b] = BlockSum(xr + 32 * b);
+    const float* yr = reinterpret_cast<const float*>(static_cast<const char*>(y->data) +
+                                                     r * y->nb[1]);
+    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + r * dst->nb[1]);
+    int64_t n = n0;
+    for (; n + kLanes <= n1; n += kLanes) {
+      float acc[kLanes];
+      for (int j = 0; j < kLanes; ++j) acc[j] = yr[n + j];
+      for (int64_t b = 0; b < G; ++b)
+        for (int j = 0; j < kLanes; ++j) acc[j] += centres[b * N + n + j] * sums[b];
+      for (int j = 0; j < kLanes; ++j) out[n + j] = acc[j];
     }
-    const float* ym = reinterpret_cast<const float*>(static_cast<const char*>(y->data) +
-                                                     m * y->nb[1]);
-    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + m * dst->nb[1]);
-    std::copy(ym + n0, ym + n1, out + n0);
-    for (int64_t b = 0; b < G; ++b) {
-      const float* cb = static_cast<const float*>(c->data) + b * N;
-      const float sb = sums[b];
-      for (int64_t n = n0; n < n1; ++n) out[n] += cb[n] * sb;
+    for (; n < n1; ++n) {  // N not a multiple of 8: the last share's tail
+      float acc = yr[n];
+      for (int64_t b = 0; b < G; ++b) acc += centres[b * N + n] * sums[b];
+      out[n] = acc;
     }
   }
 }

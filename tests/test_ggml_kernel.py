@@ -156,9 +156,10 @@ def test_a_gguf_model_runs_its_host_products_in_ggml():
     on_host = Engine(got, policies.all_host(n), discover()).last_logits(ids)
     scale = np.abs(base).max()
     assert np.abs(on_acc - base).max() <= 1e-5 * scale
-    # ggml's, not XLA's: 5.3 % with q4_1 held centred (perplexity over 2,977 tokens +0.17 %
-    # against float32, top-1 96.74 %: scripts/accuracy.py, docs/measurements/log.md)
-    assert 1e-5 * scale < np.abs(on_host - base).max() <= 6e-2 * scale
+    # ggml's, not XLA's: 5.3 % and 6.8 % of the scale with q4_1 held centred, the two runs
+    # differing in the order of a block's float32 sum alone (perplexity over 2,977 tokens
+    # +0.17 % against float32, top-1 96.74 %: scripts/accuracy.py, docs/measurements/log.md)
+    assert 1e-5 * scale < np.abs(on_host - base).max() <= 1e-1 * scale
     assert on_host.argmax() == base.argmax()
     with pytest.raises(HxError, match="GGUF block formats"):
         hx.load(dtype="float32", weights="int8", host_matmul="ggml")

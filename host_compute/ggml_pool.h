@@ -128,37 +128,40 @@ inline float BlockSum(const float* x) {
 }
 
 // dst = y (N, M) plus the centres' part of a centred product, as a ggml custom op over every
-// thread: each takes a share of the N outputs (whole groups of 8) and, per row r of x (K, M),
-// adds sum_b c[b, n] s_b, s_b the sum of x's block b (32 values), to y[n, r], 8 outputs at a
-// time kept in a vector register across the K / 32 blocks.
+// thread: each takes a share of the N outputs (whole chunks of 8) and adds sum_b c[b, n] s_rb
+// to y[n, r], s_rb the sum of row r of x (K, M) over block b (32 values). Chunk by chunk of
+// 128 outputs, block after block: each block's centres are read as one run of 512 bytes (a
+// Llama-2-7B matrix's 128 blocks per output, read 8 outputs at a time, touched 128 pages per
+// 8 outputs: 5.6 ms at one row where ggml's Q4_1 product takes 2.6).
 inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor* x,
                        const ggml_tensor* c, int ith, int nth, void*) {
-  constexpr int64_t kLanes = 8;
+  constexpr int64_t kLanes = 8, kChunk = 128;
   const int64_t N = y->ne[0], M = y->ne[1], G = x->ne[0] / 32;
   const int64_t share = ((N + nth - 1) / nth + kLanes - 1) / kLanes * kLanes;
   const int64_t n0 = std::min(N, ith * share), n1 = std::min(N, n0 + share);
+  if (n0 >= n1) return;
   const float* centres = static_cast<const float*>(c->data);
-  thread_local std::vector<float> sums;
-  sums.resize(G);
-  for (int64_t r = 0; r < M && n0 < n1; ++r) {
+  thread_local std::vector<float> sums;  // (M, G)
+  sums.resize(M * G);
+  for (int64_t r = 0; r < M; ++r) {
     const float* xr = reinterpret_cast<const float*>(static_cast<const char*>(x->data) +
                                                      r * x->nb[1]);
-    for (int64_t b = 0; b < G; ++b) sums[b] = BlockSum(xr + 32 * b);
-    const float* yr = reinterpret_cast<const float*>(static_cast<const char*>(y->data) +
-                                                     r * y->nb[1]);
-    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + r * dst->nb[1]);
-    int64_t n = n0;
-    for (; n + kLanes <= n1; n += kLanes) {
-      float acc[kLanes];
-      for (int j = 0; j < kLanes; ++j) acc[j] = yr[n + j];
-      for (int64_t b = 0; b < G; ++b)
-        for (int j = 0; j < kLanes; ++j) acc[j] += centres[b * N + n + j] * sums[b];
-      for (int j = 0; j < kLanes; ++j) out[n + j] = acc[j];
-    }
-    for (; n < n1; ++n) {  // N not a multiple of 8: the last share's tail
-      float acc = yr[n];
-      for (int64_t b = 0; b < G; ++b) acc += centres[b * N + n] * sums[b];
-      out[n] = acc;
+    for (int64_t b = 0; b < G; ++b) sums[r * G + b] = BlockSum(xr + 32 * b);
+  }
+  for (int64_t start = n0; start < n1; start += kChunk) {
+    const int64_t width = std::min(kChunk, n1 - start);
+    for (int64_t r = 0; r < M; ++r) {
+      float acc[kChunk];
+      const float* yr = reinterpret_cast<const float*>(static_cast<const char*>(y->data) +
+                                                       r * y->nb[1]) + start;
+      for (int64_t j = 0; j < width; ++j) acc[j] = yr[j];
+      for (int64_t b = 0; b < G; ++b) {
+        const float* cb = centres + b * N + start;
+        const float s = sums[r * G + b];
+        for (int64_t j = 0; j < width; ++j) acc[j] += cb[j] * s;
+      }
+      float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + r * dst->nb[1]);
+      std::copy(acc, acc + width, out + start);
     }
   }
 }

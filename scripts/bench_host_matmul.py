@@ -17,7 +17,9 @@ dequantized weights; "exact" means within float32 rounding (< 1e-5). Also the pe
 running torch from JAX: ``jax.pure_callback`` inside jit, and DLPack hand-offs outside it.
 The GGUF block formats (q4_0, q4_1, q8_0) also through ggml's product inside jit
 (``hx.host_compute.ggml_kernel``: the file's own blocks, as llama.cpp multiplies them; its
-reference is the blocks ``gguf.quants`` writes, decoded), where ggml is built.
+reference is the blocks ``gguf.quants`` writes, decoded), where ggml is built; q4_1 also as hx
+holds it (``ggml.centred``: q4_0's blocks and kernels plus each block's centre,
+``models.formats.CENTRED_BLOCKS``; repacked where ggml repacks q4_0).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from rich.table import Table
 from hx.cli.console import print_table
 from hx.devices import discover
 from hx.host_compute import ggml_kernel
+from hx.models.compressed import GGUFBlocks, GroupMatrix
+from hx.models.formats import CENTRED_BLOCKS, get_format
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # callbacks
 
@@ -150,8 +154,16 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
         kind = GGUF_TYPES[name]
         blocks = jax.device_put(gguf_quantize(W, kind), host)
         mm = jax.jit(ggml_kernel.matmul, static_argnums=(2,))
-        out["ggml"] = (lambda: mm(xj, blocks, int(kind)),
-                       gguf_dequantize(np.asarray(blocks), kind).astype(np.float64))
+        file_ref = gguf_dequantize(np.asarray(blocks), kind).astype(np.float64)
+        out["ggml"] = (lambda: mm(xj, blocks, int(kind)), file_ref)
+        if name in CENTRED_BLOCKS:  # as hx holds it: q4_0's blocks and kernels, and centres
+            centred = _centred(np.asarray(blocks), W.shape)
+            product = jax.jit(ggml_kernel.product)
+            out["ggml.centred"] = (lambda: product(xj, centred), file_ref)
+            if ggml_kernel.repacks(name, W.shape[0]):
+                repacked = GGUFBlocks(ggml_kernel.repack(centred.blocks, "q4_0"), centred.fmt,
+                                      True, centred.centres)
+                out["ggml.centred.repacked"] = (lambda: product(xj, repacked), file_ref)
     if B == 1 or slow:
         red = jax.jit(lambda x, p: xla_group_reduce(x, p, bits))
         out["xla.group_reduce"] = (lambda: red(xj, pj), ref)
@@ -179,6 +191,16 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
             out["torch.int4pack(f32)"] = (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xt, packed, g, sz), ref)
     return out
+
+
+def _centred(blocks: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
+    """A file's q4_1 blocks (N, K / 32 * 20) as hx holds them under ggml
+    (``models.formats.CENTRED_BLOCKS``), through the ``GroupMatrix`` hx's GGUF reader gives."""
+    b = blocks.reshape(shape[0], -1, 20)
+    half = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0]  # noqa: E731
+    held = GroupMatrix(np.ascontiguousarray(b[..., 4:]), half(b[..., 0:2]), half(b[..., 2:4]),
+                       get_format("q4_1"))
+    return GGUFBlocks.from_group(held, shape)
 
 
 def run_once(f) -> float:

@@ -157,12 +157,13 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
         file_ref = gguf_dequantize(np.asarray(blocks), kind).astype(np.float64)
         out["ggml"] = (lambda: mm(xj, blocks, int(kind)), file_ref)
         if name in CENTRED_BLOCKS:  # as hx holds it: q4_0's blocks and kernels, and centres
-            centred = _centred(np.asarray(blocks), W.shape)
+            centred = jax.device_put(_centred(np.asarray(blocks), W.shape), host)
             product = jax.jit(ggml_kernel.product)
             out["ggml.centred"] = (lambda: product(xj, centred), file_ref)
             if ggml_kernel.repacks(name, W.shape[0]):
-                repacked = GGUFBlocks(ggml_kernel.repack(centred.blocks, "q4_0"), centred.fmt,
-                                      True, centred.centres)
+                repacked = jax.device_put(GGUFBlocks(
+                    ggml_kernel.repack(np.asarray(centred.blocks), "q4_0"), centred.fmt, True,
+                    centred.centres), host)
                 out["ggml.centred.repacked"] = (lambda: product(xj, repacked), file_ref)
     if B == 1 or slow:
         red = jax.jit(lambda x, p: xla_group_reduce(x, p, bits))

@@ -199,7 +199,8 @@ REPACK_ROWS = 8  # rows ggml's repacked CPU layout interleaves (block_q4_0x8): w
 # q4_0's kernels and adds the centres' part (``hx.host_compute.ggml_kernel``): 1.3x faster at
 # one row and 2x at 32 than ggml's q4_1 kernel, which has no repacked layout on x86 (SmolLM2's
 # 1536 x 576 ``ffn_up``, 2 threads, median of 100 interleaved calls on the 2-core VM, ms: 1 row
-# 0.048 -> 0.041 repacked; 32 rows 0.910 -> 0.447; docs/measurements/log.md, "centred q4_1").
+# 0.048 -> 0.041 repacked; 32 rows 0.910 -> 0.447; Llama-2-7B's 11008 x 4096: 1.49 -> 1.44,
+# 40.6 -> 20.4; docs/measurements/log.md, "Q4_1 held centred").
 # The weights are the file's exactly; 4 bytes a group of 32 more than the file's 20.
 CENTRED_BLOCKS = {"q4_1": "q4_0"}
 

@@ -192,8 +192,8 @@ class GGUFBlocks:
       fmt: its format (static).
       repacked: the rows are in ggml's repacked CPU layout, the same bytes interleaved by 8
         rows (``unrepack_rows``; static): its kernels are told so.
-      centres: a centred format's float32 (in / g, N): group by group, as ggml's outer
-        product reads them; None for the others.
+      centres: a centred format's float32 (in / g, N): group by group, as the product's
+        centres' part reads them (``ggml_pool.h``'s ``AddCentres``); None for the others.
     """
 
     blocks: Any

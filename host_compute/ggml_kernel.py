@@ -78,8 +78,8 @@ def build(out_dir: Path) -> Path:
     """
     lib = (ggml_dir() / "lib").resolve()
     return ffi_build.compile_handler(list(SOURCES[:2]), out_dir / "libhx_ggml.so", [
-        "-std=c++17", "-O3", "-march=native", f"-I{ggml_dir() / 'include'}", f"-I{SOURCES[0].parent}", f"-L{lib}",
-        "-lggml-cpu", "-lggml-base",
+        "-std=c++17", "-O3", "-march=native", f"-I{ggml_dir() / 'include'}",
+        f"-I{SOURCES[0].parent}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
         f"-Wl,-rpath,{lib}"])
 
 
@@ -121,6 +121,14 @@ def repack(blocks: np.ndarray, fmt_name: str) -> np.ndarray | None:
         ctypes.c_int64(row // fmt.block_bytes * fmt.group),
         ctypes.c_void_p(blocks.ctypes.data), ctypes.c_void_p(out.ctypes.data))
     return out if done else None
+
+
+def repacked(held: GGUFBlocks) -> GGUFBlocks:
+    """``held`` with its blocks in ggml's repacked CPU layout (``repack`` in its blocks'
+    format: a centred q4_1's are q4_0's), its centres as they were; only where ``repacks``
+    says ggml has the layout."""
+    return GGUFBlocks(repack(np.asarray(held.blocks), held.blocks_format.name), held.fmt, True,
+                      held.centres)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,5 @@
-"""Whole decoder layers on the host as one ggml graph: one FFI call for a run of layers where the
-ops' composition makes about twenty XLA thunks and seven product calls a layer.
+"""Whole decoder layers on the host as one ggml graph: one FFI call for a run of layers where
+the ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
 A host segment runs each run of consecutive decoder layers of one type whose family's layer is
 Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices
@@ -9,15 +9,15 @@ layers: norms, projections, RoPE, the KV-cache write (``ggml_set_rows``, in plac
 (``ggml_flash_attn_ext``) -- on the thread pool ggml's products share (``ggml_pool.h``). The mask
 comes from the same function XLA's attention masks with (``models.layers.attention_mask``: rings,
 windows, left padding), RoPE's frequencies from the family (as factors over theta^(-2i/E), ggml's
-``freq_factors``). Up to the rows ggml's products take (``ggml_kernel.KERNEL_ROWS``: 64, or a
-whole 512-token prefill chunk for repacked q4_0 and q4_1); past them the ops run one by one,
-each product by ggml or XLA. A centred q4_1 matrix's product is q4_0's and the centres' part
-(``ggml_pool.h``'s ``Product``). The graph's results are placed by ggml's graph allocator, which reuses memory as
-results die, so a graph's memory does not grow with its layers. Attention reads the cache's
-slots up to the last written, rounded up to ``READ_PAD`` (the rest masked, which ggml's attention
-skips), as llama.cpp pads its KV cache's view: a decode loop's steps then call with the same
-shapes and buffers for ``READ_PAD`` steps, and ``ggml_layer.cc`` runs the graph it built the step
-before instead of building it again (about a thousand tensors for SmolLM2's 30 layers).
+``freq_factors``). Up to the rows ggml's products take (``ggml_kernel.KERNEL_ROWS``: 64, or a whole
+512-token prefill chunk for repacked q4_0 and q4_1); past them the ops run one by one, each product
+by ggml or XLA. A centred q4_1 matrix's product is q4_0's and the centres' part (``ggml_pool.h``'s
+``Product``). The graph's results are placed by ggml's graph allocator, which reuses memory as
+results die, so a graph's memory does not grow with its layers. Attention reads the cache's slots
+up to the last written, rounded up to ``READ_PAD`` (the rest masked, which ggml's attention skips),
+as llama.cpp pads its KV cache's view: a decode loop's steps then call with the same shapes and
+buffers for ``READ_PAD`` steps, and ``ggml_layer.cc`` runs the graph it built the step before
+instead of building it again (about a thousand tensors for SmolLM2's 30 layers).
 
 SmolLM2 Q4_1 all-host decode, batch 1, 2 threads on the 2-core VM: see docs/measurements/log.md
 ("one ggml graph for a run of layers").
@@ -70,8 +70,8 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
     """Whether ``decoder_layers`` runs this layer: its family's layer is a ``GraphLayer``, the
     model runs in float32 or bfloat16 with ggml's products (``host_matmul`` ggml, built),
     every matrix is held as ggml reads it at ``rows`` rows (``_rows``: up to 512 for
-    repacked q4_0 and q4_1, a whole prefill chunk; 64 for the other layouts), and its cache is float
-    keys and values."""
+    repacked q4_0 and q4_1, a whole prefill chunk; 64 for the other layouts), and its cache
+    is float keys and values."""
     if (spec.model_family.graph_layer(spec) is None or spec.host_matmul != GGML
             or spec.dtype not in ("float32", "bfloat16") or set(cache) != {"k", "v"}
             or ggml_kernel.unavailable() is not None):

@@ -131,24 +131,31 @@ def unpermute_rope_rows(w, n_heads: int):
 
 
 def gguf_blocks(t, shape: tuple[int, ...]):
-    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as a ``models.compressed.GroupMatrix`` in hx's
-    format of the same name, of logical shape ``shape`` (out..., in), made in one pass over
-    the mapped blocks.
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as a ``models.compressed.GroupMatrix``
+    (``group_of_blocks``), their mapped pages released once read."""
+    held = group_of_blocks(np.asarray(t.data), t.tensor_type.name, shape)
+    release(np.asarray(t.data))
+    return held
+
+
+def group_of_blocks(blocks: np.ndarray, type_name: str, shape: tuple[int, ...]):
+    """GGUF ``blocks`` (uint8, a tensor's bytes) of ggml type ``type_name`` (``Q8_0``,
+    ``Q4_0``, ``Q4_1``) as a ``models.compressed.GroupMatrix`` in hx's format of the same
+    name, of logical shape ``shape`` (out..., in), made in one pass over the blocks.
 
     A block of 32 weights is a float16 scale d, for Q4_1 a float16 minimum m, and the codes:
     Q4_0/Q4_1 16 bytes of nibbles (low nibble j is weight j, high nibble weight j + 16 --
     hx's 4-bit layout), Q8_0 32 signed bytes, held as ``q + 128`` (weight = d * (code - 128)).
     """
-    fmt = FORMATS[BLOCK_FORMATS[t.tensor_type.name]]
+    fmt = FORMATS[BLOCK_FORMATS[type_name]]
     arrays = fmt.arrays(shape)
-    blocks = np.asarray(t.data).reshape(*arrays["scale"][0], -1)  # (out..., in/32, bytes)
+    blocks = blocks.reshape(*arrays["scale"][0], -1)  # (out..., in/32, bytes)
     scale = blocks[..., 0:2].view(np.float16)[..., 0]
     held = {"scale": aligned_copy(scale)}
     if fmt.asymmetric:
         held["offset"] = aligned_copy(blocks[..., 2:4].view(np.float16)[..., 0])
     codes = blocks[..., 4:] if fmt.asymmetric else blocks[..., 2:]
     held["codes"] = aligned_copy(codes ^ np.uint8(0x80) if fmt.bits == 8 else codes)
-    release(np.asarray(t.data))
     from hx.models.compressed import GroupMatrix
 
     return GroupMatrix.from_parts(fmt, held)

@@ -178,8 +178,7 @@ def _gguf_blocks(held, shape, gathered: bool):
     blocks = GGUFBlocks.from_group(held, shape)
     if gathered or not ggml_kernel.repacks(held.fmt.name, shape[0]):
         return blocks
-    return GGUFBlocks(ggml_kernel.repack(blocks.blocks, blocks.blocks_format.name), held.fmt,
-                      True, blocks.centres)
+    return ggml_kernel.repacked(blocks)
 
 
 # host matmul -> (the part that names a relaid matrix's array, the conversion of a GroupMatrix)

@@ -51,8 +51,9 @@ from rich.table import Table
 from hx.cli.console import print_table
 from hx.devices import discover
 from hx.host_compute import ggml_kernel
-from hx.models.compressed import GGUFBlocks, GroupMatrix
-from hx.models.formats import CENTRED_BLOCKS, get_format
+from hx.models.compressed import GGUFBlocks
+from hx.models.formats import CENTRED_BLOCKS
+from hx.models.gguf_loader import group_of_blocks
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # callbacks
 
@@ -157,13 +158,13 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
         file_ref = gguf_dequantize(np.asarray(blocks), kind).astype(np.float64)
         out["ggml"] = (lambda: mm(xj, blocks, int(kind)), file_ref)
         if name in CENTRED_BLOCKS:  # as hx holds it: q4_0's blocks and kernels, and centres
-            centred = jax.device_put(_centred(np.asarray(blocks), W.shape), host)
+            held = GGUFBlocks.from_group(group_of_blocks(np.asarray(blocks), kind.name,
+                                                         W.shape), W.shape)
+            centred = jax.device_put(held, host)
             product = jax.jit(ggml_kernel.product)
             out["ggml.centred"] = (lambda: product(xj, centred), file_ref)
             if ggml_kernel.repacks(name, W.shape[0]):
-                repacked = jax.device_put(GGUFBlocks(
-                    ggml_kernel.repack(np.asarray(centred.blocks), "q4_0"), centred.fmt, True,
-                    centred.centres), host)
+                repacked = jax.device_put(ggml_kernel.repacked(held), host)
                 out["ggml.centred.repacked"] = (lambda: product(xj, repacked), file_ref)
     if B == 1 or slow:
         red = jax.jit(lambda x, p: xla_group_reduce(x, p, bits))
@@ -192,16 +193,6 @@ def kernels(name: str, W: np.ndarray, x: np.ndarray, host, slow: bool) -> dict:
             out["torch.int4pack(f32)"] = (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xt, packed, g, sz), ref)
     return out
-
-
-def _centred(blocks: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
-    """A file's q4_1 blocks (N, K / 32 * 20) as hx holds them under ggml
-    (``models.formats.CENTRED_BLOCKS``), through the ``GroupMatrix`` hx's GGUF reader gives."""
-    b = blocks.reshape(shape[0], -1, 20)
-    half = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0]  # noqa: E731
-    held = GroupMatrix(np.ascontiguousarray(b[..., 4:]), half(b[..., 0:2]), half(b[..., 2:4]),
-                       get_format("q4_1"))
-    return GGUFBlocks.from_group(held, shape)
 
 
 def run_once(f) -> float:

@@ -19,6 +19,7 @@ from hx.generate import Engine
 from hx.host_compute import ggml_kernel
 from hx.models.compressed import GGUFBlocks, GroupMatrix, unrepack_rows
 from hx.models.formats import CENTRED_BLOCKS, GGUF_BLOCKS, get_format, quantize as hx_quantize
+from hx.models.gguf_loader import group_of_blocks
 from hx.planner import policies
 
 pytestmark = pytest.mark.skipif(ggml_kernel.unavailable() is not None,
@@ -102,14 +103,6 @@ def test_blocks_are_the_group_matrix_and_gguf_reads_them(name):
         np.testing.assert_array_equal(decoded, want)
 
 
-def _group_of_q4_1(blocks: np.ndarray) -> GroupMatrix:
-    """A GGUF file's q4_1 blocks (N, K / 32 * 20) as the ``GroupMatrix`` hx's GGUF reader
-    gives (its float16 d and m, the codes' bytes)."""
-    b = blocks.reshape(blocks.shape[0], -1, 20)
-    return GroupMatrix(np.ascontiguousarray(b[..., 4:]), b[..., 0:2].copy().view(np.float16)[..., 0],
-                       b[..., 2:4].copy().view(np.float16)[..., 0], get_format("q4_1"))
-
-
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_centred_q4_1_multiplies_as_the_files_q4_1(rows):
     """A file's q4_1 held centred (q4_0's kernels plus the centres' part; repacked where
@@ -120,7 +113,7 @@ def test_centred_q4_1_multiplies_as_the_files_q4_1(rows):
     rng = np.random.default_rng(rows)
     N, K = 96, 256
     file = quantize(rng.standard_normal((N, K)).astype(np.float32) + 0.3, Q.Q4_1)
-    held = GGUFBlocks.from_group(_group_of_q4_1(file), (N, K))
+    held = GGUFBlocks.from_group(group_of_blocks(file, "Q4_1", (N, K)), (N, K))
     x = rng.standard_normal((rows, K)).astype(np.float32)
     want = x.astype(np.float64) @ dequantize(file, Q.Q4_1).astype(np.float64).T
     ggml_q4_1 = np.asarray(jax.jit(lambda x, w: ggml_kernel.matmul(x, w, int(Q.Q4_1)))(x, file))
@@ -129,7 +122,7 @@ def test_centred_q4_1_multiplies_as_the_files_q4_1(rows):
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     assert np.abs(got - ggml_q4_1).max() <= 1e-2 * np.abs(want).max()
     if ggml_kernel.repacks("q4_1", N):
-        packed = GGUFBlocks(ggml_kernel.repack(held.blocks, "q4_0"), held.fmt, True, held.centres)
+        packed = ggml_kernel.repacked(held)
         np.testing.assert_allclose(np.asarray(jax.jit(ggml_kernel.product)(x, packed)), got,
                                    atol=1e-5 * np.abs(got).max(), rtol=0)
         np.testing.assert_array_equal(np.asarray(packed.decompress(np.float32)),
@@ -138,11 +131,11 @@ def test_centred_q4_1_multiplies_as_the_files_q4_1(rows):
 
 def test_a_gguf_model_runs_its_host_products_in_ggml():
     """SmolLM2's Q4_1 file as ``hx.load`` gives it (``auto``: ggml, ggml being built, and a
-    float16 KV cache, compared here with a float32 one): its
-    projection matrices and its Q8_0 table held in the file's blocks; all-accelerator (the blocks decompressed by XLA) gives the logits of the
-    ``xla`` layout to float32 rounding, all-host (ggml's products, activations rounded to 8
-    bits a block as llama.cpp's) within 5 % of them, the same next token. A format without
-    GGUF blocks is refused."""
+    float16 KV cache, compared here with a float32 one): its projection matrices and its Q8_0
+    table held in the file's blocks; all-accelerator (the blocks decompressed by XLA) gives
+    the logits of the ``xla`` layout to float32 rounding, all-host (ggml's products,
+    activations rounded to 8 bits a block as llama.cpp's) within 10 % of their scale, the
+    same next token. A format without GGUF blocks is refused."""
     ref, got = hx.load(dtype="float32", host_matmul="xla"), hx.load(dtype="float32", kv="dense")
     assert got.spec.host_matmul == "ggml" and ref.spec.kv_format == "dense"
     # auto holds the KV cache as llama.cpp does where ggml multiplies: float16

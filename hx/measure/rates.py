@@ -233,8 +233,7 @@ def measure_ggml_matmul(device: jax.Device, rows: tuple[int, ...] = MATMUL_ROWS,
                            np.zeros(groups, np.float16) if fmt.asymmetric else None, fmt)
         blocks = GGUFBlocks.from_group(held, (widest, MATMUL_N))
         if repacked:
-            blocks = GGUFBlocks(ggml_kernel.repack(blocks.blocks, blocks.blocks_format.name),
-                                fmt, True, blocks.centres)
+            blocks = ggml_kernel.repacked(blocks)
         rates: list[tuple[int, float]] = []
         for m in [m for m in rows if m < most] + [most]:
             p = matmul_columns(m, widest, rates[-1][1] if rates else None,

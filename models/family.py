@@ -46,6 +46,10 @@ FAMILIES: dict[str, str] = {
     "phi3": "hx.models.phi3",
     "opt": "hx.models.opt",
     "gemma3": "hx.models.gemma3",
+    "mixtral": "hx.models.mixtral",
+    "qwen3_moe": "hx.models.qwen3_moe",
+    "qwen2_moe": "hx.models.qwen2_moe",
+    "olmoe": "hx.models.olmoe",
 }
 
 # config.json keys that never change a model's outputs at inference, whatever the family:
@@ -253,11 +257,13 @@ class Family:
             return "table"
         return None
 
-    @staticmethod
-    def contracted_axes(path: str) -> int:
-        """How many trailing axes of the matrix at ``path`` its product contracts: OUT's
-        (D, H, E) two, every other matrix one."""
-        return 2 if path == "wo/kernel" else 1
+    # the matrices whose products contract their last two axes: OUT's (D, H, E)
+    two_axes_contracted: ClassVar[frozenset] = frozenset({"wo/kernel"})
+
+    def contracted_axes(self, path: str) -> int:
+        """How many trailing axes of the matrix at ``path`` its product contracts: two for
+        ``two_axes_contracted``, one for every other matrix."""
+        return 2 if path in self.two_axes_contracted else 1
 
     def flops(self, spec, op: str, rows: int) -> float:
         """FLOPs of ``op``'s products over ``rows`` rows: 2 per multiply-add, one per element

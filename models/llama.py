@@ -41,7 +41,7 @@ from hx.models.family import ROPE_FREQS, ConfigReader, Family, GraphLayer, Metad
 from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, dense, held_dtype,
                               inv_frequencies as base_frequencies, lm_head, lookup, rope)
 from hx.models.ops import EMBED, HEAD, SCORE
-from hx.models.spec import ModelSpec
+from hx.models.spec import ModelSpec, MoeShape
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -156,7 +156,10 @@ def _heads(module: WeightedOp, x: jax.Array, name: str, heads: int, step: Step,
     k_norm), then RoPE where ``rotate`` -- in the model's dtype."""
     s, fam = module.spec, module.spec.model_family
     y = dense(module, (heads, s.head_dim), name=f"w{name}", use_bias=fam.qkv_bias)(x)
-    if fam.qk_norm and rotate:
+    if fam.qk_norm and rotate and fam.qk_norm_whole:  # over the whole projection (OLMoE)
+        y = RMSNorm(s.norm_eps, held_dtype(module), name=f"{name}_norm")(
+            y.reshape(*y.shape[:-2], -1)).reshape(y.shape)
+    elif fam.qk_norm and rotate:
         y = RMSNorm(s.norm_eps, held_dtype(module), name=f"{name}_norm")(y)
     if rotate:
         y = rope(y, step.positions, inv_frequencies(s))
@@ -279,12 +282,15 @@ class LlamaFamily(Family):
       qkv_bias: Q, K and V add a bias ((H, E), (K, E), (K, E)) before RoPE (Qwen2).
       qk_norm: q and k are RMS-normed per head before RoPE (Qwen3: ``q_norm``, ``k_norm``,
         (E,) each).
+      qk_norm_whole: with ``qk_norm``, each norm is over the whole projection, (H E,) and
+        (K E,), not per head (OLMoE).
       rope_freqs: its GGUF may hold ``rope_freqs.weight`` (llama.cpp's ``llama``
         architecture: Llama 3.1's scaling; ``gguf_rope_scaling``).
     """
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
     rope_freqs: bool = False
     # ``pretraining_tp`` splits the products of Meta's training into slices whose sums
     # transformers adds back in the same order (tests/test_families.py proves it)
@@ -294,7 +300,8 @@ class LlamaFamily(Family):
         """Llama's weights per op (paths as in ``models.family``): Q holds the attention norm
         and wq (H, E, D), K and V wk, wv (K, E, D), OUT wo (D, H, E), MLP1 the FFN norm, gate
         and up (F, D), MLP2 down (D, F), HEAD the final norm and the table; with ``qkv_bias``
-        biases (H, E), (K, E), (K, E), with ``qk_norm`` q_norm and k_norm (E,)."""
+        biases (H, E), (K, E), (K, E), with ``qk_norm`` q_norm and k_norm (E,) (with
+        ``qk_norm_whole`` (H E,) and (K E,))."""
         D, H, K, E, F, V = (spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim,
                             spec.d_ff, spec.vocab_size)
         shapes = {
@@ -312,14 +319,19 @@ class LlamaFamily(Family):
             shapes["Q"]["wq/bias"], shapes["K"]["wk/bias"], shapes["V"]["wv/bias"] = (
                 (H, E), (K, E), (K, E))
         if self.qk_norm:
-            shapes["Q"]["q_norm/scale"], shapes["K"]["k_norm/scale"] = (E,), (E,)
+            whole = self.qk_norm_whole
+            shapes["Q"]["q_norm/scale"] = (H * E,) if whole else (E,)
+            shapes["K"]["k_norm/scale"] = (K * E,) if whole else (E,)
         return shapes
 
     def modules(self) -> Mapping[str, type]:
         return MODULES
 
-    def graph_layer(self, spec: ModelSpec) -> GraphLayer:
-        """Llama's layer with this family's switches (``GraphLayer``)."""
+    def graph_layer(self, spec: ModelSpec) -> GraphLayer | None:
+        """Llama's layer with this family's switches (``GraphLayer``); None where q and k are
+        normed over the whole projection (the graph norms per head)."""
+        if self.qk_norm_whole:
+            return None
         return GraphLayer(self.qkv_bias, self.qk_norm, inv_frequencies)
 
     def read_window(self, reader: ConfigReader) -> int | None:
@@ -342,9 +354,14 @@ class LlamaFamily(Family):
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
-            family=self.name, sliding_window=self.read_window(reader), rope_scaling=scaling)
+            family=self.name, sliding_window=self.read_window(reader), rope_scaling=scaling,
+            moe=self.read_moe(reader))
         reader.finish()
         return spec
+
+    def read_moe(self, reader: ConfigReader) -> MoeShape | None:
+        """The config's Mixture-of-Experts shape (``models.moe``); None: Llama's dense MLP."""
+        return None
 
     def read_gguf_window(self, reader: MetadataReader) -> int | None:
         """The sliding window a GGUF sets (None: none). llama.cpp's ``llama`` architecture

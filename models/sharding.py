@@ -56,10 +56,14 @@ def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     (module docstring); ``spec`` itself where it already does.
 
     Raises:
-      HxError: ``tp`` < 1, or matrices in a host matmul's layout (``host_matmul`` not xla).
+      HxError: ``tp`` < 1, matrices in a host matmul's layout (``host_matmul`` not xla), or
+        experts (``spec.moe``) to split.
     """
     if tp < 1:
         raise HxError(f"tensor-parallel degree {tp}: 1 or more accelerators")
+    if spec.moe is not None and tp > 1:
+        raise HxError(f"tensor parallelism does not split {spec.name}'s experts yet; run it "
+                      "on one accelerator per pipeline stage")
     if spec.host_matmul != XLA and tp > 1:
         raise HxError(f"tensor parallelism does not split matrices held in the layout of "
                       f"--host-matmul {spec.host_matmul}; run {spec.name} with --host-matmul xla")

@@ -77,6 +77,34 @@ def numpy_dtype(dtype: str):
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """The feed-forward part of a Mixture-of-Experts layer (Shazeer et al. 2017; Mixtral, Jiang
+    et al. 2024): a router picks ``top_k`` of ``experts`` SwiGLU experts per token and sums
+    their outputs weighted by its softmax probabilities (renormalised over the k where
+    ``norm_top_k``); a shared expert, where ``d_shared`` > 0, runs on every token behind a
+    sigmoid gate (Qwen1.5-MoE). Every decoder layer of the model is such a layer.
+
+    Attributes:
+      experts: routed experts per layer, X.
+      top_k: experts each token is routed to, k.
+      d_expert: a routed expert's SwiGLU inner size.
+      d_shared: the shared expert's inner size; 0: none.
+      norm_top_k: the k chosen probabilities are divided by their sum (Mixtral; a config's
+        ``norm_topk_prob``).
+    """
+
+    experts: int
+    top_k: int
+    d_expert: int
+    d_shared: int = 0
+    norm_top_k: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} of experts={self.experts}: 1 to experts")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Hyper-parameters of a decoder-only model of one of hx's families (no weights).
 
@@ -142,6 +170,9 @@ class ModelSpec:
         and multiplies it with ggml, llama.cpp's kernels (``hx.host_compute.ggml_kernel``:
         float32 activations rounded to 8 bits a block, as llama.cpp).
         ``models.loader.resolve_host_matmul`` chooses it.
+      moe: the Mixture-of-Experts shape of every layer's feed-forward part (``MoeShape``; its
+        family's MLP1 routes, MLP2 runs the experts: ``models.moe``); None: a dense SwiGLU of
+        ``d_ff``.
       embeds / heads: False in a pipeline stage (``pipeline_stage``) that does not hold the
         model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
         in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
@@ -171,6 +202,7 @@ class ModelSpec:
     embedding_format: str = DENSE
     kv_format: str = DENSE
     host_matmul: str = XLA
+    moe: MoeShape | None = None
     embeds: bool = True
     heads: bool = True
 
@@ -205,6 +237,12 @@ class ModelSpec:
     def dtype_bytes(self) -> int:
         """Bytes per element of weights, activations and KV caches (``dtype``'s size)."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def inner_width(self) -> int:
+        """The width of the activation MLP1 hands MLP2 (``models.tensors.ACTIVATIONS`` "a"):
+        d_ff, or an MoE layer's normed x and its routing weights over the experts, D + X."""
+        return self.d_model + self.moe.experts if self.moe else self.d_ff
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (``dataclasses.replace``)."""

@@ -5,7 +5,8 @@ constraint coefficients, the baselines and the simulator all size tensors here, 
 disagree. It imports neither JAX nor Flax: a planner sizes a 70B model it never loads.
 
 Axis letters (as in ``models/layers.py``): B rows, T new tokens per row, S KV-cache slots,
-D hidden, H query heads, K key/value heads, E head dim, F FFN size, V vocabulary.
+D hidden, H query heads, K key/value heads, E head dim, F FFN size, A the width of MLP1's
+output (``ModelSpec.inner_width``: F, or an MoE layer's D + experts), V vocabulary.
 
 * **Weights**: ``ModelSpec.op_weight_shapes`` gives each op's tensors (matrices in the
   checkpoint's (out..., in) layout); ``held_weights`` the arrays a device holds for them --
@@ -59,8 +60,8 @@ OPS: dict[str, OpDef] = {
 MODEL_DTYPE = "model"  # an activation held in the model's dtype (``ModelSpec.dtype``)
 
 # Activations: name -> (axes, dtype). x is the residual stream, h the normed input of K and V,
-# q/k/v/o attention's projections and output, a the MLP's inner activation; logits score only
-# each row's last position.
+# q/k/v/o attention's projections and output, a the MLP's inner activation (an MoE layer's: the
+# normed x and the routing weights, ``models.moe``); logits score only each row's last position.
 ACTIVATIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "tokens": (("B", "T"), "int32"),
     "x": (("B", "T", "D"), MODEL_DTYPE),
@@ -69,7 +70,7 @@ ACTIVATIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "o": (("B", "T", "H", "E"), MODEL_DTYPE),
     "k": (("B", "T", "K", "E"), MODEL_DTYPE),
     "v": (("B", "T", "K", "E"), MODEL_DTYPE),
-    "a": (("B", "T", "F"), MODEL_DTYPE),
+    "a": (("B", "T", "A"), MODEL_DTYPE),
     "logits": (("B", "V"), "float32"),
 }
 
@@ -79,7 +80,8 @@ _ITEM_BYTES = {"int32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 def axis_sizes(spec: ModelSpec, batch: int, tokens: int) -> dict[str, int]:
     """Size of each axis letter at B = ``batch`` rows and T = ``tokens`` new tokens."""
     return {"B": batch, "T": tokens, "D": spec.d_model, "H": spec.n_heads,
-            "K": spec.n_kv_heads, "E": spec.head_dim, "F": spec.d_ff, "V": spec.vocab_size}
+            "K": spec.n_kv_heads, "E": spec.head_dim, "F": spec.d_ff, "A": spec.inner_width,
+            "V": spec.vocab_size}
 
 
 def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int

@@ -194,12 +194,18 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("qwen3", "layer_types", ["sliding_attention", "full_attention"]),
     ("opt", "do_layer_norm_before", False), ("opt", "word_embed_proj_dim", 32),
     ("opt", "activation_function", "gelu"),
-    ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4})])
+    ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
+    ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
+    ("qwen2_moe", "qkv_bias", False), ("olmoe", "clip_qkv", 8.0),
+    ("mixtral", "unheard_of_field", 1)])
 def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     """One line naming the field (or the RoPE type, or its unknown part)."""
     config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 112,
               "ffn_dim": 112, "num_hidden_layers": 2, "num_attention_heads": 4,
               "vocab_size": 320}
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
+        config |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                   "shared_expert_intermediate_size": 48}
     word = value.get("rope_type") if isinstance(value, dict) else field
     word = "beta" if isinstance(value, dict) and "beta" in value else word
     with pytest.raises(HxError, match=word) as refused:

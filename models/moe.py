@@ -1,0 +1,219 @@
+"""Mixture-of-Experts layers (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): what the MoE
+families (``models.mixtral``, ``models.qwen3_moe``, ``models.qwen2_moe``, ``models.olmoe``)
+share. Their attention is Llama's (``models.llama``, with their relatives' switches); their
+feed-forward part (``ModelSpec.moe``: ``MoeShape``) maps onto MLP1 and MLP2:
+
+  =====  ==============================================================  ================
+  op     computes                                                        reads -> writes
+  =====  ==============================================================  ================
+  MLP1   ROUTER: n = RMSNorm(x); p = softmax(n R^T) over the X experts;  x -> a
+         the top k of p (divided by their sum where ``norm_top_k``), as
+         weights over all X (0 off the k): a = [n | weights] (B, T, D + X)
+  MLP2   EXPERTS: x + sum_e weight_e SwiGLU_e(n) [+ sigmoid(n g)          a, x -> x
+         SwiGLU_shared(n)]
+  =====  ==============================================================  ================
+
+The router (X, D) stays dense in any weight format (a compressed router would choose other
+experts). The experts are held stacked, one array a matrix kind, expert e's matrix contiguous
+at index e as a checkpoint's ``(experts, out, in)`` (transformers' ``gate_up_proj`` and
+``down_proj``, llama.cpp's ``ffn_*_exps``): ``experts_w_gate``, ``experts_w_up`` (X, F, D) and
+``experts_w_down`` (X, D, F); a checkpoint's per-expert tensors are stacked at load. MLP2
+computes every expert and weights those not routed to by 0 -- the same sums as computing the k
+routed ones, at X / k the FLOPs (the cost model prices what runs: ``Family.flops`` counts every
+expert): gate and up as one product of n with the (X F, D) matrix, down as a product batched
+over the experts of the weighted inner activations, summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from hx.models.family import ConfigReader
+from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
+from hx.models.llama import MODULES, LlamaFamily
+from hx.models.spec import ModelSpec, MoeShape
+
+ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
+SHARED_GATE = "shared_expert_gate"  # the shared expert's sigmoid gate (1, D): MLP2's, dense
+# the routed experts' stacked matrices (MLP2's), one path a kind
+EXPERT_KINDS = ("experts_w_gate/kernel", "experts_w_up/kernel", "experts_w_down/kernel")
+
+
+class RouterOp(WeightedOp):
+    """MLP1 of an MoE layer: x (B,T,D) -> a = [RMSNorm(x) | routing weights (X)] (B,T,D+X).
+
+    The router's logits n R^T are rounded to the model's dtype and their softmax taken in
+    float32; the k largest probabilities (``jax.lax.top_k``), renormalised where
+    ``norm_top_k``, rounded to the model's dtype, are the weights of their experts
+    (transformers' ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``).
+    """
+
+    @nn.compact
+    def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s, moe = self.spec, self.spec.moe
+        n = RMSNorm(s.norm_eps, held_dtype(self), name="ffn_norm")(x)
+        table = self.param(ROUTER, nn.initializers.lecun_normal(), (moe.experts, s.d_model),
+                           held_dtype(self))
+        logits = jnp.einsum("btd,xd->btx", n.astype(table.dtype), table,
+                            preferred_element_type=jnp.float32).astype(s.dtype)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top, ids = jax.lax.top_k(probs, moe.top_k)
+        if moe.norm_top_k:
+            top = top / top.sum(axis=-1, keepdims=True)
+        top = top.astype(s.dtype).astype(jnp.float32)
+        weights = (jax.nn.one_hot(ids, moe.experts, dtype=jnp.float32) * top[..., None]).sum(-2)
+        return (jnp.concatenate([n.astype(s.dtype), weights.astype(s.dtype)], axis=-1),)
+
+
+class ExpertsOp(WeightedOp):
+    """MLP2 of an MoE layer: a (B,T,D+X), x (B,T,D) -> x + sum_e w_e SwiGLU_e(n) (B,T,D),
+    plus the shared expert behind its sigmoid gate where ``MoeShape.d_shared`` (Qwen1.5-MoE's
+    ``shared_expert``, ``shared_expert_gate``). Every expert runs; the down projection
+    contracts the weighted experts' (X, F) at once (module docstring)."""
+
+    @nn.compact
+    def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
+        s, moe = self.spec, self.spec.moe
+        n, weights = a[..., :s.d_model], a[..., s.d_model:].astype(jnp.float32)
+        shape = (moe.experts, moe.d_expert)
+        gate = dense(self, shape, name="experts_w_gate")(n)  # 'BTD,XFD->BTXF'
+        up = dense(self, shape, name="experts_w_up")(n)
+        inner = jax.nn.silu(gate) * up * weights[..., None]
+        y = Stacked(s.d_model, held_dtype(self), s.weight_format, name="experts_w_down")(inner)
+        if moe.d_shared:
+            gate = dense(self, moe.d_shared, name="shared_w_gate")(n)
+            up = dense(self, moe.d_shared, name="shared_w_up")(n)
+            shared = dense(self, s.d_model, name="shared_w_down")(jax.nn.silu(gate) * up)
+            mix = self.param(SHARED_GATE, nn.initializers.lecun_normal(), (1, s.d_model),
+                             held_dtype(self))
+            scale = jnp.einsum("btd,od->bto", n.astype(mix.dtype), mix,
+                               preferred_element_type=jnp.float32)
+            y = y + jax.nn.sigmoid(scale.astype(s.dtype).astype(jnp.float32)) * shared
+        return ((x.astype(jnp.float32) + y).astype(s.dtype),)
+
+
+class Stacked(nn.Module):
+    """y = sum_e x_e W_e^T (..., out) float32 of per-expert inputs x (..., X, in) and stacked
+    matrices ``kernel`` (X, out, in) held in ``fmt``: decompressed into ``param_dtype`` (after
+    x exists), one product batched over the experts with float32 accumulation, summed over
+    them. Initialised as each expert's LeCun normal."""
+
+    features: int
+    param_dtype: Any = jnp.float32
+    fmt: str = "dense"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        X, inner = x.shape[-2:]
+        shape = (X, self.features, inner)
+        init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
+        w = (kernel if isinstance(kernel, jax.Array) else
+             kernel.decompress(self.param_dtype, after=x)).reshape(shape)
+        lead = x.ndim - 2  # 'BTXF,XDF->XBTD', then the sum over X
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (2,)), ((lead,), (0,))),
+                                preferred_element_type=jnp.float32)
+        return y.sum(axis=0)
+
+
+MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp}
+
+
+@dataclass(frozen=True)
+class MoeFamily(LlamaFamily):
+    """Llama's attention (with its relatives' switches) and an MoE feed-forward part (module
+    docstring).
+
+    Attributes:
+      hf_experts: the Hugging Face name, within ``model.layers.{i}.``, of routed expert e's
+        matrix of each ``EXPERT_KINDS`` path (``{e}`` its index), stacked at load.
+      hf_moe_names: the Hugging Face names of the router and the shared expert's tensors.
+    """
+
+    hf_experts: Mapping[str, str] = None
+    hf_moe_names: Mapping[tuple[str, str], str] = None
+
+    def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Llama's attention weights; MLP1 the FFN norm and the router (X, D), MLP2 the
+        experts' gate and up (X, F, D) and down (X, D, F), with a shared expert its gate and
+        up (Fs, D), down (D, Fs) and sigmoid gate (1, D)."""
+        shapes = super().weight_shapes(spec)
+        D, moe = spec.d_model, spec.moe
+        X, F = moe.experts, moe.d_expert
+        shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (X, D)}
+        shapes["MLP2"] = {"experts_w_gate/kernel": (X, F, D), "experts_w_up/kernel": (X, F, D),
+                          "experts_w_down/kernel": (X, D, F)}
+        if moe.d_shared:
+            Fs = moe.d_shared
+            shapes["MLP2"] |= {"shared_w_gate/kernel": (Fs, D), "shared_w_up/kernel": (Fs, D),
+                               "shared_w_down/kernel": (D, Fs), SHARED_GATE: (1, D)}
+        return shapes
+
+    def modules(self) -> Mapping[str, type]:
+        return MOE_MODULES
+
+    def graph_layer(self, spec: ModelSpec) -> None:
+        """None: the host's one-graph layer (``hx.host_compute.ggml_layer``) is a dense
+        SwiGLU's."""
+        return None
+
+    def hf_name(self, layer: int | None, op: str, path: str) -> str:
+        """Expert 0's tensor for a stacked path (``hf_experts``), the router's and the shared
+        expert's (``hf_moe_names``), else Llama's."""
+        if layer is not None and path in EXPERT_KINDS:
+            return f"model.layers.{layer}.{self.hf_experts[path].format(0)}"
+        if layer is not None and (op, path) in self.hf_moe_names:
+            return f"model.layers.{layer}.{self.hf_moe_names[(op, path)]}"
+        return super().hf_name(layer, op, path)
+
+    def from_hf(self, spec: ModelSpec, tensors: Mapping[str, Any], layer: int | None, op: str,
+                path: str):
+        """A stacked path's experts, each the checkpoint's (out, in), stacked (X, out, in)."""
+        if layer is None or path not in EXPERT_KINDS:
+            return super().from_hf(spec, tensors, layer, op, path)
+        name = f"model.layers.{layer}.{self.hf_experts[path]}"
+        return np.stack([tensors[name.format(e)] for e in range(spec.moe.experts)])
+
+    def read_moe(self, reader: ConfigReader) -> MoeShape:
+        """The config's MoE shape: ``num_experts`` (or ``num_local_experts``),
+        ``num_experts_per_tok``, the expert size (``read_expert_size``), the shared expert's
+        (``read_shared_size``), ``norm_topk_prob`` (``read_norm_top_k``).
+
+        Raises:
+          HxError: a key missing, or layers without experts (``read_dense_layers``).
+        """
+        experts = reader.get("num_experts") or reader.need("num_local_experts")
+        reader.get("num_local_experts")
+        self.read_dense_layers(reader)
+        return MoeShape(experts=int(experts), top_k=int(reader.need("num_experts_per_tok")),
+                        d_expert=int(self.read_expert_size(reader)),
+                        d_shared=int(self.read_shared_size(reader)),
+                        norm_top_k=bool(self.read_norm_top_k(reader)))
+
+    def read_expert_size(self, reader: ConfigReader) -> int:
+        """A routed expert's inner size: ``moe_intermediate_size``."""
+        return reader.need("moe_intermediate_size")
+
+    def read_shared_size(self, reader: ConfigReader) -> int:
+        """The shared expert's inner size; 0: none (the config sets none)."""
+        return 0
+
+    def read_norm_top_k(self, reader: ConfigReader) -> bool:
+        """Whether the top k probabilities are renormalised: ``norm_topk_prob``."""
+        return reader.get("norm_topk_prob", False)
+
+    def read_dense_layers(self, reader: ConfigReader) -> None:
+        """Every layer must have experts: ``decoder_sparse_step`` 1 and no ``mlp_only_layers``.
+
+        Raises:
+          HxError: the config gives some layers a dense MLP.
+        """
+        reader.expect("decoder_sparse_step", (1,), 1)
+        if reader.get("mlp_only_layers", []):
+            reader.expect("mlp_only_layers", ([],))

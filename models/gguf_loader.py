@@ -198,20 +198,23 @@ def taken_names(spec: ModelSpec) -> set[str]:
     return names
 
 
-def held_formats(tensors: dict, has_output: bool, weights: str) -> tuple[str, str]:
+def held_formats(tensors: dict, spec: ModelSpec, weights: str) -> tuple[str, str]:
     """(weight format, embedding format) a file's matrices are held in for ``weights``
     (module docstring): with ``auto``, a GGUF block format where all the projection matrices
-    (or all the embedding tables) share one, else dense."""
+    of ``spec`` (``Family.matrix_kind`` kernel: an MoE router, F32 in llama.cpp's files, is
+    no projection) share one (and likewise the embedding tables), else dense."""
     if weights != AUTO:
         return weights, weights
 
-    def shared(names) -> str:
-        kinds = {tensors[n].tensor_type.name for n in names}
+    def shared(kind: str) -> str:
+        names = set()
+        weight_tree(spec, lambda layer, op, path, shape: names.add(
+            spec.model_family.gguf_name(layer, op, path))
+            if spec.model_family.matrix_kind(path) == kind else None)
+        kinds = {tensors[n].tensor_type.name for n in names if n in tensors}
         return BLOCK_FORMATS.get(kinds.pop(), DENSE) if len(kinds) == 1 else DENSE
 
-    kernels = [n for n in tensors if n.startswith("blk.") and not n.endswith("norm.weight")]
-    tables = ["token_embd.weight"] + (["output.weight"] if has_output else [])
-    return shared(kernels), shared(tables)
+    return shared("kernel"), shared("table")
 
 
 def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFContents:
@@ -233,9 +236,10 @@ def load_gguf(path: str, dtype: str = "float32", weights: str = AUTO) -> GGUFCon
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     has_output = "output.weight" in tensors
-    weight_format, embedding_format = held_formats(tensors, has_output, weights)
-    spec = spec_from_metadata(meta, path, has_output).replace(
-        dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)
+    spec = spec_from_metadata(meta, path, has_output)
+    weight_format, embedding_format = held_formats(tensors, spec, weights)
+    spec = spec.replace(dtype=dtype, weight_format=weight_format,
+                        embedding_format=embedding_format)
     unknown = sorted(set(tensors) - taken_names(spec) - {ROPE_FREQS})  # ROPE_FREQS: the spec's
     if unknown:
         raise HxError(f"{path}: holds tensor(s) hx does not implement for "

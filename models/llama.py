@@ -292,6 +292,10 @@ class LlamaFamily(Family):
     qk_norm: bool = False
     qk_norm_whole: bool = False
     rope_freqs: bool = False
+    # the family a GGUF of this architecture with experts is (llama.cpp's ``llama`` files hold
+    # Mixtral's), and whether its graph renormalises the top k (``read_gguf_moe``)
+    gguf_moe_family: str | None = None
+    gguf_norm_top_k: bool = True
     # ``pretraining_tp`` splits the products of Meta's training into slices whose sums
     # transformers adds back in the same order (tests/test_families.py proves it)
     hf_ignored: ClassVar[frozenset] = frozenset({"pretraining_tp"})
@@ -363,6 +367,29 @@ class LlamaFamily(Family):
         """The config's Mixture-of-Experts shape (``models.moe``); None: Llama's dense MLP."""
         return None
 
+    def read_gguf_moe(self, reader: MetadataReader, d_ff: int) -> MoeShape | None:
+        """The Mixture-of-Experts shape of a GGUF, as llama.cpp reads it: ``expert_count``
+        experts (none: a dense MLP), ``expert_used_count`` of them per token, each of
+        ``expert_feed_forward_length`` (else ``d_ff``: Mixtral's, in a ``llama`` file), a shared
+        expert of ``expert_shared_feed_forward_length`` (0: none), the top k renormalised as
+        the architecture's graph does (``gguf_norm_top_k``: llama.cpp reads no key for it).
+
+        Raises:
+          HxError: experts in an architecture hx runs none for (``gguf_moe_family``), or
+            ``expert_weights_scale`` other than 1.
+        """
+        experts = int(reader.get("expert_count", 0))
+        if not experts:
+            return None
+        if self.gguf_moe_family is None:
+            raise HxError(f"{reader.where}: GGUF sets {reader.arch}.expert_count={experts}; hx "
+                          f"runs no experts in {reader.arch} files")
+        reader.expect("expert_weights_scale", (1.0,), 1.0)
+        return MoeShape(experts=experts, top_k=int(reader.need("expert_used_count")),
+                        d_expert=int(reader.get("expert_feed_forward_length", d_ff)),
+                        d_shared=int(reader.get("expert_shared_feed_forward_length", 0)),
+                        norm_top_k=self.gguf_norm_top_k)
+
     def read_gguf_window(self, reader: MetadataReader) -> int | None:
         """The sliding window a GGUF sets (None: none). llama.cpp's ``llama`` architecture
         reads none (its converter writes Mistral's checkpoints as ``llama`` files without their
@@ -400,6 +427,9 @@ class LlamaFamily(Family):
             tie_embeddings=not has_output, family=self.name,
             sliding_window=self.read_gguf_window(reader),
             rope_scaling=gguf_rope_scaling(reader, head_dim, self.rope_freqs))
+        moe = self.read_gguf_moe(reader, spec.d_ff)
+        if moe is not None:
+            spec = spec.replace(family=self.gguf_moe_family, moe=moe)
         reader.finish()
         return spec
 
@@ -419,4 +449,4 @@ FAMILY = LlamaFamily(
     name="llama", hf_model_types=("llama",), gguf_architectures=("llama",),
     hf_layer_names=HF_LAYER_NAMES, hf_model_names=HF_MODEL_NAMES,
     gguf_layer_names=GGUF_LAYER_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
-    gguf_rope_permuted=("wq/kernel", "wk/kernel"), rope_freqs=True)
+    gguf_rope_permuted=("wq/kernel", "wk/kernel"), rope_freqs=True, gguf_moe_family="mixtral")

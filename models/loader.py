@@ -392,7 +392,7 @@ def _load_spec(path_or_name: str | None, dtype: str, weights: str) -> ModelSpec:
             return _held_as(spec_from_config(json.load(f), path), dtype, fmt)
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    has_output = "output.weight" in tensors
-    weight_format, embedding_format = held_formats(tensors, has_output, weights)
-    return spec_from_metadata(read_metadata(reader), path, has_output).replace(
-        dtype=dtype, weight_format=weight_format, embedding_format=embedding_format)
+    spec = spec_from_metadata(read_metadata(reader), path, "output.weight" in tensors)
+    weight_format, embedding_format = held_formats(tensors, spec, weights)
+    return spec.replace(dtype=dtype, weight_format=weight_format,
+                        embedding_format=embedding_format)

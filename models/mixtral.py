@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hx.models.family import ConfigReader
-from hx.models.llama import HF_LAYER_NAMES, HF_MODEL_NAMES
-from hx.models.moe import ROUTER, MoeFamily
+from hx.models.llama import GGUF_MODEL_NAMES, HF_LAYER_NAMES, HF_MODEL_NAMES
+from hx.models.moe import GGUF_MOE_NAMES, ROUTER, MoeFamily
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class MixtralFamily(MoeFamily):
 
 FAMILY = MixtralFamily(
     name="mixtral", hf_model_types=("mixtral",), hf_layer_names=HF_LAYER_NAMES,
-    hf_model_names=HF_MODEL_NAMES,
+    hf_model_names=HF_MODEL_NAMES, gguf_layer_names=GGUF_MOE_NAMES,
+    gguf_model_names=GGUF_MODEL_NAMES, gguf_rope_permuted=("wq/kernel", "wk/kernel"),
+    gguf_moe_family="mixtral",
     hf_experts={"experts_w_gate/kernel": "block_sparse_moe.experts.{}.w1.weight",
                 "experts_w_up/kernel": "block_sparse_moe.experts.{}.w3.weight",
                 "experts_w_down/kernel": "block_sparse_moe.experts.{}.w2.weight"},

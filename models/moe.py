@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from hx.models.family import ConfigReader
+from hx.errors import HxError
+from hx.models.family import ConfigReader, MetadataReader
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
-from hx.models.llama import MODULES, LlamaFamily
+from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
 from hx.models.spec import ModelSpec, MoeShape
 
 ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
@@ -124,6 +125,16 @@ class Stacked(nn.Module):
 
 MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp}
 
+# llama.cpp's names of an MoE layer's tensors (its ``LLM_TENSOR_FFN_*_EXPS``, ``*_SHEXP``)
+GGUF_MOE_NAMES = {**GGUF_LAYER_NAMES, ("MLP1", ROUTER): "ffn_gate_inp.weight",
+                  ("MLP2", "experts_w_gate/kernel"): "ffn_gate_exps.weight",
+                  ("MLP2", "experts_w_up/kernel"): "ffn_up_exps.weight",
+                  ("MLP2", "experts_w_down/kernel"): "ffn_down_exps.weight",
+                  ("MLP2", "shared_w_gate/kernel"): "ffn_gate_shexp.weight",
+                  ("MLP2", "shared_w_up/kernel"): "ffn_up_shexp.weight",
+                  ("MLP2", "shared_w_down/kernel"): "ffn_down_shexp.weight",
+                  ("MLP2", SHARED_GATE): "ffn_gate_inp_shexp.weight"}
+
 
 @dataclass(frozen=True)
 class MoeFamily(LlamaFamily):
@@ -179,6 +190,18 @@ class MoeFamily(LlamaFamily):
             return super().from_hf(spec, tensors, layer, op, path)
         name = f"model.layers.{layer}.{self.hf_experts[path]}"
         return np.stack([tensors[name.format(e)] for e in range(spec.moe.experts)])
+
+    def read_gguf_moe(self, reader: MetadataReader, d_ff: int) -> MoeShape:
+        """``LlamaFamily.read_gguf_moe``, which must find experts.
+
+        Raises:
+          HxError: the file sets no ``expert_count``, or what the Llama family refuses.
+        """
+        moe = super().read_gguf_moe(reader, d_ff)
+        if moe is None:
+            raise HxError(f"{reader.where}: a {reader.arch} GGUF without "
+                          f"{reader.arch}.expert_count; the file is incomplete")
+        return moe
 
     def read_moe(self, reader: ConfigReader) -> MoeShape:
         """The config's MoE shape: ``num_experts`` (or ``num_local_experts``),

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hx.models.family import ConfigReader
-from hx.models.llama import HF_LAYER_NAMES, HF_MODEL_NAMES
-from hx.models.moe import ROUTER, MoeFamily
+from hx.models.llama import GGUF_MODEL_NAMES, HF_LAYER_NAMES, HF_MODEL_NAMES
+from hx.models.moe import GGUF_MOE_NAMES, ROUTER, MoeFamily
 from hx.models.qwen3_moe import MOE_TRAINING, QWEN_EXPERTS
 from hx.models.spec import MoeShape
 
@@ -38,6 +38,8 @@ class OlmoeFamily(MoeFamily):
 
 
 FAMILY = OlmoeFamily(
-    name="olmoe", hf_model_types=("olmoe",), hf_layer_names=HF_LAYER_NAMES,
+    name="olmoe", hf_model_types=("olmoe",), gguf_architectures=("olmoe",),
+    gguf_layer_names=GGUF_MOE_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
+    gguf_moe_family="olmoe", gguf_norm_top_k=False, hf_layer_names=HF_LAYER_NAMES,
     hf_model_names=HF_MODEL_NAMES, qk_norm=True, qk_norm_whole=True, hf_experts=QWEN_EXPERTS,
     hf_moe_names={("MLP1", ROUTER): "mlp.gate.weight"})

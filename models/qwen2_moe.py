@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hx.models.family import ConfigReader
-from hx.models.llama import HF_LAYER_NAMES, HF_MODEL_NAMES
-from hx.models.moe import ROUTER, SHARED_GATE, MoeFamily
+from hx.models.llama import GGUF_MODEL_NAMES, HF_LAYER_NAMES, HF_MODEL_NAMES
+from hx.models.moe import GGUF_MOE_NAMES, ROUTER, SHARED_GATE, MoeFamily
 from hx.models.qwen3_moe import QWEN_EXPERTS, QwenMoeFamily
 from hx.models.spec import MoeShape
 
@@ -36,7 +36,9 @@ class Qwen2MoeFamily(QwenMoeFamily):
 
 
 FAMILY = Qwen2MoeFamily(
-    name="qwen2_moe", hf_model_types=("qwen2_moe",), hf_layer_names=HF_LAYER_NAMES,
+    name="qwen2_moe", hf_model_types=("qwen2_moe",), gguf_architectures=("qwen2moe",),
+    gguf_layer_names=GGUF_MOE_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
+    gguf_moe_family="qwen2_moe", gguf_norm_top_k=False, hf_layer_names=HF_LAYER_NAMES,
     hf_model_names=HF_MODEL_NAMES, qkv_bias=True, hf_experts=QWEN_EXPERTS,
     hf_moe_names={("MLP1", ROUTER): "mlp.gate.weight",
                   ("MLP2", "shared_w_gate/kernel"): "mlp.shared_expert.gate_proj.weight",

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hx.models.llama import HF_LAYER_NAMES, HF_MODEL_NAMES
-from hx.models.moe import ROUTER, MoeFamily
+from hx.models.llama import GGUF_MODEL_NAMES, HF_LAYER_NAMES, HF_MODEL_NAMES
+from hx.models.moe import GGUF_MOE_NAMES, ROUTER, MoeFamily
 from hx.models.qwen2 import Qwen2Family
 
 # the router's and experts' losses and outputs in training
@@ -31,6 +31,8 @@ QWEN_EXPERTS = {"experts_w_gate/kernel": "mlp.experts.{}.gate_proj.weight",
                 "experts_w_down/kernel": "mlp.experts.{}.down_proj.weight"}
 
 FAMILY = QwenMoeFamily(
-    name="qwen3_moe", hf_model_types=("qwen3_moe",), hf_layer_names=HF_LAYER_NAMES,
+    name="qwen3_moe", hf_model_types=("qwen3_moe",), gguf_architectures=("qwen3moe",),
+    gguf_layer_names=GGUF_MOE_NAMES, gguf_model_names=GGUF_MODEL_NAMES,
+    gguf_moe_family="qwen3_moe", hf_layer_names=HF_LAYER_NAMES,
     hf_model_names=HF_MODEL_NAMES, qkv_bias=False, qk_norm=True, hf_experts=QWEN_EXPERTS,
     hf_moe_names={("MLP1", ROUTER): "mlp.gate.weight"})

@@ -146,9 +146,19 @@ class TextConverter:
             w.add_key_length(config["head_dim"])
             w.add_value_length(config["head_dim"])
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        experts = config.get("num_local_experts") or config.get("num_experts")
+        if experts is not None:
+            w.add_expert_count(experts)
+        if config.get("num_experts_per_tok") is not None:
+            w.add_expert_used_count(config["num_experts_per_tok"])
 
     def tensor(self, name: str, a: np.ndarray, config: dict, directory: str) -> np.ndarray:
         return a
+
+    def merged(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``modify_tensors``' merging of a layer's per-expert tensors into one 3-D tensor a
+        kind (none in a dense model)."""
+        return tensors
 
     def extra(self, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         return iter(())
@@ -256,6 +266,62 @@ class Gemma3Converter(TextConverter):
         return a + np.float32(1.0) if name.endswith("norm.weight") else a
 
 
+def stack_experts(tensors: dict[str, np.ndarray], pattern: str, merged: str
+                  ) -> dict[str, np.ndarray]:
+    """Each layer's tensors named ``pattern`` (a regex of groups layer, expert, kind) stacked
+    over the experts, in order, as ``merged.format(layer, kind)`` (the converters'
+    ``torch.stack(datas, dim=0)``); the other tensors as they are."""
+    import re
+
+    out, experts = {}, {}
+    for name, a in tensors.items():
+        m = re.fullmatch(pattern, name)
+        if m is None:
+            out[name] = a
+        else:
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = a
+    for (layer, kind), each in experts.items():
+        out[merged.format(layer, kind)] = np.stack([each[e] for e in sorted(each)])
+    return out
+
+
+@dataclass(frozen=True)
+class MixtralConverter(LlamaConverter):
+    """``LlamaModel`` on a Mixtral: its experts' w1, w2, w3 stacked as
+    ``layers.{i}.feed_forward.experts.{w}.weight``."""
+
+    def merged(self, tensors):
+        return stack_experts(tensors, r"model\.layers\.(\d+)\.block_sparse_moe\.experts\."
+                             r"(\d+)\.(w[123])\.weight", "layers.{}.feed_forward.experts.{}.weight")
+
+
+@dataclass(frozen=True)
+class QwenMoeConverter(TextConverter):
+    """``Qwen2MoeModel`` (and ``Qwen3MoeModel``, ``OlmoeModel``'s merging): the experts' size
+    keys, each layer's experts stacked as ``model.layers.{i}.mlp.experts.{kind}.weight``."""
+
+    def keys(self, w, config):
+        super().keys(w, config)
+        if config.get("moe_intermediate_size") is not None:
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+    def merged(self, tensors):
+        return stack_experts(tensors, r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
+                             r"(\w+_proj)\.weight", "model.layers.{}.mlp.experts.{}.weight")
+
+
+@dataclass(frozen=True)
+class OlmoeConverter(QwenMoeConverter):
+    """``OlmoeModel``: ``TextModel``'s keys, the RMSNorm epsilon written as 1e-5 whatever the
+    config says; its experts stacked as Qwen's."""
+
+    def keys(self, w, config):
+        TextConverter.keys(self, w, config)
+        w.add_layer_norm_rms_eps(1e-5)
+
+
 # convert_hf_to_gguf.py's model class of each Hugging Face architecture hx's families have
 # (none for OPT: llama.cpp defines no OPT architecture)
 CONVERTERS: dict[str, TextConverter] = {
@@ -265,6 +331,10 @@ CONVERTERS: dict[str, TextConverter] = {
     "Qwen3ForCausalLM": TextConverter(gguf.MODEL_ARCH.QWEN3),
     "Phi3ForCausalLM": Phi3Converter(gguf.MODEL_ARCH.PHI3),
     "Gemma3ForCausalLM": Gemma3Converter(gguf.MODEL_ARCH.GEMMA3),
+    "MixtralForCausalLM": MixtralConverter(gguf.MODEL_ARCH.LLAMA),
+    "Qwen3MoeForCausalLM": QwenMoeConverter(gguf.MODEL_ARCH.QWEN3MOE),
+    "Qwen2MoeForCausalLM": QwenMoeConverter(gguf.MODEL_ARCH.QWEN2MOE),
+    "OlmoeForCausalLM": OlmoeConverter(gguf.MODEL_ARCH.OLMOE),
 }
 
 
@@ -291,8 +361,9 @@ def convert(directory: str, path, tokenizer: dict[str, Any]) -> None:
     w.add_token_types(tokenizer["token_type"])
     w.add_token_merges(tokenizer["merges"])
     w.add_eos_token_id(tokenizer["eos_token_id"])
-    for name, a in load_file(os.path.join(directory, "model.safetensors")).items():
-        a = conv.tensor(name, a.astype(np.float32), config, directory)
+    tensors = {name: conv.tensor(name, a.astype(np.float32), config, directory)
+               for name, a in load_file(os.path.join(directory, "model.safetensors")).items()}
+    for name, a in conv.merged(tensors).items():
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
                      np.ascontiguousarray(a))
     for name, a in conv.extra(config):

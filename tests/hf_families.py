@@ -64,9 +64,7 @@ EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
 
 # Where llama.cpp's GGUF of a family's checkpoint is another model, and why. Its converter
 # writes none of OPT (llama.cpp defines no OPT architecture):
-NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)",
-           **dict.fromkeys(("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"),
-                           "hx reads no MoE GGUF yet (issue 40)")}
+NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)"}
 # The checkpoint the GGUF test converts in place of the family's where a llama.cpp file cannot
 # carry the latter: Gemma 3's GGUF holds no layer types or query_pre_attn_scalar (llama.cpp
 # makes every 6th layer global and scales attention by E^-1/2 below 27B), and its converter cuts

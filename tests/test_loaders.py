@@ -83,7 +83,9 @@ def test_gguf_errors(tmp_path, tiny_model, smollm_metadata, tiny_gguf):
 @pytest.mark.parametrize("arch,more,word", [
     ("llama", lambda w: w.add_sliding_window(4096), "llama.attention.sliding_window"),
     ("llama", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), "yarn"),
-    ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),
+    ("qwen2", lambda w: w.add_expert_count(8), "qwen2.expert_count"),
+    ("llama", lambda w: (w.add_expert_count(4), w.add_expert_used_count(2),
+                         w.add_expert_weights_scale(2.0)), "expert_weights_scale"),
     ("llama", lambda w: w.add_tensor(ROPE_FREQS, np.ones(4, np.float32)), "4 factors"),
     ("qwen2", lambda w: w.add_tensor(ROPE_FREQS, np.ones(8, np.float32)), ROPE_FREQS),
     ("llama", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32)),

@@ -35,8 +35,8 @@ from hx.models.compressed import GGUFBlocks, unrepack_rows
 from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, blocks_format, get_format
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_pool.h"))
-TARGET, LAYER_TARGET = "hx_ggml_mm", "hx_ggml_layers"
+                for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_moe.cc", "ggml_pool.h"))
+TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
 # docs/measurements/log.md, "ggml's products"):
@@ -77,7 +77,7 @@ def build(out_dir: Path) -> Path:
       OSError, subprocess.CalledProcessError: no compiler, or the build failed.
     """
     lib = (ggml_dir() / "lib").resolve()
-    return ffi_build.compile_handler(list(SOURCES[:2]), out_dir / "libhx_ggml.so", [
+    return ffi_build.compile_handler(list(SOURCES[:3]), out_dir / "libhx_ggml.so", [
         "-std=c++17", "-O3", "-march=native", f"-I{ggml_dir() / 'include'}",
         f"-I{SOURCES[0].parent}", f"-L{lib}", "-lggml-cpu", "-lggml-base",
         f"-Wl,-rpath,{lib}"])
@@ -97,11 +97,11 @@ def unavailable() -> str | None:
         so = build(kernel_dir())
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        return (f"building {SOURCES[0].name} and {SOURCES[1].name} failed: {e} "
+        return (f"building {', '.join(p.name for p in SOURCES[:3])} failed: {e} "
                 f"{err.decode(errors='replace')[-300:]}")
     lib = ctypes.cdll.LoadLibrary(str(so))
     _LIBRARY.append(lib)
-    for target in (TARGET, LAYER_TARGET):
+    for target in (TARGET, LAYER_TARGET, MOE_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                     platform="cpu")
     return None
@@ -184,3 +184,37 @@ def product(x: jax.Array, held: GGUFBlocks) -> jax.Array:
     centres: ``matmul``); ``models.compressed.Products.blocks`` on the host."""
     return matmul(x, held.blocks, GGUF_BLOCKS[held.blocks_format.name], repacked=held.repacked,
                   centres=held.centres)
+
+
+# the experts' layouts ``experts`` multiplies (``Products.experts_layouts``): GGUF blocks
+# ggml's ``mul_mat_id`` takes as they are (a centred q4_1's centres' part is per expert)
+EXPERT_LAYOUTS = ("q4_0", "q8_0", "q4_0 repacked")
+
+
+def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: GGUFBlocks,
+            up: GGUFBlocks, down: GGUFBlocks) -> jax.Array:
+    """An MoE layer's routed experts (``models.moe``) on the host in one ggml graph
+    (``ggml_moe.cc``: llama.cpp's ``build_moe_ffn``): y (M, D) float32 = sum_j weights[m, j]
+    down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j], each row multiplied by its k experts'
+    matrices only.
+
+    Args:
+      x: (M, D) the rows' normed input (cast to float32).
+      ids: (M, k) int32, each row's experts.
+      weights: (M, k) their routing weights (cast to float32).
+      gate, up: (X, F, D) stacked, down (X, D, F), each ``GGUFBlocks`` of ``EXPERT_LAYOUTS``
+        (``models.compressed.Products.takes_experts``).
+    Raises:
+      HxError: the handler cannot be built or loaded (``unavailable`` says why).
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise HxError(f"ggml's products are unavailable: {reason}")
+    types = [GGUF_BLOCKS[m.blocks_format.name] | (REPACKED if m.repacked else 0)
+             for m in (gate, up, down)]
+    X = down.blocks.shape[0] // x.shape[-1]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call(MOE_TARGET, out)(
+        x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), gate.blocks,
+        up.blocks, down.blocks, types=np.array(types, np.int64), experts=np.int64(X),
+        threads=np.int64(len(os.sched_getaffinity(0))))

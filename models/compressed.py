@@ -385,17 +385,30 @@ class Products:
       blocks_rows: (format name, rows) pairs: the most rows ``blocks`` multiplies in that
         format ("NAME repacked": in ggml's repacked layout); past them XLA's product of the
         decompressed matrix is faster.
+      experts: an MoE layer's routed experts ``(x (M, D), ids (M, k), weights (M, k), gate,
+        up, down) -> (M, D) float32``, each row multiplied by its k experts' matrices as held
+        (the host's: ggml's ``mul_mat_id``, ``hx.host_compute.ggml_kernel.experts``); None:
+        every expert by XLA (``models.moe.Experts``).
+      experts_layouts: the ``GGUFBlocks.layout`` values ``experts`` takes.
     """
 
     int4: Callable[..., jax.Array] | None = None
     int4_rows: int = 0
     blocks: Callable[..., jax.Array] | None = None
     blocks_rows: tuple[tuple[str, int], ...] = ()
+    experts: Callable[..., jax.Array] | None = None
+    experts_layouts: tuple[str, ...] = ()
 
     def takes_blocks(self, held: "GGUFBlocks", rows: int) -> bool:
         """Whether ``blocks`` multiplies the ``GGUFBlocks`` matrix ``held`` at ``rows`` rows
         (``blocks_rows`` of its ``GGUFBlocks.layout``)."""
         return self.blocks is not None and rows <= dict(self.blocks_rows).get(held.layout, 0)
+
+    def takes_experts(self, held: tuple) -> bool:
+        """Whether ``experts`` multiplies the stacked experts ``held`` (gate, up, down): each
+        a ``GGUFBlocks`` of ``experts_layouts``."""
+        return self.experts is not None and all(
+            isinstance(m, GGUFBlocks) and m.layout in self.experts_layouts for m in held)
     head_vector_f32: bool = False
 
 

@@ -39,7 +39,7 @@ FAMILY = MixtralFamily(
     hf_model_names=HF_MODEL_NAMES, gguf_layer_names=GGUF_MOE_NAMES,
     gguf_model_names=GGUF_MODEL_NAMES, gguf_rope_permuted=("wq/kernel", "wk/kernel"),
     gguf_moe_family="mixtral",
-    hf_experts={"experts_w_gate/kernel": "block_sparse_moe.experts.{}.w1.weight",
-                "experts_w_up/kernel": "block_sparse_moe.experts.{}.w3.weight",
-                "experts_w_down/kernel": "block_sparse_moe.experts.{}.w2.weight"},
+    hf_experts={"experts/gate_kernel": "block_sparse_moe.experts.{}.w1.weight",
+                "experts/up_kernel": "block_sparse_moe.experts.{}.w3.weight",
+                "experts/down_kernel": "block_sparse_moe.experts.{}.w2.weight"},
     hf_moe_names={("MLP1", ROUTER): "block_sparse_moe.gate.weight"})

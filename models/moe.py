@@ -16,12 +16,11 @@ feed-forward part (``ModelSpec.moe``: ``MoeShape``) maps onto MLP1 and MLP2:
 The router (X, D) stays dense in any weight format (a compressed router would choose other
 experts). The experts are held stacked, one array a matrix kind, expert e's matrix contiguous
 at index e as a checkpoint's ``(experts, out, in)`` (transformers' ``gate_up_proj`` and
-``down_proj``, llama.cpp's ``ffn_*_exps``): ``experts_w_gate``, ``experts_w_up`` (X, F, D) and
-``experts_w_down`` (X, D, F); a checkpoint's per-expert tensors are stacked at load. MLP2
-computes every expert and weights those not routed to by 0 -- the same sums as computing the k
-routed ones, at X / k the FLOPs (the cost model prices what runs: ``Family.flops`` counts every
-expert): gate and up as one product of n with the (X F, D) matrix, down as a product batched
-over the experts of the weighted inner activations, summed.
+``down_proj``, llama.cpp's ``ffn_*_exps``): ``experts/gate_kernel``, ``experts/up_kernel``
+(X, F, D) and ``experts/down_kernel`` (X, D, F); a checkpoint's per-expert tensors are stacked
+at load. On the host, GGUF blocks are multiplied by ggml's ``mul_mat_id``, each row by its k
+experts alone (``Experts``); elsewhere every expert runs, those not routed to weighted by 0 --
+the same sums at X / k the FLOPs (``Family.flops`` counts every expert).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from flax import linen as nn
 
 from hx.errors import HxError
 from hx.models.family import ConfigReader, MetadataReader
+from hx.models.compressed import DEFAULT_PRODUCTS, Products, product
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
 from hx.models.spec import ModelSpec, MoeShape
@@ -43,7 +43,7 @@ from hx.models.spec import ModelSpec, MoeShape
 ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
 SHARED_GATE = "shared_expert_gate"  # the shared expert's sigmoid gate (1, D): MLP2's, dense
 # the routed experts' stacked matrices (MLP2's), one path a kind
-EXPERT_KINDS = ("experts_w_gate/kernel", "experts_w_up/kernel", "experts_w_down/kernel")
+EXPERT_KINDS = ("experts/gate_kernel", "experts/up_kernel", "experts/down_kernel")
 
 
 class RouterOp(WeightedOp):
@@ -82,11 +82,8 @@ class ExpertsOp(WeightedOp):
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s, moe = self.spec, self.spec.moe
         n, weights = a[..., :s.d_model], a[..., s.d_model:].astype(jnp.float32)
-        shape = (moe.experts, moe.d_expert)
-        gate = dense(self, shape, name="experts_w_gate")(n)  # 'BTD,XFD->BTXF'
-        up = dense(self, shape, name="experts_w_up")(n)
-        inner = jax.nn.silu(gate) * up * weights[..., None]
-        y = Stacked(s.d_model, held_dtype(self), s.weight_format, name="experts_w_down")(inner)
+        y = Experts(moe.experts, moe.top_k, moe.d_expert, held_dtype(self), s.weight_format,
+                    self.products, name="experts")(n, weights)
         if moe.d_shared:
             gate = dense(self, moe.d_shared, name="shared_w_gate")(n)
             up = dense(self, moe.d_shared, name="shared_w_up")(n)
@@ -99,37 +96,55 @@ class ExpertsOp(WeightedOp):
         return ((x.astype(jnp.float32) + y).astype(s.dtype),)
 
 
-class Stacked(nn.Module):
-    """y = sum_e x_e W_e^T (..., out) float32 of per-expert inputs x (..., X, in) and stacked
-    matrices ``kernel`` (X, out, in) held in ``fmt``: decompressed into ``param_dtype`` (after
-    x exists), one product batched over the experts with float32 accumulation, summed over
-    them. Initialised as each expert's LeCun normal."""
+class Experts(nn.Module):
+    """The routed experts of one layer: y (B,T,D) float32 = sum_e w_e down_e(SiLU(gate_e n) *
+    up_e n) of n (B,T,D) and the routing weights w (B,T,X) float32 (0 off each row's k).
 
-    features: int
+    ``gate_kernel``, ``up_kernel`` (X, F, D) and ``down_kernel`` (X, D, F) are held in ``fmt``.
+    Where the device multiplies them as held (``Products.takes_experts``: the host's ggml,
+    llama.cpp's ``mul_mat_id``) each row runs its k experts alone, after the k largest weights
+    and their experts are read off w (``jax.lax.top_k``). Elsewhere every expert runs (module
+    docstring): gate and up as one product of n with the (X F, D) matrix, down decompressed
+    (after the inner activations exist) and multiplied batched over the experts, summed.
+    Initialised as each expert's LeCun normal.
+    """
+
+    experts: int
+    top_k: int
+    d_expert: int
     param_dtype: Any = jnp.float32
     fmt: str = "dense"
+    products: Products = DEFAULT_PRODUCTS
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        X, inner = x.shape[-2:]
-        shape = (X, self.features, inner)
+    def __call__(self, n: jax.Array, weights: jax.Array) -> jax.Array:
+        X, F, D = self.experts, self.d_expert, n.shape[-1]
         init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-        kernel = matrix(self, "kernel", shape, self.fmt, self.param_dtype, init)
-        w = (kernel if isinstance(kernel, jax.Array) else
-             kernel.decompress(self.param_dtype, after=x)).reshape(shape)
-        lead = x.ndim - 2  # 'BTXF,XDF->XBTD', then the sum over X
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (2,)), ((lead,), (0,))),
-                                preferred_element_type=jnp.float32)
-        return y.sum(axis=0)
+        gate, up, down = (matrix(self, name, shape, self.fmt, self.param_dtype, init)
+                          for name, shape in (("gate_kernel", (X, F, D)),
+                                              ("up_kernel", (X, F, D)),
+                                              ("down_kernel", (X, D, F))))
+        rows, w = n.reshape(-1, D), weights.reshape(-1, X)
+        if self.products.takes_experts((gate, up, down)):
+            top, ids = jax.lax.top_k(w, self.top_k)
+            return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
+        g = product(gate, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
+        u = product(up, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
+        inner = jax.nn.silu(g) * u * w[..., None]
+        full = (down if isinstance(down, jax.Array) else
+                down.decompress(self.param_dtype, after=inner)).reshape(X, D, F)
+        y = jax.lax.dot_general(inner.astype(full.dtype), full, (((2,), (2,)), ((1,), (0,))),
+                                preferred_element_type=jnp.float32)  # 'RXF,XDF->XRD'
+        return y.sum(axis=0).reshape(n.shape)
 
 
 MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp}
 
 # llama.cpp's names of an MoE layer's tensors (its ``LLM_TENSOR_FFN_*_EXPS``, ``*_SHEXP``)
 GGUF_MOE_NAMES = {**GGUF_LAYER_NAMES, ("MLP1", ROUTER): "ffn_gate_inp.weight",
-                  ("MLP2", "experts_w_gate/kernel"): "ffn_gate_exps.weight",
-                  ("MLP2", "experts_w_up/kernel"): "ffn_up_exps.weight",
-                  ("MLP2", "experts_w_down/kernel"): "ffn_down_exps.weight",
+                  ("MLP2", "experts/gate_kernel"): "ffn_gate_exps.weight",
+                  ("MLP2", "experts/up_kernel"): "ffn_up_exps.weight",
+                  ("MLP2", "experts/down_kernel"): "ffn_down_exps.weight",
                   ("MLP2", "shared_w_gate/kernel"): "ffn_gate_shexp.weight",
                   ("MLP2", "shared_w_up/kernel"): "ffn_up_shexp.weight",
                   ("MLP2", "shared_w_down/kernel"): "ffn_down_shexp.weight",
@@ -158,8 +173,8 @@ class MoeFamily(LlamaFamily):
         D, moe = spec.d_model, spec.moe
         X, F = moe.experts, moe.d_expert
         shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (X, D)}
-        shapes["MLP2"] = {"experts_w_gate/kernel": (X, F, D), "experts_w_up/kernel": (X, F, D),
-                          "experts_w_down/kernel": (X, D, F)}
+        shapes["MLP2"] = {"experts/gate_kernel": (X, F, D), "experts/up_kernel": (X, F, D),
+                          "experts/down_kernel": (X, D, F)}
         if moe.d_shared:
             Fs = moe.d_shared
             shapes["MLP2"] |= {"shared_w_gate/kernel": (Fs, D), "shared_w_up/kernel": (Fs, D),

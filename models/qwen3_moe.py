@@ -26,9 +26,9 @@ class QwenMoeFamily(MoeFamily, Qwen2Family):
     hf_ignored: ClassVar[frozenset] = Qwen2Family.hf_ignored | MOE_TRAINING
 
 
-QWEN_EXPERTS = {"experts_w_gate/kernel": "mlp.experts.{}.gate_proj.weight",
-                "experts_w_up/kernel": "mlp.experts.{}.up_proj.weight",
-                "experts_w_down/kernel": "mlp.experts.{}.down_proj.weight"}
+QWEN_EXPERTS = {"experts/gate_kernel": "mlp.experts.{}.gate_proj.weight",
+                "experts/up_kernel": "mlp.experts.{}.up_proj.weight",
+                "experts/down_kernel": "mlp.experts.{}.down_proj.weight"}
 
 FAMILY = QwenMoeFamily(
     name="qwen3_moe", hf_model_types=("qwen3_moe",), gguf_architectures=("qwen3moe",),

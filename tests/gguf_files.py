@@ -338,11 +338,14 @@ CONVERTERS: dict[str, TextConverter] = {
 }
 
 
-def convert(directory: str, path, tokenizer: dict[str, Any]) -> None:
+def convert(directory: str, path, tokenizer: dict[str, Any],
+            quantized: gguf.GGMLQuantizationType | None = None) -> None:
     """Write the Hugging Face folder ``directory`` (``config.json``, ``model.safetensors``) as
     convert_hf_to_gguf.py would, float32, at ``path``; ``tokenizer``: the ``tokenizer.ggml.*``
     keys (the converter's vocabulary detection is not followed: the test tokenizers are no
-    released one).
+    released one). With ``quantized``, every matrix whose rows are whole blocks is written in
+    that block type, as llama.cpp's ``llama-quantize`` writes it -- but an MoE router
+    (``ffn_gate_inp``), which it keeps in F32.
 
     Raises:
       KeyError: llama.cpp has no converter for the folder's architecture.
@@ -364,8 +367,11 @@ def convert(directory: str, path, tokenizer: dict[str, Any]) -> None:
     tensors = {name: conv.tensor(name, a.astype(np.float32), config, directory)
                for name, a in load_file(os.path.join(directory, "model.safetensors")).items()}
     for name, a in conv.merged(tensors).items():
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
-                     np.ascontiguousarray(a))
+        name, a = names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a)
+        if quantized is None or a.ndim < 2 or a.shape[-1] % 32 or "ffn_gate_inp" in name:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, quantized), raw_dtype=quantized)
     for name, a in conv.extra(config):
         w.add_tensor(name, a)
     w.write_header_to_file()

@@ -154,10 +154,11 @@ def with_fields(model, fields: dict):
     return other.eval()
 
 
-def write_gguf(directory: str, path: str, vocab_size: int) -> None:
+def write_gguf(directory: str, path: str, vocab_size: int, quantized=None) -> None:
     """The checkpoint in ``directory`` as llama.cpp's converter writes it
     (``gguf_files.convert``), with the byte-level vocabulary padded to ``vocab_size`` as
-    the converter pads it (``[PAD{i}]``, unused) as GGUF metadata."""
+    the converter pads it (``[PAD{i}]``, unused) as GGUF metadata; its matrices in block type
+    ``quantized`` where given (``gguf_files.convert``)."""
     from tokenizers import pre_tokenizers
 
     from gguf_files import convert
@@ -166,4 +167,4 @@ def write_gguf(directory: str, path: str, vocab_size: int) -> None:
     pads = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
     convert(directory, path, {"model": "gpt2", "pre": "default", "tokens": tokens + pads,
                               "token_type": [1] * 256 + [3] + [5] * len(pads), "merges": [],
-                              "eos_token_id": EOS_ID})
+                              "eos_token_id": EOS_ID}, quantized)

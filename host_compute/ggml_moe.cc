@@ -1,0 +1,111 @@
+// hx_ggml_moe: a Mixture-of-Experts layer's routed experts on the host CPU as one ggml graph,
+// as an XLA FFI custom call (host_compute/ggml_kernel.py: experts). The graph llama.cpp builds
+// for them (llm_graph_context::build_moe_ffn, SwiGLU experts, the routing given): each row's
+// k experts' gate and up products (ggml_mul_mat_id: ggml groups the rows by expert and
+// multiplies each expert's rows with its own matrix, never the others'), SwiGLU, the down
+// products, each scaled by its routing weight, summed over the k.
+//
+//   x        (M, D) f32   the rows' normed input
+//   ids      (M, k) i32   each row's experts (0 <= id < X)
+//   weights  (M, k) f32   their routing weights
+//   gate, up (X F, ggml_row_size(type, D)) u8   the experts' matrices stacked, GGUF blocks
+//   down     (X D, ggml_row_size(type, F)) u8   (types[i]: with hx_ggml::kRepacked, in
+//                                              ggml's repacked CPU layout)
+//   -> y     (M, D) f32   sum_j weights[m, j] down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j]
+// Attributes: types (gate, up, down), experts X, threads.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ggml-alloc.h"
+#include "ggml_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
+                   ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                   ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> types,
+                   int64_t experts, int64_t threads) {
+  auto xd = x.dimensions(), id = ids.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
+      ids.element_type() != ffi::DataType::S32 ||
+      weights.element_type() != ffi::DataType::F32 || xd.size() != 2 || id.size() != 2 ||
+      id[0] != xd[0] || weights.size_bytes() != ids.size_bytes() ||
+      y->size_bytes() != x.size_bytes() || types.size() != 3 || experts < 1 || threads < 1)
+    return ffi::Error::InvalidArgument(
+        "hx_ggml_moe: x (M, D) f32, ids (M, k) i32, weights (M, k) f32, y (M, D) f32, "
+        "three types");
+  const int64_t M = xd[0], D = xd[1], k = id[1], X = experts;
+  ggml_type type[3];
+  bool repacked[3];
+  for (int i = 0; i < 3; ++i) {
+    repacked[i] = (types[i] & hx_ggml::kRepacked) != 0;
+    const int64_t t = types[i] & ~hx_ggml::kRepacked;
+    if (t < 0 || t >= GGML_TYPE_COUNT)
+      return ffi::Error::InvalidArgument("hx_ggml_moe: unknown ggml type");
+    type[i] = ggml_type(t);
+  }
+  const size_t gate_row = ggml_row_size(type[0], D);
+  const int64_t F = int64_t(gate.size_bytes() / gate_row) / X;
+  if (F < 1 || gate.size_bytes() != size_t(X * F) * gate_row ||
+      up.size_bytes() != size_t(X * F) * ggml_row_size(type[1], D) ||
+      down.size_bytes() != size_t(X * D) * ggml_row_size(type[2], F))
+    return ffi::Error::InvalidArgument(
+        "hx_ggml_moe: gate and up (X F, row_size(D)), down (X D, row_size(F))");
+
+  std::lock_guard<std::mutex> hold(hx_ggml::Turn());
+  thread_local std::vector<uint8_t> meta(32 * ggml_tensor_overhead() +
+                                         ggml_graph_overhead_custom(64, false));
+  thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+  ggml_context* ctx = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
+  auto leaf = [&](void* data, ggml_type t, int64_t ne0, int64_t ne1, int64_t ne2) {
+    ggml_tensor* l = ggml_new_tensor_3d(ctx, t, ne0, ne1, ne2);
+    l->data = data;
+    return l;
+  };
+  ggml_tensor* xt = leaf(x.untyped_data(), GGML_TYPE_F32, D, 1, M);
+  ggml_tensor* it = leaf(ids.untyped_data(), GGML_TYPE_I32, k, M, 1);
+  ggml_tensor* wt = leaf(weights.untyped_data(), GGML_TYPE_F32, 1, k, M);
+  ggml_tensor* gt = leaf(gate.untyped_data(), type[0], D, F, X);
+  ggml_tensor* ut = leaf(up.untyped_data(), type[1], D, F, X);
+  ggml_tensor* dt = leaf(down.untyped_data(), type[2], F, D, X);
+  ggml_tensor* mats[3] = {gt, ut, dt};
+  for (int i = 0; i < 3; ++i)
+    if (repacked[i] && !hx_ggml::MarkRepacked(mats[i])) {
+      ggml_free(ctx);
+      return ffi::Error::InvalidArgument("hx_ggml_moe: ggml has no repacked layout of a type");
+    }
+  ggml_tensor* g = ggml_mul_mat_id(ctx, gt, xt, it);  // (F, k, M)
+  ggml_tensor* u = ggml_mul_mat_id(ctx, ut, xt, it);
+  ggml_tensor* h = ggml_swiglu_split(ctx, g, u);
+  ggml_tensor* o = ggml_mul(ctx, ggml_mul_mat_id(ctx, dt, h, it), wt);  // (D, k, M)
+  ggml_tensor* out = ggml_view_2d(ctx, o, D, M, o->nb[2], 0);
+  for (int64_t j = 1; j < k; ++j)
+    out = ggml_add(ctx, out, ggml_view_2d(ctx, o, D, M, o->nb[2], j * o->nb[1]));
+  if (k == 1) out = ggml_cont(ctx, out);
+  out->data = y->untyped_data();
+  ggml_cgraph* graph = ggml_new_graph_custom(ctx, 64, false);
+  ggml_build_forward_expand(graph, out);
+  bool done = ggml_gallocr_alloc_graph(placer, graph) && hx_ggml::Compute(graph, int(threads));
+  ggml_free(ctx);
+  if (!done) return ffi::Error(ffi::ErrorCode::kInternal, "hx_ggml_moe: ggml failed");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_moe, GgmlMoe,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("types")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("threads"));

@@ -1,0 +1,111 @@
+"""Mixture-of-Experts layers beyond the families' checks against transformers
+(``tests/test_families.py``): the host's experts product -- ggml's ``mul_mat_id`` over a GGUF's
+own blocks, llama.cpp's MoE graph -- against a float64 computation over the decoded weights, and
+the MoE model path that takes it (a quantized MoE GGUF on the host) against XLA's every-expert
+path over the same weights.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from hx.host_compute import ggml_kernel
+from hx.models.compressed import GGUFBlocks
+from hx.models.gguf_loader import group_of_blocks
+
+pytestmark = pytest.mark.skipif(ggml_kernel.unavailable() is not None,
+                                reason=str(ggml_kernel.unavailable()))
+
+
+def stacked(rng, kind, X, out, inner, repack):
+    """(GGUFBlocks of X stacked random (out, inner) matrices in ``kind``, their float64)."""
+    blocks = quantize(rng.standard_normal((X * out, inner)).astype(np.float32), kind)
+    ref = dequantize(blocks, kind).astype(np.float64).reshape(X, out, inner)
+    held = GGUFBlocks.from_group(group_of_blocks(blocks, kind.name, (X * out, inner)),
+                                 (X * out, inner))
+    return (ggml_kernel.repacked(held) if repack else held), ref
+
+
+def silu(a):
+    return a / (1 + np.exp(-a))
+
+
+@pytest.mark.parametrize("kind,repack", [(Q.Q4_0, False), (Q.Q4_0, True), (Q.Q8_0, False)])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows):
+    """Each row's k experts (ids with repeats across rows, an expert no row picks), weighted
+    and summed: within ggml's 8-bit rounding of the activations, twice (x for gate and up, the
+    inner activations for down): 0.8-1.3e-2 of the largest in 27 draws, so 3e-2; a row given
+    another expert is off by its whole output."""
+    if repack and "q4_0" not in ggml_kernel.repacked_formats():
+        pytest.skip("ggml repacks no format hx reads on this CPU")
+    rng = np.random.default_rng(rows * 10 + int(kind) + repack)
+    X, k, D, F = 6, 2, 64, 96
+    gate, g = stacked(rng, kind, X, F, D, repack)
+    up, u = stacked(rng, kind, X, F, D, repack)
+    down, d = stacked(rng, kind, X, D, F, repack)
+    x = rng.standard_normal((rows, D)).astype(np.float32)
+    ids = np.stack([rng.choice(X - 1, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
+    want = np.zeros((rows, D))
+    for m in range(rows):
+        for j in range(k):
+            e, xm = ids[m, j], x[m].astype(np.float64)
+            want[m] += w[m, j] * d[e] @ (silu(g[e] @ xm) * (u[e] @ xm))
+    got = np.asarray(jax.jit(ggml_kernel.experts)(x, ids, w, gate, up, down))
+    assert got.shape == (rows, D) and got.dtype == np.float32
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
+def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, monkeypatch,
+                                                                       kind):
+    """Qwen3-MoE's tiny checkpoint as a quantized GGUF (its router F32, as llama-quantize
+    leaves it), held in the file's blocks. Each layer's MLP2 on the host with the routed
+    experts multiplied by ggml's ``mul_mat_id`` (each row by its own k) gives XLA's
+    every-expert sums over the same blocks within ggml's rounding of the activations (0.8-0.9e-2
+    of the largest here; 3e-2); and a whole all-host run takes that path (its logits move when
+    the host's experts product is taken away; through two layers, where a token's routing can
+    flip, by several percent)."""
+    import hx
+    from hx import programs
+    from hx.devices import discover
+    from hx.generate import Engine
+    from hx.host_compute import products
+    from hx.models.decoder import apply_op
+    from hx.models.layers import Step
+    from hx.planner import policies
+
+    from hf_families import CONFIGS, PROMPTS, write_checkpoint, write_gguf
+
+    directory = str(tmp_path / "ckpt")
+    config = ("qwen3_moe", dict(CONFIGS["qwen3_moe"][1], moe_intermediate_size=64))
+    ref = write_checkpoint("qwen3_moe", directory, config=config)
+    path = str(tmp_path / "moe.gguf")
+    write_gguf(directory, path, ref.config.vocab_size, kind)
+    model = hx.load(path, dtype="float32")
+    spec, ggml = model.spec, products.HOST_PRODUCTS
+    assert spec.moe is not None and spec.weight_format == kind.name.lower()
+    xla = dataclasses.replace(ggml, experts=None)
+    rng = np.random.default_rng(int(kind))
+    x = jax.numpy.asarray(rng.standard_normal((2, 9, spec.d_model)), np.float32)
+    step = Step(np.zeros((2, 9), np.int32), np.int32(0), np.zeros(2, np.int32))
+    for layer in range(spec.n_layers):
+        params = model.params[f"layer_{layer}"]
+        a = apply_op(spec, "MLP1", params["MLP1"], {"x": x}, step)[0]["a"]
+        y = [np.asarray(jax.jit(lambda p, a, x, used=used: apply_op(
+            spec, "MLP2", p, {"a": a, "x": x}, step, products=used)[0]["x"])(
+                params["MLP2"], a, x)) - np.asarray(x) for used in (ggml, xla)]
+        assert np.abs(y[0] - y[1]).max() <= 3e-2 * np.abs(y[1]).max(), layer
+
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    plan = policies.all_host(spec.n_layers)
+    with_ggml = Engine(model, plan, discover()).last_logits(prompts)
+    monkeypatch.setattr(products, "HOST_PRODUCTS", xla)
+    monkeypatch.setattr(programs, "_PROGRAMS", {})  # compiled anew with those products
+    without = Engine(model, plan, discover()).last_logits(prompts)
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(with_ggml, without))

@@ -8,6 +8,9 @@
 //   the caches)
 //   o = softmax(q k^T * scale + mask) v over the first `used` slots (ggml_flash_attn_ext)
 //   x1 = x + o Wo;  x' = x1 + (SiLU(n Wgate) * (n Wup)) Wdown,  n = RMSNorm(x1) * ffn_norm
+//   or, an MoE layer (experts > 0; llama.cpp's build_moe_ffn): p = softmax(n Wrouter), each
+//   row's top_k experts e and their p_e (renormalised where norm_top_k),
+//   x' = x1 + sum_e p_e (SiLU(n Wgate_e) * (n Wup_e)) Wdown_e by ggml_mul_mat_id
 // RoPE is the rotate-half layout (GGML_ROPE_TYPE_NEOX: hx holds Q and K rows as Hugging Face
 // does) with frequencies freq_base^(-2i/E) / freq_factors[i]. One graph for the run: one
 // hand-off to the thread pool, as llama.cpp computes a whole model.
@@ -20,13 +23,14 @@
 //   per layer: its k, v caches (B, R, K, E) f32, f16 or bf16 (aliased to its results),
 //   attn_norm (D,), wq, wk, wv, wo, ffn_norm (D,), w_gate, w_up, w_down, [bq (H E), bk, bv
 //   (K E)], [q_norm, k_norm (E,)], norms and biases f32, then the centres (in / 32, out) f32 of
-//   its centred matrices in that order. A matrix is held as its (out, in) rows: uint8 blocks
+//   its centred matrices in that order, then an MoE layer's router (X, D) f32; its w_gate,
+//   w_up (X F, in) and w_down (X D, F) are its experts' stacked (none centred). A matrix is held as its (out, in) rows: uint8 blocks
 //   of ggml type types[7 l + i] (a GGUF's; with hx_ggml::kRepacked in ggml's repacked CPU
 //   layout; with hx_ggml::kCentred Q4_1 as Q4_0 blocks and centres, hx_ggml::Product), or f32
 //   rows where that is -1.
 // Results: y (N, D) f32, then each layer's k and v caches.
 // Attributes: types (7 a layer: wq wk wv wo w_gate w_up w_down), heads, eps, scale,
-//   freq_base, qkv_bias, qk_norm, threads.
+//   freq_base, qkv_bias, qk_norm, experts (0: dense), top_k, norm_top_k, threads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -86,10 +90,18 @@ struct Built {
 // The run's shapes and switches.
 struct Shape {
   int64_t B, T, N, R, K, E, H, D, F, n_kv;
+  int64_t X, top_k;  // MoE: routed experts (0: a dense FFN) and each row's k of them
   ggml_type cache;
   float eps, scale, freq_base;
-  bool qkv_bias, qk_norm;
+  bool qkv_bias, qk_norm, norm_top_k;
 };
+
+// Each layer's arguments: 11 tensors, the switches', one per centred matrix, an MoE router.
+size_t LayerArgs(const Shape& s, const int64_t* types) {
+  return 11 + (s.qkv_bias ? 3 : 0) + (s.qk_norm ? 2 : 0) + (s.X > 0 ? 1 : 0) +
+         std::count_if(types, types + 7,
+                       [](int64_t t) { return t >= 0 && (t & hx_ggml::kCentred) != 0; });
+}
 
 // One layer's nodes in `ctx` over its leaves in `leaves`: x (D, N) in, x (D, N) out.
 ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml_tensor* x,
@@ -103,7 +115,8 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
     ggml_tensor* w;
     ggml_tensor* centres;  // null unless centred
   };
-  auto matrix = [&](size_t i, int64_t type, int64_t in, int64_t out, const char* name) {
+  auto matrix = [&](size_t i, int64_t type, int64_t in, int64_t out, const char* name,
+                    int64_t stacked = 1) {
     const bool repacked = type >= 0 && (type & hx_ggml::kRepacked) != 0;
     const bool centred = type >= 0 && (type & hx_ggml::kCentred) != 0;
     if (type >= 0) type &= ~(hx_ggml::kRepacked | hx_ggml::kCentred);
@@ -113,8 +126,8 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
       *bad += std::string(" ") + name;
       t = GGML_TYPE_F32;
     }
-    ggml_tensor* w = Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), t, in, out, 1,
-                          bad, name);
+    ggml_tensor* w = Leaf(leaves, arg(i).untyped_data(), arg(i).size_bytes(), t, in, out,
+                          stacked, bad, name);
     if (repacked && !hx_ggml::MarkRepacked(w)) *bad += std::string(" ") + name + " (repacked)";
     ggml_tensor* c = nullptr;
     if (centred) {
@@ -144,9 +157,10 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   Matrix wv = matrix(5, types[2], D, K * E, "wv");
   Matrix wo = matrix(6, types[3], H * E, D, "wo");
   ggml_tensor* ffn_norm = vec(7, D, "ffn_norm");
-  Matrix w_gate = matrix(8, types[4], D, s.F, "w_gate");
-  Matrix w_up = matrix(9, types[5], D, s.F, "w_up");
-  Matrix w_down = matrix(10, types[6], s.F, D, "w_down");
+  const int64_t X = std::max<int64_t>(s.X, 1);  // an MoE layer's experts, stacked
+  Matrix w_gate = matrix(8, types[4], D, s.F, "w_gate", X);
+  Matrix w_up = matrix(9, types[5], D, s.F, "w_up", X);
+  Matrix w_down = matrix(10, types[6], s.F, D, "w_down", X);
   size_t next = 11;
   ggml_tensor *bq = nullptr, *bk = nullptr, *bv = nullptr, *qn = nullptr, *kn = nullptr;
   if (s.qkv_bias) {
@@ -157,6 +171,13 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   if (s.qk_norm) {
     qn = vec(next++, E, "q_norm");
     kn = vec(next++, E, "k_norm");
+  }
+  ggml_tensor* router = nullptr;  // (D, X) f32: after the centres
+  if (s.X > 0) {
+    const size_t at = LayerArgs(s, types) - 1;
+    router = Leaf(leaves, arg(at).untyped_data(), arg(at).size_bytes(), GGML_TYPE_F32, D, s.X,
+                  1, bad, "router");
+    if (w_gate.centres || w_up.centres || w_down.centres) *bad += " experts (centred)";
   }
   if (!bad->empty()) return x;
 
@@ -191,8 +212,27 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
   ggml_tensor* x1 = ggml_add(ctx, x, product(wo, ggml_reshape_2d(ctx, o, H * E, N)));
   ggml_tensor* n = ggml_mul(ctx, ggml_rms_norm(ctx, x1, s.eps), ffn_norm);
-  ggml_tensor* a = ggml_swiglu_split(ctx, product(w_gate, n), product(w_up, n));
-  return ggml_add(ctx, x1, product(w_down, a));
+  if (s.X == 0) {
+    ggml_tensor* a = ggml_swiglu_split(ctx, product(w_gate, n), product(w_up, n));
+    return ggml_add(ctx, x1, product(w_down, a));
+  }
+  // MoE (llama.cpp's build_moe_ffn): the router's softmax, each row's top k and their
+  // probabilities (renormalised where norm_top_k), its k experts by mul_mat_id, weighted, summed
+  ggml_tensor* probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, router, n));  // (X, N)
+  ggml_tensor* ids = ggml_top_k(ctx, probs, int(s.top_k));               // (k, N)
+  ggml_tensor* w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, s.X, N), ids);
+  if (s.norm_top_k) {
+    ggml_tensor* w2 = ggml_reshape_2d(ctx, w, s.top_k, N);
+    w = ggml_reshape_3d(ctx, ggml_div(ctx, w2, ggml_sum_rows(ctx, w2)), 1, s.top_k, N);
+  }
+  ggml_tensor* n3 = ggml_reshape_3d(ctx, n, D, 1, N);
+  ggml_tensor* a = ggml_swiglu_split(ctx, ggml_mul_mat_id(ctx, w_gate.w, n3, ids),
+                                     ggml_mul_mat_id(ctx, w_up.w, n3, ids));
+  ggml_tensor* e = ggml_mul(ctx, ggml_mul_mat_id(ctx, w_down.w, a, ids), w);  // (D, k, N)
+  ggml_tensor* out = x1;
+  for (int64_t j = 0; j < s.top_k; ++j)
+    out = ggml_add(ctx, out, ggml_view_2d(ctx, e, D, N, e->nb[2], j * e->nb[1]));
+  return out;
 }
 
 ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
@@ -200,15 +240,17 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                       ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> y,
                       ffi::RemainingRets caches, ffi::Span<const int64_t> types, int64_t heads,
                       float eps, float scale, float freq_base, int64_t qkv_bias,
-                      int64_t qk_norm, int64_t threads) {
-  // each layer's first argument: 11 tensors, the switches' and one per centred matrix
+                      int64_t qk_norm, int64_t experts, int64_t top_k, int64_t norm_top_k,
+                      int64_t threads) {
+  Shape s;
+  s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0;
+  s.X = experts, s.top_k = top_k, s.norm_top_k = norm_top_k != 0;
+  // each layer's first argument (LayerArgs)
   const size_t L = types.size() / 7;
   std::vector<size_t> firsts(L + 1, 0);
-  for (size_t l = 0; l < L; ++l)
-    firsts[l + 1] = firsts[l] + 11 + (qkv_bias ? 3 : 0) + (qk_norm ? 2 : 0) +
-                    std::count_if(&types[7 * l], &types[7 * l + 7], [](int64_t t) {
-                      return t >= 0 && (t & hx_ggml::kCentred) != 0;
-                    });
+  for (size_t l = 0; l < L; ++l) firsts[l + 1] = firsts[l] + LayerArgs(s, &types[7 * l]);
+  if (experts < 0 || (experts > 0 && (top_k < 1 || top_k > experts)))
+    return ffi::Error::InvalidArgument("hx_ggml_layers: 1 <= top_k <= experts");
   if (L < 1 || types.size() != 7 * L || args.size() != firsts[L] || caches.size() != 2 * L ||
       threads < 1)
     return ffi::Error::InvalidArgument(
@@ -216,7 +258,6 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
         "types a layer, its two caches among the results");
   ffi::AnyBuffer k0 = args.get<ffi::AnyBuffer>(0).value();
   auto cd = k0.dimensions(), xd = x.dimensions();
-  Shape s;
   s.cache = CacheType(k0.element_type());
   if (cd.size() != 4 || xd.size() != 2 || s.cache == GGML_TYPE_COUNT ||
       x.element_type() != ffi::DataType::F32 || mask.element_type() != ffi::DataType::F16 ||
@@ -228,20 +269,20 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   s.T = s.N / s.B;
   s.n_kv = *static_cast<const int32_t*>(used.untyped_data());
   s.eps = eps, s.scale = scale, s.freq_base = freq_base;
-  s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0;
   ffi::AnyBuffer gate = args.get<ffi::AnyBuffer>(8).value();
   const int64_t gate_type =
       types[4] < 0 ? types[4] : types[4] & ~(hx_ggml::kRepacked | hx_ggml::kCentred);
   if (gate_type >= GGML_TYPE_COUNT)
     return ffi::Error::InvalidArgument("hx_ggml_layers: unknown ggml type");
-  s.F = gate.size_bytes() / (gate_type < 0 ? 4 * s.D : ggml_row_size(ggml_type(gate_type), s.D));
+  s.F = gate.size_bytes() / (gate_type < 0 ? 4 * s.D : ggml_row_size(ggml_type(gate_type), s.D)) /
+        std::max<int64_t>(s.X, 1);
   if (s.N != s.B * s.T || s.n_kv < 1 || s.n_kv > s.R)
     return ffi::Error::InvalidArgument("hx_ggml_layers: N = B T rows, 1 <= used <= R");
 
   std::lock_guard<std::mutex> hold(hx_ggml::Turn());
   // leaves: XLA's buffers, no copies; the results placed by ggml's graph allocator, which
   // reuses a result's memory once its last reader ran (one buffer per calling thread, kept)
-  const size_t nodes = 96 * L + 16;
+  const size_t nodes = (experts > 0 ? 96 + 8 * top_k : 96) * L + 16;
   thread_local std::vector<uint8_t> meta, graph_meta;
   thread_local std::vector<ggml_fp16_t> mask_used;
   thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
@@ -261,6 +302,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
   // a decode loop calls step after step with the same buffers and, as llama.cpp pads the
   // slots read to 256 (ggml_layer.py), the same shapes: the graph built last is run again
   std::vector<int64_t> key = {B, T, R, K, E, H, D, s.n_kv, threads, qkv_bias, qk_norm,
+                              experts, top_k, norm_top_k,
                               Bits(eps), Bits(scale), Bits(freq_base), Address(x.untyped_data()),
                               Address(positions.untyped_data()), Address(slots.untyped_data()),
                               Address(mask_data), Address(freq_factors.untyped_data()),
@@ -337,4 +379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_layers, GgmlLayers,
                                   .Attr<float>("freq_base")
                                   .Attr<int64_t>("qkv_bias")
                                   .Attr<int64_t>("qk_norm")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("norm_top_k")
                                   .Attr<int64_t>("threads"));

@@ -36,12 +36,30 @@ from hx.host_compute import ggml_kernel
 from hx.models.compressed import GGUFBlocks
 from hx.models.formats import GGUF_BLOCKS
 from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
+from hx.models.moe import ROUTER
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
 READ_PAD = 256  # attention reads cache slots in multiples of this (llama.cpp's KV padding)
 DENSE_ROWS = 64  # float32 rows: up to where ggml's products were measured against XLA's
-MATRICES = (("Q", "wq"), ("K", "wk"), ("V", "wv"), ("OUT", "wo"), ("MLP1", "w_gate"),
-            ("MLP1", "w_up"), ("MLP2", "w_down"))
+# each layer's seven matrices, (op, path), in ggml_layer.cc's order: a dense FFN's, or an MoE
+# layer's stacked experts (models.moe)
+ATTENTION = (("Q", "wq/kernel"), ("K", "wk/kernel"), ("V", "wv/kernel"), ("OUT", "wo/kernel"))
+MATRICES = ATTENTION + (("MLP1", "w_gate/kernel"), ("MLP1", "w_up/kernel"),
+                        ("MLP2", "w_down/kernel"))
+MOE_MATRICES = ATTENTION + (("MLP2", "experts/gate_kernel"), ("MLP2", "experts/up_kernel"),
+                            ("MLP2", "experts/down_kernel"))
+
+
+def _matrices(spec: ModelSpec, params: Sequence[Mapping[str, Any]]) -> list:
+    """The layer's seven held matrices (``MATRICES`` or ``MOE_MATRICES``)."""
+    p = dict(zip(LAYER_OPS, params))
+    out = []
+    for op, path in MOE_MATRICES if spec.moe else MATRICES:
+        node = p[op]
+        for key in path.split("/"):
+            node = node[key]
+        out.append(node)
+    return out
 
 
 def _matrix(m: Any) -> tuple[Any, Any, int] | None:
@@ -76,30 +94,35 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
             or spec.dtype not in ("float32", "bfloat16") or set(cache) != {"k", "v"}
             or ggml_kernel.unavailable() is not None):
         return False
-    p = dict(zip(LAYER_OPS, params))
-    kernels = [p[op][name]["kernel"] for op, name in MATRICES]
-    return all(_matrix(m) is not None and rows <= _rows(m) for m in kernels)
+    kernels = _matrices(spec, params)
+    if spec.moe and not all(isinstance(m, GGUFBlocks) and m.layout in ggml_kernel.EXPERT_LAYOUTS
+                            for m in kernels[4:]):
+        return False
+    return all(_matrix(m) is not None and (rows <= _rows(m) or i >= 4)
+               for i, m in enumerate(kernels))
 
 
 def _f32(a) -> jax.Array:
     return jnp.asarray(a, jnp.float32).reshape(-1)
 
 
-def _layer_tensors(graph, params: Sequence[Mapping[str, Any]], cache: Cache
+def _layer_tensors(spec: ModelSpec, graph, params: Sequence[Mapping[str, Any]], cache: Cache
                    ) -> tuple[list, list[int]]:
     """One layer's arguments of ``ggml_layer.cc`` in its order (its caches, norms, matrices,
-    the switches' biases and q/k norms, then the centred matrices' centres) and its seven
-    matrices' types."""
+    the switches' biases and q/k norms, the centred matrices' centres, then an MoE layer's
+    router (X, D)) and its seven matrices' types."""
     p = dict(zip(LAYER_OPS, params))
-    matrices = [_matrix(p[op][name]["kernel"]) for op, name in MATRICES]
+    matrices = [_matrix(m) for m in _matrices(spec, params)]
     tensors = [cache["k"], cache["v"], _f32(p["Q"]["attn_norm"]["scale"]),
                *(a for a, _, _ in matrices[:4]), _f32(p["MLP1"]["ffn_norm"]["scale"]),
                *(a for a, _, _ in matrices[4:])]
     if graph.qkv_bias:
-        tensors += [_f32(p[op][name]["bias"]) for op, name in MATRICES[:3]]
+        tensors += [_f32(p[op][path.split("/")[0]]["bias"]) for op, path in ATTENTION[:3]]
     if graph.qk_norm:
         tensors += [_f32(p["Q"]["q_norm"]["scale"]), _f32(p["K"]["k_norm"]["scale"])]
     tensors += [c for _, c, _ in matrices if c is not None]
+    if spec.moe:
+        tensors.append(_f32(p["MLP1"][ROUTER]))
     return tensors, [t for _, _, t in matrices]
 
 
@@ -123,13 +146,13 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     Raises:
       XlaRuntimeError (at run time): ``ggml_layer.cc`` refused an argument's size or type.
     """
-    graph = spec.model_family.graph_layer(spec)
+    graph, moe = spec.model_family.graph_layer(spec), spec.moe
     B, T, D = x.shape
     R, E = caches[0]["k"].shape[1], spec.head_dim
 
     tensors, types, firsts = [], [], []
     for params, cache in zip(layers, caches):
-        layer_tensors, layer_types = _layer_tensors(graph, params, cache)
+        layer_tensors, layer_types = _layer_tensors(spec, graph, params, cache)
         firsts.append(len(tensors))
         tensors, types = tensors + layer_tensors, types + layer_types
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
@@ -150,6 +173,8 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
         types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),
-        qk_norm=np.int64(graph.qk_norm), threads=np.int64(len(os.sched_getaffinity(0))))
+        qk_norm=np.int64(graph.qk_norm), experts=np.int64(moe.experts if moe else 0),
+        top_k=np.int64(moe.top_k if moe else 0), norm_top_k=np.int64(bool(moe and moe.norm_top_k)),
+        threads=np.int64(len(os.sched_getaffinity(0))))
     return (y.reshape(B, T, D).astype(x.dtype),
             [{"k": k, "v": v} for k, v in zip(written[::2], written[1::2])])

@@ -34,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 
 from hx.errors import HxError
-from hx.models.family import ConfigReader, MetadataReader
+from hx.models.family import ConfigReader, GraphLayer, MetadataReader
 from hx.models.compressed import DEFAULT_PRODUCTS, Products, product
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
@@ -184,10 +184,10 @@ class MoeFamily(LlamaFamily):
     def modules(self) -> Mapping[str, type]:
         return MOE_MODULES
 
-    def graph_layer(self, spec: ModelSpec) -> None:
-        """None: the host's one-graph layer (``hx.host_compute.ggml_layer``) is a dense
-        SwiGLU's."""
-        return None
+    def graph_layer(self, spec: ModelSpec) -> GraphLayer | None:
+        """Llama's layer with this family's switches, its FFN the routed experts
+        (``hx.host_compute.ggml_layer``: llama.cpp's MoE graph); None with a shared expert."""
+        return None if spec.moe.d_shared else super().graph_layer(spec)
 
     def hf_name(self, layer: int | None, op: str, path: str) -> str:
         """Expert 0's tensor for a stacked path (``hf_experts``), the router's and the shared

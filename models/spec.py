@@ -537,6 +537,35 @@ PRESETS: dict[str, ModelSpec] = {
         name="Phi-3-mini-4k", n_layers=32, d_model=3072, n_heads=32, n_kv_heads=32,
         head_dim=96, d_ff=8192, vocab_size=32064, context_length=4096, rope_theta=10000.0,
         norm_eps=1e-5, family="phi3", sliding_window=2047),
+    # Mixtures of Experts (every layer's feed-forward part routed: ModelSpec.moe)
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336, top 2 (no sliding window)
+    "mixtral-8x7b": ModelSpec(
+        name="Mixtral-8x7B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=14336, vocab_size=32000, context_length=32768, rope_theta=1000000.0,
+        norm_eps=1e-5, family="mixtral", moe=MoeShape(8, 2, 14336)),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top 8, renormalised (norm_topk_prob)
+    "qwen3-30b-a3b": ModelSpec(
+        name="Qwen3-30B-A3B", n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4,
+        head_dim=128, d_ff=6144, vocab_size=151936, context_length=40960,
+        rope_theta=1000000.0, norm_eps=1e-6, family="qwen3_moe", moe=MoeShape(128, 8, 768)),
+    # Qwen/Qwen3-235B-A22B: 128 experts of 1536, top 8
+    "qwen3-235b-a22b": ModelSpec(
+        name="Qwen3-235B-A22B", n_layers=94, d_model=4096, n_heads=64, n_kv_heads=4,
+        head_dim=128, d_ff=12288, vocab_size=151936, context_length=40960,
+        rope_theta=1000000.0, norm_eps=1e-6, family="qwen3_moe", moe=MoeShape(128, 8, 1536)),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 experts of 1408, top 4, not renormalised, a shared expert
+    # of 5632 behind a sigmoid gate; q/k/v biases
+    "qwen1.5-moe-a2.7b": ModelSpec(
+        name="Qwen1.5-MoE-A2.7B", n_layers=24, d_model=2048, n_heads=16, n_kv_heads=16,
+        head_dim=128, d_ff=5632, vocab_size=151936, context_length=8192,
+        rope_theta=1000000.0, norm_eps=1e-6, family="qwen2_moe",
+        moe=MoeShape(60, 4, 1408, d_shared=5632, norm_top_k=False)),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of 1024, top 8, not renormalised; q/k norms over
+    # the whole projection
+    "olmoe-1b-7b": ModelSpec(
+        name="OLMoE-1B-7B", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
+        d_ff=1024, vocab_size=50304, context_length=4096, rope_theta=10000.0, norm_eps=1e-5,
+        family="olmoe", moe=MoeShape(64, 8, 1024, norm_top_k=False)),
     # google/gemma-3-12b-pt (its config.json's text_config; local and global layers 5:1)
     "gemma3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 256),
     # google/gemma-3-27b-pt (head dim 128; query_pre_attn_scalar 168 = 5376 / 32)

@@ -2,8 +2,9 @@
 
 Usage: python scripts/write_gguf.py OUT.gguf [--model llama2-7b:8L] [--type q4_0] [--seed 0]
 
-Writes one GGUF of architecture ``llama`` that both llama.cpp (``llama-bench -m OUT.gguf``) and
-hx (``hx.load(OUT.gguf)``, ``hx bench -m OUT.gguf``) read: the preset's layers
+Writes one GGUF of architecture ``llama`` (``qwen3moe``, ``olmoe`` for those Mixture-of-Experts
+presets: ``qwen3-30b-a3b:8L``) that both llama.cpp (``llama-bench -m OUT.gguf``) and hx
+(``hx.load(OUT.gguf)``, ``hx bench -m OUT.gguf``) read: the preset's layers
 (``models.spec.PRESETS``, ``NAME[:NL]``) under llama.cpp's tensor names (``token_embd``,
 ``blk.N.attn_q`` ..., ``output``; untied), every matrix in ``--type`` (``q4_0``, ``q8_0``,
 ``q4_1``, ``f16``, ``f32``; quantized by ``gguf.quants.quantize``), the norms F32 ones, and the
@@ -53,16 +54,35 @@ def tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None) -> str:
     return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
 
 
+# family -> (llama.cpp architecture, q/k norms: None, per head, or over the whole projection)
+ARCHS = {"llama": ("llama", None), "qwen3_moe": ("qwen3moe", "head"),
+         "olmoe": ("olmoe", "whole")}
+
+
 def tensor_shapes(spec, vocab: int) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, numpy shape (out, in) or (n,), is a matrix) of every tensor, in file order."""
-    d, f = spec.d_model, spec.d_ff
+    """(name, numpy shape (out..., in) or (n,), is a matrix in --type) of every tensor, in file
+    order: an MoE layer's router (``ffn_gate_inp``, (X, D)) F32 as llama-quantize leaves it,
+    its experts stacked (``ffn_*_exps``: (X, F, D), (X, D, F))."""
+    d, f, moe = spec.d_model, spec.d_ff, spec.moe
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    qk_norm = ARCHS[spec.family][1]
     out = [(tensor_name(_T.TOKEN_EMBD), (vocab, d), True)]
     for i in range(spec.n_layers):
-        out += [(tensor_name(kind, i), shape, len(shape) == 2) for kind, shape in (
-            (_T.ATTN_NORM, (d,)), (_T.ATTN_Q, (q, d)), (_T.ATTN_K, (kv, d)),
-            (_T.ATTN_V, (kv, d)), (_T.ATTN_OUT, (d, q)), (_T.FFN_NORM, (d,)),
-            (_T.FFN_GATE, (f, d)), (_T.FFN_UP, (f, d)), (_T.FFN_DOWN, (d, f)))]
+        layer = [(_T.ATTN_NORM, (d,)), (_T.ATTN_Q, (q, d)), (_T.ATTN_K, (kv, d)),
+                 (_T.ATTN_V, (kv, d)), (_T.ATTN_OUT, (d, q))]
+        if qk_norm:
+            whole = qk_norm == "whole"
+            layer += [(_T.ATTN_Q_NORM, (q if whole else spec.head_dim,)),
+                      (_T.ATTN_K_NORM, (kv if whole else spec.head_dim,))]
+        layer += [(_T.FFN_NORM, (d,))]
+        if moe:
+            X, fe = moe.experts, moe.d_expert
+            layer += [(_T.FFN_GATE_INP, (X, d)), (_T.FFN_GATE_EXP, (X, fe, d)),
+                      (_T.FFN_UP_EXP, (X, fe, d)), (_T.FFN_DOWN_EXP, (X, d, fe))]
+        else:
+            layer += [(_T.FFN_GATE, (f, d)), (_T.FFN_UP, (f, d)), (_T.FFN_DOWN, (d, f))]
+        out += [(tensor_name(kind, i), shape, len(shape) >= 2 and kind != _T.FFN_GATE_INP)
+                for kind, shape in layer]
     out += [(tensor_name(_T.OUTPUT_NORM), (d,), False), (tensor_name(_T.OUTPUT), (vocab, d), True)]
     return out
 
@@ -77,14 +97,16 @@ def stored(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType):
 
 
 def random_tensor(name: str, shape: tuple[int, ...], qtype, seed: int) -> np.ndarray:
-    """A matrix of normal(0, STD) values in ``qtype``, drawn and quantized ``_ROWS`` rows at a
-    time straight into the returned array."""
-    out = np.empty(*stored(shape, qtype))
+    """A matrix (or a stack of them) of normal(0, STD) values in ``qtype``, drawn and quantized
+    ``_ROWS`` rows at a time straight into the returned array."""
+    held, dtype = stored(shape, qtype)
+    out = np.empty(held, dtype)
+    flat = out.reshape(-1, held[-1])
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    for r in range(0, shape[0], _ROWS):
-        rows = rng.standard_normal((min(_ROWS, shape[0] - r), shape[1]), dtype=np.float32)
+    for r in range(0, len(flat), _ROWS):
+        rows = rng.standard_normal((min(_ROWS, len(flat) - r), shape[-1]), dtype=np.float32)
         rows *= np.float32(STD)
-        out[r:r + len(rows)] = gguf.quants.quantize(rows, qtype)
+        flat[r:r + len(rows)] = gguf.quants.quantize(rows, qtype)
     return out
 
 
@@ -103,11 +125,11 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> int:
 def write_gguf(path: str, model: str, type_name: str, seed: int, log=print) -> int:
     """Write the GGUF (module docstring); its size in bytes."""
     spec = load_spec(model, "float32")
-    if spec.family != "llama" or spec.rope_scaling or spec.layer_types:
-        raise SystemExit(f"{model}: family {spec.family}; this script writes plain llama "
-                         "models (no RoPE scaling, alike layers), e.g. llama2-7b:8L")
+    if spec.family not in ARCHS or spec.rope_scaling or spec.layer_types:
+        raise SystemExit(f"{model}: family {spec.family}; this script writes {', '.join(ARCHS)} "
+                         "models without RoPE scaling, e.g. llama2-7b:8L, qwen3-30b-a3b:8L")
     qtype, file_type = TYPES[type_name]
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, ARCHS[spec.family][0])
     writer.add_name(f"{spec.name}, random weights ({type_name})")
     writer.add_file_type(file_type)
     if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -121,6 +143,14 @@ def write_gguf(path: str, model: str, type_name: str, seed: int, log=print) -> i
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_freq_base(spec.rope_theta)
+    if spec.head_dim != spec.d_model // spec.n_heads:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+    if spec.moe:
+        writer.add_expert_count(spec.moe.experts)
+        writer.add_expert_used_count(spec.moe.top_k)
+        if spec.family != "olmoe":  # llama.cpp's olmoe reads the experts' size off the tensors
+            writer.add_expert_feed_forward_length(spec.moe.d_expert)
     vocab = copy_tokenizer(writer, default_model_path())
     writer.add_vocab_size(vocab)
     tensors = tensor_shapes(spec, vocab)
@@ -133,10 +163,16 @@ def write_gguf(path: str, model: str, type_name: str, seed: int, log=print) -> i
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for i, (name, shape, matrix) in enumerate(tensors):
-        data = random_tensor(name, shape, qtype, seed) if matrix else np.ones(shape, np.float32)
+        if matrix:
+            data = random_tensor(name, shape, qtype, seed)
+        elif len(shape) == 2:  # an MoE router
+            data = random_tensor(name, shape, gguf.GGMLQuantizationType.F32, seed)
+        else:
+            data = np.ones(shape, np.float32)
         writer.write_tensor_data(data)
         del data
-        if not name.startswith("blk.") or name.endswith("ffn_down.weight"):
+        if not name.startswith("blk.") or name.endswith(("ffn_down.weight",
+                                                         "ffn_down_exps.weight")):
             log(f"  {i + 1}/{len(tensors)} tensors written ({name})")
     writer.close()
     return os.path.getsize(path)

@@ -24,7 +24,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS
 from hx.models.decoder import decoder_layer, init_params
 from hx.models.holding import relayout
 from hx.models.loader import RELAYOUTS
-from hx.models.spec import GGML, LAYER_OPS, ModelSpec
+from hx.models.spec import GGML, LAYER_OPS, ModelSpec, MoeShape
 from hx.models.tensors import held_slots, kv_arrays, kv_bytes, layer_key
 
 from steps import left_padded_steps
@@ -137,6 +137,25 @@ def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
             assert (off & real).sum() <= real.sum() // 2  # k and v, where it can move a float16
             assert np.abs(got[real] - want[real]).max() <= 1e-2 * scale  # rounding: the rows
             # that attend to it differ (one run: rows 33-39 of 40, 3e-3; then 1 decode row of 2)
+
+
+@pytest.mark.parametrize("norm_top_k", [True, False])
+def test_an_moe_layer_over_gguf_blocks_is_the_composition_with_ggml_experts(norm_top_k):
+    """Qwen3-MoE's layer (q/k norms; 4 experts, the top 2): the graph's router (softmax, top
+    k, renormalised or not) and experts by ``mul_mat_id`` give what the ops give with the
+    host's products -- XLA's router, the same experts through ggml_moe.cc -- to float32
+    rounding."""
+    spec = tiny(family="qwen3_moe", moe=MoeShape(4, 2, 64, norm_top_k=norm_top_k),
+                weight_format="q4_0", host_matmul=GGML, head_dim=32, n_layers=2)
+    assert spec.model_family.graph_layer(spec) is not None
+    part, convert = RELAYOUTS[GGML]
+    params = relayout(spec, layer_params(spec), part, convert)
+    assert ggml_layer.runs(spec, [params["layer_0"][op] for op in LAYER_OPS], 1,
+                           {"k": 0, "v": 0})
+    steps, _, _ = run_both(spec, params, HOST_PRODUCTS, decode_steps=4)
+    for got, want, real in steps:
+        np.testing.assert_allclose(got[real], want[real], atol=1e-5 * np.abs(want).max(),
+                                   rtol=0)
 
 
 def test_in_bfloat16_the_graph_keeps_float32_inside_and_a_bfloat16_cache():

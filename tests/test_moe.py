@@ -62,25 +62,20 @@ def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows):
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
-def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, monkeypatch,
-                                                                       kind):
+def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, kind):
     """Qwen3-MoE's tiny checkpoint as a quantized GGUF (its router F32, as llama-quantize
     leaves it), held in the file's blocks. Each layer's MLP2 on the host with the routed
     experts multiplied by ggml's ``mul_mat_id`` (each row by its own k) gives XLA's
     every-expert sums over the same blocks within ggml's rounding of the activations (0.8-0.9e-2
-    of the largest here; 3e-2); and a whole all-host run takes that path (its logits move when
-    the host's experts product is taken away; through two layers, where a token's routing can
-    flip, by several percent)."""
+    of the largest here; 3e-2); and an all-host run's layers are one ggml graph each step
+    (``host_compute.ggml_layer``, whose MoE part ``tests/test_ggml_layer.py`` checks)."""
     import hx
-    from hx import programs
-    from hx.devices import discover
-    from hx.generate import Engine
-    from hx.host_compute import products
+    from hx.host_compute import ggml_layer, products
     from hx.models.decoder import apply_op
     from hx.models.layers import Step
-    from hx.planner import policies
+    from hx.models.spec import LAYER_OPS
 
-    from hf_families import CONFIGS, PROMPTS, write_checkpoint, write_gguf
+    from hf_families import CONFIGS, write_checkpoint, write_gguf
 
     directory = str(tmp_path / "ckpt")
     config = ("qwen3_moe", dict(CONFIGS["qwen3_moe"][1], moe_intermediate_size=64))
@@ -102,10 +97,6 @@ def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, m
                 params["MLP2"], a, x)) - np.asarray(x) for used in (ggml, xla)]
         assert np.abs(y[0] - y[1]).max() <= 3e-2 * np.abs(y[1]).max(), layer
 
-    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    plan = policies.all_host(spec.n_layers)
-    with_ggml = Engine(model, plan, discover()).last_logits(prompts)
-    monkeypatch.setattr(products, "HOST_PRODUCTS", xla)
-    monkeypatch.setattr(programs, "_PROGRAMS", {})  # compiled anew with those products
-    without = Engine(model, plan, discover()).last_logits(prompts)
-    assert all(np.abs(a - b).max() > 0 for a, b in zip(with_ggml, without))
+    layers = [[model.params[f"layer_{i}"][op] for op in LAYER_OPS]
+              for i in range(spec.n_layers)]  # an all-host run's layers: one ggml graph
+    assert all(ggml_layer.runs(spec, layer, 1, {"k": 0, "v": 0}) for layer in layers)

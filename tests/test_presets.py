@@ -25,7 +25,10 @@ PUBLISHED = {"smollm2-135m": 1.35e8, "llama2-7b": 6.74e9, "llama2-13b": 13.0e9,
              "phi3-mini": 3.82e9,
              # Gemma 3 technical report (arXiv:2503.19786), Table 1: embedding + non-embedding
              # parameters, the text decoder without the 417M vision encoder
-             "gemma3-12b": 1.012e9 + 10.759e9, "gemma3-27b": 1.416e9 + 25.600e9}
+             "gemma3-12b": 1.012e9 + 10.759e9, "gemma3-27b": 1.416e9 + 25.600e9,
+             # Mixtures of Experts, every expert counted (their model cards' totals)
+             "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9,
+             "qwen1.5-moe-a2.7b": 14.3e9, "olmoe-1b-7b": 6.92e9}
 
 
 def test_every_preset_has_its_published_size():

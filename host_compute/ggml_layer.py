@@ -2,7 +2,9 @@
 the ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
 A host segment runs each run of consecutive decoder layers of one type whose family's layer is
-Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) and whose matrices
+Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and Mixtral's and
+Qwen3-MoE's, whose FFN is their routed experts: llama.cpp's MoE graph, the experts by
+``ggml_mul_mat_id`` at any rows, held as ``ggml_kernel.EXPERT_LAYOUTS``) and whose matrices
 ggml multiplies (``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32
 or bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s graph -- llama.cpp's own for those
 layers: norms, projections, RoPE, the KV-cache write (``ggml_set_rows``, in place) and attention

@@ -36,6 +36,7 @@ from flax import linen as nn
 from hx.errors import HxError
 from hx.models.family import ConfigReader, GraphLayer, MetadataReader
 from hx.models.compressed import DEFAULT_PRODUCTS, Products, product
+from hx.models.formats import DENSE
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
 from hx.models.spec import ModelSpec, MoeShape
@@ -75,8 +76,7 @@ class RouterOp(WeightedOp):
 class ExpertsOp(WeightedOp):
     """MLP2 of an MoE layer: a (B,T,D+X), x (B,T,D) -> x + sum_e w_e SwiGLU_e(n) (B,T,D),
     plus the shared expert behind its sigmoid gate where ``MoeShape.d_shared`` (Qwen1.5-MoE's
-    ``shared_expert``, ``shared_expert_gate``). Every expert runs; the down projection
-    contracts the weighted experts' (X, F) at once (module docstring)."""
+    ``shared_expert``, ``shared_expert_gate``); the routed experts by ``Experts``."""
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -113,7 +113,7 @@ class Experts(nn.Module):
     top_k: int
     d_expert: int
     param_dtype: Any = jnp.float32
-    fmt: str = "dense"
+    fmt: str = DENSE
     products: Products = DEFAULT_PRODUCTS
 
     @nn.compact

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Callable
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.memory import PROXY, MemoryEstimate, check_fits, estimate
-from hx.models.spec import EMBED, SCORE, ModelSpec
+from hx.models.spec import EMBED, LAYER_OPS, SCORE, ModelSpec
 from hx.plan import DISK, STREAMED, ExecutionPlan, Placement
 from hx.planner.fitting import fit_prefill_chunk, fits
 from hx.planner.hardware import memory_sizing
 from hx.planner.simulator import predict_run
 from hx.workload import MIN_CHUNK, Workload
+
+MLP2 = "MLP2"  # an MoE layer's routed experts (``models.moe``)
 
 if TYPE_CHECKING:
     from hx.planner.profile import HardwareProfile
@@ -78,6 +80,29 @@ def layer_split(n_layers: int, gpu_layers: int) -> ExecutionPlan:
     layers = tuple((ACCELERATOR if i >= first else HOST,) * 7 for i in range(n_layers))
     placement = Placement(HOST, layers, ACCELERATOR if gpu_layers > n_layers else HOST)
     return ExecutionPlan.from_placement(placement, name=f"layer-split:{gpu_layers}")
+
+
+def cpu_moe(spec: ModelSpec, layers: int | None = None) -> ExecutionPlan:
+    """llama.cpp's ``--cpu-moe`` (``--n-cpu-moe N``: the first N layers'): every op on the
+    accelerator with its weights resident, but EMBED and the routed experts of the first
+    ``layers`` layers (default all), which stay on the host and run there on the rows routed
+    to them (MLP2 of an MoE layer, ``models.moe``). A shared expert goes with them (llama.cpp
+    keeps it on the GPU: hx places MLP2 whole). Named ``cpu-moe``, ``n-cpu-moe:N``.
+
+    Raises:
+      HxError: the model has no experts, or N outside [0, n_layers].
+    """
+    n = spec.n_layers
+    if spec.moe is None:
+        raise HxError(f"{spec.name} has no experts for --cpu-moe or --n-cpu-moe to place")
+    if not 0 <= (n if layers is None else layers) <= n:
+        raise HxError(f"--n-cpu-moe must be between 0 and {n}, got {layers}")
+    on_host = range(n if layers is None else layers)
+    rows = tuple(tuple(HOST if op == MLP2 and i in on_host else ACCELERATOR
+                       for op in LAYER_OPS) for i in range(n))
+    return ExecutionPlan.from_placement(
+        Placement(HOST, rows, ACCELERATOR),
+        name="cpu-moe" if layers is None else f"n-cpu-moe:{layers}")
 
 
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
@@ -227,6 +252,8 @@ POLICIES: dict[str, Policy] = {
     "cpsat": Policy(_cpsat, needs_profile=True),
     "auto": Policy(_auto),  # falls back without a profile
 }
+# the policies of Mixture-of-Experts models alone (``cpu_moe``), parsed by ``build``
+MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N")
 NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
 BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
 COMPARED = ("cpsat", *BASELINES)  # an ablation's policies (hx ablate, the simulated grid)
@@ -239,6 +266,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     chunk under which it fits (``fit_prefill_chunk``).
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
+    ``cpu-moe`` keeps an MoE model's routed experts on the host, ``n-cpu-moe:N`` the first N
+    layers' (``cpu_moe``).
     ``flexgen:G[:C][:kv-disk]`` is a FlexGen policy as published: G % of the weights on the
     GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
     on disk (``baselines.flexgen_published``). ``min-max``, ``flexgen-lp`` and ``cpsat`` price
@@ -259,12 +288,20 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     request = Request(spec, devices, workload, gpu_layers, profile, time_limit_s, kv_disk)
     if policy.startswith("flexgen:"):
         plan = _baselines().flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
+    elif policy == "cpu-moe":
+        plan = cpu_moe(spec)
+    elif policy.startswith("n-cpu-moe:"):
+        count = policy.split(":", 1)[1]
+        if not count.isdigit():
+            raise HxError(f"policy {policy!r}: n-cpu-moe:N takes a layer count N")
+        plan = cpu_moe(spec, int(count))
     elif policy in POLICIES:
         if POLICIES[policy].needs_profile and profile is None:
             raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
         plan = POLICIES[policy].plan(request)
     else:
-        raise HxError(f"unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+        raise HxError(f"unknown policy {policy!r}; policies are "
+                      f"{', '.join((*POLICIES, *MOE_POLICIES))}")
     try:
         return fit_prefill_chunk(plan, spec, devices, workload)
     except HxError as e:

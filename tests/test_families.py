@@ -4,8 +4,9 @@ For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mist
 shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3), a tiny random checkpoint in float32:
 hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
-(weights streamed, SCORE and the KV cache on the host) and CP-SAT's plan for 30 % of the weight
-bytes (the accountant raising if the budget is ever passed); the same checkpoint as llama.cpp's
+(weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
+bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
+llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``; the same checkpoint as llama.cpp's
 converter writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses
 and ignores.
 
@@ -63,6 +64,9 @@ def plans(name, model, prompts):
     spec, n = model.spec, model.spec.n_layers
     yield "all-accelerator", policies.all_accelerator(n), discover()
     yield "stream-all", policies.stream_all(n), discover()
+    if spec.moe:  # llama.cpp's --cpu-moe and --n-cpu-moe 1: the routed experts on the host
+        yield "cpu-moe", policies.cpu_moe(spec), discover()
+        yield "n-cpu-moe:1", policies.cpu_moe(spec, 1), discover()
     if name not in CPSAT_IN_SUITE and not os.environ.get("HX_FAMILIES_ALL_PLANS"):
         return
     devices = discover(accelerator_memory=int(0.3 * spec.weight_bytes))

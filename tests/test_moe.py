@@ -100,3 +100,32 @@ def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, k
     layers = [[model.params[f"layer_{i}"][op] for op in LAYER_OPS]
               for i in range(spec.n_layers)]  # an all-host run's layers: one ggml graph
     assert all(ggml_layer.runs(spec, layer, 1, {"k": 0, "v": 0}) for layer in layers)
+
+
+def test_cpu_moe_leaves_the_experts_bytes_on_the_host():
+    """llama.cpp's ``--cpu-moe`` as a plan (Qwen3-30B-A3B's shapes, 4 layers): the
+    accelerator's weights are ``n-cpu-moe:0``'s (every op on the accelerator but EMBED's
+    table, as llama.cpp keeps it) less exactly the routed experts' bytes, which the host holds
+    (the router, attention and the LM head stay); ``n-cpu-moe:2`` less half of them; a dense
+    model and an N past the layers are refused."""
+    from hx.errors import HxError
+    from hx.memory import estimate
+    from hx.models.spec import preset
+    from hx.planner import policies
+    from hx.workload import Workload
+
+    spec = preset("qwen3-30b-a3b:4L").replace(dtype="bfloat16", weight_format="q4_0")
+    work = Workload.for_prompts(1, 16, 8, spec)
+    experts = spec.op_weight_bytes("MLP2")
+    full = estimate(policies.cpu_moe(spec, 0), spec, work)
+    for plan, layers in ((policies.cpu_moe(spec), 4), (policies.cpu_moe(spec, 2), 2)):
+        need = estimate(plan, spec, work)
+        assert full.weights - need.weights == layers * experts, plan.name
+        assert need.host - full.host == layers * experts, plan.name
+        assert all(plan.decode.get(i, "MLP2") == "host" for i in range(layers))
+        assert all(plan.decode.get(i, op) == "accelerator" for i in range(4)
+                   for op in ("Q", "MLP1"))
+    with pytest.raises(HxError, match="no experts"):
+        policies.cpu_moe(preset("llama2-7b:2L"))
+    with pytest.raises(HxError, match="n-cpu-moe"):
+        policies.cpu_moe(spec, 5)

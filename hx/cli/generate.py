@@ -54,7 +54,8 @@ def generate(
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     host_memory: Optional[str] = HostMemoryOption,
     policy: Optional[str] = typer.Option(
-        None, help=f"Placement policy: {', '.join(policies.POLICIES)} (default auto)."),
+        None, help=f"Placement policy: {', '.join((*policies.POLICIES, *policies.MOE_POLICIES))}"
+                   " (default auto)."),
     gpu_layers: Optional[int] = typer.Option(
         None, help="Layers on the accelerator for --policy layer-split (default: most that "
                    "fit)."),

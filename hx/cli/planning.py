@@ -198,8 +198,9 @@ def plan_command(
     kv: str = KvOption,
     accelerator_memory: Optional[str] = AcceleratorMemoryOption,
     host_memory: Optional[str] = HostMemoryOption,
-    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or "
-                                             "layer-split:N."),
+    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, "
+                                             "layer-split:N, or for an MoE model "
+                                             f"{', '.join(policies.MOE_POLICIES)}."),
     profile: Optional[Path] = ProfileOption,
     batch: int = typer.Option(1, help="Batch the plan is sized and priced for."),
     prompt_tokens: int = typer.Option(128, help="Prompt tokens (padded) of the workload."),

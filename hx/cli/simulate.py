@@ -67,7 +67,8 @@ def simulate_command(
         None, help="Hardware preset: t4, a10g, a100-40gb, l4, h100-80gb, 4xa10g (four A10Gs: "
                    "see --tp), or local (the profile `hx profile` saved); default local."),
     profile: Optional[Path] = ProfileOption,
-    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}."),
+    policy: str = typer.Option("cpsat", help=f"One of {', '.join(policies.POLICIES)}, or for "
+                                             f"an MoE model {', '.join(policies.MOE_POLICIES)}."),
     budget: float = typer.Option(1.0, help="Accelerator budget, a fraction of its memory."),
     workload: str = typer.Option("1:512+32", help="[Nx]B:PROMPT+NEW, e.g. 4x16:512+32."),
     time_limit: float = typer.Option(

@@ -30,7 +30,8 @@
 //   rows where that is -1.
 // Results: y (N, D) f32, then each layer's k and v caches.
 // Attributes: types (7 a layer: wq wk wv wo w_gate w_up w_down), heads, eps, scale,
-//   freq_base, qkv_bias, qk_norm, experts (0: dense), top_k, norm_top_k, threads.
+//   freq_base, qkv_bias, qk_norm (1: per head, E; 2: over the whole projection, H E and K E:
+//   OLMoE), experts (0: dense), top_k, norm_top_k, threads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -93,7 +94,7 @@ struct Shape {
   int64_t X, top_k;  // MoE: routed experts (0: a dense FFN) and each row's k of them
   ggml_type cache;
   float eps, scale, freq_base;
-  bool qkv_bias, qk_norm, norm_top_k;
+  bool qkv_bias, qk_norm, qk_whole, norm_top_k;  // qk_whole: q/k normed over all heads
 };
 
 // Each layer's arguments: 11 tensors, the switches', one per centred matrix, an MoE router.
@@ -169,8 +170,8 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
     bv = vec(next++, K * E, "bv");
   }
   if (s.qk_norm) {
-    qn = vec(next++, E, "q_norm");
-    kn = vec(next++, E, "k_norm");
+    qn = vec(next++, s.qk_whole ? H * E : E, "q_norm");
+    kn = vec(next++, s.qk_whole ? K * E : E, "k_norm");
   }
   ggml_tensor* router = nullptr;  // (D, X) f32: after the centres
   if (s.X > 0) {
@@ -188,8 +189,9 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
                       int64_t n) {
     ggml_tensor* t = product(w, h);
     if (b) t = ggml_add(ctx, t, b);
+    if (norm && s.qk_whole) t = ggml_mul(ctx, ggml_rms_norm(ctx, t, s.eps), norm);
     t = ggml_reshape_3d(ctx, t, E, n, N);
-    if (norm) t = ggml_mul(ctx, ggml_rms_norm(ctx, t, s.eps), norm);
+    if (norm && !s.qk_whole) t = ggml_mul(ctx, ggml_rms_norm(ctx, t, s.eps), norm);
     return t;
   };
   auto rope = [&](ggml_tensor* t) {
@@ -243,7 +245,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                       int64_t qk_norm, int64_t experts, int64_t top_k, int64_t norm_top_k,
                       int64_t threads) {
   Shape s;
-  s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0;
+  s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0, s.qk_whole = qk_norm == 2;
   s.X = experts, s.top_k = top_k, s.norm_top_k = norm_top_k != 0;
   // each layer's first argument (LayerArgs)
   const size_t L = types.size() / 7;

@@ -2,8 +2,8 @@
 the ops' composition makes about twenty XLA thunks and seven product calls a layer.
 
 A host segment runs each run of consecutive decoder layers of one type whose family's layer is
-Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and Mixtral's and
-Qwen3-MoE's, whose FFN is their routed experts: llama.cpp's MoE graph, the experts by
+Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and Mixtral's,
+Qwen3-MoE's and OLMoE's, whose FFN is their routed experts: llama.cpp's MoE graph, the experts by
 ``ggml_mul_mat_id`` at any rows, held as ``ggml_kernel.EXPERT_LAYOUTS``) and whose matrices
 ggml multiplies (``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32
 or bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s graph -- llama.cpp's own for those
@@ -175,7 +175,7 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
         types=np.array(types, np.int64), heads=np.int64(spec.n_heads),
         eps=np.float32(spec.norm_eps), scale=np.float32(E ** -0.5),
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),
-        qk_norm=np.int64(graph.qk_norm), experts=np.int64(moe.experts if moe else 0),
+        qk_norm=np.int64(2 if graph.qk_norm and graph.qk_norm_whole else graph.qk_norm), experts=np.int64(moe.experts if moe else 0),
         top_k=np.int64(moe.top_k if moe else 0), norm_top_k=np.int64(bool(moe and moe.norm_top_k)),
         threads=np.int64(len(os.sched_getaffinity(0))))
     return (y.reshape(B, T, D).astype(x.dtype),

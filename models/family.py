@@ -195,11 +195,13 @@ class GraphLayer:
       qkv_bias: q, k, v add biases (Qwen2).
       qk_norm: q and k RMS-normed per head before RoPE (Qwen3).
       inv_frequencies: spec -> RoPE's inverse frequencies (E/2,) float32, scaling applied.
+      qk_norm_whole: with ``qk_norm``, over the whole projection rather than per head (OLMoE).
     """
 
     qkv_bias: bool
     qk_norm: bool
     inv_frequencies: Callable[[Any], Any]
+    qk_norm_whole: bool = False
 
 
 @dataclass(frozen=True)

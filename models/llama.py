@@ -332,11 +332,8 @@ class LlamaFamily(Family):
         return MODULES
 
     def graph_layer(self, spec: ModelSpec) -> GraphLayer | None:
-        """Llama's layer with this family's switches (``GraphLayer``); None where q and k are
-        normed over the whole projection (the graph norms per head)."""
-        if self.qk_norm_whole:
-            return None
-        return GraphLayer(self.qkv_bias, self.qk_norm, inv_frequencies)
+        """Llama's layer with this family's switches (``GraphLayer``)."""
+        return GraphLayer(self.qkv_bias, self.qk_norm, inv_frequencies, self.qk_norm_whole)
 
     def read_window(self, reader: ConfigReader) -> int | None:
         """The sliding window a config sets (None: none); the Llama config has none."""

@@ -139,13 +139,14 @@ def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
             # that attend to it differ (one run: rows 33-39 of 40, 3e-3; then 1 decode row of 2)
 
 
-@pytest.mark.parametrize("norm_top_k", [True, False])
-def test_an_moe_layer_over_gguf_blocks_is_the_composition_with_ggml_experts(norm_top_k):
-    """Qwen3-MoE's layer (q/k norms; 4 experts, the top 2): the graph's router (softmax, top
-    k, renormalised or not) and experts by ``mul_mat_id`` give what the ops give with the
-    host's products -- XLA's router, the same experts through ggml_moe.cc -- to float32
-    rounding."""
-    spec = tiny(family="qwen3_moe", moe=MoeShape(4, 2, 64, norm_top_k=norm_top_k),
+@pytest.mark.parametrize("family,norm_top_k", [("qwen3_moe", True), ("qwen3_moe", False),
+                                              ("olmoe", False)])
+def test_an_moe_layer_over_gguf_blocks_is_the_composition_with_ggml_experts(family, norm_top_k):
+    """Qwen3-MoE's layer (q/k norms per head) and OLMoE's (over the whole projection), 4
+    experts, the top 2: the graph's router (softmax, top k, renormalised or not) and experts by
+    ``mul_mat_id`` give what the ops give with the host's products -- XLA's router, the same
+    experts through ggml_moe.cc -- to float32 rounding."""
+    spec = tiny(family=family, moe=MoeShape(4, 2, 64, norm_top_k=norm_top_k),
                 weight_format="q4_0", host_matmul=GGML, head_dim=32, n_layers=2)
     assert spec.model_family.graph_layer(spec) is not None
     part, convert = RELAYOUTS[GGML]

@@ -6,7 +6,7 @@ hx's last-position logits within 1e-4 relative and its 16-token greedy continuat
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
 bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
-llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``; the same checkpoint as llama.cpp's
+llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1`` (and 8 rows in throughput mode); the same checkpoint as llama.cpp's
 converter writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses
 and ignores.
 
@@ -94,6 +94,26 @@ def test_matches_transformers(checkpoint):
         assert held == ({16, 64} if model.spec.layer_types else {16})
         engine.executor.release_cache()
     assert sum(map(len, ref_greedy)) >= NEW_TOKENS  # real continuations were compared
+
+
+EIGHT_PROMPTS = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+
+
+def test_an_moe_family_in_throughput_mode_at_8_rows(checkpoint):
+    """A Mixture of Experts in throughput mode (``hx.continuous.ContinuousBatcher``: two
+    micro-batches of 4 rows, a row's slot refilled as it ends): 8 prompts' greedy tokens equal
+    transformers' for each prompt alone, all-accelerator and ``cpu-moe``."""
+    from hx.continuous import ContinuousBatcher
+
+    name, _, model, ref_model, _, _ = checkpoint
+    if model.spec.moe is None:
+        pytest.skip("dense families' throughput mode: tests/test_continuous.py")
+    prompts = [model.tokenizer.encode(p) for p in EIGHT_PROMPTS]
+    _, ref_greedy = reference(ref_model, prompts, NEW_TOKENS, model.tokenizer.eos_id)
+    for plan in (policies.all_accelerator(model.spec.n_layers), policies.cpu_moe(model.spec)):
+        got = ContinuousBatcher(Engine(model, plan, discover()), 4, 2).run(
+            prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        assert [c.token_ids for c in got] == ref_greedy, plan.name
 
 
 def test_gguf_matches_transformers(checkpoint, tmp_path):

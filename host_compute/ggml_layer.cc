@@ -11,6 +11,7 @@
 //   or, an MoE layer (experts > 0; llama.cpp's build_moe_ffn): p = softmax(n Wrouter), each
 //   row's top_k experts e and their p_e (renormalised where norm_top_k),
 //   x' = x1 + sum_e p_e (SiLU(n Wgate_e) * (n Wup_e)) Wdown_e by ggml_mul_mat_id
+//   [+ sigmoid(n g) (SiLU(n Wgate_s) * (n Wup_s)) Wdown_s, a shared expert (Qwen2-MoE)]
 // RoPE is the rotate-half layout (GGML_ROPE_TYPE_NEOX: hx holds Q and K rows as Hugging Face
 // does) with frequencies freq_base^(-2i/E) / freq_factors[i]. One graph for the run: one
 // hand-off to the thread pool, as llama.cpp computes a whole model.
@@ -23,15 +24,17 @@
 //   per layer: its k, v caches (B, R, K, E) f32, f16 or bf16 (aliased to its results),
 //   attn_norm (D,), wq, wk, wv, wo, ffn_norm (D,), w_gate, w_up, w_down, [bq (H E), bk, bv
 //   (K E)], [q_norm, k_norm (E,)], norms and biases f32, then the centres (in / 32, out) f32 of
-//   its centred matrices in that order, then an MoE layer's router (X, D) f32; its w_gate,
-//   w_up (X F, in) and w_down (X D, F) are its experts' stacked (none centred). A matrix is held as its (out, in) rows: uint8 blocks
+//   its centred matrices in that order, then an MoE layer's router (X, D) f32 and, with a
+//   shared expert, its w_gate, w_up, w_down (shared_types[3 l + i]) and sigmoid gate (D,) f32;
+//   an MoE layer's w_gate, w_up (X F, in) and w_down (X D, F) are its experts' stacked (no
+//   MoE matrix centred). A matrix is held as its (out, in) rows: uint8 blocks
 //   of ggml type types[7 l + i] (a GGUF's; with hx_ggml::kRepacked in ggml's repacked CPU
 //   layout; with hx_ggml::kCentred Q4_1 as Q4_0 blocks and centres, hx_ggml::Product), or f32
 //   rows where that is -1.
 // Results: y (N, D) f32, then each layer's k and v caches.
 // Attributes: types (7 a layer: wq wk wv wo w_gate w_up w_down), heads, eps, scale,
 //   freq_base, qkv_bias, qk_norm (1: per head, E; 2: over the whole projection, H E and K E:
-//   OLMoE), experts (0: dense), top_k, norm_top_k, threads.
+//   OLMoE), experts (0: dense), top_k, norm_top_k, shared_types (3 a layer, or none), threads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -92,23 +95,31 @@ struct Built {
 struct Shape {
   int64_t B, T, N, R, K, E, H, D, F, n_kv;
   int64_t X, top_k;  // MoE: routed experts (0: a dense FFN) and each row's k of them
+  bool shared;       // MoE: a shared expert behind a sigmoid gate (Qwen2-MoE)
   ggml_type cache;
   float eps, scale, freq_base;
   bool qkv_bias, qk_norm, qk_whole, norm_top_k;  // qk_whole: q/k normed over all heads
 };
 
-// Each layer's arguments: 11 tensors, the switches', one per centred matrix, an MoE router.
-size_t LayerArgs(const Shape& s, const int64_t* types) {
-  return 11 + (s.qkv_bias ? 3 : 0) + (s.qk_norm ? 2 : 0) + (s.X > 0 ? 1 : 0) +
+// The index of a layer's first argument past its centres (an MoE router's).
+size_t PastCentres(const Shape& s, const int64_t* types) {
+  return 11 + (s.qkv_bias ? 3 : 0) + (s.qk_norm ? 2 : 0) +
          std::count_if(types, types + 7,
                        [](int64_t t) { return t >= 0 && (t & hx_ggml::kCentred) != 0; });
+}
+
+// Each layer's arguments: 11 tensors, the switches', one per centred matrix, an MoE router,
+// a shared expert's three matrices and gate.
+size_t LayerArgs(const Shape& s, const int64_t* types) {
+  return PastCentres(s, types) + (s.X > 0 ? 1 : 0) + (s.shared ? 4 : 0);
 }
 
 // One layer's nodes in `ctx` over its leaves in `leaves`: x (D, N) in, x (D, N) out.
 ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml_tensor* x,
                    ggml_tensor* pos, ggml_tensor* idx, ggml_tensor* mask, ggml_tensor* factors,
                    const ffi::RemainingArgs& args, size_t first, const int64_t* types,
-                   ffi::AnyBuffer k_out, ffi::AnyBuffer v_out, std::string* bad) {
+                   const int64_t* shared_types, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out,
+                   std::string* bad) {
   const int64_t B = s.B, T = s.T, N = s.N, R = s.R, K = s.K, E = s.E, H = s.H, D = s.D;
   auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(first + i).value(); };
   size_t centre = 11 + (s.qkv_bias ? 3 : 0) + (s.qk_norm ? 2 : 0);  // the first centres' index
@@ -174,11 +185,24 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
     kn = vec(next++, s.qk_whole ? K * E : E, "k_norm");
   }
   ggml_tensor* router = nullptr;  // (D, X) f32: after the centres
+  Matrix s_gate{}, s_up{}, s_down{};
+  ggml_tensor* s_mix = nullptr;
   if (s.X > 0) {
-    const size_t at = LayerArgs(s, types) - 1;
+    const size_t at = PastCentres(s, types);
     router = Leaf(leaves, arg(at).untyped_data(), arg(at).size_bytes(), GGML_TYPE_F32, D, s.X,
                   1, bad, "router");
     if (w_gate.centres || w_up.centres || w_down.centres) *bad += " experts (centred)";
+    if (s.shared) {  // its matrices' sizes: the gate's rows of D
+      const int64_t t = shared_types[0] & ~hx_ggml::kRepacked;
+      const int64_t Fs = t < 0 || t >= GGML_TYPE_COUNT
+                             ? arg(at + 1).size_bytes() / (4 * D)
+                             : arg(at + 1).size_bytes() / ggml_row_size(ggml_type(t), D);
+      s_gate = matrix(at + 1, shared_types[0], D, Fs, "shared_w_gate");
+      s_up = matrix(at + 2, shared_types[1], D, Fs, "shared_w_up");
+      s_down = matrix(at + 3, shared_types[2], Fs, D, "shared_w_down");
+      s_mix = vec(at + 4, D, "shared_expert_gate");
+      if (s_gate.centres || s_up.centres || s_down.centres) *bad += " shared expert (centred)";
+    }
   }
   if (!bad->empty()) return x;
 
@@ -234,6 +258,11 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   ggml_tensor* out = x1;
   for (int64_t j = 0; j < s.top_k; ++j)
     out = ggml_add(ctx, out, ggml_view_2d(ctx, e, D, N, e->nb[2], j * e->nb[1]));
+  if (s.shared) {  // + sigmoid(n g) (SiLU(n Wgate_s) * (n Wup_s)) Wdown_s, every row
+    ggml_tensor* sh = product(s_down, ggml_swiglu_split(ctx, product(s_gate, n),
+                                                        product(s_up, n)));
+    out = ggml_add(ctx, out, ggml_mul(ctx, sh, ggml_sigmoid(ctx, ggml_mul_mat(ctx, s_mix, n))));
+  }
   return out;
 }
 
@@ -243,16 +272,19 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                       ffi::RemainingRets caches, ffi::Span<const int64_t> types, int64_t heads,
                       float eps, float scale, float freq_base, int64_t qkv_bias,
                       int64_t qk_norm, int64_t experts, int64_t top_k, int64_t norm_top_k,
-                      int64_t threads) {
+                      ffi::Span<const int64_t> shared_types, int64_t threads) {
   Shape s;
   s.qkv_bias = qkv_bias != 0, s.qk_norm = qk_norm != 0, s.qk_whole = qk_norm == 2;
   s.X = experts, s.top_k = top_k, s.norm_top_k = norm_top_k != 0;
+  s.shared = experts > 0 && shared_types.size() > 0;
   // each layer's first argument (LayerArgs)
   const size_t L = types.size() / 7;
   std::vector<size_t> firsts(L + 1, 0);
   for (size_t l = 0; l < L; ++l) firsts[l + 1] = firsts[l] + LayerArgs(s, &types[7 * l]);
-  if (experts < 0 || (experts > 0 && (top_k < 1 || top_k > experts)))
-    return ffi::Error::InvalidArgument("hx_ggml_layers: 1 <= top_k <= experts");
+  if (experts < 0 || (experts > 0 && (top_k < 1 || top_k > experts)) ||
+      (s.shared && shared_types.size() != 3 * L))
+    return ffi::Error::InvalidArgument(
+        "hx_ggml_layers: 1 <= top_k <= experts; a shared expert's 3 types a layer");
   if (L < 1 || types.size() != 7 * L || args.size() != firsts[L] || caches.size() != 2 * L ||
       threads < 1)
     return ffi::Error::InvalidArgument(
@@ -310,6 +342,7 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
                               Address(mask_data), Address(freq_factors.untyped_data()),
                               Address(y->untyped_data())};
   key.insert(key.end(), types.begin(), types.end());
+  key.insert(key.end(), shared_types.begin(), shared_types.end());
   for (size_t i = 0; i < args.size(); ++i) {
     ffi::AnyBuffer a = args.get<ffi::AnyBuffer>(i).value();
     key.insert(key.end(), {Address(a.untyped_data()), int64_t(a.size_bytes()),
@@ -338,7 +371,8 @@ ffi::Error GgmlLayers(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::AnyBuffer
     ggml_tensor* out = xt;
     for (size_t l = 0; l < L && bad.empty(); ++l)
       out = Layer(ctx, leaves, s, out, pos, idx, mt, factors, args, firsts[l],
-                  &types[7 * l], *caches.get<ffi::AnyBuffer>(2 * l).value(),
+                  &types[7 * l], s.shared ? &shared_types[3 * l] : nullptr,
+                  *caches.get<ffi::AnyBuffer>(2 * l).value(),
                   *caches.get<ffi::AnyBuffer>(2 * l + 1).value(), &bad);
     ggml_cgraph* graph = nullptr;
     if (bad.empty()) {
@@ -384,4 +418,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_layers, GgmlLayers,
                                   .Attr<int64_t>("experts")
                                   .Attr<int64_t>("top_k")
                                   .Attr<int64_t>("norm_top_k")
+                                  .Attr<ffi::Span<const int64_t>>("shared_types")
                                   .Attr<int64_t>("threads"));

@@ -3,7 +3,7 @@ the ops' composition makes about twenty XLA thunks and seven product calls a lay
 
 A host segment runs each run of consecutive decoder layers of one type whose family's layer is
 Llama's (``Family.graph_layer``: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and Mixtral's,
-Qwen3-MoE's and OLMoE's, whose FFN is their routed experts: llama.cpp's MoE graph, the experts by
+Qwen3-MoE's, OLMoE's and Qwen2-MoE's, whose FFN is their routed experts (and a shared one): llama.cpp's MoE graph, the experts by
 ``ggml_mul_mat_id`` at any rows, held as ``ggml_kernel.EXPERT_LAYOUTS``) and whose matrices
 ggml multiplies (``ModelSpec.host_matmul`` ``ggml``: a GGUF's blocks, or float32 rows), in float32
 or bfloat16 (its KV cache in that dtype), as ``ggml_layer.cc``'s graph -- llama.cpp's own for those
@@ -38,7 +38,7 @@ from hx.host_compute import ggml_kernel
 from hx.models.compressed import GGUFBlocks
 from hx.models.formats import GGUF_BLOCKS
 from hx.models.layers import Cache, Step, attention_mask, inv_frequencies
-from hx.models.moe import ROUTER
+from hx.models.moe import ROUTER, SHARED_GATE
 from hx.models.spec import GGML, LAYER_OPS, ModelSpec
 
 READ_PAD = 256  # attention reads cache slots in multiples of this (llama.cpp's KV padding)
@@ -50,18 +50,31 @@ MATRICES = ATTENTION + (("MLP1", "w_gate/kernel"), ("MLP1", "w_up/kernel"),
                         ("MLP2", "w_down/kernel"))
 MOE_MATRICES = ATTENTION + (("MLP2", "experts/gate_kernel"), ("MLP2", "experts/up_kernel"),
                             ("MLP2", "experts/down_kernel"))
+# an MoE layer's shared expert's (Qwen2-MoE), after its router
+SHARED_MATRICES = (("MLP2", "shared_w_gate/kernel"), ("MLP2", "shared_w_up/kernel"),
+                   ("MLP2", "shared_w_down/kernel"))
 
 
-def _matrices(spec: ModelSpec, params: Sequence[Mapping[str, Any]]) -> list:
-    """The layer's seven held matrices (``MATRICES`` or ``MOE_MATRICES``)."""
+def _held(params: Sequence[Mapping[str, Any]], table) -> list:
+    """The layer's held arrays at ``table``'s (op, path)s."""
     p = dict(zip(LAYER_OPS, params))
     out = []
-    for op, path in MOE_MATRICES if spec.moe else MATRICES:
+    for op, path in table:
         node = p[op]
         for key in path.split("/"):
             node = node[key]
         out.append(node)
     return out
+
+
+def _matrices(spec: ModelSpec, params: Sequence[Mapping[str, Any]]) -> list:
+    """The layer's seven held matrices (``MATRICES`` or ``MOE_MATRICES``)."""
+    return _held(params, MOE_MATRICES if spec.moe else MATRICES)
+
+
+def _shared(spec: ModelSpec, params: Sequence[Mapping[str, Any]]) -> list:
+    """The layer's shared expert's three held matrices (``SHARED_MATRICES``), or none."""
+    return _held(params, SHARED_MATRICES) if spec.moe and spec.moe.d_shared else []
 
 
 def _matrix(m: Any) -> tuple[Any, Any, int] | None:
@@ -100,8 +113,10 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
     if spec.moe and not all(isinstance(m, GGUFBlocks) and m.layout in ggml_kernel.EXPERT_LAYOUTS
                             for m in kernels[4:]):
         return False
-    return all(_matrix(m) is not None and (rows <= _rows(m) or i >= 4)
-               for i, m in enumerate(kernels))
+    products = kernels[:4] + _shared(spec, params)  # 2-D products, at most their rows
+    return all(_matrix(m) is not None for m in kernels) and all(
+        rows <= _rows(m) for m in products) and not any(
+        _matrix(m)[1] is not None for m in _shared(spec, params))
 
 
 def _f32(a) -> jax.Array:
@@ -109,10 +124,11 @@ def _f32(a) -> jax.Array:
 
 
 def _layer_tensors(spec: ModelSpec, graph, params: Sequence[Mapping[str, Any]], cache: Cache
-                   ) -> tuple[list, list[int]]:
+                   ) -> tuple[list, list[int], list[int]]:
     """One layer's arguments of ``ggml_layer.cc`` in its order (its caches, norms, matrices,
     the switches' biases and q/k norms, the centred matrices' centres, then an MoE layer's
-    router (X, D)) and its seven matrices' types."""
+    router (X, D) and shared expert: its three matrices and sigmoid gate (D,)), its seven
+    matrices' types and its shared expert's three."""
     p = dict(zip(LAYER_OPS, params))
     matrices = [_matrix(m) for m in _matrices(spec, params)]
     tensors = [cache["k"], cache["v"], _f32(p["Q"]["attn_norm"]["scale"]),
@@ -125,7 +141,10 @@ def _layer_tensors(spec: ModelSpec, graph, params: Sequence[Mapping[str, Any]], 
     tensors += [c for _, c, _ in matrices if c is not None]
     if spec.moe:
         tensors.append(_f32(p["MLP1"][ROUTER]))
-    return tensors, [t for _, _, t in matrices]
+    shared = [_matrix(m) for m in _shared(spec, params)]
+    if shared:
+        tensors += [a for a, _, _ in shared] + [_f32(p["MLP2"][SHARED_GATE])]
+    return tensors, [t for _, _, t in matrices], [t for _, _, t in shared]
 
 
 def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]],
@@ -152,11 +171,12 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
     B, T, D = x.shape
     R, E = caches[0]["k"].shape[1], spec.head_dim
 
-    tensors, types, firsts = [], [], []
+    tensors, types, shared_types, firsts = [], [], [], []
     for params, cache in zip(layers, caches):
-        layer_tensors, layer_types = _layer_tensors(spec, graph, params, cache)
+        layer_tensors, layer_types, layer_shared = _layer_tensors(spec, graph, params, cache)
         firsts.append(len(tensors))
         tensors, types = tensors + layer_tensors, types + layer_types
+        shared_types += layer_shared
     mask = jnp.where(attention_mask(step, T, R, spec.sliding_window), 0.0, -jnp.inf)
     slots = (step.write_index + jnp.arange(T, dtype=jnp.int32)) % R
     used = jnp.minimum((step.write_index + T + READ_PAD - 1) // READ_PAD * READ_PAD, R)
@@ -177,6 +197,7 @@ def decoder_layers(spec: ModelSpec, layers: Sequence[Sequence[Mapping[str, Any]]
         freq_base=np.float32(spec.rope_theta), qkv_bias=np.int64(graph.qkv_bias),
         qk_norm=np.int64(2 if graph.qk_norm and graph.qk_norm_whole else graph.qk_norm), experts=np.int64(moe.experts if moe else 0),
         top_k=np.int64(moe.top_k if moe else 0), norm_top_k=np.int64(bool(moe and moe.norm_top_k)),
+        shared_types=np.array(shared_types, np.int64),
         threads=np.int64(len(os.sched_getaffinity(0))))
     return (y.reshape(B, T, D).astype(x.dtype),
             [{"k": k, "v": v} for k, v in zip(written[::2], written[1::2])])

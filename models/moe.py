@@ -185,9 +185,9 @@ class MoeFamily(LlamaFamily):
         return MOE_MODULES
 
     def graph_layer(self, spec: ModelSpec) -> GraphLayer | None:
-        """Llama's layer with this family's switches, its FFN the routed experts
-        (``hx.host_compute.ggml_layer``: llama.cpp's MoE graph); None with a shared expert."""
-        return None if spec.moe.d_shared else super().graph_layer(spec)
+        """Llama's layer with this family's switches, its FFN the routed experts and a shared
+        one (``hx.host_compute.ggml_layer``: llama.cpp's MoE graph)."""
+        return super().graph_layer(spec)
 
     def hf_name(self, layer: int | None, op: str, path: str) -> str:
         """Expert 0's tensor for a stacked path (``hf_experts``), the router's and the shared

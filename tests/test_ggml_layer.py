@@ -139,14 +139,16 @@ def test_over_gguf_blocks_the_graph_is_the_composition_with_ggml_products(fmt):
             # that attend to it differ (one run: rows 33-39 of 40, 3e-3; then 1 decode row of 2)
 
 
-@pytest.mark.parametrize("family,norm_top_k", [("qwen3_moe", True), ("qwen3_moe", False),
-                                              ("olmoe", False)])
-def test_an_moe_layer_over_gguf_blocks_is_the_composition_with_ggml_experts(family, norm_top_k):
-    """Qwen3-MoE's layer (q/k norms per head) and OLMoE's (over the whole projection), 4
-    experts, the top 2: the graph's router (softmax, top k, renormalised or not) and experts by
-    ``mul_mat_id`` give what the ops give with the host's products -- XLA's router, the same
+@pytest.mark.parametrize("family,norm_top_k,shared", [
+    ("qwen3_moe", True, 0), ("qwen3_moe", False, 0), ("olmoe", False, 0), ("qwen2_moe", False, 96)])
+def test_an_moe_layer_over_gguf_blocks_is_the_composition_with_ggml_experts(family, norm_top_k,
+                                                                              shared):
+    """Qwen3-MoE's layer (q/k norms per head), OLMoE's (over the whole projection) and
+    Qwen2-MoE's (q/k/v biases, a shared expert behind a sigmoid gate), 4 experts, the top 2:
+    the graph's router (softmax, top k, renormalised or not), experts by ``mul_mat_id`` and
+    shared expert give what the ops give with the host's products -- XLA's router, the same
     experts through ggml_moe.cc -- to float32 rounding."""
-    spec = tiny(family=family, moe=MoeShape(4, 2, 64, norm_top_k=norm_top_k),
+    spec = tiny(family=family, moe=MoeShape(4, 2, 64, d_shared=shared, norm_top_k=norm_top_k),
                 weight_format="q4_0", host_matmul=GGML, head_dim=32, n_layers=2)
     assert spec.model_family.graph_layer(spec) is not None
     part, convert = RELAYOUTS[GGML]

@@ -2,7 +2,7 @@
 (``tests/test_families.py``): the host's experts product -- ggml's ``mul_mat_id`` over a GGUF's
 own blocks, llama.cpp's MoE graph -- against a float64 computation over the decoded weights, and
 the MoE model path that takes it (a quantized MoE GGUF on the host) against XLA's every-expert
-path over the same weights.
+path over the same weights; llama.cpp's ``--cpu-moe`` as a plan, by the bytes it moves.
 """
 
 import dataclasses

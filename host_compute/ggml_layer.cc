@@ -251,13 +251,8 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
     ggml_tensor* w2 = ggml_reshape_2d(ctx, w, s.top_k, N);
     w = ggml_reshape_3d(ctx, ggml_div(ctx, w2, ggml_sum_rows(ctx, w2)), 1, s.top_k, N);
   }
-  ggml_tensor* n3 = ggml_reshape_3d(ctx, n, D, 1, N);
-  ggml_tensor* a = ggml_swiglu_split(ctx, ggml_mul_mat_id(ctx, w_gate.w, n3, ids),
-                                     ggml_mul_mat_id(ctx, w_up.w, n3, ids));
-  ggml_tensor* e = ggml_mul(ctx, ggml_mul_mat_id(ctx, w_down.w, a, ids), w);  // (D, k, N)
-  ggml_tensor* out = x1;
-  for (int64_t j = 0; j < s.top_k; ++j)
-    out = ggml_add(ctx, out, ggml_view_2d(ctx, e, D, N, e->nb[2], j * e->nb[1]));
+  ggml_tensor* out = hx_ggml::RoutedExperts(ctx, w_gate.w, w_up.w, w_down.w,
+                                            ggml_reshape_3d(ctx, n, D, 1, N), ids, w, x1);
   if (s.shared) {  // + sigmoid(n g) (SiLU(n Wgate_s) * (n Wup_s)) Wdown_s, every row
     ggml_tensor* sh = product(s_down, ggml_swiglu_split(ctx, product(s_gate, n),
                                                         product(s_up, n)));

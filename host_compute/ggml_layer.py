@@ -113,10 +113,11 @@ def runs(spec: ModelSpec, params: Sequence[Mapping[str, Any]], rows: int,
     if spec.moe and not all(isinstance(m, GGUFBlocks) and m.layout in ggml_kernel.EXPERT_LAYOUTS
                             for m in kernels[4:]):
         return False
-    products = kernels[:4] + _shared(spec, params)  # 2-D products, at most their rows
-    return all(_matrix(m) is not None for m in kernels) and all(
-        rows <= _rows(m) for m in products) and not any(
-        _matrix(m)[1] is not None for m in _shared(spec, params))
+    shared = _shared(spec, params)  # 2-D products like attention's, never centred
+    held = [_matrix(m) for m in kernels + shared]
+    return (all(h is not None for h in held)
+            and all(rows <= _rows(m) for m in kernels[:4] + shared)
+            and all(h[1] is None for h in held[len(kernels):]))
 
 
 def _f32(a) -> jax.Array:

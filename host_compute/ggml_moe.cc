@@ -78,14 +78,7 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
       ggml_free(ctx);
       return ffi::Error::InvalidArgument("hx_ggml_moe: ggml has no repacked layout of a type");
     }
-  ggml_tensor* g = ggml_mul_mat_id(ctx, gt, xt, it);  // (F, k, M)
-  ggml_tensor* u = ggml_mul_mat_id(ctx, ut, xt, it);
-  ggml_tensor* h = ggml_swiglu_split(ctx, g, u);
-  ggml_tensor* o = ggml_mul(ctx, ggml_mul_mat_id(ctx, dt, h, it), wt);  // (D, k, M)
-  ggml_tensor* out = ggml_view_2d(ctx, o, D, M, o->nb[2], 0);
-  for (int64_t j = 1; j < k; ++j)
-    out = ggml_add(ctx, out, ggml_view_2d(ctx, o, D, M, o->nb[2], j * o->nb[1]));
-  if (k == 1) out = ggml_cont(ctx, out);
+  ggml_tensor* out = hx_ggml::RoutedExperts(ctx, gt, ut, dt, xt, it, wt, nullptr);  // (D, M)
   out->data = y->untyped_data();
   ggml_cgraph* graph = ggml_new_graph_custom(ctx, 64, false);
   ggml_build_forward_expand(graph, out);

@@ -180,4 +180,23 @@ inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* cent
   return ggml_map_custom3(ctx, y, x, centres, AddCentres, GGML_N_TASKS_MAX, nullptr);
 }
 
+// An MoE layer's routed experts over x (D, 1, N) (llama.cpp's build_moe_ffn, the routing
+// given): each row's k experts' gate and up products by ggml_mul_mat_id (ggml groups the rows
+// by expert), SwiGLU, the down products, each scaled by its weight (1, k, N), summed over the
+// k onto `base` (D, N) where given, else alone: (D, N). gate, up (D, F, X), down (F, D, X).
+inline ggml_tensor* RoutedExperts(ggml_context* ctx, ggml_tensor* gate, ggml_tensor* up,
+                                  ggml_tensor* down, ggml_tensor* x, ggml_tensor* ids,
+                                  ggml_tensor* weights, ggml_tensor* base) {
+  ggml_tensor* a = ggml_swiglu_split(ctx, ggml_mul_mat_id(ctx, gate, x, ids),
+                                     ggml_mul_mat_id(ctx, up, x, ids));         // (F, k, N)
+  ggml_tensor* e = ggml_mul(ctx, ggml_mul_mat_id(ctx, down, a, ids), weights);  // (D, k, N)
+  const int64_t D = e->ne[0], k = e->ne[1], N = e->ne[2];
+  ggml_tensor* out = base;
+  for (int64_t j = 0; j < k; ++j) {
+    ggml_tensor* each = ggml_view_2d(ctx, e, D, N, e->nb[2], j * e->nb[1]);
+    out = out == nullptr ? each : ggml_add(ctx, out, each);
+  }
+  return base == nullptr && k == 1 ? ggml_cont(ctx, out) : out;
+}
+
 }  // namespace hx_ggml

@@ -190,11 +190,12 @@ def row_slice(t, start: int, stop: int):
                       data_offset=t.data_offset + row_bytes * start, data=t.data[start:stop])
 
 
-def taken_names(spec: ModelSpec) -> set[str]:
-    """The names of the tensors ``load_gguf`` takes for ``spec`` (``Family.gguf_name``)."""
-    names = set()
-    weight_tree(spec, lambda layer, op, path, shape: names.add(
-        spec.model_family.gguf_name(layer, op, path)))
+def taken_names(spec: ModelSpec, kind: str | None = None) -> set[str]:
+    """The names of the tensors ``load_gguf`` takes for ``spec`` (``Family.gguf_name``); with
+    ``kind``, of those whose ``Family.matrix_kind`` is it alone."""
+    fam, names = spec.model_family, set()
+    weight_tree(spec, lambda layer, op, path, shape: names.add(fam.gguf_name(layer, op, path))
+                if kind is None or fam.matrix_kind(path) == kind else None)
     return names
 
 
@@ -207,11 +208,7 @@ def held_formats(tensors: dict, spec: ModelSpec, weights: str) -> tuple[str, str
         return weights, weights
 
     def shared(kind: str) -> str:
-        names = set()
-        weight_tree(spec, lambda layer, op, path, shape: names.add(
-            spec.model_family.gguf_name(layer, op, path))
-            if spec.model_family.matrix_kind(path) == kind else None)
-        kinds = {tensors[n].tensor_type.name for n in names if n in tensors}
+        kinds = {tensors[n].tensor_type.name for n in taken_names(spec, kind) if n in tensors}
         return BLOCK_FORMATS.get(kinds.pop(), DENSE) if len(kinds) == 1 else DENSE
 
     return shared("kernel"), shared("table")

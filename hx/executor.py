@@ -63,6 +63,7 @@ from hx.memory import UNSIZED, Accountant, MemoryEstimate, check_fits
 from hx.models.formats import DENSE
 from hx.models.layers import Cache, Step
 from hx.models.mapped import is_mapped, release
+from hx.models.moe import part_params
 from hx.models import sharding
 from hx.models.tensors import (held_weights, kv_arrays, layer_key, layer_slots, step_limit,
                                weight_dtype, widest_slots)
@@ -217,14 +218,25 @@ class Executor:
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
         tier = disk.DiskTier(spill_dir, plan.name)
 
+        parts: dict[tuple[int, str], Any] = {}  # (layer, op) -> a part of an MoE layer's
+
+        def tree(layer: int | None, op: str) -> Any:
+            if plan.op_spec(spec, layer, op) is spec:
+                return op_params(params, layer, op)
+            if (layer, op) not in parts:  # made once: both phases' segments hold the one
+                ids = dict(plan.experts.groups(layer)).get(op, ())
+                parts[(layer, op)] = part_params(op_params(params, layer, "MLP2"), op, ids,
+                                                 spec.moe.routed)
+            return parts[(layer, op)]
+
         self._params = tier.finish({
-            phase: [tuple(self._place(op_params(params, layer, op), layer, op,
-                                      plan.weights.get(layer, op) or HOST, seg.device, placed,
+            phase: [tuple(self._place(tree(layer, op), layer, op,
+                                      plan.weight_home(layer, op) or HOST, seg.device, placed,
                                       tier)
                           for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()})
         self.spilled_bytes = tier.spilled_bytes
-        self._on_disk = {phase: [tuple(plan.weights.get(layer, op) == DISK
+        self._on_disk = {phase: [tuple(plan.weight_home(layer, op) == DISK
                                        for layer, op in seg.ops) for seg in segs]
                          for phase, segs in self.segments.items()}
         self._schedules: dict[tuple, Schedule] = {}
@@ -239,7 +251,7 @@ class Executor:
         released once placed, accelerator-resident bytes allocated to the accountant).
         ``placed`` ((id(array), home, dtype) -> placed) makes a tied embedding one buffer per
         home and dtype."""
-        held = held_weights(self.spec, op, device)
+        held = held_weights(self.plan.op_spec(self.spec, layer, op), op, device)
 
         def put(path, leaf):
             want = held_dtype(held, path)
@@ -287,7 +299,12 @@ class Executor:
         (those whose home and dtype stay are not copied; this executor is not usable after).
         Weights that leave accelerator memory go first, before any weight arrives, so the
         switch holds at most what either plan holds, not both. Its accountant carries this
-        one's peak. Raises as ``Executor``."""
+        one's peak. Raises as ``Executor``, and ``HxError`` where either plan places routed
+        experts one by one (``ExpertHomes``: a switch between such plans is not built)."""
+        if self.plan.experts.layers or plan.experts.layers:
+            raise HxError(f"switching from plan {self.plan.name!r} to {plan.name!r}: hx does "
+                          "not switch plans that place routed experts one by one yet; run "
+                          "one plan for the whole run")
         params, self._params = self.params_tree(), {}
         moved: dict[int, Any] = {}  # id(old leaf) -> its new copy: a tied embedding stays one
         host = self.programs.shardings[HOST]
@@ -490,7 +507,7 @@ class Executor:
             return False
         seg = segments[0]
         if seg.device != HOST or seg.reads != ("tokens",) or any(
-                (self.plan.weights.get(layer, op) or HOST) != HOST for layer, op in seg.ops
+                (self.plan.weight_home(layer, op) or HOST) != HOST for layer, op in seg.ops
         ) or any(home != HOST for home in self.plan.kv):
             return False
         slots = self.schedule("decode", batch, 1, slots).slots

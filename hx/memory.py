@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Hashable
 
 from hx.devices import ACCELERATOR, HOST, Devices, format_bytes
 from hx.errors import HxError
-from hx.models.spec import HEAD, ModelSpec, numpy_dtype
-from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan
+from hx.models.spec import EXPERT_OPS, HEAD, ModelSpec, numpy_dtype
+from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, home_device
 from hx.models.tensors import (ACTIVATIONS, activation_bytes, cache_bytes, held_weights,
                                kv_bytes, layer_slots, step_bytes, step_limit, widest_slots)
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
@@ -159,9 +159,12 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
     matrices as their codes, scales and offsets either way); a tied embedding is one array
     for EMBED and HEAD. Disk-homed weights are in neither (``disk_weight_bytes``)."""
     held: dict[tuple, int] = {}  # (array, home, dtype) -> bytes
-    for layer, op, home in plan.weights.sequence():
-        for device in {plan.phase(p).get(layer, op) for p in PHASES}:
-            for path, (shape, dtype) in held_weights(spec, op, device).items():
+    for layer, op, home in plan.held_ops():
+        devices = ({home_device(home)} if op in EXPERT_OPS else
+                   {plan.phase(p).get(layer, op) for p in PHASES})
+        for device in devices:
+            for path, (shape, dtype) in held_weights(plan.op_spec(spec, layer, op), op,
+                                                     device).items():
                 tied = path.split("/")[0] == "embedding" and spec.tie_embeddings
                 array = path if tied else (layer, op, path)
                 held[(array, home, dtype)] = math.prod(shape) * numpy_dtype(dtype).itemsize
@@ -171,8 +174,8 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
 
 def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
     """Bytes of the weights ``plan`` keeps on disk (in the model's dtype)."""
-    return sum(spec.op_weight_bytes(op) for _, op, home in plan.weights.sequence()
-               if home == DISK)
+    return sum(plan.op_spec(spec, layer, op).op_weight_bytes(op)
+               for layer, op, home in plan.held_ops() if home == DISK)
 
 
 def step_shapes(plan: ExecutionPlan, spec: ModelSpec, workload: Workload,

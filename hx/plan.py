@@ -2,7 +2,7 @@
 
 A plan is plain data (docs/architecture.md, "Plans"): it prints, compares, round-trips through JSON
 and is checked
-against a ``ModelSpec`` without running anything; the executor interprets it. Three tables:
+against a ``ModelSpec`` without running anything; the executor interprets it. Its tables:
 
 * placement per phase (``prefill``, ``decode``): the device of EMBED, of each layer's seven ops,
   of HEAD -- ``"accelerator"`` or ``"host"``;
@@ -26,7 +26,10 @@ against a ``ModelSpec`` without running anything; the executor interprets it. Th
   first r positions cross the link as the layer's input activations ``h`` (d_model values a
   position instead of 2 x n_kv_heads x head_dim) and their K, V are recomputed on the
   accelerator while the K, V of positions [r, S) cross; 0: the whole cache crosses. Only a
-  layer whose K and V ops run on the accelerator in both phases recomputes.
+  layer whose K and V ops run on the accelerator in both phases recomputes;
+* for a Mixture of Experts, expert homes per layer (``experts``: ``ExpertHomes``): none (the
+  layer's routed experts are MLP2's), or each routed expert ``resident``, ``streamed`` or
+  ``host``, computed where it lives by one op per home (``models.ops.EXPERT_OPS``).
 
 JSON form (``layers`` may be a single object meaning every layer; a missing entry defaults)::
 
@@ -35,9 +38,11 @@ JSON form (``layers`` may be a single object meaning every layer; a missing entr
      "decode":  {...same shape...},
      "weights": {"EMBED": "host", "HEAD": "streamed", "layers": [{"Q": "resident", ...}]},
      "kv": ["host", "accelerator", ...], "prefill_chunk": 256,
-     "kv_recompute": [0, 512, ...]}
+     "kv_recompute": [0, 512, ...],
+     "experts": [{"resident": [0, 1], "host": [2, 3]}, null, ...]}
 
-``kv_recompute`` is written only when some layer recomputes (files without it load as 0).
+``kv_recompute`` is written only when some layer recomputes (files without it load as 0),
+``experts`` only when some layer's experts have homes.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from hx.devices import ACCELERATOR, DEVICE_NAMES, HOST
 from hx.errors import HxError
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec
+from hx.models.ops import EXPERTS_HOST, EXPERTS_RESIDENT, EXPERTS_STREAMED
+from hx.models.spec import EMBED, EXPERT_OPS, HEAD, LAYER_OPS, SCORE, ModelSpec
 
 PHASES = ("prefill", "decode")
 RESIDENT, STREAMED, DISK = "resident", "streamed", "disk"
@@ -63,6 +69,12 @@ def weight_owners(spec: ModelSpec) -> list[tuple[int | None, str]]:
     weighted ops in order."""
     return [(None, EMBED), (None, HEAD)] + [(i, op) for i in range(spec.n_layers)
                                              for op in WEIGHTED_OPS]
+
+
+def home_device(home: str) -> str:
+    """The device that computes with weights homed at ``home``: the host for ``host``, the
+    accelerator for the others (``streamed`` and ``disk`` weights are copied to it)."""
+    return HOST if home == HOST else ACCELERATOR
 
 
 def score_device(kv_home: str) -> str:
@@ -184,6 +196,99 @@ class WeightHomes(OpTable):
         return None if op == SCORE else super().get(layer, op)
 
 
+# the op that computes an MoE layer's routed experts of each home (``models.ops.EXPERT_OPS``),
+# in the order a layer runs them: the host's before MLP2, the accelerator's after it
+EXPERT_OP_OF = {HOST: EXPERTS_HOST, RESIDENT: EXPERTS_RESIDENT, STREAMED: EXPERTS_STREAMED}
+EXPERT_HOMES = tuple(EXPERT_OP_OF)
+
+
+@dataclass(frozen=True)
+class ExpertHomes:
+    """Where each routed expert of an MoE layer lives (docs/architecture.md, "Plans"): the
+    unit of placement of a layer's experts is one expert.
+
+    A layer with homes runs its experts of each home as one op of ``EXPERT_OPS`` on that
+    home's device (``host``: computed on the host on the rows routed to them; ``resident``:
+    on the accelerator; ``streamed``: copied to the accelerator before its segment, like a
+    streamed op's weights, and computed there); MLP2 keeps the shared expert and the residual
+    add (``ModelSpec.expert_part``). A layer without homes runs its experts inside MLP2,
+    placed as MLP2's weights are (``WeightHomes``).
+
+    Attributes:
+      layers: per decoder layer, () or one home per routed expert (``EXPERT_HOMES``); ()
+        altogether: no layer has homes.
+
+    JSON form: per layer null or ``{"resident": [ids], "streamed": [ids], "host": [ids]}``.
+    """
+
+    layers: tuple[tuple[str, ...], ...] = ()
+
+    def of(self, layer: int) -> tuple[str, ...]:
+        """The homes of ``layer``'s experts; () where it has none."""
+        return self.layers[layer] if self.layers else ()
+
+    def groups(self, layer: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """((op, expert ids), ...) of ``layer``'s homes that hold experts, in
+        ``EXPERT_HOMES`` order."""
+        homes = self.of(layer)
+        return tuple((EXPERT_OP_OF[home], ids) for home in EXPERT_HOMES
+                     if (ids := tuple(e for e, h in enumerate(homes) if h == home)))
+
+    def home(self, layer: int, op: str) -> str:
+        """The home of the experts ``op`` (one of ``EXPERT_OPS``) computes."""
+        return next(home for home, o in EXPERT_OP_OF.items() if o == op)
+
+    def woven(self, sequence: Iterable[tuple[int | None, str, str]]
+              ) -> Iterator[tuple[int | None, str, str]]:
+        """``sequence`` (a phase's (layer, op, device)) with each layer's expert ops around
+        its MLP2: its host experts before, its accelerator experts after."""
+        for layer, op, device in sequence:
+            groups = self.groups(layer) if op == "MLP2" and self.layers else ()
+            for g, _ in groups:
+                if g == EXPERTS_HOST:
+                    yield layer, g, HOST
+            yield layer, op, device
+            for g, _ in groups:
+                if g != EXPERTS_HOST:
+                    yield layer, g, ACCELERATOR
+
+    def stage(self, layers: range) -> "ExpertHomes":
+        """The homes of a pipeline stage's ``layers``."""
+        return ExpertHomes(self.layers[layers.start:layers.stop] if self.layers else ())
+
+    def to_json(self) -> list[dict[str, list[int]] | None]:
+        """The JSON form (class docstring)."""
+        return [{home: [e for e, h in enumerate(homes) if h == home] for home in EXPERT_HOMES
+                 if home in homes} or None for homes in self.layers]
+
+    @classmethod
+    def from_json(cls, data: Any, n_layers: int) -> "ExpertHomes":
+        """Parse ``to_json``'s form (a single object: every layer alike).
+
+        Raises:
+          HxError: not that form; an unknown home; an expert named twice or in no home.
+        """
+        rows = [data] * n_layers if isinstance(data, dict) else data
+        if not isinstance(rows, list) or len(rows) != n_layers:
+            raise HxError(f"a plan's experts table is a list of {n_layers} entries (null or "
+                          "{home: [expert ids]}), or one object for every layer")
+        layers = []
+        for i, row in enumerate(rows):
+            if row is None:
+                layers.append(())
+                continue
+            if not isinstance(row, dict) or set(row) - set(EXPERT_HOMES):
+                raise HxError(f"plan's experts of layer {i}: homes are "
+                              f"{', '.join(EXPERT_HOMES)}, got {row!r}")
+            ids = sorted(e for home in row.values() for e in home)
+            if not all(isinstance(e, int) for e in ids) or ids != list(range(len(ids))):
+                raise HxError(f"plan's experts of layer {i} must name each expert 0..X-1 "
+                              "once")
+            homes = {e: home for home, given in row.items() for e in given}
+            layers.append(tuple(homes[e] for e in range(len(ids))))
+        return cls(tuple(layers) if any(layers) else ())
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """Op placement per phase, weight homes, and KV-cache home per layer.
@@ -199,6 +304,8 @@ class ExecutionPlan:
       kv_recompute: per layer, r: the cache positions [0, r) whose K, V a ``streamed`` layer
         recomputes on the accelerator from their activations ``h`` (tokens; KVPR) instead
         of copying them; () means 0 for every layer.
+      experts: an MoE model's routed experts placed one by one (``ExpertHomes``; empty:
+        each layer's experts are MLP2's).
     """
 
     prefill: Placement
@@ -208,6 +315,37 @@ class ExecutionPlan:
     name: str = "custom"
     prefill_chunk: int | None = None
     kv_recompute: tuple[int, ...] = ()
+    experts: ExpertHomes = ExpertHomes()
+
+    def sequence(self, phase: str) -> Iterator[tuple[int | None, str, str]]:
+        """(layer, op, device) of ``phase`` in execution order: the placement's, with the
+        expert ops of layers whose experts have homes (``ExpertHomes.woven``)."""
+        return self.experts.woven(self.phase(phase).sequence())
+
+    def weight_home(self, layer: int | None, op: str) -> str | None:
+        """Home of the weights of ``op`` of ``layer``: an expert op's home, else
+        ``WeightHomes.get``."""
+        if op in EXPERT_OPS:
+            return self.experts.home(layer, op)
+        return self.weights.get(layer, op)
+
+    def op_spec(self, spec: ModelSpec, layer: int | None, op: str) -> ModelSpec:
+        """The spec ``op`` of ``layer`` is held and computed with: ``spec``, or where the
+        layer's experts have homes, MLP2's and the expert ops' parts of it
+        (``ModelSpec.expert_part``)."""
+        if layer is None or op not in ("MLP2", *EXPERT_OPS) or not self.experts.of(layer):
+            return spec
+        ids = dict(self.experts.groups(layer)).get(op, ())
+        return spec.expert_part(op, len(ids))
+
+    def held_ops(self) -> Iterator[tuple[int | None, str, str]]:
+        """(layer, op, home) of every op that holds weights (``weight_owners`` order, each
+        layer's expert ops after its MLP2)."""
+        for layer, op, home in self.weights.sequence():
+            yield layer, op, home
+            if op == "MLP2" and layer is not None:
+                for g, _ in self.experts.groups(layer):
+                    yield layer, g, self.experts.home(layer, g)
 
     @property
     def n_layers(self) -> int:
@@ -264,6 +402,7 @@ class ExecutionPlan:
             self, prefill=prefill, decode=decode, weights=weights,
             kv=self.kv[layers.start:layers.stop],
             kv_recompute=self.kv_recompute[layers.start:layers.stop],
+            experts=self.experts.stage(layers),
             name=f"{self.name} [layers {layers.start}-{layers.stop - 1}]")
 
     @classmethod
@@ -280,9 +419,11 @@ class ExecutionPlan:
 
         recompute = tuple(p.recompute(i) for p in parts for i in range(p.n_layers))
         chunks = [p.prefill_chunk for p in parts if p.prefill_chunk is not None]
+        experts = tuple(p.experts.of(i) for p in parts for i in range(p.n_layers))
         return cls(table(lambda p: p.prefill), table(lambda p: p.decode),
                    table(lambda p: p.weights), tuple(k for p in parts for k in p.kv), name,
-                   min(chunks) if chunks else None, recompute if any(recompute) else ())
+                   min(chunks) if chunks else None, recompute if any(recompute) else (),
+                   ExpertHomes(experts if any(experts) else ()))
 
     def phase(self, phase: str) -> Placement:
         """The ``Placement`` of ``"prefill"`` or ``"decode"``."""
@@ -371,8 +512,23 @@ class ExecutionPlan:
                                   f"its weights are {home}; host ops need weights at home "
                                   "on the host")
         self._validate_recompute()
+        self._validate_experts(spec)
         if to_run and self.refusal:
             raise HxError(self.refusal)
+
+    def _validate_experts(self, spec: ModelSpec) -> None:
+        if not self.experts.layers:
+            return
+        if spec.moe is None:
+            raise HxError(f"plan {self.name!r} places routed experts, but {spec.name} is not a "
+                          "Mixture of Experts")
+        if len(self.experts.layers) != spec.n_layers:
+            raise HxError(f"plan {self.name!r} gives expert homes for "
+                          f"{len(self.experts.layers)} layers; the model has {spec.n_layers}")
+        for layer, homes in enumerate(self.experts.layers):
+            if homes and len(homes) != spec.moe.routed:
+                raise HxError(f"plan {self.name!r}: layer {layer} gives homes to {len(homes)} "
+                              f"routed experts; {spec.name} has {spec.moe.routed} a layer")
 
     def _validate_recompute(self) -> None:
         if self.kv_recompute and len(self.kv_recompute) != len(self.kv):
@@ -395,6 +551,8 @@ class ExecutionPlan:
                 "kv": list(self.kv), "prefill_chunk": self.prefill_chunk}
         if any(self.kv_recompute):
             data["kv_recompute"] = list(self.kv_recompute)
+        if self.experts.layers:
+            data["experts"] = self.experts.to_json()
         return data
 
     def with_prefill_chunk(self, chunk: int | None) -> "ExecutionPlan":
@@ -446,8 +604,10 @@ class ExecutionPlan:
             raise HxError(f"plan gives {len(recompute)} kv_recompute entries; the model has "
                           f"{n_layers} layers")
         recompute = tuple(_recompute(r) for r in recompute)
+        experts = ExpertHomes.from_json(data["experts"], n_layers) if data.get(
+            "experts") else ExpertHomes()
         return cls(prefill, decode, weights, tuple(_kv_home(d) for d in kv), plan.name,
-                   chunk, recompute if any(recompute) else ())
+                   chunk, recompute if any(recompute) else (), experts)
 
     def save(self, path: str) -> None:
         """Write ``to_json`` to ``path``."""

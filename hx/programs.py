@@ -62,11 +62,12 @@ PROXY_MIDDLE_LAYERS = 1
 
 def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
                      writes: tuple[str, ...], attend: bool = True, keep_h: tuple[int, ...] = (),
-                     types: tuple[str, ...] = ()):
+                     types: tuple[str, ...] = (), parts: tuple[int, ...] = ()):
     """``(params tuple, activations, caches tuple, step) -> (activations, caches)``, jitted
     with the caches donated. Each op runs with the spec of its layer's type (``types``, one
     per op: ``ModelSpec.type_spec``; "" or none: ``spec``), so a local and a global layer of
-    Gemma 3 attend over their own window with their own RoPE. SCORE on the host uses
+    Gemma 3 attend over their own window with their own RoPE; an op with a part of an MoE
+    layer's experts (``parts``: ``Segment.parts``) runs with that part's spec. SCORE on the host uses
     ``xla_attention.blocked_attention``; with ``attend=False`` it only appends k and v to its
     cache -- quantized there when the cache is compressed (``models.layers.append_kv``) -- and
     ``SplitHostProgram`` attends outside XLA. A host segment runs consecutive whole decoder
@@ -77,6 +78,8 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     products = products_on(device)
     held, fmt = weight_dtype(spec, device), kv_format(spec)
     specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
+    specs = [s if n < 0 else s.expert_part(op, n)
+             for s, op, n in zip(specs, ops, parts or (-1,) * len(ops))]
 
     width = len(LAYER_OPS)
 
@@ -242,7 +245,8 @@ def proxy(segment: Segment, middle: int = PROXY_MIDDLE_LAYERS) -> Segment:
     keep = [i for i, (layer, _) in enumerate(segment.ops)
             if layer is None or layer in (first, last) or layer <= first + middle]
     return Segment(segment.device, tuple(segment.ops[i] for i in keep),
-                   tuple(segment.staged[i] for i in keep), segment.reads, segment.writes)
+                   tuple(segment.staged[i] for i in keep), segment.reads, segment.writes,
+                   tuple(segment.parts[i] for i in keep) if segment.parts else ())
 
 
 class Programs:
@@ -303,8 +307,8 @@ class Programs:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
-        params = tuple(param_tree(s, op, segment.device, functools.partial(
-            self.weight_sharding, segment.device)) for _, op in segment.ops)
+        params = tuple(param_tree(segment.op_spec(s, i), op, segment.device, functools.partial(
+            self.weight_sharding, segment.device)) for i, (_, op) in enumerate(segment.ops))
         acts = _activation_structs(s, segment.reads, batch, tokens, functools.partial(
             self.activation_sharding, segment.device))
         caches = tuple({name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
@@ -336,22 +340,23 @@ class Programs:
 
     def _key(self, segment: Segment, batch: int, tokens: int, slots: int,
              keep_h: tuple[int, ...] = ()) -> tuple:
-        device, ops, _, reads, writes, types = self.signature(segment)
-        return (device, ops, reads, writes, types, batch, tokens,
+        device, ops, _, reads, writes, parts, types = self.signature(segment)
+        return (device, ops, reads, writes, parts, types, batch, tokens,
                 widest_slots(self.spec, slots) if segment.cache_layers else 0, keep_h)
 
     def _function(self, device: str, ops: tuple[str, ...], writes: tuple[str, ...],
-                  attend: bool, keep_h: tuple[int, ...] = (), types: tuple[str, ...] = ()):
-        key = (device, ops, writes, attend, keep_h, types)
+                  attend: bool, keep_h: tuple[int, ...] = (), types: tuple[str, ...] = (),
+                  parts: tuple[int, ...] = ()):
+        key = (device, ops, writes, attend, keep_h, types, parts)
         if key not in self._functions:
             self._functions[key] = segment_function(self.spec, device, ops, writes, attend,
-                                                    keep_h, types)
+                                                    keep_h, types, parts)
         return self._functions[key]
 
     def _lower(self, segment: Segment, batch: int, tokens: int, slots: int,
                keep_h: tuple[int, ...] = ()):
         """The segment lowered at these shapes: something with ``compile()``."""
-        device, ops, _, _, writes, types = self.signature(segment)
+        device, ops, _, _, writes, parts, types = self.signature(segment)
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
         s = self.spec
         held = max((held_slots(s.type_spec(kind), slots) for kind in self.cache_types(segment)),
@@ -359,7 +364,7 @@ class Programs:
         elements = 2 * batch * held * s.n_kv_heads * s.head_dim
         if device != HOST or not segment.cache_layers or not attends_in_numpy(
                 batch, held, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, held) / elements):
-            return self._function(device, ops, writes, True, keep_h, types).lower(
+            return self._function(device, ops, writes, True, keep_h, types, parts).lower(
                 params, acts, caches, step)
         where = self.shardings[HOST]
         lowered, first, slot = [], 0, 0
@@ -367,7 +372,9 @@ class Programs:
             attends = int(OPS[part[-1]].uses_cache)
             kinds = types[first:first + len(part)]
             ins = _activation_structs(self.spec, part_reads, batch, tokens, lambda *_: where)
-            lowered.append((self._function(HOST, part, part_writes, False, (), kinds).lower(
+            piece_parts = parts[first:first + len(part)] if parts else ()
+            lowered.append((self._function(HOST, part, part_writes, False, (), kinds,
+                                           piece_parts).lower(
                 params[first:first + len(part)], ins, caches[slot:slot + attends], step),
                 part_reads, len(part), attends, s.type_spec(kinds[-1]).sliding_window))
             first, slot = first + len(part), slot + attends
@@ -394,13 +401,13 @@ class Programs:
         (compiled on first use)."""
         key = ("loop", self._key(segment, batch, 1, slots), steps, sampler)
         if key not in self._compiled:
-            device, ops, _, _, writes, types = self.signature(segment)
+            device, ops, _, _, writes, parts, types = self.signature(segment)
             params, acts, caches, step = self.abstract_args(segment, batch, 1, slots)
             where = self.shardings[device]
             one, rows = functools.partial(_struct, (), sharding=where), functools.partial(
                 _struct, (batch,), sharding=where)
-            loop = loop_function(self._function(device, ops, writes, True, (), types), steps,
-                                 sampler)
+            loop = loop_function(self._function(device, ops, writes, True, (), types, parts),
+                                 steps, sampler)
             self._compiled[key] = loop.lower(
                 params, acts["tokens"], caches, step, one("int32"), rows("uint32"),
                 rows("uint32"), rows("int32"), _struct((self.spec.vocab_size,), "bool", where),

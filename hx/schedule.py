@@ -157,16 +157,24 @@ def weight_sizes(spec: ModelSpec) -> dict[str, int]:
     return {op: spec.op_weight_bytes(op) for op in OPS}
 
 
+def op_bytes(spec: ModelSpec, segment: Segment, index: int) -> int:
+    """Bytes of the weights op ``index`` of ``segment`` holds (``weight_sizes``; a part of an
+    MoE layer's experts: ``Segment.op_spec``'s)."""
+    op = segment.ops[index][1]
+    if segment.parts and segment.parts[index] >= 0:
+        return segment.op_spec(spec, index).op_weight_bytes(op)
+    return weight_sizes(spec)[op]
+
+
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
     """Bytes of the weights a segment copies into accelerator memory before it runs."""
-    sizes = weight_sizes(spec)
-    return sum(sizes[op] for (_, op), staged in zip(segment.ops, segment.staged) if staged)
+    return sum(op_bytes(spec, segment, i) for i, staged in enumerate(segment.staged) if staged)
 
 
 def disk_bytes(plan: ExecutionPlan, spec: ModelSpec, segment: Segment) -> int:
     """Bytes of the segment's weights kept on disk (read into host memory each step)."""
-    sizes = weight_sizes(spec)
-    return sum(sizes[op] for layer, op in segment.ops if plan.weights.get(layer, op) == DISK)
+    return sum(op_bytes(spec, segment, i) for i, (layer, op) in enumerate(segment.ops)
+               if plan.weight_home(layer, op) == DISK)
 
 
 def read_buffer_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:

@@ -18,8 +18,9 @@ import functools
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR
+from hx.models.spec import EXPERT_OPS, ModelSpec
 from hx.models.tensors import OPS
-from hx.plan import RESIDENT, STREAMED, ExecutionPlan, Placement, WeightHomes
+from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement, WeightHomes
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Segment:
         segment runs (accelerator op whose weights are not resident).
       reads: activations produced before the segment that it reads.
       writes: activations it produces that a later segment reads.
+      parts: per op, how many routed experts it holds where its layer's experts have homes
+        (MLP2: 0; ``hx.plan.ExpertHomes``, ``ModelSpec.expert_part``), else -1.
       streams: whether some of its weights are staged before it runs (derived).
       cache_layers: layers whose KV cache it reads and updates, in op order (derived).
     """
@@ -42,6 +45,7 @@ class Segment:
     staged: tuple[bool, ...]
     reads: tuple[str, ...]
     writes: tuple[str, ...]
+    parts: tuple[int, ...] = ()
     # derived from ops and staged, once: the schedule and the simulator ask for every
     # instruction
     streams: bool = field(init=False, repr=False, compare=False)
@@ -56,7 +60,13 @@ class Segment:
     def signature(self) -> tuple:
         """What the compiled function depends on (layer indices excluded)."""
         return (self.device, tuple(op for _, op in self.ops), self.staged, self.reads,
-                self.writes)
+                self.writes, self.parts)
+
+    def op_spec(self, spec: ModelSpec, index: int) -> ModelSpec:
+        """The spec op ``index`` is held and computed with: ``spec`` (a layer type's, where
+        the caller gives one), or the part of an MoE layer it holds (``parts``)."""
+        n = self.parts[index] if self.parts else -1
+        return spec if n < 0 else spec.expert_part(self.ops[index][1], n)
 
 
 def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
@@ -68,20 +78,28 @@ def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
     them. ``writes``: names the segment writes that some later op reads before a later op
     overwrites them, plus the final ``logits``.
     """
-    return segments_of(plan.phase(phase), plan.weights, plan.kv)
+    return segments_of(plan.phase(phase), plan.weights, plan.kv, plan.experts)
 
 
 @functools.lru_cache(maxsize=4096)
-def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...]
-                ) -> tuple[Segment, ...]:
+def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...],
+                experts: ExpertHomes = ExpertHomes()) -> tuple[Segment, ...]:
     """``split_segments`` of a phase placed as ``placement`` (cached: tables are frozen)."""
     def copies_in(layer: int | None) -> bool:  # a layer whose KV cache is copied in
         return layer is not None and kv[layer] == STREAMED
 
+    def home(layer: int | None, op: str) -> str | None:
+        return experts.home(layer, op) if op in EXPERT_OPS else weights.get(layer, op)
+
+    def part(layer: int | None, op: str) -> int:
+        if layer is None or op not in ("MLP2", *EXPERT_OPS) or not experts.of(layer):
+            return -1
+        return len(dict(experts.groups(layer)).get(op, ()))
+
     runs: list[tuple[str, list[tuple[int | None, str]], list[bool]]] = []  # device, ops, staged
     previous, streams = None, False  # the last op's layer; whether the last run stages
-    for layer, op, device in placement.sequence():
-        staged = device == ACCELERATOR and weights.get(layer, op) not in (None, RESIDENT)
+    for layer, op, device in experts.woven(placement.sequence()):
+        staged = device == ACCELERATOR and home(layer, op) not in (None, RESIDENT)
         if runs and runs[-1][0] == device and (layer == previous or not (
                 staged or streams or (device == ACCELERATOR
                                       and (copies_in(layer) or copies_in(previous))))):
@@ -115,8 +133,9 @@ def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...]
                     produced.add(n)
                     if n in later_reads or n == "logits":
                         writes.append(n)
+        parts = tuple(part(layer, op) for layer, op in ops)
         segments.append(Segment(device, tuple(ops), tuple(staged), tuple(reads),
-                                tuple(writes)))
+                                tuple(writes), parts if any(n >= 0 for n in parts) else ()))
     return tuple(segments)
 
 

@@ -433,6 +433,41 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @functools.singledispatch
+def expert_rows(matrix, ids: np.ndarray, experts: int):
+    """Experts ``ids`` (int array) of a stack of ``experts`` matrices held as ``matrix``
+    (logical (X, out, in)), in that order, held as the stack is: a dense (X, out, in) array
+    taken along its first axis; a 2-D held layout's rows (its N = X out rows, expert e's
+    contiguous) taken by whole experts -- ggml's repacked rows stay interleaved within
+    their 8, which an expert's out (a multiple of 8) never splits. The arrays are new
+    (numpy)."""
+    return np.take(matrix, ids, axis=0)
+
+
+def _whole_expert_rows(n: int, ids: np.ndarray, experts: int) -> np.ndarray:
+    per = n // experts
+    return (np.asarray(ids)[:, None] * per + np.arange(per)).reshape(-1)
+
+
+@expert_rows.register
+def _(matrix: GroupMatrix, ids: np.ndarray, experts: int):
+    return matrix.map(lambda a: np.take(a, ids, axis=0))
+
+
+@expert_rows.register
+def _(matrix: Int4Packed, ids: np.ndarray, experts: int):
+    rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts)
+    return Int4Packed(np.take(matrix.packed, rows, axis=0), np.take(matrix.sz, rows, axis=1),
+                      matrix.fmt, matrix.block)
+
+
+@expert_rows.register
+def _(matrix: GGUFBlocks, ids: np.ndarray, experts: int):
+    rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts)
+    return GGUFBlocks(np.take(matrix.blocks, rows, axis=0), matrix.fmt, matrix.repacked,
+                      None if matrix.centres is None else np.take(matrix.centres, rows, axis=1))
+
+
+@functools.singledispatch
 def product(kernel, x: jax.Array, dtype=None, products: Products = DEFAULT_PRODUCTS,
             after: jax.Array | None = None) -> jax.Array:
     """x (N, in) times a held matrix of logical shape (out..., in...) transposed -> (N, out)

@@ -252,9 +252,13 @@ class Family:
 
     def matrix_kind(self, path: str) -> str | None:
         """``kernel`` for a projection matrix (held in ``spec.weight_format``), ``table`` for
-        an embedding table (``spec.embedding_format``), None for norms and biases (dense)."""
+        an embedding table (``spec.embedding_format``), ``index`` for an int32 index array
+        (the ids of the routed experts a part of an MoE layer holds:
+        ``ModelSpec.expert_part``), None for norms and biases (dense)."""
         if path.endswith("kernel"):
             return "kernel"
+        if path.endswith("/ids"):
+            return "index"
         if path in (TABLE, "positions"):
             return "table"
         return None
@@ -272,7 +276,7 @@ class Family:
         of each of its matrices per row (Kaplan et al. 2020, §2.1); HEAD's table once per
         row. Norms, biases and activations are left out (a few FLOPs an element)."""
         return 2.0 * rows * sum(math.prod(shape) for path, shape
-                                in self.weight_shapes(spec)[op].items()
+                                in spec.op_weight_shapes(op).items()
                                 if self.matrix_kind(path) == "kernel"
                                 or (op == HEAD and path == TABLE))
 

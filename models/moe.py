@@ -35,16 +35,17 @@ from flax import linen as nn
 
 from hx.errors import HxError
 from hx.models.family import ConfigReader, GraphLayer, MetadataReader
-from hx.models.compressed import DEFAULT_PRODUCTS, Products, product
+from hx.models.compressed import DEFAULT_PRODUCTS, Products, expert_rows, product
 from hx.models.formats import DENSE
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
-from hx.models.spec import ModelSpec, MoeShape
+from hx.models.spec import EXPERT_OPS, ModelSpec, MoeShape
 
 ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
 SHARED_GATE = "shared_expert_gate"  # the shared expert's sigmoid gate (1, D): MLP2's, dense
 # the routed experts' stacked matrices (MLP2's), one path a kind
 EXPERT_KINDS = ("experts/gate_kernel", "experts/up_kernel", "experts/down_kernel")
+EXPERT_IDS = "experts/ids"  # a part's experts' indices in their layer (int32)
 
 
 class RouterOp(WeightedOp):
@@ -76,14 +77,19 @@ class RouterOp(WeightedOp):
 class ExpertsOp(WeightedOp):
     """MLP2 of an MoE layer: a (B,T,D+X), x (B,T,D) -> x + sum_e w_e SwiGLU_e(n) (B,T,D),
     plus the shared expert behind its sigmoid gate where ``MoeShape.d_shared`` (Qwen1.5-MoE's
-    ``shared_expert``, ``shared_expert_gate``); the routed experts by ``Experts``."""
+    ``shared_expert``, ``shared_expert_gate``); the routed experts by ``Experts``. Under a
+    part's spec (``ModelSpec.expert_part``) the same sum over the part's experts alone: MLP2
+    of a layer whose experts are placed one by one (none of them), an ``EXPERT_OPS`` op (no
+    shared expert)."""
 
     @nn.compact
     def __call__(self, a: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
         s, moe = self.spec, self.spec.moe
         n, weights = a[..., :s.d_model], a[..., s.d_model:].astype(jnp.float32)
-        y = Experts(moe.experts, moe.top_k, moe.d_expert, held_dtype(self), s.weight_format,
-                    self.products, name="experts")(n, weights)
+        y = jnp.zeros(n.shape, jnp.float32)
+        if moe.experts:
+            y = Experts(moe.experts, moe.top_k, moe.d_expert, held_dtype(self), s.weight_format,
+                        self.products, moe.of, name="experts")(n, weights)
         if moe.d_shared:
             gate = dense(self, moe.d_shared, name="shared_w_gate")(n)
             up = dense(self, moe.d_shared, name="shared_w_up")(n)
@@ -106,7 +112,10 @@ class Experts(nn.Module):
     and their experts are read off w (``jax.lax.top_k``). Elsewhere every expert runs (module
     docstring): gate and up as one product of n with the (X F, D) matrix, down decompressed
     (after the inner activations exist) and multiplied batched over the experts, summed.
-    Initialised as each expert's LeCun normal.
+    Initialised as each expert's LeCun normal. A part of a layer of ``of`` routed experts
+    (``MoeShape.of``) holds ``ids`` (X,) int32, the layer's index of each of its experts, and
+    reads those columns of w (B,T,of); each row then runs its min(k, X) largest of them, the
+    rest weighted 0.
     """
 
     experts: int
@@ -115,10 +124,14 @@ class Experts(nn.Module):
     param_dtype: Any = jnp.float32
     fmt: str = DENSE
     products: Products = DEFAULT_PRODUCTS
+    of: int = 0
 
     @nn.compact
     def __call__(self, n: jax.Array, weights: jax.Array) -> jax.Array:
         X, F, D = self.experts, self.d_expert, n.shape[-1]
+        if self.of:
+            ids = self.param("ids", nn.initializers.zeros_init(), (X,), jnp.int32)
+            weights = jnp.take(weights, ids, axis=-1)
         init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
         gate, up, down = (matrix(self, name, shape, self.fmt, self.param_dtype, init)
                           for name, shape in (("gate_kernel", (X, F, D)),
@@ -126,7 +139,7 @@ class Experts(nn.Module):
                                               ("down_kernel", (X, D, F))))
         rows, w = n.reshape(-1, D), weights.reshape(-1, X)
         if self.products.takes_experts((gate, up, down)):
-            top, ids = jax.lax.top_k(w, self.top_k)
+            top, ids = jax.lax.top_k(w, min(self.top_k, X))
             return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
         g = product(gate, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
         u = product(up, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
@@ -138,7 +151,22 @@ class Experts(nn.Module):
         return y.sum(axis=0).reshape(n.shape)
 
 
-MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp}
+def part_params(tree: Mapping[str, Any], op: str, ids: tuple[int, ...], experts: int
+                ) -> dict[str, Any]:
+    """The weights a part of an MoE layer holds (``ModelSpec.expert_part``), from the layer's
+    MLP2 tree ``tree`` of ``experts`` routed experts: MLP2's, all but the routed experts; an
+    ``EXPERT_OPS`` op's, the experts ``ids`` (``models.compressed.expert_rows``) and the ids
+    themselves (int32)."""
+    if op == "MLP2":
+        return {k: v for k, v in tree.items() if k != "experts"}
+    index = np.asarray(ids, np.int32)
+    part = {kind.split("/")[1]: expert_rows(tree["experts"][kind.split("/")[1]], index,
+                                            experts) for kind in EXPERT_KINDS}
+    return {"experts": {**part, EXPERT_IDS.split("/")[1]: index}}
+
+
+MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp,
+               **{op: ExpertsOp for op in EXPERT_OPS}}
 
 # llama.cpp's names of an MoE layer's tensors (its ``LLM_TENSOR_FFN_*_EXPS``, ``*_SHEXP``)
 GGUF_MOE_NAMES = {**GGUF_LAYER_NAMES, ("MLP1", ROUTER): "ffn_gate_inp.weight",
@@ -168,13 +196,16 @@ class MoeFamily(LlamaFamily):
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """Llama's attention weights; MLP1 the FFN norm and the router (X, D), MLP2 the
         experts' gate and up (X, F, D) and down (X, D, F), with a shared expert its gate and
-        up (Fs, D), down (D, Fs) and sigmoid gate (1, D)."""
+        up (Fs, D), down (D, Fs) and sigmoid gate (1, D); a part of a layer's experts
+        (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
         shapes = super().weight_shapes(spec)
         D, moe = spec.d_model, spec.moe
         X, F = moe.experts, moe.d_expert
-        shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (X, D)}
+        shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (moe.routed, D)}
         shapes["MLP2"] = {"experts/gate_kernel": (X, F, D), "experts/up_kernel": (X, F, D),
-                          "experts/down_kernel": (X, D, F)}
+                          "experts/down_kernel": (X, D, F)} if X else {}
+        if moe.of and X:  # a part of the layer's experts (``ModelSpec.expert_part``)
+            shapes["MLP2"][EXPERT_IDS] = (X,)
         if moe.d_shared:
             Fs = moe.d_shared
             shapes["MLP2"] |= {"shared_w_gate/kernel": (Fs, D), "shared_w_up/kernel": (Fs, D),

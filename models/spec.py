@@ -17,7 +17,8 @@ from typing import Any
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
 from hx.models.formats import DENSE, Format, get_format, kv_cache_format
-from hx.models.ops import EMBED, HEAD, LAYER_OPS, SCORE  # noqa: F401  (SCORE: re-exported)
+from hx.models.ops import (EMBED, EXPERT_OPS, HEAD, LAYER_OPS,  # noqa: F401  (re-exported)
+                           SCORE)
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -91,6 +92,9 @@ class MoeShape:
       d_shared: the shared expert's inner size; 0: none.
       norm_top_k: the k chosen probabilities are divided by their sum (Mixtral; a config's
         ``norm_topk_prob``).
+      of: 0 for a whole layer; else this is the part of a layer of ``of`` routed experts
+        that one op holds (``ModelSpec.expert_part``): ``experts`` of them (0 to ``of``),
+        which ones an index array among its weights says.
     """
 
     experts: int
@@ -98,10 +102,18 @@ class MoeShape:
     d_expert: int
     d_shared: int = 0
     norm_top_k: bool = True
+    of: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k={self.top_k} of experts={self.experts}: 1 to experts")
+        if not 1 <= self.top_k <= self.routed:
+            raise ValueError(f"top_k={self.top_k} of experts={self.routed}: 1 to experts")
+        if self.of and not 0 <= self.experts <= self.of:
+            raise ValueError(f"a part of {self.experts} of {self.of} experts")
+
+    @property
+    def routed(self) -> int:
+        """X: the layer's routed experts, over which the router's weights run."""
+        return self.of or self.experts
 
 
 @dataclass(frozen=True)
@@ -242,7 +254,16 @@ class ModelSpec:
     def inner_width(self) -> int:
         """The width of the activation MLP1 hands MLP2 (``models.tensors.ACTIVATIONS`` "a"):
         d_ff, or an MoE layer's normed x and its routing weights over the experts, D + X."""
-        return self.d_model + self.moe.experts if self.moe else self.d_ff
+        return self.d_model + self.moe.routed if self.moe else self.d_ff
+
+    def expert_part(self, op: str, experts: int) -> "ModelSpec":
+        """The spec an op of an MoE layer whose routed experts are placed one by one
+        (``hx.plan.ExpertHomes``) is held and computed with: MLP2 the shared expert and the
+        residual add, no routed expert (``experts`` 0); an ``EXPERT_OPS`` op ``experts`` of
+        the layer's routed experts (which ones: its ``experts/ids``) and no shared one."""
+        moe = dataclasses.replace(self.moe, experts=experts, of=self.moe.routed,
+                                  d_shared=self.moe.d_shared if op == "MLP2" else 0)
+        return self.replace(moe=moe)
 
     def replace(self, **changes) -> "ModelSpec":
         """A copy with some fields changed (``dataclasses.replace``)."""
@@ -305,7 +326,7 @@ class ModelSpec:
         """
         if (op == EMBED and not self.embeds) or (op == HEAD and not self.heads):
             return {}  # a pipeline stage's pass-through
-        return _weight_shapes(self)[op]
+        return _weight_shapes(self)["MLP2" if op in EXPERT_OPS else op]
 
     @property
     def model_family(self):
@@ -349,7 +370,9 @@ class ModelSpec:
             relaid = path.endswith("kernel") or (layout.tables and path == TABLE)
             packed = (layout.arrays(fmt, self.product_shape(path, shape))
                       if fmt and layout.arrays and relaid else None)
-            if fmt is None:
+            if self.model_family.matrix_kind(path) == "index":
+                held[path] = (shape, "int32")
+            elif fmt is None:
                 held[path] = (shape, dtype or self.dtype)
             elif packed:
                 held.update({f"{path}/{part}": array for part, array in packed.items()})

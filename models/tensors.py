@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable
 
 from hx.devices import HOST
 from hx.models.formats import KV_DTYPES, Format, kv_cache_format
-from hx.models.spec import EMBED, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype, numpy_dtype
+from hx.models.spec import (EMBED, EXPERT_OPS, HEAD, LAYER_OPS, SCORE, ModelSpec, host_dtype,
+                            numpy_dtype)
 from hx.workload import round_up
 
 
@@ -44,7 +45,7 @@ class OpDef:
     uses_cache: bool = False
 
 
-# The op table: what each of the nine ops (each family's modules, ``models.family``) reads and writes.
+# The op table: what each op (each family's modules, ``models.family``) reads and writes.
 OPS: dict[str, OpDef] = {
     EMBED: OpDef(("tokens",), ("x",)),
     "Q": OpDef(("x",), ("h", "q")),
@@ -55,6 +56,9 @@ OPS: dict[str, OpDef] = {
     "MLP1": OpDef(("x",), ("a",)),
     "MLP2": OpDef(("a", "x"), ("x",)),
     HEAD: OpDef(("x",), ("logits",)),
+    # an MoE layer's routed experts of one home, placed one by one (``models.ops.EXPERT_OPS``):
+    # x plus their weighted outputs on the normed x and routing weights of a
+    **{op: OpDef(("a", "x"), ("x",)) for op in EXPERT_OPS},
 }
 
 MODEL_DTYPE = "model"  # an activation held in the model's dtype (``ModelSpec.dtype``)

@@ -20,7 +20,7 @@ from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.memory import PROXY, MemoryEstimate, check_fits, estimate
 from hx.models.spec import EMBED, LAYER_OPS, SCORE, ModelSpec
-from hx.plan import DISK, STREAMED, ExecutionPlan, Placement
+from hx.plan import DISK, RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
 from hx.planner.fitting import fit_prefill_chunk, fits
 from hx.planner.hardware import memory_sizing
 from hx.planner.simulator import predict_run
@@ -103,6 +103,31 @@ def cpu_moe(spec: ModelSpec, layers: int | None = None) -> ExecutionPlan:
     return ExecutionPlan.from_placement(
         Placement(HOST, rows, ACCELERATOR),
         name="cpu-moe" if layers is None else f"n-cpu-moe:{layers}")
+
+
+def resident_experts(spec: ModelSpec, resident: int, rest: str = STREAMED) -> ExecutionPlan:
+    """Every op on the accelerator with its weights resident, but EMBED on the host, and each
+    MoE layer's routed experts placed one by one (``hx.plan.ExpertHomes``): experts 0 to N-1
+    resident, the others ``streamed`` (copied in before their layer's experts run) or on the
+    ``host`` (computed there on the rows routed to them: Fiddler's split, Kamahori et al.
+    2024). Named ``resident-experts:N[:streamed|host]``.
+
+    Raises:
+      HxError: the model has no experts, N outside [0, X], or another home for the rest.
+    """
+    if spec.moe is None:
+        raise HxError(f"{spec.name} has no experts for resident-experts to place")
+    X = spec.moe.routed
+    if not 0 <= resident <= X:
+        raise HxError(f"resident-experts:N takes N between 0 and {X}, got {resident}")
+    if rest not in (STREAMED, HOST):
+        raise HxError(f"resident-experts:N:HOME puts the other experts at a home of "
+                      f"streamed or host, got {rest!r}")
+    homes = tuple(RESIDENT if e < resident else rest for e in range(X))
+    placement = Placement.uniform(spec.n_layers,
+                                  lambda op: HOST if op == EMBED else ACCELERATOR)
+    plan = ExecutionPlan.from_placement(placement, name=f"resident-experts:{resident}:{rest}")
+    return dataclasses.replace(plan, experts=ExpertHomes((homes,) * spec.n_layers))
 
 
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
@@ -253,7 +278,7 @@ POLICIES: dict[str, Policy] = {
     "auto": Policy(_auto),  # falls back without a profile
 }
 # the policies of Mixture-of-Experts models alone (``cpu_moe``), parsed by ``build``
-MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N")
+MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N", "resident-experts:N[:streamed|host]")
 NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
 BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
 COMPARED = ("cpsat", *BASELINES)  # an ablation's policies (hx ablate, the simulated grid)
@@ -267,7 +292,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
     ``cpu-moe`` keeps an MoE model's routed experts on the host, ``n-cpu-moe:N`` the first N
-    layers' (``cpu_moe``).
+    layers' (``cpu_moe``); ``resident-experts:N[:HOME]`` N of each layer's experts resident,
+    the rest streamed or on the host (``resident_experts``).
     ``flexgen:G[:C][:kv-disk]`` is a FlexGen policy as published: G % of the weights on the
     GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
     on disk (``baselines.flexgen_published``). ``min-max``, ``flexgen-lp`` and ``cpsat`` price
@@ -295,6 +321,12 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
         if not count.isdigit():
             raise HxError(f"policy {policy!r}: n-cpu-moe:N takes a layer count N")
         plan = cpu_moe(spec, int(count))
+    elif policy.startswith("resident-experts:"):
+        count, *rest = policy.split(":")[1:]
+        if not count.isdigit() or len(rest) > 1:
+            raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|host], N "
+                          "experts of each layer resident")
+        plan = resident_experts(spec, int(count), *rest)
     elif policy in POLICIES:
         if POLICIES[policy].needs_profile and profile is None:
             raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")

@@ -210,15 +210,17 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
     """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
     ``op_seconds`` at these shapes (``step_memo``); a SCORE's per layer window: a
     sliding-window layer's over its ring (``models.tensors.held_slots``), at most that many
-    slots in use."""
+    slots in use; an op holding part of an MoE layer's experts at its part's spec
+    (``Segment.op_spec``)."""
     total = 0.0
-    for layer, op in segment.ops:
+    for index, (layer, op) in enumerate(segment.ops):
         window = None if layer is None else spec.layer_spec(layer).sliding_window
-        key = (segment.device, op, window if op == SCORE else None)
+        part = segment.parts[index] if segment.parts else -1
+        key = (segment.device, op, window if op == SCORE else None, part)
         if key not in memo:
             held = layer_slots(spec, layer, slots) if op == SCORE else slots
-            memo[key] = op_seconds(spec, profile, segment.device, op, batch, tokens, held,
-                                   min(context, held))
+            memo[key] = op_seconds(segment.op_spec(spec, index), profile, segment.device, op,
+                                   batch, tokens, held, min(context, held))
         total += memo[key]
     return total
 

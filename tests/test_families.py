@@ -67,6 +67,10 @@ def plans(name, model, prompts):
     if spec.moe:  # llama.cpp's --cpu-moe and --n-cpu-moe 1: the routed experts on the host
         yield "cpu-moe", policies.cpu_moe(spec), discover()
         yield "n-cpu-moe:1", policies.cpu_moe(spec, 1), discover()
+        half = spec.moe.routed // 2  # experts placed one by one: half resident, half not
+        for rest in ("streamed", "host"):
+            yield (f"resident-experts:{half}:{rest}",
+                   policies.resident_experts(spec, half, rest), discover())
     if name not in CPSAT_IN_SUITE and not os.environ.get("HX_FAMILIES_ALL_PLANS"):
         return
     devices = discover(accelerator_memory=int(0.3 * spec.weight_bytes))

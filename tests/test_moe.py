@@ -129,3 +129,85 @@ def test_cpu_moe_leaves_the_experts_bytes_on_the_host():
         policies.cpu_moe(preset("llama2-7b:2L"))
     with pytest.raises(HxError, match="n-cpu-moe"):
         policies.cpu_moe(spec, 5)
+
+
+def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
+    """``resident-experts:64:host`` and ``:streamed`` on Qwen3-30B-A3B's shapes (4 layers,
+    q4_0): beside ``n-cpu-moe:0`` (the same plan with each layer's experts MLP2's, resident),
+    the accelerator holds exactly half the routed experts' bytes fewer, plus the resident
+    half's ids (int32); the host (or the streamed experts' pinned host memory) holds that
+    half; the streamed half crosses before its layer's expert op, its bytes staged once a
+    layer per decode step. A plan's expert homes round-trip through JSON, and homes for a
+    dense model, for another count of experts or naming an expert twice are refused."""
+    from hx.errors import HxError
+    from hx.memory import estimate
+    from hx.models.spec import preset
+    from hx.plan import ExecutionPlan
+    from hx.planner import policies
+    from hx.schedule import STAGE, compile_schedule
+    from hx.workload import Workload
+
+    spec = preset("qwen3-30b-a3b:4L").replace(dtype="bfloat16", weight_format="q4_0")
+    work = Workload.for_prompts(1, 16, 8, spec)
+    experts = spec.op_weight_bytes("MLP2")
+    ids = 64 * 4  # a part's expert ids, int32
+    whole = estimate(policies.cpu_moe(spec, 0), spec, work)
+    for rest in ("host", "streamed"):
+        plan = policies.resident_experts(spec, 64, rest)
+        need = estimate(plan, spec, work)
+        assert whole.weights - need.weights == 4 * (experts // 2 - ids), rest
+        assert need.host - whole.host == 4 * (experts // 2 + ids), rest
+        staged = [ins.nbytes for ins in compile_schedule(plan, spec, "decode", 1, 1, 64).
+                  instructions if ins.kind == STAGE]
+        assert staged == ([experts // 2 + ids] * 4 if rest == "streamed" else []), rest
+        assert ExecutionPlan.from_json(plan.to_json(), 4) == plan
+    with pytest.raises(HxError, match="not a Mixture of Experts"):
+        plan.validate(preset("llama2-7b:4L"))
+    with pytest.raises(HxError, match="128 a layer"):
+        policies.resident_experts(preset("olmoe-1b-7b:4L"), 8).validate(spec)
+    data = plan.to_json()
+    data["experts"][0]["host"] = [0]
+    with pytest.raises(HxError, match="once"):
+        ExecutionPlan.from_json(data, 4)
+
+
+@pytest.mark.parametrize("rest", ["streamed", "host"])
+def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, rest):
+    """Qwen2-MoE's tiny checkpoint (a shared expert: it stays MLP2's) under
+    ``resident-experts:2`` with the other two experts streamed or on the host: the run's
+    accelerator peak equals the exact estimate of its schedule, and with a timeline each
+    decode step copies each layer's streamed experts in once (their held bytes and ids);
+    the tokens equal all-accelerator's (tests/test_families.py checks them against
+    transformers)."""
+    import hx
+    from hx.devices import discover
+    from hx.generate import Engine
+    from hx.memory import EXACT, estimate
+    from hx.planner import policies
+    from hx.sampling import SamplingParams
+    from hx.timeline import H2D, Timeline
+    from hx.workload import Workload
+
+    from hf_families import PROMPTS, write_checkpoint
+
+    write_checkpoint("qwen2_moe", str(tmp_path))
+    model = hx.load(str(tmp_path), dtype="float32")
+    spec, devices = model.spec, discover()
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=4, stop_ids=())
+    want = [c.token_ids for c in Engine(model, policies.all_accelerator(spec.n_layers),
+                                        devices).generate_ids(prompts, params)]
+    plan = policies.resident_experts(spec, 2, rest)
+    timeline = Timeline()
+    engine = Engine(model, plan, devices, timeline=timeline)
+    work = Workload.for_prompts(len(prompts), max(map(len, prompts)), 4, spec)
+    need = estimate(plan.with_prefill_chunk(engine.plan.prefill_chunk), spec, work,
+                    engine.executor.programs, EXACT)
+    assert [c.token_ids for c in engine.generate_ids(prompts, params)] == want
+    assert engine.accountant.peak == need.accelerator
+    timeline.wait()
+    part = spec.expert_part("EXPERTS:streamed", 2).op_weight_bytes("EXPERTS:streamed")
+    for events in timeline.steps("decode"):
+        copied = [e.args.get("bytes") for e in events
+                  if e.resource == H2D and e.name.startswith("weights")]
+        assert copied == ([part] * spec.n_layers if rest == "streamed" else [])

@@ -27,7 +27,7 @@ from hx.memory import estimate
 from hx.schedule import disk_bytes, staged_bytes
 from hx.models.loader import load, load_spec, resolve_dtype
 from hx.models.spec import LAYER_OPS, ModelSpec
-from hx.plan import ExecutionPlan
+from hx.plan import EXPERT_HOMES, ExecutionPlan
 from hx.planner import policies
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
 from hx.planner.simulator import predict, predict_prefill, predict_run
@@ -138,6 +138,13 @@ def _cell(plan: ExecutionPlan, layer: int, op: str) -> str:
     return f"acc:{home[:3]}"
 
 
+def _experts_cell(plan: ExecutionPlan, layer: int) -> str:
+    homes = plan.experts.of(layer)
+    if not homes:
+        return "MLP2's"
+    return ", ".join(f"{homes.count(home)} {home}" for home in EXPERT_HOMES if home in homes)
+
+
 def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile | None,
                   workload: Workload) -> None:
     """Print a plan per group of identical layers, its memory and its predicted times."""
@@ -147,7 +154,10 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
     for op in LAYER_OPS:
         table.add_column(op)
     table.add_column("KV")
+    if plan.experts.layers:  # routed experts placed one by one: how many at each home
+        table.add_column("routed experts")
     rows = [tuple(_cell(plan, i, op) for op in LAYER_OPS) + (plan.kv[i],)
+            + ((_experts_cell(plan, i),) if plan.experts.layers else ())
             for i in range(spec.n_layers)]
     start = 0
     for row, group in groupby(rows):

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hx import disk, streamed_kv
+from hx import disk, routed_experts, streamed_kv
 from hx.devices import ACCELERATOR, HOST, Devices, discover
 from hx.errors import HxError
 from hx.host_compute import stream
@@ -64,6 +64,7 @@ from hx.models.formats import DENSE
 from hx.models.layers import Cache, Step
 from hx.models.mapped import is_mapped, release
 from hx.models.moe import part_params
+from hx.models.ops import EXPERTS_STREAMED
 from hx.models import sharding
 from hx.models.tensors import (held_weights, kv_arrays, layer_key, layer_slots, step_limit,
                                weight_dtype, widest_slots)
@@ -71,11 +72,12 @@ from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
 from hx.programs import SplitHostProgram, programs_for
 from hx.sampling import Sampler
-from hx.schedule import (ACT_LOAD, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE, READ,
-                         RECOMPUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction, Schedule,
-                         act_copy_key, act_key, cache_key, compile_schedule, copy_end, copy_key,
-                         head_key, staging_key, step_key, streamed_layers)
-from hx.segments import split_segments
+from hx.schedule import (ACT_LOAD, EXPERTS_IN, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE,
+                         READ, RECOMPUTE, ROUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction,
+                         Schedule, act_copy_key, act_key, cache_key, compile_schedule, copy_end,
+                         copy_key, experts_key, head_key, staging_key, step_key,
+                         streamed_layers)
+from hx.segments import routed_slots, split_segments
 from hx.timeline import ACC_COMPUTE, D2H, H2D, HOST_COMPUTE, Timeline
 from hx.workload import Workload
 
@@ -219,21 +221,31 @@ class Executor:
         tier = disk.DiskTier(spill_dir, plan.name)
 
         parts: dict[tuple[int, str], Any] = {}  # (layer, op) -> a part of an MoE layer's
+        cut: list[Any] = []  # the parts' host trees, alive while placing: ``placed`` keys ids
 
-        def tree(layer: int | None, op: str) -> Any:
+        def part(layer: int, op: str, ids: tuple[int, ...]) -> Any:
+            cut.append(part_params(op_params(params, layer, "MLP2"), op, ids,
+                                   spec.moe.routed))
+            return cut[-1]
+
+        def held(layer: int | None, op: str, device: str) -> Any:
+            home = plan.weight_home(layer, op) or HOST
             if plan.op_spec(spec, layer, op) is spec:
-                return op_params(params, layer, op)
+                return self._place(op_params(params, layer, op), layer, op, home, device,
+                                   placed, tier)
             if (layer, op) not in parts:  # made once: both phases' segments hold the one
                 ids = dict(plan.experts.groups(layer)).get(op, ())
-                parts[(layer, op)] = part_params(op_params(params, layer, "MLP2"), op, ids,
-                                                 spec.moe.routed)
+                if op == EXPERTS_STREAMED:  # one tree an expert: copied as routed
+                    parts[(layer, op)] = tuple(
+                        self._place(part(layer, op, (e,)), layer, op, home, device, placed,
+                                    tier) for e in ids)
+                else:
+                    parts[(layer, op)] = self._place(part(layer, op, ids), layer, op, home,
+                                                     device, placed, tier)
             return parts[(layer, op)]
 
         self._params = tier.finish({
-            phase: [tuple(self._place(tree(layer, op), layer, op,
-                                      plan.weight_home(layer, op) or HOST, seg.device, placed,
-                                      tier)
-                          for layer, op in seg.ops) for seg in segs]
+            phase: [tuple(held(layer, op, seg.device) for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()})
         self.spilled_bytes = tier.spilled_bytes
         self._on_disk = {phase: [tuple(plan.weight_home(layer, op) == DISK
@@ -579,6 +591,10 @@ class _BlockStep:
         self.staged: dict[int, tuple] = {}  # segment -> staged weight trees (None: not staged)
         self.read_in: dict[int, tuple] = {}  # segment -> its read disk-homed weight trees
         self.outputs: dict[int, list] = {}  # segment -> outputs of its launches so far
+        # (segment, micro) -> a layer's streamed experts: the part's routed ones (indices
+        # into its experts) after ``route``, the buffer the launch runs after ``experts in``
+        self.routes: dict[tuple[int, int], list[int]] = {}
+        self.routed_in: dict[tuple[int, int], Any] = {}
         # (segment, micro) -> {what: {layer: arrays}}: a streamed cache's copies on the
         # accelerator ("h", "tail", "cache": before the launch; "out": after it)
         self.copies: dict[tuple[int, int], dict[str, dict[int, Any]]] = {}
@@ -588,7 +604,8 @@ class _BlockStep:
         handlers = {READ: self.read, STAGE: self.stage, WAIT: self.wait, STEP: self.step,
                     MOVE: self.move, LAUNCH: self.launch, FREE: self.free,
                     ACT_LOAD: self.act_load, KV_LOAD: self.kv_load,
-                    RECOMPUTE: self.recompute, KV_STORE: self.kv_store}
+                    RECOMPUTE: self.recompute, KV_STORE: self.kv_store,
+                    ROUTE: self.route, EXPERTS_IN: self.experts_in}
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
         return stream.resolve(([env["logits"] for env in self.envs], self.caches))
@@ -677,7 +694,7 @@ class _BlockStep:
         i, m = ins.segment, ins.micro
         seg, env = self.segments[i], self.envs[m]
         moved = self.inputs.pop((i, m), {})
-        params = self.segment_params(i)
+        params = (self.routed_in.pop((i, m)),) if seg.routes else self.segment_params(i)
         acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
         copied = self.copies.get((i, m), {}).pop("cache", {})
         caches = tuple(copied.pop(layer) if layer in copied else self.caches[m][layer]
@@ -716,6 +733,38 @@ class _BlockStep:
     def free(self, index: int, ins: Instruction) -> None:
         """End of step: release temporaries, inputs and held activations."""
         self.acct.apply(ins)
+
+    def route(self, index: int, ins: Instruction) -> None:
+        """Read a layer's routing weights back once its router has run (blocks on it) and
+        keep which of its streamed experts some row routes to (``routed_experts.routed``)."""
+        i, m = ins.segment, ins.micro
+        dispatch = time.perf_counter()
+        layer = self.segments[i].ops[0][0]
+        ids = dict(self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED]
+        weights = np.asarray(stream.resolve(self.envs[m]["a"])[..., self.ex.spec.d_model:])
+        self.routes[(i, m)] = routed_experts.routed(weights, ids)
+        self.acct.apply(ins)
+        self.record(index, ins, D2H, f"route {layer}", (), dispatch, bytes=weights.nbytes,
+                    layers=[layer])
+
+    def experts_in(self, index: int, ins: Instruction) -> None:
+        """Copy the routed streamed experts into accelerator memory (H2D), one expert a
+        copy, into the buffer of the step's slots (``routed_experts.assemble``)."""
+        i, m = ins.segment, ins.micro
+        dispatch = time.perf_counter()
+        seg, experts = self.segments[i], self.params[i][0]
+        chosen = self.routes.pop((i, m))
+        slots = routed_slots(seg.parts[0], self.schedule.batch * self.schedule.tokens,
+                             self.ex.spec.moe.top_k)
+        copied = [jax.device_put(experts[j], self.ex._acc_memory) for j in chosen]
+        buffer = routed_experts.assemble(copied, experts[0], slots, self.ex._acc_memory)
+        self.routed_in[(i, m)] = buffer
+        self.acct.apply(ins, {experts_key(i, m): tree_bytes(buffer)})
+        layer = seg.ops[0][0]
+        self.record(index, ins, H2D, f"experts {layer}", copied, dispatch,
+                    bytes=sum(tree_bytes(t) for t in copied), layers=[layer],
+                    experts=[int(dict(self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED][j])
+                             for j in chosen])
 
     def segment_params(self, i: int) -> tuple:
         """Segment ``i``'s weight trees as its launch takes them: staged where staged."""

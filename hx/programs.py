@@ -307,6 +307,7 @@ class Programs:
         """``(params, activations, caches, step)`` of ``segment`` as ``ShapeDtypeStruct``s on
         its device: B=``batch`` rows, T=``tokens`` new tokens, S=``slots`` cache slots."""
         s, where = self.spec, self.shardings[segment.device]
+        segment = self.at_rows(segment, batch, tokens)
         params = tuple(param_tree(segment.op_spec(s, i), op, segment.device, functools.partial(
             self.weight_sharding, segment.device)) for i, (_, op) in enumerate(segment.ops))
         acts = _activation_structs(s, segment.reads, batch, tokens, functools.partial(
@@ -332,6 +333,11 @@ class Programs:
         return tuple("" if layer is None else self.spec.layer_type(layer)
                      for layer, _ in segment.ops)
 
+    def at_rows(self, segment: Segment, batch: int, tokens: int) -> Segment:
+        """``segment`` as a step of B·T rows runs it (``Segment.at_rows``: a layer's streamed
+        experts in the slots the step can route to)."""
+        return segment.at_rows(batch * tokens, self.spec.moe.top_k) if segment.routes else segment
+
     def signature(self, segment: Segment) -> tuple:
         """What ``segment``'s compiled function depends on: ``Segment.signature`` and its
         ops' ``layer_types`` (no layer index: segments of like layers share one function, a
@@ -340,7 +346,8 @@ class Programs:
 
     def _key(self, segment: Segment, batch: int, tokens: int, slots: int,
              keep_h: tuple[int, ...] = ()) -> tuple:
-        device, ops, _, reads, writes, parts, types = self.signature(segment)
+        device, ops, _, reads, writes, parts, types = self.signature(
+            self.at_rows(segment, batch, tokens))
         return (device, ops, reads, writes, parts, types, batch, tokens,
                 widest_slots(self.spec, slots) if segment.cache_layers else 0, keep_h)
 
@@ -356,7 +363,8 @@ class Programs:
     def _lower(self, segment: Segment, batch: int, tokens: int, slots: int,
                keep_h: tuple[int, ...] = ()):
         """The segment lowered at these shapes: something with ``compile()``."""
-        device, ops, _, _, writes, parts, types = self.signature(segment)
+        device, ops, _, _, writes, parts, types = self.signature(
+            self.at_rows(segment, batch, tokens))
         params, acts, caches, step = self.abstract_args(segment, batch, tokens, slots)
         s = self.spec
         held = max((held_slots(s.type_spec(kind), slots) for kind in self.cache_types(segment)),

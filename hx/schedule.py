@@ -19,6 +19,14 @@ Instruction kinds, in the order the executor issues them for each segment i:
   ``launch``  run segment i (its XLA temporaries live until the next accelerator launch)
   ``free``    end of step: release temporaries, inputs and held activations
 
+and, before the launch of a layer's streamed experts (``Segment.routes``: placed one by one,
+``hx.plan.ExpertHomes``), per micro-batch:
+
+  ``route``       D2H: the layer's routing weights, once its router has run (the executor
+                  blocks on them)
+  ``experts in``  H2D: the part's experts it routes to, into a buffer of the most it can
+                  route to (``routed_slots``), freed once the launch is done
+
 and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
 just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
 before its launch: planned and simulated, not yet executed). A segment attending a
@@ -69,15 +77,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, NamedTuple
 
 from hx.devices import ACCELERATOR, HOST
-from hx.models.spec import EMBED, ModelSpec
+from hx.models.spec import EMBED, EXPERT_OPS, EXPERTS_STREAMED, ModelSpec
 from hx.models.tensors import (ACTIVATIONS, OPS, activation_bytes, cache_bytes, kv_bytes,
                                layer_slots, step_bytes)
 from hx.plan import DISK, STREAMED, ExecutionPlan
-from hx.segments import Segment, crossings, first_streaming, next_streaming, split_segments
+from hx.segments import (Segment, crossings, first_streaming, next_streaming, routed_slots,
+                         split_segments)
 
 WAIT, STAGE, STEP, MOVE, LAUNCH, FREE = "wait", "stage", "step", "move", "launch", "free"
 READ, KV_READ = "read", "kv read"  # disk -> host memory: disk-homed weights, KV caches
 ACT_LOAD, KV_LOAD, RECOMPUTE, KV_STORE = "act load", "kv load", "recompute", "kv store"
+ROUTE, EXPERTS_IN = "route", "experts in"  # a layer's streamed experts, copied as routed
 DISK_READ = "disk"  # the resource both occupy
 H2D, D2H, SYNC = "H2D", "D2H", "sync"
 INPUT_KEY, TEMP_KEY = ("input",), ("temp",)
@@ -87,6 +97,24 @@ COPY_QUANTUM = 128  # cache slots: a streamed cache's kv load copies whole quant
 def step_key(micro: int = 0) -> tuple:
     """Accountant key of micro-batch ``micro``'s step inputs on the accelerator."""
     return ("step", micro)
+
+
+def experts_key(segment: int, micro: int = 0) -> tuple:
+    """Accountant key of the routed experts copied in for segment ``segment``, micro-batch
+    ``micro`` (a layer's streamed experts, ``Segment.routes``)."""
+    return ("experts", segment, micro)
+
+
+def routed_expert_bytes(spec: ModelSpec) -> int:
+    """Bytes of one routed expert as the accelerator holds it (its matrices in the model's
+    dtype or format, and its id, int32): a slot of ``experts in``'s buffer."""
+    return spec.expert_part(EXPERTS_STREAMED, 1).op_weight_bytes(EXPERTS_STREAMED)
+
+
+def routing_bytes(spec: ModelSpec, batch: int, tokens: int) -> int:
+    """Bytes of the routing weights a ``route`` reads back: (B, T, X) of the router's output
+    ``a`` in the model's dtype."""
+    return batch * tokens * spec.moe.routed * spec.dtype_bytes
 
 
 def staging_key(segment: int) -> tuple:
@@ -154,7 +182,7 @@ def copy_end(slots: int, recompute: int, written: int) -> int:
 def weight_sizes(spec: ModelSpec) -> dict[str, int]:
     """Bytes of each op's weights (``ModelSpec.op_weight_bytes``; kept: the schedules and the
     simulator ask for every segment; the dict is not to be changed)."""
-    return {op: spec.op_weight_bytes(op) for op in OPS}
+    return {op: spec.op_weight_bytes(op) for op in OPS if op not in EXPERT_OPS}
 
 
 def op_bytes(spec: ModelSpec, segment: Segment, index: int) -> int:
@@ -435,6 +463,20 @@ class _Builder:
         nbytes = cache_bytes(self.spec, self.B, self.S, layers)
         return self.add([self.synced], KV_READ, i, m, DISK_READ, ("kv",), nbytes)
 
+    def routed(self, i: int, m: int) -> int:
+        """A layer's streamed experts, before launch (i, m): ``route`` reads the routing
+        weights back once the router has run (D2H; the executor blocks on it), then
+        ``experts in`` copies the experts of the part it routes to (H2D) into a buffer of
+        ``routed_slots`` experts, the most it can route to -- the size it allocates, the
+        bytes it is priced at before the routing is known; returns ``experts in``."""
+        seg = self.segments[i]
+        route = self.add([self.producer.get(("a", m))], ROUTE, i, m, D2H, ("a",),
+                         routing_bytes(self.spec, self.B, self.T))
+        slots = routed_slots(seg.parts[0], self.B * self.T, self.spec.moe.top_k)
+        nbytes = slots * routed_expert_bytes(self.spec)
+        return self.add([route, self.synced], EXPERTS_IN, i, m, H2D, ("experts",), nbytes,
+                        allocs=((experts_key(i, m), "staging", nbytes),))
+
     def launch(self, i: int, m: int) -> None:
         seg, last, producer = self.segments[i], self.last, self.producer
         deps = [last.get((STAGE, i)), last.get((READ, i)),
@@ -445,6 +487,8 @@ class _Builder:
             deps.append(producer.get((n, m)))
         if self.streamed[i]:
             deps += self.streamed_cache(i, m)
+        if seg.routes:
+            deps.append(self.routed(i, m))
         if seg.device == ACCELERATOR:
             temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
             allocs = [(TEMP_KEY, "activations", temp)]
@@ -452,7 +496,8 @@ class _Builder:
                 allocs.append((act_key(n, m), "activations", self.act_sizes[n]))
                 self.held.add((n, m))
             index = self.add(deps, LAUNCH, i, m, ACCELERATOR, seg.writes,
-                             allocs=tuple(allocs))
+                             allocs=tuple(allocs),
+                             releases=(experts_key(i, m),) if seg.routes else ())
         else:  # the host's outputs replace any held on the accelerator
             dropped = []
             for n in seg.writes:

@@ -2,11 +2,12 @@
 (docs/architecture.md, "Segments").
 
 A segment is the unit the executor compiles, launches, streams weights for and records in the
-timeline. Segments end where the device changes. An accelerator segment whose weights are copied
-in before use (``streamed`` or ``host`` homes) also ends at a layer boundary, so the double
-buffer of staged weights holds at most two segments of at most one layer each; so does an
-accelerator segment attending a ``streamed`` KV cache (copied in before the segment runs,
-double-buffered the same way).
+timeline. Segments end where the device changes. An accelerator segment whose weights are
+copied in before use (``streamed`` or ``host`` homes) also ends at a layer boundary, so the
+double buffer of staged weights holds at most two segments of at most one layer each; so does
+an accelerator segment attending a ``streamed`` KV cache (copied in before the segment runs,
+double-buffered the same way). A layer's streamed experts (``EXPERTS:streamed``) run alone, in
+a segment of their own: their copy waits for the layer's routing (``Segment.routes``).
 
 A segment's signature (device, op names, which weights are staged, the activations it reads and
 writes) has no layer index, so identical layers share one compiled function.
@@ -14,11 +15,12 @@ writes) has no layer index, so identical layers share one compiled function.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 from hx.devices import ACCELERATOR
-from hx.models.spec import EXPERT_OPS, ModelSpec
+from hx.models.spec import EXPERT_OPS, EXPERTS_STREAMED, ModelSpec
 from hx.models.tensors import OPS
 from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement, WeightHomes
 
@@ -36,7 +38,9 @@ class Segment:
       writes: activations it produces that a later segment reads.
       parts: per op, how many routed experts it holds where its layer's experts have homes
         (MLP2: 0; ``hx.plan.ExpertHomes``, ``ModelSpec.expert_part``), else -1.
-      streams: whether some of its weights are staged before it runs (derived).
+      streams: whether some of its weights are staged before it runs (derived): not a
+        layer's streamed experts (``EXPERTS:streamed``), which run alone in a segment of their
+        own and are copied as routed (``routes``).
       cache_layers: layers whose KV cache it reads and updates, in op order (derived).
     """
 
@@ -50,6 +54,20 @@ class Segment:
     # instruction
     streams: bool = field(init=False, repr=False, compare=False)
     cache_layers: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    @property
+    def routes(self) -> bool:
+        """Whether it runs a layer's streamed experts (``EXPERTS:streamed``, alone): their
+        weights cross as the layer's routing asks, after its router has run
+        (``hx.schedule``: ``route``, ``experts in``)."""
+        return self.ops[0][1] == EXPERTS_STREAMED
+
+    def at_rows(self, rows: int, top_k: int) -> "Segment":
+        """The segment as it runs a step of ``rows`` rows (B·T): a layer's streamed experts
+        (``routes``) held in ``routed_slots`` of them, the most a step can route to."""
+        if not self.routes:
+            return self
+        return dataclasses.replace(self, parts=(routed_slots(self.parts[0], rows, top_k),))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "streams", any(self.staged))
@@ -67,6 +85,13 @@ class Segment:
         the caller gives one), or the part of an MoE layer it holds (``parts``)."""
         n = self.parts[index] if self.parts else -1
         return spec if n < 0 else spec.expert_part(self.ops[index][1], n)
+
+
+def routed_slots(experts: int, rows: int, top_k: int) -> int:
+    """Slots of the buffer a layer's ``experts`` streamed experts are copied into at a step of
+    ``rows`` rows, each routed to ``top_k`` experts: the most the step can route to,
+    min(experts, rows·k)."""
+    return min(experts, rows * top_k)
 
 
 def split_segments(plan: ExecutionPlan, phase: str) -> tuple[Segment, ...]:
@@ -98,18 +123,21 @@ def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...],
 
     runs: list[tuple[str, list[tuple[int | None, str]], list[bool]]] = []  # device, ops, staged
     previous, streams = None, False  # the last op's layer; whether the last run stages
+    routed = False  # whether the last run is a layer's streamed experts (copied as routed)
     for layer, op, device in experts.woven(placement.sequence()):
-        staged = device == ACCELERATOR and home(layer, op) not in (None, RESIDENT)
-        if runs and runs[-1][0] == device and (layer == previous or not (
-                staged or streams or (device == ACCELERATOR
-                                      and (copies_in(layer) or copies_in(previous))))):
+        alone = op == EXPERTS_STREAMED  # its copy waits for its layer's routing
+        staged = (device == ACCELERATOR and not alone
+                  and home(layer, op) not in (None, RESIDENT))
+        if runs and runs[-1][0] == device and not (alone or routed) and (
+                layer == previous or not (staged or streams or (
+                    device == ACCELERATOR and (copies_in(layer) or copies_in(previous))))):
             runs[-1][1].append((layer, op))
             runs[-1][2].append(staged)
             streams = streams or staged
         else:
             runs.append((device, [(layer, op)], [staged]))
             streams = staged
-        previous = layer
+        previous, routed = layer, alone
 
     live_after: list[set[str]] = [set()] * len(runs)  # read later before being overwritten
     live: set[str] = set()

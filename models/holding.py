@@ -83,11 +83,13 @@ def rows_stay(spec, op: str, path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def ggml_matrices(spec, op: str) -> tuple[tuple[str, int, int, bool], ...]:
-    """(format, N, K, rows stay) of each matrix of ``op`` that a host segment holds in a
-    GGUF's blocks for ggml's kernels (``models.tensors.held_weights``: ``PATH/blocks``,
-    ``host_matmul`` ggml), its product (N, K) and whether its rows are only multiplied
-    (``rows_stay``: ggml may hold them repacked); () when ``op`` holds no matrix so or any
+def ggml_matrices(spec, op: str) -> tuple[tuple[str, int, int, bool, int], ...]:
+    """(format, N, K, rows stay, stacked) of each matrix of ``op`` that a host segment holds in
+    a GGUF's blocks for ggml's kernels (``models.tensors.held_weights``: ``PATH/blocks``,
+    ``host_matmul`` ggml), its product (N, K), whether its rows are only multiplied
+    (``rows_stay``: ggml may hold them repacked) and how many matrices of N / stacked rows
+    it stacks (an MoE layer's routed experts, ``experts/...``, which ggml's ``mul_mat_id``
+    multiplies each by its own rows; else 1); () when ``op`` holds no matrix so or any
     compressed matrix otherwise (its product is then decompressed)."""
     from hx.devices import HOST
     from hx.models.tensors import held_weights
@@ -96,7 +98,7 @@ def ggml_matrices(spec, op: str) -> tuple[tuple[str, int, int, bool], ...]:
     if any(path.endswith("/codes") for path in held):
         return ()
     return tuple((spec.matrix_format(path), *spec.product_shape(path, shape),
-                  rows_stay(spec, op, path))
+                  rows_stay(spec, op, path), shape[0] if path.startswith("experts/") else 1)
                  for path, shape in spec.op_weight_shapes(op).items()
                  if f"{path}/blocks" in held)
 

@@ -17,8 +17,8 @@ from typing import Any
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
 from hx.models.formats import DENSE, Format, get_format, kv_cache_format
-from hx.models.ops import (EMBED, EXPERT_OPS, HEAD, LAYER_OPS,  # noqa: F401  (re-exported)
-                           SCORE)
+from hx.models.ops import (EMBED, EXPERT_OPS, EXPERTS_STREAMED, HEAD,  # noqa: F401
+                           LAYER_OPS, SCORE)
 
 # The dtypes hx runs a model in, with their bytes per element.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from hx.models.formats import DENSE
-from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec
+from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, MoeShape
 from hx.models.tensors import kv_bytes
 
 
@@ -83,3 +83,29 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     rows = batch if op == HEAD else M
     return OpCost(s.model_family.flops(s, op, rows), rows, weights,
                   dequantized=dequantized_weights(spec, op))
+
+
+def routed_experts(moe: MoeShape, rows: int) -> tuple[float, float]:
+    """(experts run, rows each) of a kernel that runs each of ``rows`` rows through its own
+    experts of an MoE layer's part (``MoeShape``: ``experts`` of them; ggml's ``mul_mat_id``,
+    ``models.moe.Experts``), each row through k' = min(top_k, experts) of them, under uniform
+    routing: an expert is run when some row picks it, 1 - (1 - k'/X)^rows of the X, and the
+    rows·k' (row, expert) pairs split evenly over those run. A trained router is skewed (fewer
+    experts run, more rows each); a uniform one is the random models' here."""
+    X = moe.experts
+    k = min(moe.top_k, X)
+    run = X * picked_share(k, X, rows)
+    return run, rows * k / run
+
+
+def picked_share(k: int, experts: int, rows: int) -> float:
+    """The share of ``experts`` experts that some of ``rows`` rows picks, each row k distinct
+    of them uniformly: 1 - (1 - k / X)^rows."""
+    return 1.0 - (1.0 - k / experts) ** rows
+
+
+def routed_copies(moe: MoeShape, part: int, rows: int) -> float:
+    """Expected experts of a part of ``part`` of an MoE layer's routed experts that a step of
+    ``rows`` rows routes to (uniform routing over the layer's X, k a row:
+    ``picked_share``): what ``experts in`` copies of a layer's streamed experts."""
+    return part * picked_share(moe.top_k, moe.routed, rows)

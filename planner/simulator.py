@@ -47,13 +47,13 @@ from hx.models.formats import REPACK_ROWS, blocks_layout
 from hx.models.holding import ggml_matrices
 from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
-from hx.planner.cost import op_cost
+from hx.planner.cost import op_cost, routed_copies, routed_experts
 from hx.planner.mesh import collective_seconds
 from hx.planner.profile import DeviceProfile, HardwareProfile
 from hx.errors import HxError
-from hx.schedule import (ACT_LOAD, D2H, H2D, KV_READ, KV_STORE, LAUNCH, MOVE, READ,
-                         RECOMPUTE, STAGE, WAIT, build_schedule, compile_schedule, copy_end,
-                         kv_link_bytes, streamed_layers)
+from hx.schedule import (ACT_LOAD, D2H, EXPERTS_IN, H2D, KV_READ, KV_STORE, LAUNCH, MOVE,
+                         READ, RECOMPUTE, ROUTE, STAGE, WAIT, build_schedule, compile_schedule,
+                         copy_end, kv_link_bytes, routed_expert_bytes, streamed_layers)
 from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
@@ -133,15 +133,25 @@ def ggml_seconds(spec: ModelSpec, rates: DeviceProfile, op: str, rows: int) -> f
     each one's layout to ``rows`` (``DeviceProfile.ggml_seconds``: a curve ends at the rows its
     kernel takes; past them hx decompresses for XLA); a matrix whose rows only multiply is held
     repacked where the profile has that layout, as the loader holds it on the machine that
-    measured it. None otherwise (priced as a decompression and a dense product)."""
+    measured it. An MoE layer's routed experts (stacked matrices, ggml's ``mul_mat_id``) are
+    priced as the experts the rows run (``cost.routed_experts``), each a product over its
+    rows (at most the curve's last M), not as X/k times the work. None otherwise (priced as
+    a decompression and a dense product)."""
     matrices = ggml_matrices(spec, op)
     if not matrices:
         return None
     seconds, measured = 0.0, dict(rates.ggml_matmul)
-    for fmt, n, k, stays in matrices:
+    for fmt, n, k, stays, stacked in matrices:
         layout = blocks_layout(fmt, stays and n % REPACK_ROWS == 0
                                and blocks_layout(fmt, True) in measured)
-        each = rates.ggml_seconds(layout, 2.0 * rows * n * k, rows)
+        if stacked > 1:  # routed experts: each run expert over its rows (mul_mat_id, any M)
+            run, m = routed_experts(spec.moe, rows)
+            curve = measured.get(layout)
+            at = min(max(1, round(m)), curve[-1][0]) if curve else 1
+            each = rates.ggml_seconds(layout, 2.0 * m * (n // stacked) * k, at)
+            each = None if each is None else run * each
+        else:
+            each = rates.ggml_seconds(layout, 2.0 * rows * n * k, rows)
         if each is None:
             return None
         seconds += each
@@ -236,7 +246,10 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     ``stage`` an H2D copy of the staged weights (the link's per-copy
     latency for each staged op plus bytes / bandwidth), ``wait`` the sync overhead, ``move`` a
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
-    ops (``segment_seconds``). A block of ``micro_batches`` (zig-zag block schedule) has one
+    ops (``segment_seconds``), ``route`` a D2H copy of the routing weights and a sync,
+    ``experts in`` the copies of the streamed experts a step of B·T rows is expected to route
+    to (``cost.routed_copies``: uniform routing; the schedule sizes the most it can). A
+    block of ``micro_batches`` (zig-zag block schedule) has one
     move and launch per micro-batch of ``batch`` rows. ``keep``: the schedule from
     ``compile_schedule``'s cache, else built for this once (``build_schedule``)."""
     schedule = (compile_schedule if keep else build_schedule)(
@@ -281,6 +294,14 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         elif kind == KV_STORE:
             name = f"kv store {i}"
             duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
+        elif kind == ROUTE:  # the routing weights back, the executor blocked on them
+            name = f"route {i}"
+            duration = (profile.transfer_latency + nbytes / profile.d2h_bandwidth
+                        + profile.sync_overhead)
+        elif kind == EXPERTS_IN:  # the experts the step is expected to route to, one a copy
+            copies = routed_copies(spec.moe, schedule.segments[i].parts[0], batch * tokens)
+            name, nbytes = f"experts {i}", round(copies * routed_expert_bytes(spec))
+            duration = copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth
         else:  # ACT_LOAD, KV_LOAD, RECOMPUTE
             name, duration, nbytes = _streamed_cache(plan, spec, profile, kind,
                                                      schedule.segments[i], batch, slots, prior)

@@ -8,7 +8,7 @@ from hx.executor import op_params
 from hx.models.layers import Step
 from hx.models.decoder import apply_op, init_params
 from hx.models.tensors import OPS
-from hx.models.spec import PRESETS
+from hx.models.spec import EXPERT_OPS, PRESETS
 from hx.models.tensors import activation_bytes
 from hx.planner.cost import op_cost
 
@@ -21,7 +21,7 @@ def params():
 
 
 @pytest.mark.parametrize("B, T, S", [(1, 1, 64), (4, 16, 128)])
-@pytest.mark.parametrize("op", [op for op in OPS if op != "EMBED"])
+@pytest.mark.parametrize("op", [op for op in OPS if op != "EMBED" and op not in EXPERT_OPS])
 def test_flops_match_xla(params, op, B, T, S):
     s = SPEC
     shapes = {"x": (B, T, s.d_model), "h": (B, T, s.d_model),
@@ -43,3 +43,25 @@ def test_weight_and_activation_bytes():
     assert op_cost(SPEC, "HEAD", 3, 1, 1).rows == 3
     assert activation_bytes(SPEC, "q", 2, 5) == 2 * 5 * 9 * 64 * 4
     assert activation_bytes(SPEC, "logits", 2, 5) == 2 * 49152 * 4
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_routed_experts_are_the_expected_distinct_experts_of_uniform_routing(rows):
+    """``routed_experts`` against a sampled uniform router (each row k distinct experts of X,
+    8 000 draws, seeded): the mean count of distinct experts run within 1 % and the rows
+    per run expert their pairs over that count; a part's k' is min(k, its experts)."""
+    from hx.models.spec import MoeShape
+    from hx.planner.cost import routed_experts
+
+    X, k, draws = 64, 8, []
+    rng = np.random.default_rng(rows)
+    for _ in range(8):  # 1 000 draws at a time
+        picks = np.argpartition(rng.random((1000, rows, X)), k, axis=-1)[..., :k]
+        hit = np.zeros((1000, X), bool)
+        hit[np.arange(1000)[:, None], picks.reshape(1000, -1)] = True
+        draws += list(hit.sum(-1))
+    run, each = routed_experts(MoeShape(X, k, 32), rows)
+    assert abs(run - np.mean(draws)) <= 0.01 * np.mean(draws)
+    assert each * run == pytest.approx(rows * k)
+    part, _ = routed_experts(MoeShape(4, k, 32, of=X), rows)  # k' = 4 of its 4
+    assert part == pytest.approx(4.0)

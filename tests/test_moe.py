@@ -136,15 +136,15 @@ def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
     q4_0): beside ``n-cpu-moe:0`` (the same plan with each layer's experts MLP2's, resident),
     the accelerator holds exactly half the routed experts' bytes fewer, plus the resident
     half's ids (int32); the host (or the streamed experts' pinned host memory) holds that
-    half; the streamed half crosses before its layer's expert op, its bytes staged once a
-    layer per decode step. A plan's expert homes round-trip through JSON, and homes for a
+    half; a decode step of one row sizes each layer's copy of the streamed experts its
+    routing picks at the most it can (k = 8 experts), and copies none whole. A plan's expert homes round-trip through JSON, and homes for a
     dense model, for another count of experts or naming an expert twice are refused."""
     from hx.errors import HxError
     from hx.memory import estimate
     from hx.models.spec import preset
     from hx.plan import ExecutionPlan
     from hx.planner import policies
-    from hx.schedule import STAGE, compile_schedule
+    from hx.schedule import EXPERTS_IN, STAGE, compile_schedule
     from hx.workload import Workload
 
     spec = preset("qwen3-30b-a3b:4L").replace(dtype="bfloat16", weight_format="q4_0")
@@ -157,9 +157,10 @@ def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
         need = estimate(plan, spec, work)
         assert whole.weights - need.weights == 4 * (experts // 2 - ids), rest
         assert need.host - whole.host == 4 * (experts // 2 + ids), rest
-        staged = [ins.nbytes for ins in compile_schedule(plan, spec, "decode", 1, 1, 64).
-                  instructions if ins.kind == STAGE]
-        assert staged == ([experts // 2 + ids] * 4 if rest == "streamed" else []), rest
+        copies = [(ins.kind, ins.nbytes) for ins in compile_schedule(
+            plan, spec, "decode", 1, 1, 64).instructions if ins.kind in (STAGE, EXPERTS_IN)]
+        one = (experts // 2 + ids) // 64  # an expert and its id
+        assert copies == ([(EXPERTS_IN, 8 * one)] * 4 if rest == "streamed" else []), rest
         assert ExecutionPlan.from_json(plan.to_json(), 4) == plan
     with pytest.raises(HxError, match="not a Mixture of Experts"):
         plan.validate(preset("llama2-7b:4L"))
@@ -174,11 +175,14 @@ def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
 @pytest.mark.parametrize("rest", ["streamed", "host"])
 def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, rest):
     """Qwen2-MoE's tiny checkpoint (a shared expert: it stays MLP2's) under
-    ``resident-experts:2`` with the other two experts streamed or on the host: the run's
-    accelerator peak equals the exact estimate of its schedule, and with a timeline each
-    decode step copies each layer's streamed experts in once (their held bytes and ids);
-    the tokens equal all-accelerator's (tests/test_families.py checks them against
-    transformers)."""
+    ``resident-experts:2`` with the other two experts streamed or on the host; the tokens
+    equal all-accelerator's (tests/test_families.py checks the logits against
+    transformers). On the host the run's accelerator peak equals the exact estimate of its
+    schedule. Streamed, each decode step copies in, per layer, just the streamed experts
+    its rows route to (``route`` read back the router's output first), each one expert's
+    held bytes and id: at least one of the two (three rows, k = 2 of 4, route to some) and
+    never one of the resident pair; the estimate sizes the most a step can route to, so
+    the peak is at most it."""
     import hx
     from hx.devices import discover
     from hx.generate import Engine
@@ -204,10 +208,34 @@ def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, re
     need = estimate(plan.with_prefill_chunk(engine.plan.prefill_chunk), spec, work,
                     engine.executor.programs, EXACT)
     assert [c.token_ids for c in engine.generate_ids(prompts, params)] == want
-    assert engine.accountant.peak == need.accelerator
     timeline.wait()
-    part = spec.expert_part("EXPERTS:streamed", 2).op_weight_bytes("EXPERTS:streamed")
+    one = spec.expert_part("EXPERTS:streamed", 1).op_weight_bytes("EXPERTS:streamed")
     for events in timeline.steps("decode"):
-        copied = [e.args.get("bytes") for e in events
-                  if e.resource == H2D and e.name.startswith("weights")]
-        assert copied == ([part] * spec.n_layers if rest == "streamed" else [])
+        copies = [e.args for e in events if e.resource == H2D and e.name.startswith("experts")]
+        assert not [e for e in events if e.name.startswith("weights")]  # none copied whole
+        if rest == "host":
+            assert copies == []
+            continue
+        assert len(copies) == spec.n_layers
+        for args in copies:
+            assert args["bytes"] == one * len(args["experts"])
+            assert set(args["experts"]) <= {2, 3} and args["experts"]
+    if rest == "host":
+        assert engine.accountant.peak == need.accelerator
+    else:
+        assert engine.accountant.peak <= need.accelerator
+
+
+def test_routed_picks_the_experts_some_row_routes_to():
+    """``routed_experts.routed`` over routing weights (rows, X), 0 off each row's k: the
+    indices into a part's ids of the experts with a nonzero weight in some row, in the
+    part's order; an expert no row picks is left."""
+    from hx.routed_experts import routed
+
+    weights = np.zeros((3, 8), np.float32)
+    weights[0, [1, 6]] = 0.5
+    weights[1, [6, 2]] = (0.7, 0.3)
+    weights[2, [1, 2]] = (0.9, 0.1)
+    assert routed(weights, (6, 0, 2, 7)) == [0, 2]
+    assert routed(weights.reshape(1, 3, 8), (7, 1)) == [1]
+    assert routed(weights, (0, 3)) == []

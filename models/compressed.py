@@ -438,33 +438,41 @@ def expert_rows(matrix, ids: np.ndarray, experts: int):
     (logical (X, out, in)), in that order, held as the stack is: a dense (X, out, in) array
     taken along its first axis; a 2-D held layout's rows (its N = X out rows, expert e's
     contiguous) taken by whole experts -- ggml's repacked rows stay interleaved within
-    their 8, which an expert's out (a multiple of 8) never splits. The arrays are new
-    (numpy)."""
-    return np.take(matrix, ids, axis=0)
+    their 8, which an expert's out (a multiple of 8) never splits. The arrays are new: numpy
+    where ``matrix`` holds numpy arrays, JAX inside a program (a gather of the routed
+    experts: ``models.moe.Experts``)."""
+    return _xp(matrix).take(matrix, ids, axis=0)
 
 
-def _whole_expert_rows(n: int, ids: np.ndarray, experts: int) -> np.ndarray:
+def _xp(array):
+    return np if isinstance(array, np.ndarray) else jnp
+
+
+def _whole_expert_rows(n: int, ids, experts: int):
     per = n // experts
-    return (np.asarray(ids)[:, None] * per + np.arange(per)).reshape(-1)
+    xp = _xp(ids)
+    return (xp.asarray(ids)[..., None] * per + xp.arange(per)).reshape(-1)
 
 
 @expert_rows.register
-def _(matrix: GroupMatrix, ids: np.ndarray, experts: int):
-    return matrix.map(lambda a: np.take(a, ids, axis=0))
+def _(matrix: GroupMatrix, ids, experts: int):
+    return matrix.map(lambda a: _xp(a).take(a, ids, axis=0))
 
 
 @expert_rows.register
-def _(matrix: Int4Packed, ids: np.ndarray, experts: int):
+def _(matrix: Int4Packed, ids, experts: int):
     rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts)
-    return Int4Packed(np.take(matrix.packed, rows, axis=0), np.take(matrix.sz, rows, axis=1),
+    xp = _xp(matrix.packed)
+    return Int4Packed(xp.take(matrix.packed, rows, axis=0), xp.take(matrix.sz, rows, axis=1),
                       matrix.fmt, matrix.block)
 
 
 @expert_rows.register
-def _(matrix: GGUFBlocks, ids: np.ndarray, experts: int):
+def _(matrix: GGUFBlocks, ids, experts: int):
     rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts)
-    return GGUFBlocks(np.take(matrix.blocks, rows, axis=0), matrix.fmt, matrix.repacked,
-                      None if matrix.centres is None else np.take(matrix.centres, rows, axis=1))
+    xp = _xp(matrix.blocks)
+    return GGUFBlocks(xp.take(matrix.blocks, rows, axis=0), matrix.fmt, matrix.repacked,
+                      None if matrix.centres is None else xp.take(matrix.centres, rows, axis=1))
 
 
 @functools.singledispatch

@@ -19,8 +19,9 @@ at index e as a checkpoint's ``(experts, out, in)`` (transformers' ``gate_up_pro
 ``down_proj``, llama.cpp's ``ffn_*_exps``): ``experts/gate_kernel``, ``experts/up_kernel``
 (X, F, D) and ``experts/down_kernel`` (X, D, F); a checkpoint's per-expert tensors are stacked
 at load. On the host, GGUF blocks are multiplied by ggml's ``mul_mat_id``, each row by its k
-experts alone (``Experts``); elsewhere every expert runs, those not routed to weighted by 0 --
-the same sums at X / k the FLOPs (``Family.flops`` counts every expert).
+experts alone (``Experts``); elsewhere, at fewer (row, expert) products than experts (decode),
+each row's k experts are gathered, and at more every expert runs, those not routed to weighted
+by 0 -- the same sums at X / (rows k) the FLOPs (``hx.planner.cost.gathered_share``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS, Products, expert_rows, produc
 from hx.models.formats import DENSE
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
-from hx.models.spec import EXPERT_OPS, ModelSpec, MoeShape
+from hx.models.spec import EXPERT_OPS, ModelSpec, MoeShape, gathers
 
 ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
 SHARED_GATE = "shared_expert_gate"  # the shared expert's sigmoid gate (1, D): MLP2's, dense
@@ -109,9 +110,12 @@ class Experts(nn.Module):
     ``gate_kernel``, ``up_kernel`` (X, F, D) and ``down_kernel`` (X, D, F) are held in ``fmt``.
     Where the device multiplies them as held (``Products.takes_experts``: the host's ggml,
     llama.cpp's ``mul_mat_id``) each row runs its k experts alone, after the k largest weights
-    and their experts are read off w (``jax.lax.top_k``). Elsewhere every expert runs (module
-    docstring): gate and up as one product of n with the (X F, D) matrix, down decompressed
-    (after the inner activations exist) and multiplied batched over the experts, summed.
+    and their experts are read off w (``jax.lax.top_k``). Elsewhere, at fewer (row, expert)
+    pairs than experts (``gathers``: decode), each row's k experts' matrices are gathered
+    (``held_experts``: a compressed one's blocks, then decompressed) and multiplied; at more,
+    every expert runs (module docstring): gate and up as one product of n with the (X F, D)
+    matrix, down decompressed (after the inner activations exist) and multiplied batched
+    over the experts, summed.
     Initialised as each expert's LeCun normal. A part of a layer of ``of`` routed experts
     (``MoeShape.of``) holds ``ids`` (X,) int32, the layer's index of each of its experts, and
     reads those columns of w (B,T,of); each row then runs its min(k, X) largest of them, the
@@ -138,9 +142,22 @@ class Experts(nn.Module):
                                               ("up_kernel", (X, F, D)),
                                               ("down_kernel", (X, D, F))))
         rows, w = n.reshape(-1, D), weights.reshape(-1, X)
+        k = min(self.top_k, X)
         if self.products.takes_experts((gate, up, down)):
-            top, ids = jax.lax.top_k(w, min(self.top_k, X))
+            top, ids = jax.lax.top_k(w, k)
             return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
+        if gathers(rows.shape[0], k, X):  # each row's k experts alone, gathered
+            top, ids = jax.lax.top_k(w, k)
+            g, u, d = (held_experts(m, ids, X, self.param_dtype).reshape(*ids.shape, *shape)
+                       for m, shape in ((gate, (F, D)), (up, (F, D)), (down, (D, F))))
+            x = rows.astype(g.dtype)
+            inner = (jax.nn.silu(jnp.einsum("rkfd,rd->rkf", g, x,
+                                            preferred_element_type=jnp.float32))
+                     * jnp.einsum("rkfd,rd->rkf", u, x, preferred_element_type=jnp.float32)
+                     * top[..., None])
+            y = jnp.einsum("rkdf,rkf->rd", d, inner.astype(d.dtype),
+                           preferred_element_type=jnp.float32)
+            return y.reshape(n.shape)
         g = product(gate, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
         u = product(up, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
         inner = jax.nn.silu(g) * u * w[..., None]
@@ -163,6 +180,14 @@ def part_params(tree: Mapping[str, Any], op: str, ids: tuple[int, ...], experts:
     part = {kind.split("/")[1]: expert_rows(tree["experts"][kind.split("/")[1]], index,
                                             experts) for kind in EXPERT_KINDS}
     return {"experts": {**part, EXPERT_IDS.split("/")[1]: index}}
+
+
+def held_experts(matrix, ids: jax.Array, experts: int, dtype) -> jax.Array:
+    """The matrices of experts ``ids`` (any shape) of a stack of ``experts`` held as
+    ``matrix`` (``models.compressed.expert_rows``), decompressed to ``dtype``: (ids.size,
+    out, in) worth of weights, flattened as the held layout holds them."""
+    part = expert_rows(matrix, ids.reshape(-1), experts)
+    return part if isinstance(part, jax.Array) else part.decompress(dtype)
 
 
 MOE_MODULES = {**MODULES, "MLP1": RouterOp, "MLP2": ExpertsOp,

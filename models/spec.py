@@ -77,6 +77,13 @@ def numpy_dtype(dtype: str):
     return np.dtype(dtype)
 
 
+def gathers(rows: int, top_k: int, experts: int) -> bool:
+    """Whether an MoE layer's experts computed by XLA (``models.moe.Experts``) gather each
+    row's k experts -- rows·k < X: fewer (row, expert) products than experts, a decode
+    step's -- rather than run every expert."""
+    return rows * top_k < experts
+
+
 @dataclass(frozen=True)
 class MoeShape:
     """The feed-forward part of a Mixture-of-Experts layer (Shazeer et al. 2017; Mixtral, Jiang

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from hx.models.formats import DENSE
-from hx.models.spec import EMBED, HEAD, SCORE, ModelSpec, MoeShape
+from hx.models.spec import EMBED, EXPERT_OPS, HEAD, SCORE, ModelSpec, MoeShape, gathers
 from hx.models.tensors import kv_bytes
 
 
@@ -45,15 +45,22 @@ class OpCost:
     dequantized: tuple[tuple[str, int], ...] = ()
 
 
-def dequantized_weights(spec: ModelSpec, op: str) -> tuple[tuple[str, int], ...]:
+def dequantized_weights(spec: ModelSpec, op: str, share: float = 1.0
+                        ) -> tuple[tuple[str, int], ...]:
     """((format, weights), ...), one per matrix of ``op`` held compressed
-    (``ModelSpec.matrix_format``); EMBED decompresses only the rows it gathers (left out, as
-    its elementwise work is)."""
+    (``ModelSpec.matrix_format``), a stack of routed experts' at ``share`` of its weights
+    (those gathered: ``gathered_share``); EMBED decompresses only the rows it gathers (left
+    out, as its elementwise work is)."""
     if op == EMBED:
         return ()
-    return tuple((spec.matrix_format(path), math.prod(shape))
+    return tuple((spec.matrix_format(path),
+                  round(math.prod(shape) * (share if _routed(path) else 1.0)))
                  for path, shape in spec.op_weight_shapes(op).items()
                  if spec.matrix_format(path) != DENSE)
+
+
+def _routed(path: str) -> bool:
+    return path.startswith("experts/") and path.endswith("kernel")
 
 
 def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> OpCost:
@@ -62,7 +69,9 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
 
     Formulas (M = B·T): an op with weights, 2·M per element of its matrices (its family's,
       ``models.family.Family.flops``: Q 2·M·D·H·E, K and V 2·M·D·K·E, OUT 2·M·H·E·D, a
-      SwiGLU MLP1 2·(2·M·D·F), OPT's fc1 2·M·D·F, MLP2 2·M·F·D) and HEAD 2·B·D·V;  SCORE:
+      SwiGLU MLP1 2·(2·M·D·F), OPT's fc1 2·M·D·F, MLP2 2·M·F·D; an MoE layer's routed
+      experts all X of them, or the rows·k XLA gathers: ``gathered_share``) and HEAD
+      2·B·D·V;  SCORE:
       q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading 2·B·S·K·E cache elements and appending
       2·B·T·K·E;  EMBED: B·T·D elements gathered.
     A pipeline stage's pass-through EMBED or HEAD (``ModelSpec.embeds``, ``heads``) costs
@@ -81,8 +90,21 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
                       kv_read_bytes=kv_bytes(spec, batch, slots),
                       kv_write_bytes=kv_bytes(spec, batch, tokens))
     rows = batch if op == HEAD else M
-    return OpCost(s.model_family.flops(s, op, rows), rows, weights,
-                  dequantized=dequantized_weights(spec, op))
+    share = gathered_share(spec, op, rows)  # < 1: XLA runs the rows·k experts it gathers
+    experts = sum(math.prod(shape) for path, shape in s.op_weight_shapes(op).items()
+                  if _routed(path))
+    return OpCost(s.model_family.flops(s, op, rows) - 2.0 * rows * (1 - share) * experts,
+                  rows, weights, dequantized=dequantized_weights(spec, op, share))
+
+
+def gathered_share(spec: ModelSpec, op: str, rows: int) -> float:
+    """The share of an MoE op's routed experts XLA runs at ``rows`` rows: rows·k / X where it
+    gathers each row's k (``models.spec.gathers``; repeats counted), else 1 (every expert)."""
+    moe = spec.moe
+    if moe is None or not moe.experts or op not in ("MLP2", *EXPERT_OPS):
+        return 1.0
+    k = min(moe.top_k, moe.experts)
+    return rows * k / moe.experts if gathers(rows, k, moe.experts) else 1.0
 
 
 def routed_experts(moe: MoeShape, rows: int) -> tuple[float, float]:

@@ -441,36 +441,36 @@ def expert_rows(matrix, ids: np.ndarray, experts: int):
     their 8, which an expert's out (a multiple of 8) never splits. The arrays are new: numpy
     where ``matrix`` holds numpy arrays, JAX inside a program (a gather of the routed
     experts: ``models.moe.Experts``)."""
-    return _xp(matrix).take(matrix, ids, axis=0)
+    return _xp(matrix, ids).take(matrix, ids, axis=0)
 
 
-def _xp(array):
-    return np if isinstance(array, np.ndarray) else jnp
+def _xp(array, ids):
+    """numpy where both are numpy arrays, else ``jax.numpy`` (inside a program)."""
+    return np if isinstance(array, np.ndarray) and isinstance(ids, np.ndarray) else jnp
 
 
-def _whole_expert_rows(n: int, ids, experts: int):
+def _whole_expert_rows(n: int, ids, experts: int, xp):
     per = n // experts
-    xp = _xp(ids)
     return (xp.asarray(ids)[..., None] * per + xp.arange(per)).reshape(-1)
 
 
 @expert_rows.register
 def _(matrix: GroupMatrix, ids, experts: int):
-    return matrix.map(lambda a: _xp(a).take(a, ids, axis=0))
+    return matrix.map(lambda a: _xp(a, ids).take(a, ids, axis=0))
 
 
 @expert_rows.register
 def _(matrix: Int4Packed, ids, experts: int):
-    rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts)
-    xp = _xp(matrix.packed)
+    xp = _xp(matrix.packed, ids)
+    rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts, xp)
     return Int4Packed(xp.take(matrix.packed, rows, axis=0), xp.take(matrix.sz, rows, axis=1),
                       matrix.fmt, matrix.block)
 
 
 @expert_rows.register
 def _(matrix: GGUFBlocks, ids, experts: int):
-    rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts)
-    xp = _xp(matrix.blocks)
+    xp = _xp(matrix.blocks, ids)
+    rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts, xp)
     return GGUFBlocks(xp.take(matrix.blocks, rows, axis=0), matrix.fmt, matrix.repacked,
                       None if matrix.centres is None else xp.take(matrix.centres, rows, axis=1))
 

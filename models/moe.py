@@ -110,12 +110,12 @@ class Experts(nn.Module):
     ``gate_kernel``, ``up_kernel`` (X, F, D) and ``down_kernel`` (X, D, F) are held in ``fmt``.
     Where the device multiplies them as held (``Products.takes_experts``: the host's ggml,
     llama.cpp's ``mul_mat_id``) each row runs its k experts alone, after the k largest weights
-    and their experts are read off w (``jax.lax.top_k``). Elsewhere, at fewer (row, expert)
-    pairs than experts (``gathers``: decode), each row's k experts' matrices are gathered
-    (``held_experts``: a compressed one's blocks, then decompressed) and multiplied; at more,
-    every expert runs (module docstring): gate and up as one product of n with the (X F, D)
-    matrix, down decompressed (after the inner activations exist) and multiplied batched
-    over the experts, summed.
+    and their experts are read off w (``jax.lax.top_k``). Elsewhere XLA runs a loop
+    (``jax.lax.fori_loop``, so one step's matrices are decompressed at a time): at fewer
+    (row, expert) pairs than experts (``gathers``: decode) over j < k, each row's j-th
+    expert's matrices gathered (``held_experts``: a compressed one's blocks, then
+    decompressed) and multiplied; at more, over the X experts, each on every row weighted by
+    w (0 off its k).
     Initialised as each expert's LeCun normal. A part of a layer of ``of`` routed experts
     (``MoeShape.of``) holds ``ids`` (X,) int32, the layer's index of each of its experts, and
     reads those columns of w (B,T,of); each row then runs its min(k, X) largest of them, the
@@ -146,26 +146,27 @@ class Experts(nn.Module):
         if self.products.takes_experts((gate, up, down)):
             top, ids = jax.lax.top_k(w, k)
             return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
-        if gathers(rows.shape[0], k, X):  # each row's k experts alone, gathered
+        dtype = self.param_dtype
+        if gathers(rows.shape[0], k, X):  # each row's j-th expert, one j at a time
             top, ids = jax.lax.top_k(w, k)
-            g, u, d = (held_experts(m, ids, X, self.param_dtype).reshape(*ids.shape, *shape)
+            picks, weight, spec = ids.T, top.T, "rfd,rd->rf"
+        else:  # every expert, one at a time, on every row, weighted 0 off its k
+            picks, weight, spec = jnp.arange(X)[:, None], w.T, "fd,rd->rf"
+        x, picks, weight = rows.astype(dtype), jnp.asarray(picks), jnp.asarray(weight)
+
+        def one(j, y):  # y + the weighted outputs of choice j (the held experts at picks[j])
+            g, u, d = (held_experts(m, picks[j], X, dtype).reshape(-1, *shape).squeeze(0)
+                       if spec[0] == "f" else
+                       held_experts(m, picks[j], X, dtype).reshape(-1, *shape)
                        for m, shape in ((gate, (F, D)), (up, (F, D)), (down, (D, F))))
-            x = rows.astype(g.dtype)
-            inner = (jax.nn.silu(jnp.einsum("rkfd,rd->rkf", g, x,
-                                            preferred_element_type=jnp.float32))
-                     * jnp.einsum("rkfd,rd->rkf", u, x, preferred_element_type=jnp.float32)
-                     * top[..., None])
-            y = jnp.einsum("rkdf,rkf->rd", d, inner.astype(d.dtype),
-                           preferred_element_type=jnp.float32)
-            return y.reshape(n.shape)
-        g = product(gate, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
-        u = product(up, rows, self.param_dtype, self.products, after=n).reshape(-1, X, F)
-        inner = jax.nn.silu(g) * u * w[..., None]
-        full = (down if isinstance(down, jax.Array) else
-                down.decompress(self.param_dtype, after=inner)).reshape(X, D, F)
-        y = jax.lax.dot_general(inner.astype(full.dtype), full, (((2,), (2,)), ((1,), (0,))),
-                                preferred_element_type=jnp.float32)  # 'RXF,XDF->XRD'
-        return y.sum(axis=0).reshape(n.shape)
+            inner = (jax.nn.silu(jnp.einsum(spec, g, x, preferred_element_type=jnp.float32))
+                     * jnp.einsum(spec, u, x, preferred_element_type=jnp.float32)
+                     * weight[j][:, None])
+            return y + jnp.einsum(spec.replace("fd", "df").replace("rd->rf", "rf->rd"), d,
+                                  inner.astype(dtype), preferred_element_type=jnp.float32)
+
+        y = jax.lax.fori_loop(0, picks.shape[0], one, jnp.zeros(rows.shape, jnp.float32))
+        return y.reshape(n.shape)
 
 
 def part_params(tree: Mapping[str, Any], op: str, ids: tuple[int, ...], experts: int

@@ -29,6 +29,7 @@ from hx.workload import MIN_CHUNK, Workload
 MLP2 = "MLP2"  # an MoE layer's routed experts (``models.moe``)
 
 if TYPE_CHECKING:
+    from hx.planner.experts import ExpertActivity
     from hx.planner.profile import HardwareProfile
 
 
@@ -172,6 +173,11 @@ class Request:
     profile: "HardwareProfile | None" = None
     time_limit_s: float = 5.0
     kv_disk: bool = False
+    activity: "ExpertActivity | None" = None
+
+    def expert_activity(self) -> "ExpertActivity":
+        """The experts' activity profile given, else a random router's (uniform)."""
+        return self.activity or _experts().ExpertActivity.uniform(self.spec)
 
 
 @dataclass(frozen=True)
@@ -204,9 +210,62 @@ def _baselines():
     return baselines
 
 
+def _experts():
+    """The module ``experts``, imported when an MoE placement is first asked for (it loads
+    OR-Tools)."""
+    from hx.planner import experts
+
+    return experts
+
+
 def _cpsat(r: Request) -> ExecutionPlan:
-    """CP-SAT's plan (``_cpsat_plan``)."""
+    """CP-SAT's plan: for a Mixture of Experts whose other ops fit the accelerator beside the
+    buffers of streamed experts, its routed experts placed one by one (``moe_cpsat``); else
+    the op-level plan (``_cpsat_plan``)."""
+    if r.spec.moe is not None:
+        try:
+            return moe_cpsat(r)
+        except HxError:  # the other ops do not fit beside the experts: place ops
+            pass
     return _cpsat_plan(r.spec, r.profile, r.devices, r.workload, r.time_limit_s, r.kv_disk)
+
+
+def moe_cpsat(r: Request) -> ExecutionPlan:
+    """Every op but the routed experts resident on the accelerator (EMBED on the host), each
+    routed expert resident, streamed or on the host as ``experts.cpsat_experts`` places them
+    in the bytes the rest leaves (``experts.expert_budget``), priced on ``r.profile`` for
+    ``r.expert_activity()``; re-solved with the accelerator's share lowered by what a plan
+    overshoots (proxy-sized temporaries), three times at most.
+
+    Raises:
+      HxError: the other ops do not fit, or no placement of the experts fits.
+    """
+    ex = _experts()
+    activity = r.expert_activity()
+    margin = 0.0
+    for _ in range(3):
+        accelerator, host = ex.expert_budget(r.spec, r.devices, r.workload, margin)
+        homes = ex.cpsat_experts(r.spec, r.profile, r.workload, activity, accelerator, host,
+                                 r.time_limit_s)
+        plan = ex.expert_plan(r.spec, homes, "cpsat")
+        if fits(plan.with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload):
+            return plan
+        margin += 0.1
+    raise HxError(f"no CP-SAT placement of {r.spec.name}'s routed experts fits the budgets")
+
+
+def _hot_experts(per_layer: bool, name: str) -> Callable[[Request], ExecutionPlan]:
+    """The policy placing the hottest experts resident (``experts.hot_experts``) in the
+    bytes the other ops leave, the rest on the host."""
+    def plan(r: Request) -> ExecutionPlan:
+        ex = _experts()
+        if r.spec.moe is None:
+            raise HxError(f"{r.spec.name} has no experts for {name} to place")
+        accelerator, _ = ex.expert_budget(r.spec, r.devices, r.workload)
+        homes = ex.hot_experts(r.spec, r.expert_activity(), accelerator, per_layer)
+        return ex.expert_plan(r.spec, homes, name)
+
+    return plan
 
 
 def _all_accelerator_fits(spec: ModelSpec, devices: Devices, workload: Workload) -> bool:
@@ -277,8 +336,15 @@ POLICIES: dict[str, Policy] = {
     "cpsat": Policy(_cpsat, needs_profile=True),
     "auto": Policy(_auto),  # falls back without a profile
 }
-# the policies of Mixture-of-Experts models alone (``cpu_moe``), parsed by ``build``
-MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N", "resident-experts:N[:streamed|host]")
+# the policies of Mixture-of-Experts models alone: kTransformers' and Fiddler's placements
+# of the hottest experts (``experts.hot_experts``), and parsed by ``build``: ``cpu_moe`` and
+# ``resident_experts``
+MOE_TABLE: dict[str, Policy] = {
+    "ktransformers": Policy(_hot_experts(False, "ktransformers"), baseline=True),
+    "fiddler": Policy(_hot_experts(True, "fiddler"), baseline=True),
+}
+MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N", "resident-experts:N[:streamed|host]",
+                *MOE_TABLE)
 NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
 BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
 COMPARED = ("cpsat", *BASELINES)  # an ablation's policies (hx ablate, the simulated grid)
@@ -286,14 +352,18 @@ COMPARED = ("cpsat", *BASELINES)  # an ablation's policies (hx ablate, the simul
 
 def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
           gpu_layers: int | None = None, profile: "HardwareProfile | None" = None,
-          time_limit_s: float = 5.0, kv_disk: bool = False) -> ExecutionPlan:
+          time_limit_s: float = 5.0, kv_disk: bool = False,
+          activity: "ExpertActivity | None" = None) -> ExecutionPlan:
     """The plan of a named policy, checked against the budgets, with the largest prefill
     chunk under which it fits (``fit_prefill_chunk``).
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
     ``cpu-moe`` keeps an MoE model's routed experts on the host, ``n-cpu-moe:N`` the first N
     layers' (``cpu_moe``); ``resident-experts:N[:HOME]`` N of each layer's experts resident,
-    the rest streamed or on the host (``resident_experts``).
+    the rest streamed or on the host (``resident_experts``); ``ktransformers`` and ``fiddler``
+    the hottest experts resident by ``activity`` (default uniform), over the model or per
+    layer (``experts.hot_experts``); ``cpsat`` places an MoE model's experts one by one
+    (``moe_cpsat``).
     ``flexgen:G[:C][:kv-disk]`` is a FlexGen policy as published: G % of the weights on the
     GPU, C % in host memory (default the rest), the rest on disk, the KV cache on the host or
     on disk (``baselines.flexgen_published``). ``min-max``, ``flexgen-lp`` and ``cpsat`` price
@@ -311,7 +381,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
       HxError: an unknown policy, a policy needing a profile without one, or a plan that does
         not fit (naming the minimum feasible budget for it).
     """
-    request = Request(spec, devices, workload, gpu_layers, profile, time_limit_s, kv_disk)
+    request = Request(spec, devices, workload, gpu_layers, profile, time_limit_s, kv_disk,
+                      activity)
     if policy.startswith("flexgen:"):
         plan = _baselines().flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
     elif policy == "cpu-moe":
@@ -327,6 +398,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
             raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|host], N "
                           "experts of each layer resident")
         plan = resident_experts(spec, int(count), *rest)
+    elif policy in MOE_TABLE:
+        plan = MOE_TABLE[policy].plan(request)
     elif policy in POLICIES:
         if POLICIES[policy].needs_profile and profile is None:
             raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")

@@ -1,0 +1,296 @@
+"""Where each routed expert of a Mixture of Experts lives: expert activity profiles and the
+placements of CP-SAT and of the published systems (docs/architecture.md, "Planner").
+
+**Activity** (``ExpertActivity``): per layer and expert, the chance a token picks it (the k
+picks of a token sum to k). ``uniform`` is a random router's (this machine's random models);
+``zipf`` a skewed one for planning tests, each layer's experts ranked by a seeded permutation
+with shares falling as rank^-s (trained routers are skewed: a few experts of a layer take
+most tokens -- Fiddler, Kamahori et al. 2024, Fig. 3; MoE-Infinity); ``from_trace`` reads the
+counts of a run (``{"layers": [[picks of expert 0, ...], ...]}``, as a router trace gives).
+
+**Placements**, all keeping every op but the routed experts resident on the accelerator
+(EMBED's table on the host, as llama.cpp keeps it), MLP2 with the shared expert there:
+
+* ``cpsat_experts`` (CP-SAT): each expert resident, streamed (copied when routed to) or on the
+  host (computed there on its rows), minimising a run's expected time -- prefill plus the
+  decode steps, each expert priced at the chance a step routes to it times the time it then
+  takes where it lives (``ExpertCosts``), each layer that computes some experts on the host
+  or streams some paying that side's fixed crossing -- under the accelerator and host
+  budgets;
+* ``hot_experts`` (kTransformers' rule, the hottest (layer, expert) pairs over the whole model
+  resident, the rest on the host) and ``hot_experts(per_layer=True)`` (Fiddler's, the same
+  count of each layer's hottest resident).
+
+Times come from the simulator (``simulator.op_seconds``) on a ``HardwareProfile`` at the
+expected rows an expert gets; planner code, so no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hx.devices import ACCELERATOR, HOST, Devices
+from hx.errors import HxError
+from hx.models.ops import EXPERTS_HOST, EXPERTS_RESIDENT
+from hx.models.spec import EMBED, ModelSpec
+from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
+from hx.planner.cost import picked_share
+from hx.planner.profile import HardwareProfile
+from hx.planner.simulator import op_seconds
+from hx.schedule import routed_expert_bytes
+from hx.workload import Workload
+
+TIME_UNIT = 1e-7  # seconds per integer unit of CP-SAT's objective (0.1 µs)
+
+
+@dataclass(frozen=True)
+class ExpertActivity:
+    """Per layer, per routed expert, the chance a token picks it (each layer's sum is k).
+
+    Attributes:
+      shares: (layers, experts) of probabilities in [0, 1].
+      name: how it was made, for reports.
+    """
+
+    shares: tuple[tuple[float, ...], ...]
+    name: str = "uniform"
+
+    @classmethod
+    def uniform(cls, spec: ModelSpec) -> "ExpertActivity":
+        """A random router's: every expert k / X."""
+        X, k = spec.moe.routed, spec.moe.top_k
+        return cls(((k / X,) * X,) * spec.n_layers)
+
+    @classmethod
+    def zipf(cls, spec: ModelSpec, s: float = 1.0, seed: int = 0) -> "ExpertActivity":
+        """A skewed router's: in each layer, the expert of rank r (a seeded permutation) picked
+        in proportion to r^-s, scaled so a layer's shares sum to k, none above 1."""
+        X, k = spec.moe.routed, spec.moe.top_k
+        rng = np.random.default_rng(seed)
+        layers = []
+        for _ in range(spec.n_layers):
+            weight = np.arange(1, X + 1, dtype=np.float64) ** -s
+            share = _capped(k * weight / weight.sum())
+            layers.append(tuple(float(v) for v in share[rng.permutation(X)]))
+        return cls(tuple(layers), f"zipf:{s:g}")
+
+    @classmethod
+    def from_trace(cls, path: str, spec: ModelSpec) -> "ExpertActivity":
+        """Counts of picks per layer and expert, ``{"layers": [[count, ...], ...]}``, as
+        shares (each layer's counts scaled to sum to k).
+
+        Raises:
+          HxError: not such a file, or another count of layers or experts than the model's.
+        """
+        try:
+            with open(path) as f:
+                rows = json.load(f)["layers"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HxError(f"expert trace {path}: {e}; write {{\"layers\": [[picks of expert "
+                          "0, ...], ...]}}") from None
+        X = spec.moe.routed
+        if len(rows) != spec.n_layers or any(len(r) != X or sum(r) <= 0 for r in rows):
+            raise HxError(f"expert trace {path} has {len(rows)} layers of counts; "
+                          f"{spec.name} has {spec.n_layers} layers of {X} experts, each "
+                          "layer's counts summing above 0")
+        k = spec.moe.top_k
+        return cls(tuple(tuple(float(v) for v in _capped(k * np.asarray(r, np.float64)
+                                                          / sum(r))) for r in rows),
+                   f"trace:{path}")
+
+
+def _capped(share: np.ndarray) -> np.ndarray:
+    """``share`` with no value above 1 (a token picks an expert once), the excess spread
+    over the others in proportion (the sum kept)."""
+    share = share.copy()
+    for _ in range(len(share)):
+        over = share > 1
+        if not over.any():
+            break
+        excess = (share[over] - 1).sum()
+        share[over] = 1
+        rest = ~over & (share < 1)
+        share[rest] += excess * share[rest] / share[rest].sum()
+    return share
+
+
+def expert_plan(spec: ModelSpec, homes: ExpertHomes, name: str) -> ExecutionPlan:
+    """Every op on the accelerator with its weights resident, but EMBED on the host, and the
+    routed experts at ``homes`` (the placements' common frame, module docstring)."""
+    placement = Placement.uniform(spec.n_layers,
+                                  lambda op: HOST if op == EMBED else ACCELERATOR)
+    plan = ExecutionPlan.from_placement(placement, name=name)
+    return dataclasses.replace(plan, experts=homes)
+
+
+@dataclass(frozen=True)
+class ExpertCosts:
+    """Expected seconds of one expert per step where it lives, and each side's fixed cost a
+    layer pays once it holds some expert there, for a run of ``workload`` (prefill once, then
+    its decode steps: ``Workload.decode_steps``).
+
+    Attributes:
+      seconds: {home: (layers, experts) array}: the chance a step routes to the expert times
+        its time there (on the host: ggml's or XLA's product at the rows it gets; resident:
+        the accelerator's; streamed: its copy and the accelerator's), over the run.
+      fixed: {home: seconds a layer pays over the run for running some experts there}: the
+        host's x and a crossing and coming back, a launch each side; a streamed part's
+        routing read back and its launch.
+      nbytes: bytes of one expert as the accelerator and the host hold it.
+    """
+
+    seconds: dict[str, np.ndarray]
+    fixed: dict[str, float]
+    nbytes: int
+
+    @classmethod
+    def price(cls, spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+              activity: ExpertActivity) -> "ExpertCosts":
+        """Price every expert at each home (class docstring) on ``profile``."""
+        one = {home: spec.expert_part(op, 1) for home, op in
+               ((HOST, EXPERTS_HOST), (RESIDENT, EXPERTS_RESIDENT))}
+        nbytes = routed_expert_bytes(spec)
+        steps = ((workload.batch * workload.prompt_tokens, 1),
+                 (workload.batch, workload.decode_steps))
+        share = np.asarray(activity.shares)
+        seconds = {home: np.zeros_like(share) for home in (RESIDENT, STREAMED, HOST)}
+        memo: dict[tuple[str, int], float] = {}
+
+        def run(device: str, rows: int) -> float:  # one expert over ``rows`` rows
+            if (device, rows) not in memo:
+                spec_one = one[HOST if device == HOST else RESIDENT]
+                op = EXPERTS_HOST if device == HOST else EXPERTS_RESIDENT
+                memo[(device, rows)] = op_seconds(spec_one, profile, device, op, 1, rows,
+                                                  workload.cache_slots, 0)
+            return memo[(device, rows)]
+
+        copy = profile.h2d_latency + nbytes / profile.h2d_bandwidth
+        for rows, count in steps:
+            if not count:
+                continue
+            routed = 1.0 - (1.0 - share) ** rows  # the chance a step routes to each expert
+            each = np.maximum(1, np.rint(rows * share / np.maximum(routed, 1e-12)))
+            for home, device, extra in ((RESIDENT, ACCELERATOR, 0.0),
+                                        (STREAMED, ACCELERATOR, copy), (HOST, HOST, 0.0)):
+                at = np.vectorize(lambda m: run(device, int(m)))(each)
+                seconds[home] += count * routed * (at + extra)
+        fixed = {HOST: 0.0, STREAMED: 0.0, RESIDENT: 0.0}
+        for rows, count in steps:
+            x = rows * spec.d_model * spec.dtype_bytes
+            a = rows * spec.inner_width * spec.dtype_bytes
+            fixed[HOST] += count * (profile.device(HOST).launch_seconds(workload.batch)
+                                    + 2 * profile.transfer_latency + (x + a) / profile.d2h_bandwidth
+                                    + x / profile.h2d_bandwidth + profile.sync_overhead)
+            fixed[STREAMED] += count * (
+                profile.device(ACCELERATOR).launch_seconds(workload.batch)
+                + profile.transfer_latency + profile.sync_overhead
+                + rows * spec.moe.routed * spec.dtype_bytes / profile.d2h_bandwidth)
+        return cls(seconds, fixed, nbytes)
+
+
+def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                  activity: ExpertActivity, accelerator_bytes: int, host_bytes: int | None,
+                  time_limit_s: float = 5.0, streams: bool = True) -> ExpertHomes:
+    """CP-SAT's expert homes (module docstring): a boolean per (layer, expert, home), one home
+    an expert, an indicator per (layer, home) that any expert is there; minimised: the
+    experts' expected seconds plus the layers' fixed ones (``ExpertCosts``); subject to the
+    resident experts' bytes within ``accelerator_bytes`` and the host's and streamed ones'
+    within ``host_bytes`` (None: unbounded), the accelerator's beside the buffer of the most
+    streamed experts of a layer (``schedule``'s ``experts in``: a prefill chunk's routing
+    fills it). One worker, a seed and a deterministic limit:
+    the same homes however loaded the machine is.
+
+    Raises:
+      HxError: the host cannot hold the experts the accelerator does not.
+    """
+    from ortools.sat.python import cp_model
+
+    costs = ExpertCosts.price(spec, profile, workload, activity)
+    homes = (RESIDENT, STREAMED, HOST) if streams else (RESIDENT, HOST)
+    L, X = len(activity.shares), spec.moe.routed
+    model = cp_model.CpModel()
+    x = {(l, e, h): model.NewBoolVar(f"x{l}_{e}_{h}") for l in range(L) for e in range(X)
+         for h in homes}
+    any_at = {(l, h): model.NewBoolVar(f"y{l}_{h}") for l in range(L) for h in homes}
+    for l in range(L):
+        for e in range(X):
+            model.AddExactlyOne(x[(l, e, h)] for h in homes)
+            for h in homes:
+                model.AddImplication(x[(l, e, h)], any_at[(l, h)])
+    # the buffer streamed experts are copied into: the most a layer streams (a prefill
+    # chunk of ``workload.prompt_tokens`` rows routes to all of them), one layer at a time
+    widest = model.NewIntVar(0, X, "streamed")
+    for l in range(L):
+        if STREAMED in homes:
+            model.Add(widest >= sum(x[(l, e, STREAMED)] for e in range(X)))
+    buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
+    model.Add(sum(x[(l, e, RESIDENT)] for l in range(L) for e in range(X)) * costs.nbytes
+              + widest * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
+    if host_bytes is not None:
+        model.Add(sum(x[(l, e, h)] for l in range(L) for e in range(X) for h in homes
+                      if h != RESIDENT) * costs.nbytes <= host_bytes)
+    units = lambda v: int(round(v / TIME_UNIT))  # noqa: E731
+    model.Minimize(sum(units(costs.seconds[h][l, e]) * x[(l, e, h)] for (l, e, h) in x)
+                   + sum(units(costs.fixed[h]) * y for (l, h), y in any_at.items()))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise HxError(f"no placement of {spec.name}'s routed experts fits: the host holds "
+                      f"{host_bytes} bytes for them")
+    return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
+                                   for e in range(X)) for l in range(L)))
+
+
+def hot_experts(spec: ModelSpec, activity: ExpertActivity, accelerator_bytes: int,
+                per_layer: bool = False) -> ExpertHomes:
+    """The hottest experts resident within ``accelerator_bytes``, the rest on the host:
+    over all (layer, expert) pairs (kTransformers' rule), or, ``per_layer``, the same count
+    of each layer's hottest (Fiddler's)."""
+    share = np.asarray(activity.shares)
+    L, X = share.shape
+    fit = accelerator_bytes // routed_expert_bytes(spec)
+    resident = np.zeros((L, X), bool)
+    if per_layer:
+        n = min(X, fit // L)
+        for l in range(L):
+            resident[l, np.argsort(-share[l], kind="stable")[:n]] = True
+    else:
+        order = np.argsort(-share.reshape(-1), kind="stable")[:min(fit, L * X)]
+        resident.reshape(-1)[order] = True
+    return ExpertHomes(tuple(tuple(RESIDENT if r else HOST for r in row) for row in resident))
+
+
+def expert_budget(spec: ModelSpec, devices: Devices, workload: Workload,
+                  margin: float = 0.0) -> tuple[int, int | None]:
+    """(accelerator, host) bytes left for routed experts once everything else is placed:
+    ``expert_plan`` with every expert on the host, estimated (``hx.memory.estimate``,
+    proxy-sized), less ``margin`` of what the accelerator has left; without an accelerator
+    budget, every expert's bytes; host None: unbounded.
+
+    Raises:
+      HxError: even with every expert on the host the plan does not fit the accelerator.
+    """
+    from hx.memory import PROXY, estimate
+
+    base = expert_plan(spec, ExpertHomes(((HOST,) * spec.moe.routed,) * spec.n_layers),
+                       "experts on the host")
+    need = estimate(base.with_prefill_chunk(min(workload.prompt_tokens, 512)), spec, workload,
+                    sizing=PROXY)
+    capacity, each = devices.accelerator.capacity, routed_expert_bytes(spec)
+    experts = spec.n_layers * spec.moe.routed * each  # what ``base`` holds on the host
+    host = None if devices.host.capacity is None else devices.host.capacity - (
+        need.host - experts)
+    if capacity is None:
+        return experts, host
+    left = capacity - need.accelerator
+    if left < 0:
+        raise HxError(f"{spec.name} does not fit the accelerator with every routed expert on "
+                      f"the host: it needs {need.accelerator} bytes ({need.breakdown()})")
+    return int(left * (1 - margin)), host

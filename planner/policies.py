@@ -235,35 +235,44 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
     routed expert resident, streamed or on the host as ``experts.cpsat_experts`` places them
     in the bytes the rest leaves (``experts.expert_budget``), priced on ``r.profile`` for
     ``r.expert_activity()``; re-solved with the accelerator's share lowered by what a plan
-    overshoots (proxy-sized temporaries), three times at most.
+    overshoots (``_fitting``).
 
     Raises:
       HxError: the other ops do not fit, or no placement of the experts fits.
     """
+    def place(accelerator: int, host: int | None):
+        return _experts().cpsat_experts(r.spec, r.profile, r.workload, r.expert_activity(),
+                                        accelerator, host, r.time_limit_s)
+
+    return _fitting(r, place, "cpsat")
+
+
+def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:
+    """``experts.expert_plan`` of the homes ``place(accelerator bytes, host bytes)`` gives in
+    what the other ops leave (``experts.expert_budget``), with 0, 10 and 20 % of the
+    accelerator's share held back in turn until the plan fits (proxy-sized: the resident
+    experts' XLA temporaries are not known before).
+
+    Raises:
+      HxError: the other ops do not fit, or no placement does.
+    """
     ex = _experts()
-    activity = r.expert_activity()
-    margin = 0.0
-    for _ in range(3):
-        accelerator, host = ex.expert_budget(r.spec, r.devices, r.workload, margin)
-        homes = ex.cpsat_experts(r.spec, r.profile, r.workload, activity, accelerator, host,
-                                 r.time_limit_s)
-        plan = ex.expert_plan(r.spec, homes, "cpsat")
+    if r.spec.moe is None:
+        raise HxError(f"{r.spec.name} has no experts for {name} to place")
+    for margin in (0.0, 0.1, 0.2):
+        plan = ex.expert_plan(r.spec, place(*ex.expert_budget(r.spec, r.devices, r.workload,
+                                                              margin)), name)
         if fits(plan.with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload):
             return plan
-        margin += 0.1
-    raise HxError(f"no CP-SAT placement of {r.spec.name}'s routed experts fits the budgets")
+    raise HxError(f"no {name} placement of {r.spec.name}'s routed experts fits the budgets")
 
 
 def _hot_experts(per_layer: bool, name: str) -> Callable[[Request], ExecutionPlan]:
     """The policy placing the hottest experts resident (``experts.hot_experts``) in the
-    bytes the other ops leave, the rest on the host."""
+    bytes the other ops leave, the rest on the host (``_fitting``)."""
     def plan(r: Request) -> ExecutionPlan:
-        ex = _experts()
-        if r.spec.moe is None:
-            raise HxError(f"{r.spec.name} has no experts for {name} to place")
-        accelerator, _ = ex.expert_budget(r.spec, r.devices, r.workload)
-        homes = ex.hot_experts(r.spec, r.expert_activity(), accelerator, per_layer)
-        return ex.expert_plan(r.spec, homes, name)
+        return _fitting(r, lambda accelerator, _: _experts().hot_experts(
+            r.spec, r.expert_activity(), accelerator, per_layer), name)
 
     return plan
 

@@ -275,4 +275,3 @@ def test_gathered_experts_equal_every_expert_and_float64(fmt):
         out, _ = apply_op(spec, "MLP2", params, {"a": a, "x": x}, step)
         got = np.asarray(out["x"])[0]
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), rows
-

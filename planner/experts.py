@@ -104,6 +104,29 @@ class ExpertActivity:
                    f"trace:{path}")
 
 
+def activity_named(spec: ModelSpec, name: str | None) -> ExpertActivity | None:
+    """The activity ``--expert-activity`` names: ``uniform``, ``zipf:S[:SEED]``, or a trace
+    file's path (``ExpertActivity.from_trace``); None for None.
+
+    Raises:
+      HxError: a dense model, a malformed ``zipf``, or a bad trace file.
+    """
+    if name is None:
+        return None
+    if spec.moe is None:
+        raise HxError(f"--expert-activity is for a Mixture of Experts; {spec.name} has none")
+    if name == "uniform":
+        return ExpertActivity.uniform(spec)
+    if name.startswith("zipf:"):
+        try:
+            s, *seed = name.split(":")[1:]
+            return ExpertActivity.zipf(spec, float(s), int(seed[0]) if seed else 0)
+        except (ValueError, IndexError):
+            raise HxError(f"--expert-activity {name!r}: write zipf:S[:SEED], e.g. zipf:1.2 "
+                          "(experts' shares falling as rank^-S)") from None
+    return ExpertActivity.from_trace(name, spec)
+
+
 def _capped(share: np.ndarray) -> np.ndarray:
     """``share`` with no value above 1 (a token picks an expert once), the excess spread
     over the others in proportion (the sum kept)."""

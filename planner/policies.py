@@ -131,6 +131,24 @@ def resident_experts(spec: ModelSpec, resident: int, rest: str = STREAMED) -> Ex
     return dataclasses.replace(plan, experts=ExpertHomes((homes,) * spec.n_layers))
 
 
+def fewest_cpu_moe(spec: ModelSpec, devices: Devices, workload: Workload) -> ExecutionPlan:
+    """``cpu_moe`` with the smallest N whose plan fits the budgets with prefill in chunks of
+    ``MIN_CHUNK`` (what a llama.cpp user sets ``--n-cpu-moe`` to), by bisection (memory
+    falls as N grows); N = all layers where none fits, which ``build`` then refuses with
+    the budget it needs. Named ``n-cpu-moe``."""
+    def fit(n: int) -> bool:
+        return fits(cpu_moe(spec, n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
+
+    failing, fitting = -1, spec.n_layers  # N = failing does not fit, N = fitting is tried last
+    while fitting - failing > 1:
+        middle = (fitting + failing) // 2
+        if fit(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return cpu_moe(spec, fitting)
+
+
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
                         ) -> ExecutionPlan:
     """``layer_split`` with the largest N whose plan fits the budgets with prefill in chunks
@@ -352,7 +370,7 @@ MOE_TABLE: dict[str, Policy] = {
     "ktransformers": Policy(_hot_experts(False, "ktransformers"), baseline=True),
     "fiddler": Policy(_hot_experts(True, "fiddler"), baseline=True),
 }
-MOE_POLICIES = ("cpu-moe", "n-cpu-moe:N", "resident-experts:N[:streamed|host]",
+MOE_POLICIES = ("cpu-moe", "n-cpu-moe[:N]", "resident-experts:N[:streamed|host]",
                 *MOE_TABLE)
 NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
 BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
@@ -368,7 +386,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
 
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
     ``cpu-moe`` keeps an MoE model's routed experts on the host, ``n-cpu-moe:N`` the first N
-    layers' (``cpu_moe``); ``resident-experts:N[:HOME]`` N of each layer's experts resident,
+    layers' (``cpu_moe``; ``n-cpu-moe`` the smallest N that fits: ``fewest_cpu_moe``); ``resident-experts:N[:HOME]`` N of each layer's experts resident,
     the rest streamed or on the host (``resident_experts``); ``ktransformers`` and ``fiddler``
     the hottest experts resident by ``activity`` (default uniform), over the model or per
     layer (``experts.hot_experts``); ``cpsat`` places an MoE model's experts one by one
@@ -396,6 +414,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
         plan = _baselines().flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
     elif policy == "cpu-moe":
         plan = cpu_moe(spec)
+    elif policy == "n-cpu-moe":
+        plan = fewest_cpu_moe(spec, devices, workload)
     elif policy.startswith("n-cpu-moe:"):
         count = policy.split(":", 1)[1]
         if not count.isdigit():

@@ -14,6 +14,7 @@ from hx.errors import HxError
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
+from hx.planner.experts import activity_named
 from hx.planner.fitting import fit_prefill_chunk
 from hx.planner.profile import HardwareProfile
 from hx.workload import Workload
@@ -62,6 +63,11 @@ HostMatmulOption = typer.Option(
          "then an XLA product in the model's dtype), torch-int4, or ggml (llama.cpp's kernels "
          "over the file's own blocks, activations rounded to 8 bits as llama.cpp does; SmolLM2 "
          "Q4_1 all-host decode 7.6x xla's here).")
+ExpertActivityOption = typer.Option(
+    None, "--expert-activity",
+    help="How often an MoE model's experts are routed to, for placing them: uniform (a random "
+         "router's, the default), zipf:S[:SEED] (skewed: shares falling as rank^-S), or a "
+         "trace JSON {\"layers\": [[picks of expert 0, ...], ...]}.")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")
@@ -78,7 +84,8 @@ def describe_dtype(dtype: str, asked: str | None, devices: Devices) -> str:
 
 def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_file: Optional[Path],
                  host_ops: str, policy: Optional[str], gpu_layers: Optional[int],
-                 profile: HardwareProfile | None) -> ExecutionPlan:
+                 profile: HardwareProfile | None, activity: Optional[str] = None
+                 ) -> ExecutionPlan:
     """The plan the options ask for: ``--plan`` file, ``--host-ops`` list, or a policy
     (default ``auto``: all-accelerator when it fits the budget, else the CP-SAT plan -- or,
     without a hardware profile, the largest layer split that fits). A ``--plan`` file that
@@ -97,20 +104,24 @@ def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_fil
         plan = ExecutionPlan.uniform(spec.n_layers, tuple(
             op.strip().upper() for op in host_ops.split(",") if op.strip()))
     else:
-        return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile)
+        return policies.build(policy or "auto", spec, devices, workload, gpu_layers, profile,
+                              activity=activity_named(spec, activity))
     if plan.prefill_chunk is not None:
         return plan  # as the file says; check_fits judges it
     return fit_prefill_chunk(plan, spec, devices, workload)
 
 
 def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workload,
-                 profile: HardwareProfile | None = None) -> ExecutionPlan:
-    """A plan from a short name: a policy, ``layer-split:N``, or ``host:OP+OP``."""
+                 profile: HardwareProfile | None = None, activity: Optional[str] = None
+                 ) -> ExecutionPlan:
+    """A plan from a short name: a policy, ``layer-split:N``, or ``host:OP+OP``; an MoE
+    placement priced for ``activity`` (``--expert-activity``)."""
     if name.startswith("host:"):
         return ExecutionPlan.uniform(spec.n_layers, name[5:].upper().split("+"))
     if name.startswith("layer-split:"):
         return policies.layer_split(spec.n_layers, int(name.split(":", 1)[1]))
-    return policies.build(name, spec, devices, workload, profile=profile)
+    return policies.build(name, spec, devices, workload, profile=profile,
+                          activity=activity_named(spec, activity))
 
 
 def say(message: str) -> None:

@@ -17,8 +17,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMatmulOption,
-                           HostMemoryOption, KvOption, ModelOption, ProfileOption, WeightsOption,
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ExpertActivityOption,
+                           HostMatmulOption, HostMemoryOption, KvOption, ModelOption,
+                           ProfileOption, WeightsOption,
                            app, describe_dtype, err, note, out, print_table, resolve_plan, say)
 from hx.devices import discover, format_bytes
 from hx.errors import HxError
@@ -76,6 +77,7 @@ def generate(
         None, help="Rows per micro-batch in throughput mode (default: planned)."),
     micro_batches: Optional[int] = typer.Option(
         None, help="Micro-batches per block in throughput mode (default: planned)."),
+    expert_activity: Optional[str] = ExpertActivityOption,
     replan_every: int = typer.Option(
         0, "--replan-every",
         help="With --prompt: re-plan every N decode steps as the context grows (CP-SAT per "
@@ -137,7 +139,7 @@ def generate(
                          _block(mode, prompts is not None, batch_size, micro_batch,
                                 micro_batches), trace, spill_dir, resolve_kv(kv), host_matmul,
                          replan_every, tp if coordinator else tp * stages, stages,
-                         coordinator is not None)
+                         coordinator is not None, expert_activity)
     if stages > 1 and options.block is not None and None in options.block:
         raise HxError("throughput mode over pipeline stages runs the block you give: add "
                       "--micro-batch and --micro-batches (or use --batch-size)")
@@ -180,6 +182,7 @@ class RunOptions:
     accelerators: int = 1
     stages: int = 1
     processes: bool = False
+    expert_activity: Optional[str] = None
 
     def place(self, spec, devices, workload: Workload, hardware):
         """The plan these options ask for (``common.resolve_plan``), made for what each
@@ -193,7 +196,8 @@ class RunOptions:
                                 self.host_ops, self.policy, self.gpu_layers, hardware)
         return place(spec, self.devices_of(devices),
                      lambda part, on: resolve_plan(part, on, workload, None, self.host_ops,
-                                                   self.policy, self.gpu_layers, hardware))
+                                                   self.policy, self.gpu_layers, hardware,
+                                                   self.expert_activity))
 
     @property
     def chooser(self) -> Optional[str]:

@@ -18,9 +18,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, HostMemoryOption, KvOption,
-                           ModelOption, ProfileOption, WeightsOption, app, describe_dtype, err,
-                           note, out, plan_by_name, print_table, say)
+from hx.cli.common import (AcceleratorMemoryOption, DtypeOption, ExpertActivityOption,
+                           HostMemoryOption, KvOption, ModelOption, ProfileOption, WeightsOption,
+                           app, describe_dtype, err, note, out, plan_by_name, print_table, say)
 from hx.devices import Devices, discover, format_bytes
 from hx.errors import HxError
 from hx.memory import estimate
@@ -212,6 +212,7 @@ def plan_command(
                                              "layer-split:N, or for an MoE model "
                                              f"{', '.join(policies.MOE_POLICIES)}."),
     profile: Optional[Path] = ProfileOption,
+    expert_activity: Optional[str] = ExpertActivityOption,
     batch: int = typer.Option(1, help="Batch the plan is sized and priced for."),
     prompt_tokens: int = typer.Option(128, help="Prompt tokens (padded) of the workload."),
     max_new_tokens: int = typer.Option(128, help="New tokens per prompt of the workload."),
@@ -232,7 +233,7 @@ def plan_command(
         # plan for the machine a --profile file describes (default: this one's budget)
         devices = dataclasses.replace(devices, host=dataclasses.replace(
             devices.host, capacity=hardware.host_memory))
-    if policy == "cpsat":
+    if policy == "cpsat" and spec.moe is None:
         result = plan_cpsat(spec, hardware, devices, workload, time_limit, seed)
         plan = result.plan
         proven = "" if result.status == "OPTIMAL" else " (time limit: NOT proven optimal)"
@@ -246,7 +247,7 @@ def plan_command(
                   f"{result.solve_s:.3f} s over {result.patterns} layer patterns. The "
                   f"simulator's prediction of the whole plan follows.", soft_wrap=True)
     else:
-        plan = plan_by_name(policy, spec, devices, workload, hardware)
+        plan = plan_by_name(policy, spec, devices, workload, hardware, expert_activity)
     describe_plan(plan, spec, hardware, workload)
     out.print(describe_dtype(spec.dtype, dtype, devices), soft_wrap=True)
     if output:

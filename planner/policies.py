@@ -139,14 +139,19 @@ def fewest_cpu_moe(spec: ModelSpec, devices: Devices, workload: Workload) -> Exe
     def fit(n: int) -> bool:
         return fits(cpu_moe(spec, n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload)
 
-    failing, fitting = -1, spec.n_layers  # N = failing does not fit, N = fitting is tried last
-    while fitting - failing > 1:
+    return cpu_moe(spec, _boundary(fit, spec.n_layers, -1))
+
+
+def _boundary(fit: Callable[[int], bool], fitting: int, failing: int) -> int:
+    """The N that fits next to the first that does not, by bisection between ``fitting``
+    (taken to fit) and ``failing`` (taken not to), ``fit`` monotone between them."""
+    while abs(failing - fitting) > 1:
         middle = (fitting + failing) // 2
         if fit(middle):
             fitting = middle
         else:
             failing = middle
-    return cpu_moe(spec, fitting)
+    return fitting
 
 
 def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
@@ -158,14 +163,7 @@ def largest_layer_split(spec: ModelSpec, devices: Devices, workload: Workload
         plan = layer_split(spec.n_layers, n).with_prefill_chunk(MIN_CHUNK)
         return fits(plan, spec, devices, workload)
 
-    fitting, failing = 0, spec.n_layers + 2  # N = fitting fits, N = failing does not
-    while failing - fitting > 1:
-        middle = (fitting + failing) // 2
-        if split_fits(middle):
-            fitting = middle
-        else:
-            failing = middle
-    return layer_split(spec.n_layers, fitting)
+    return layer_split(spec.n_layers, _boundary(split_fits, 0, spec.n_layers + 2))
 
 
 @functools.lru_cache(maxsize=64)

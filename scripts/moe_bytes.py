@@ -38,8 +38,9 @@ def main() -> None:
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--json")
     args = parser.parse_args()
+    devices = discover()  # before any JAX computation: it makes the emulated accelerator
     model = hx.load(args.gguf, dtype="float32")
-    spec, devices = model.spec, discover()
+    spec = model.spec
     prompt = [model.tokenizer.encode("The experts of a layer")]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, stop_ids=())
     work = Workload.for_prompts(1, len(prompt[0]), NEW_TOKENS, spec)

@@ -200,6 +200,7 @@ class WeightHomes(OpTable):
 # in the order a layer runs them: the host's before MLP2, the accelerator's after it
 EXPERT_OP_OF = {HOST: EXPERTS_HOST, RESIDENT: EXPERTS_RESIDENT, STREAMED: EXPERTS_STREAMED}
 EXPERT_HOMES = tuple(EXPERT_OP_OF)
+EXPERT_HOME_OF = {op: home for home, op in EXPERT_OP_OF.items()}  # an expert op's home
 
 
 @dataclass(frozen=True)
@@ -234,9 +235,12 @@ class ExpertHomes:
         return tuple((EXPERT_OP_OF[home], ids) for home in EXPERT_HOMES
                      if (ids := tuple(e for e, h in enumerate(homes) if h == home)))
 
-    def home(self, layer: int, op: str) -> str:
-        """The home of the experts ``op`` (one of ``EXPERT_OPS``) computes."""
-        return next(home for home, o in EXPERT_OP_OF.items() if o == op)
+    def part(self, layer: int | None, op: str) -> int:
+        """How many routed experts ``op`` of ``layer`` holds where the layer's experts have
+        homes (MLP2: 0; an expert op: its home's), else -1 (``ModelSpec.expert_part``)."""
+        if layer is None or op not in ("MLP2", *EXPERT_OPS) or not self.of(layer):
+            return -1
+        return len(dict(self.groups(layer)).get(op, ()))
 
     def woven(self, sequence: Iterable[tuple[int | None, str, str]]
               ) -> Iterator[tuple[int | None, str, str]]:
@@ -326,17 +330,15 @@ class ExecutionPlan:
         """Home of the weights of ``op`` of ``layer``: an expert op's home, else
         ``WeightHomes.get``."""
         if op in EXPERT_OPS:
-            return self.experts.home(layer, op)
+            return EXPERT_HOME_OF[op]
         return self.weights.get(layer, op)
 
     def op_spec(self, spec: ModelSpec, layer: int | None, op: str) -> ModelSpec:
         """The spec ``op`` of ``layer`` is held and computed with: ``spec``, or where the
         layer's experts have homes, MLP2's and the expert ops' parts of it
         (``ModelSpec.expert_part``)."""
-        if layer is None or op not in ("MLP2", *EXPERT_OPS) or not self.experts.of(layer):
-            return spec
-        ids = dict(self.experts.groups(layer)).get(op, ())
-        return spec.expert_part(op, len(ids))
+        n = self.experts.part(layer, op)
+        return spec if n < 0 else spec.expert_part(op, n)
 
     def held_ops(self) -> Iterator[tuple[int | None, str, str]]:
         """(layer, op, home) of every op that holds weights (``weight_owners`` order, each
@@ -345,7 +347,7 @@ class ExecutionPlan:
             yield layer, op, home
             if op == "MLP2" and layer is not None:
                 for g, _ in self.experts.groups(layer):
-                    yield layer, g, self.experts.home(layer, g)
+                    yield layer, g, EXPERT_HOME_OF[g]
 
     @property
     def n_layers(self) -> int:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from hx.devices import ACCELERATOR
 from hx.models.spec import EXPERT_OPS, EXPERTS_STREAMED, ModelSpec
 from hx.models.tensors import OPS
-from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement, WeightHomes
+from hx.plan import (EXPERT_HOME_OF, RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement,
+                     WeightHomes)
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,7 @@ def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...],
         return layer is not None and kv[layer] == STREAMED
 
     def home(layer: int | None, op: str) -> str | None:
-        return experts.home(layer, op) if op in EXPERT_OPS else weights.get(layer, op)
-
-    def part(layer: int | None, op: str) -> int:
-        if layer is None or op not in ("MLP2", *EXPERT_OPS) or not experts.of(layer):
-            return -1
-        return len(dict(experts.groups(layer)).get(op, ()))
+        return EXPERT_HOME_OF[op] if op in EXPERT_OPS else weights.get(layer, op)
 
     runs: list[tuple[str, list[tuple[int | None, str]], list[bool]]] = []  # device, ops, staged
     previous, streams = None, False  # the last op's layer; whether the last run stages
@@ -161,7 +157,7 @@ def segments_of(placement: Placement, weights: WeightHomes, kv: tuple[str, ...],
                     produced.add(n)
                     if n in later_reads or n == "logits":
                         writes.append(n)
-        parts = tuple(part(layer, op) for layer, op in ops)
+        parts = tuple(experts.part(layer, op) for layer, op in ops)
         segments.append(Segment(device, tuple(ops), tuple(staged), tuple(reads),
                                 tuple(writes), parts if any(n >= 0 for n in parts) else ()))
     return tuple(segments)

@@ -425,17 +425,19 @@ class Programs:
 
     def prepare(self, wanted: list[tuple]) -> None:
         """Compile the (segment, batch, tokens, slots[, keep_h]) not compiled yet, on every
-        CPU core at once: each is handed to a compiling thread as soon as it is lowered (XLA
-        compiles without holding Python's lock, so compiles overlap the tracing and lowering
-        of the next segments, which stay serial)."""
-        todo: dict[tuple, Any] = {}
+        CPU core at once: all are traced and lowered first, serially, then compiled by a
+        thread each (XLA compiles without holding Python's lock). Tracing while other
+        threads compiled -- the persistent compilation cache read among them -- crashed
+        jaxlib 0.10.2 now and then (a segfault in the cache read, a ``SystemError`` in
+        tracing: the log, session 26), so the two no longer overlap."""
+        lowered: dict[tuple, Any] = {}
+        for segment, batch, tokens, slots, *keep_h in wanted:
+            keep = tuple(keep_h[0]) if keep_h else ()
+            key = self._key(segment, batch, tokens, slots, keep)
+            if key not in self._compiled and key not in lowered:
+                lowered[key] = self._lower(segment, batch, tokens, slots, keep)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for segment, batch, tokens, slots, *keep_h in wanted:
-                keep = tuple(keep_h[0]) if keep_h else ()
-                key = self._key(segment, batch, tokens, slots, keep)
-                if key not in self._compiled and key not in todo:
-                    todo[key] = pool.submit(
-                        self._lower(segment, batch, tokens, slots, keep).compile)
+            todo = {key: pool.submit(low.compile) for key, low in lowered.items()}
             for key, compiling in todo.items():
                 self._compiled[key] = compiling.result()
                 self.compilations += 1

@@ -9,8 +9,8 @@ row routes to (``routed``), copies just those (``experts in``) and writes them i
 route to, so its shape, and the compiled function that runs it, are the step's whatever the
 routing. Slots no expert fills hold zeros (an expert of zero weights adds 0) and id 0. In
 decode few rows route to few experts: only those cross the link (Fiddler, Kamahori et al.
-2024, copies none and computes them on the host; MoE-Lightning and llama.cpp's offload copy
-the routed ones).
+2024, instead computes an expert that is not on the GPU on the host in decode; both are
+``hx.plan.ExpertHomes`` homes, chosen per expert).
 """
 
 from __future__ import annotations

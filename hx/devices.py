@@ -152,10 +152,7 @@ def configure_runtime(cpu_devices: int = 2) -> None:
       later run (or another process: a batch job's workers, the test suite's) loads it instead
       of compiling it again: XLA compilation, not decode, dominated a first run on the H200
       (docs/measurements/h200-2026-11-27), and a program of 60 matmuls compiled in 2.1 s on the
-      2-core VM loads in 0.23 s. Processes of different CPU device counts (the CLI's
-      ``--tp``/``--mesh`` runs make more) keep their programs in folders of their own
-      (``cpuN``): one process loading a program another compiled with other devices crashed
-      jaxlib 0.10.2 in the cache read (segfaults in the test suite: the log, session 26).
+      2-core VM loads in 0.23 s.
     """
     global _CONFIGURED
     if _CONFIGURED:
@@ -172,8 +169,8 @@ def configure_runtime(cpu_devices: int = 2) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     cache = os.environ.get(XLA_CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "hx",
                                                        "xla"))
-    if cache != "off":  # one folder per CPU device count (the docstring says why)
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, f"cpu{cpu_devices}"))
+    if cache != "off":
+        jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     libc = _libc()

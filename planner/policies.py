@@ -410,23 +410,8 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
                       activity)
     if policy.startswith("flexgen:"):
         plan = _baselines().flexgen_published(spec, devices, workload, *_flexgen_shares(policy))
-    elif policy == "cpu-moe":
-        plan = cpu_moe(spec)
-    elif policy == "n-cpu-moe":
-        plan = fewest_cpu_moe(spec, devices, workload)
-    elif policy.startswith("n-cpu-moe:"):
-        count = policy.split(":", 1)[1]
-        if not count.isdigit():
-            raise HxError(f"policy {policy!r}: n-cpu-moe:N takes a layer count N")
-        plan = cpu_moe(spec, int(count))
-    elif policy.startswith("resident-experts:"):
-        count, *rest = policy.split(":")[1:]
-        if not count.isdigit() or len(rest) > 1:
-            raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|host], N "
-                          "experts of each layer resident")
-        plan = resident_experts(spec, int(count), *rest)
-    elif policy in MOE_TABLE:
-        plan = MOE_TABLE[policy].plan(request)
+    elif (moe := _moe_plan(policy, request)) is not None:
+        plan = moe
     elif policy in POLICIES:
         if POLICIES[policy].needs_profile and profile is None:
             raise HxError(f"policy {policy!r} needs a hardware profile (hx profile)")
@@ -446,6 +431,33 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
                       f"slots: the minimum feasible budget for it is {need.accelerator} bytes "
                       f"({need.breakdown()}, prefill in chunks of {MIN_CHUNK} tokens), over by "
                       f"{need.accelerator - capacity}") from e
+
+
+def _moe_plan(policy: str, r: Request) -> ExecutionPlan | None:
+    """The plan of a Mixture-of-Experts policy (``MOE_POLICIES``: ``cpu-moe``,
+    ``n-cpu-moe[:N]``, ``resident-experts:N[:HOME]``, ``MOE_TABLE``'s), None for another name.
+
+    Raises:
+      HxError: a malformed count, or what the policy raises.
+    """
+    if policy == "cpu-moe":
+        return cpu_moe(r.spec)
+    if policy == "n-cpu-moe":
+        return fewest_cpu_moe(r.spec, r.devices, r.workload)
+    if policy.startswith("n-cpu-moe:"):
+        count = policy.split(":", 1)[1]
+        if not count.isdigit():
+            raise HxError(f"policy {policy!r}: n-cpu-moe:N takes a layer count N")
+        return cpu_moe(r.spec, int(count))
+    if policy.startswith("resident-experts:"):
+        count, *rest = policy.split(":")[1:]
+        if not count.isdigit() or len(rest) > 1:
+            raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|host], N "
+                          "experts of each layer resident")
+        return resident_experts(r.spec, int(count), *rest)
+    if policy in MOE_TABLE:
+        return MOE_TABLE[policy].plan(r)
+    return None
 
 
 def plan_on(policy: str, spec: ModelSpec, machine: str, profile: "HardwareProfile",

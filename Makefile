@@ -29,14 +29,19 @@ demo: install
 
 ## The test suite (includes the comparison against Hugging Face transformers). Two worker
 ## processes: most of its time is single-threaded XLA compilation and Python; idle workers
-## steal queued tests, so the slowest ones do not finish alone at the end.
+## steal queued tests, so the slowest ones do not finish alone at the end. A test whose worker
+## process crashes runs once more in a new one (pytest-rerunfailures): jaxlib 0.10.2 segfaults
+## now and then inside the persistent compilation cache's read or write (docs/measurements/
+## log.md, session 27); a failing test is never rerun (--only-rerun matches no failure) and a
+## test that crashes twice fails.
+RERUN_CRASHED := --reruns 1 --only-rerun "rerun-crashed-workers-only"
 test: install-test
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25 -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25 $(RERUN_CRASHED) -m "not slow"
 
 ## Every test, the slow ones too (over ~45 s each here: CP-SAT optimality and budgets over presets,
 ## the bfloat16 and quarter-budget transformers comparisons, the mesh and two-process runs).
 test-all: install-test
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25 $(RERUN_CRASHED)
 
 ## Decode benchmark: tokens/s and executor overhead; writes out/bench_decode.json.
 bench: install

@@ -27,8 +27,6 @@ weights in float32), which the extrapolation follows.
 from __future__ import annotations
 
 import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -424,23 +422,13 @@ class Programs:
         return self._compiled[key]
 
     def prepare(self, wanted: list[tuple]) -> None:
-        """Compile the (segment, batch, tokens, slots[, keep_h]) not compiled yet, on every
-        CPU core at once: all are traced and lowered first, serially, then compiled by a
-        thread each (XLA compiles without holding Python's lock). Tracing while other
-        threads compiled -- the persistent compilation cache read among them -- crashed
-        jaxlib 0.10.2 now and then (a segfault in the cache read, a ``SystemError`` in
-        tracing: the log, session 26), so the two no longer overlap."""
-        lowered: dict[tuple, Any] = {}
+        """Compile the (segment, batch, tokens, slots[, keep_h]) not compiled yet, one after
+        another: a thread each saved about 5 % of a cold plan-and-generate on the 2-core VM
+        (10.9 against 11.4 s), not worth the threads (jaxlib 0.10.2's occasional segfault in
+        the persistent compilation cache, once blamed on them, comes serially too: the log,
+        session 27)."""
         for segment, batch, tokens, slots, *keep_h in wanted:
-            keep = tuple(keep_h[0]) if keep_h else ()
-            key = self._key(segment, batch, tokens, slots, keep)
-            if key not in self._compiled and key not in lowered:
-                lowered[key] = self._lower(segment, batch, tokens, slots, keep)
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            todo = {key: pool.submit(low.compile) for key, low in lowered.items()}
-            for key, compiling in todo.items():
-                self._compiled[key] = compiling.result()
-                self.compilations += 1
+            self.compiled(segment, batch, tokens, slots, tuple(keep_h[0]) if keep_h else ())
 
     def sizing_segments(self, segment: Segment, exact: bool) -> tuple[Segment, ...]:
         """The segments ``temp_bytes`` compiles to size ``segment``: itself when ``exact`` or

@@ -47,8 +47,10 @@ class Event:
 class Timeline:
     """Records events; ``wait()`` before reading starts and ends.
 
-    Creating one lowers the interpreter's thread switch interval to ``SWITCH_INTERVAL_S`` for
-    the rest of the process (see ``__post_init__``).
+    The first event recorded on a resource starts that resource's watcher thread and lowers
+    the interpreter's thread switch interval to ``SWITCH_INTERVAL_S`` for the rest of the
+    process (see ``_queue``); a timeline built from given events (the simulator's) starts
+    neither.
     """
 
     events: list[Event] = field(default_factory=list)
@@ -56,15 +58,19 @@ class Timeline:
     step_names: dict[int, str] = field(default_factory=dict)
     _queues: dict[str, queue.Queue] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        # Watchers stamp an event's end once they get the GIL back; keep that latency to tens
-        # of microseconds instead of CPython's default 5 ms switch interval.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        for resource in RESOURCES:
-            q: queue.Queue = queue.Queue()
-            self._queues[resource] = q
-            threading.Thread(target=self._watch, args=(q,), daemon=True,
+    def _queue(self, resource: str) -> queue.Queue:
+        """``resource``'s queue, its watcher started on first use. Raises ValueError for a
+        resource not in ``RESOURCES``."""
+        if resource not in RESOURCES:
+            raise ValueError(f"unknown timeline resource {resource!r}: one of {RESOURCES}")
+        if resource not in self._queues:
+            # Watchers stamp an event's end once they get the GIL back; keep that latency to
+            # tens of microseconds instead of CPython's default 5 ms switch interval.
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            self._queues[resource] = queue.Queue()
+            threading.Thread(target=self._watch, args=(self._queues[resource],), daemon=True,
                              name=f"hx-timeline-{resource}").start()
+        return self._queues[resource]
 
     @staticmethod
     def _watch(q: queue.Queue) -> None:
@@ -79,6 +85,7 @@ class Timeline:
             except RuntimeError:  # deleted: donated to a later program, so defined by now
                 pass
             event.end = time.perf_counter()
+            del event, arrays  # hold no buffers while waiting for the next event
             q.task_done()
 
     def begin_step(self, name: str) -> int:
@@ -101,7 +108,7 @@ class Timeline:
                       time.perf_counter() if dispatch is None else dispatch,
                       tuple(d for d in deps if d is not None), args)
         self.events.append(event)
-        self._queues[resource].put((event, arrays))
+        self._queue(resource).put((event, arrays))
         return event.id
 
     def wait(self) -> None:

@@ -196,7 +196,8 @@ def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: GGUFBlocks,
     """An MoE layer's routed experts (``models.moe``) on the host in one ggml graph
     (``ggml_moe.cc``: llama.cpp's ``build_moe_ffn``): y (M, D) float32 = sum_j weights[m, j]
     down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j], each row multiplied by its k experts'
-    matrices only.
+    matrices only, and a slot weighted 0 by none (it adds nothing; a part of a layer's experts
+    gets such slots): the step reads only the experts some row is routed to.
 
     Args:
       x: (M, D) the rows' normed input (cast to float32).

@@ -3,7 +3,11 @@
 // for them (llm_graph_context::build_moe_ffn, SwiGLU experts, the routing given): each row's
 // k experts' gate and up products (ggml_mul_mat_id: ggml groups the rows by expert and
 // multiplies each expert's rows with its own matrix, never the others'), SwiGLU, the down
-// products, each scaled by its routing weight, summed over the k.
+// products, each scaled by its routing weight, summed over the k. A slot weighted 0 (a part of
+// a layer's experts, hx.plan.ExpertHomes, gets each row's k largest weights of its own experts,
+// fewer than k of them routed to) reads no matrix of its own: it is pointed at an expert its
+// row, else the step, reads anyway, so ggml reads only the experts some row is routed to; a
+// step that routes no row here writes zeros and computes nothing.
 //
 //   x        (M, D) f32   the rows' normed input
 //   ids      (M, k) i32   each row's experts (0 <= id < X)
@@ -14,6 +18,7 @@
 //   -> y     (M, D) f32   sum_j weights[m, j] down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j]
 // Attributes: types (gate, up, down), experts X, threads.
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -56,6 +61,29 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
     return ffi::Error::InvalidArgument(
         "hx_ggml_moe: gate and up (X F, row_size(D)), down (X D, row_size(F))");
 
+  // the routed slots' experts; each slot weighted 0 pointed at one ggml reads anyway
+  thread_local std::vector<int32_t> routed;
+  const int32_t* given = static_cast<const int32_t*>(ids.untyped_data());
+  const float* weight = static_cast<const float*>(weights.untyped_data());
+  routed.assign(given, given + M * k);
+  int32_t read = -1;  // an expert some row of the step is routed to
+  for (int64_t i = 0; i < M * k && read < 0; ++i)
+    if (weight[i] != 0.0f) read = routed[i];
+  if (read < 0) {
+    std::memset(y->untyped_data(), 0, y->size_bytes());
+    return ffi::Error::Success();
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t own = read;  // the row's first routed expert, else the step's
+    for (int64_t j = 0; j < k; ++j)
+      if (weight[m * k + j] != 0.0f) {
+        own = routed[m * k + j];
+        break;
+      }
+    for (int64_t j = 0; j < k; ++j)
+      if (weight[m * k + j] == 0.0f) routed[m * k + j] = own;
+  }
+
   std::lock_guard<std::mutex> hold(hx_ggml::Turn());
   thread_local std::vector<uint8_t> meta(32 * ggml_tensor_overhead() +
                                          ggml_graph_overhead_custom(64, false));
@@ -67,7 +95,7 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
     return l;
   };
   ggml_tensor* xt = leaf(x.untyped_data(), GGML_TYPE_F32, D, 1, M);
-  ggml_tensor* it = leaf(ids.untyped_data(), GGML_TYPE_I32, k, M, 1);
+  ggml_tensor* it = leaf(routed.data(), GGML_TYPE_I32, k, M, 1);
   ggml_tensor* wt = leaf(weights.untyped_data(), GGML_TYPE_F32, 1, k, M);
   ggml_tensor* gt = leaf(gate.untyped_data(), type[0], D, F, X);
   ggml_tensor* ut = leaf(up.untyped_data(), type[1], D, F, X);

@@ -119,7 +119,8 @@ class Experts(nn.Module):
     Initialised as each expert's LeCun normal. A part of a layer of ``of`` routed experts
     (``MoeShape.of``) holds ``ids`` (X,) int32, the layer's index of each of its experts, and
     reads those columns of w (B,T,of); each row then runs its min(k, X) largest of them, the
-    rest weighted 0.
+    rest weighted 0 (ggml reads no expert for a slot weighted 0: ``host_compute/ggml_moe.cc``;
+    XLA's gather does).
     """
 
     experts: int

@@ -62,6 +62,48 @@ def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows):
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_slots_weighted_zero_read_no_expert(kind, rows):
+    """A part of a layer's experts gets each row's k largest weights of its own experts, some
+    0 (the row routed elsewhere). Those slots' expert has NaN scales in every block: had ggml
+    read it, the output would be NaN (0 x NaN); it equals float64 over the routed slots alone,
+    a row with none of them 0, and a step routing no row to the part is all zeros."""
+    rng = np.random.default_rng(rows + int(kind))
+    X, k, D, F, unread = 6, 3, 64, 96, 5
+    size, scale_at = (18, 0) if kind == Q.Q4_0 else (34, 0)
+
+    def poisoned(out, inner):
+        blocks = quantize(rng.standard_normal((X * out, inner)).astype(np.float32), kind)
+        ref = dequantize(blocks, kind).astype(np.float64).reshape(X, out, inner)
+        mine = blocks[unread * out:].reshape(out, -1, size)
+        mine[..., scale_at:scale_at + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+        return GGUFBlocks.from_group(group_of_blocks(blocks, kind.name, (X * out, inner)),
+                                     (X * out, inner)), ref
+
+    (gate, g), (up, u), (down, d) = poisoned(F, D), poisoned(F, D), poisoned(D, F)
+    x = rng.standard_normal((rows, D)).astype(np.float32)
+    ids = np.stack([rng.choice(unread, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
+    ids[:, -1], w[:, -1] = unread, 0.0  # every row's last slot: weighted 0, the poisoned expert
+    if rows > 1:
+        ids[1], w[1] = unread, 0.0  # a row routed to none of the part's experts
+    want = np.zeros((rows, D))
+    for m in range(rows):
+        for j in range(k):
+            if w[m, j]:
+                e, xm = ids[m, j], x[m].astype(np.float64)
+                want[m] += w[m, j] * d[e] @ (silu(g[e] @ xm) * (u[e] @ xm))
+    run = jax.jit(ggml_kernel.experts)
+    got = np.asarray(run(x, ids, w, gate, up, down))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    if rows > 1:
+        assert not got[1].any()
+    none = np.asarray(run(x, ids, np.zeros_like(w), gate, up, down))
+    assert not none.any()
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
 def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, kind):
     """Qwen3-MoE's tiny checkpoint as a quantized GGUF (its router F32, as llama-quantize
     leaves it), held in the file's blocks. Each layer's MLP2 on the host with the routed

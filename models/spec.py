@@ -102,6 +102,9 @@ class MoeShape:
       of: 0 for a whole layer; else this is the part of a layer of ``of`` routed experts
         that one op holds (``ModelSpec.expert_part``): ``experts`` of them (0 to ``of``),
         which ones an index array among its weights says.
+      picks: pricing alone (the planner's; the executor ignores it): each of ``experts``'
+        chance a row is routed to it (``hx.planner.experts.ExpertActivity``); () a random
+        router's, top_k / routed each.
     """
 
     experts: int
@@ -110,12 +113,15 @@ class MoeShape:
     d_shared: int = 0
     norm_top_k: bool = True
     of: int = 0
+    picks: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.routed:
             raise ValueError(f"top_k={self.top_k} of experts={self.routed}: 1 to experts")
         if self.of and not 0 <= self.experts <= self.of:
             raise ValueError(f"a part of {self.experts} of {self.of} experts")
+        if self.picks and len(self.picks) != self.experts:
+            raise ValueError(f"{len(self.picks)} picks for {self.experts} experts")
 
     @property
     def routed(self) -> int:
@@ -263,13 +269,16 @@ class ModelSpec:
         d_ff, or an MoE layer's normed x and its routing weights over the experts, D + X."""
         return self.d_model + self.moe.routed if self.moe else self.d_ff
 
-    def expert_part(self, op: str, experts: int) -> "ModelSpec":
+    def expert_part(self, op: str, experts: int, picks: tuple[float, ...] = ()
+                    ) -> "ModelSpec":
         """The spec an op of an MoE layer whose routed experts are placed one by one
         (``hx.plan.ExpertHomes``) is held and computed with: MLP2 the shared expert and the
         residual add, no routed expert (``experts`` 0); an ``EXPERT_OPS`` op ``experts`` of
-        the layer's routed experts (which ones: its ``experts/ids``) and no shared one."""
+        the layer's routed experts (which ones: its ``experts/ids``) and no shared one;
+        ``picks`` (``MoeShape.picks``) for pricing."""
         moe = dataclasses.replace(self.moe, experts=experts, of=self.moe.routed,
-                                  d_shared=self.moe.d_shared if op == "MLP2" else 0)
+                                  d_shared=self.moe.d_shared if op == "MLP2" else 0,
+                                  picks=picks)
         return self.replace(moe=moe)
 
     def replace(self, **changes) -> "ModelSpec":

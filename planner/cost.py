@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from hx.models.formats import DENSE
 from hx.models.spec import EMBED, EXPERT_OPS, HEAD, SCORE, ModelSpec, MoeShape, gathers
 from hx.models.tensors import kv_bytes
@@ -108,16 +110,16 @@ def gathered_share(spec: ModelSpec, op: str, rows: int) -> float:
 
 
 def routed_experts(moe: MoeShape, rows: int) -> tuple[float, float]:
-    """(experts run, rows each) of a kernel that runs each of ``rows`` rows through its own
-    experts of an MoE layer's part (``MoeShape``: ``experts`` of them; ggml's ``mul_mat_id``,
-    ``models.moe.Experts``), each row through k' = min(top_k, experts) of them, under uniform
-    routing: an expert is run when some row picks it, 1 - (1 - k'/X)^rows of the X, and the
-    rows·k' (row, expert) pairs split evenly over those run. A trained router is skewed (fewer
-    experts run, more rows each); a uniform one is the random models' here."""
-    X = moe.experts
-    k = min(moe.top_k, X)
-    run = X * picked_share(k, X, rows)
-    return run, rows * k / run
+    """(experts run, rows each) of ggml's ``mul_mat_id`` over an MoE layer's part
+    (``MoeShape``: ``experts`` of the layer's X), each of ``rows`` rows through the part's
+    experts it is routed to: expert e, picked by a row with chance p_e (``MoeShape.picks``;
+    by default a random router's k / X, the random models' here -- a trained router is skewed:
+    fewer experts run, more rows each), runs when some row picks it, 1 - (1 - p_e)^rows, and
+    the rows·sum(p_e) (row, expert) pairs split evenly over those run (a slot weighted 0
+    reads no expert: ``host_compute/ggml_moe.cc``). (0, 0) where no row is expected."""
+    p = np.asarray(moe.picks) if moe.picks else np.full(moe.experts, moe.top_k / moe.routed)
+    run = float(np.sum(1.0 - (1.0 - p) ** rows))
+    return (run, rows * float(p.sum()) / run) if run > 0 else (0.0, 0.0)
 
 
 def picked_share(k: int, experts: int, rows: int) -> float:
@@ -128,6 +130,9 @@ def picked_share(k: int, experts: int, rows: int) -> float:
 
 def routed_copies(moe: MoeShape, part: int, rows: int) -> float:
     """Expected experts of a part of ``part`` of an MoE layer's routed experts that a step of
-    ``rows`` rows routes to (uniform routing over the layer's X, k a row:
+    ``rows`` rows routes to: each expert with chance 1 - (1 - p_e)^rows (``MoeShape.picks``'
+    p_e where the part spec ``moe`` has them, else a random router's k / X:
     ``picked_share``): what ``experts in`` copies of a layer's streamed experts."""
+    if moe.picks:
+        return float(np.sum(1.0 - (1.0 - np.asarray(moe.picks)) ** rows))
     return part * picked_share(moe.top_k, moe.routed, rows)

@@ -37,11 +37,10 @@ import numpy as np
 from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.models.ops import EXPERTS_HOST, EXPERTS_RESIDENT
-from hx.models.spec import EMBED, ModelSpec
+from hx.models.spec import EMBED, ModelSpec, gathers
 from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
-from hx.planner.cost import picked_share
 from hx.planner.profile import HardwareProfile
-from hx.planner.simulator import op_seconds
+from hx.planner.simulator import ggml_seconds, op_seconds
 from hx.schedule import routed_expert_bytes
 from hx.workload import Workload
 
@@ -155,15 +154,23 @@ def expert_plan(spec: ModelSpec, homes: ExpertHomes, name: str) -> ExecutionPlan
 class ExpertCosts:
     """Expected seconds of one expert per step where it lives, and each side's fixed cost a
     layer pays once it holds some expert there, for a run of ``workload`` (prefill once, then
-    its decode steps: ``Workload.decode_steps``).
+    its decode steps: ``Workload.decode_steps``), each priced as the executor computes it:
+
+    * where the device multiplies the experts as held (the host's ggml over GGUF blocks), an
+      expert costs its product over the rows routed to it, times the chance a step routes to
+      it;
+    * where XLA runs them (``models.moe.Experts``): at fewer (row, expert) pairs than experts
+      (decode) it gathers each row's k of the part's experts, whatever they are: a layer's
+      fixed cost, k experts' products a row; at more (prefill) every expert of the part runs
+      on every row, routed to or not;
+    * a streamed expert adds its copy when a step routes to it.
 
     Attributes:
-      seconds: {home: (layers, experts) array}: the chance a step routes to the expert times
-        its time there (on the host: ggml's or XLA's product at the rows it gets; resident:
-        the accelerator's; streamed: its copy and the accelerator's), over the run.
+      seconds: {home: (layers, experts) array}: an expert's expected seconds there over the
+        run.
       fixed: {home: seconds a layer pays over the run for running some experts there}: the
         host's x and a crossing and coming back, a launch each side; a streamed part's
-        routing read back and its launch.
+        routing read back and its launch; XLA's gathered products.
       nbytes: bytes of one expert as the accelerator and the host hold it.
     """
 
@@ -175,34 +182,44 @@ class ExpertCosts:
     def price(cls, spec: ModelSpec, profile: HardwareProfile, workload: Workload,
               activity: ExpertActivity) -> "ExpertCosts":
         """Price every expert at each home (class docstring) on ``profile``."""
-        one = {home: spec.expert_part(op, 1) for home, op in
-               ((HOST, EXPERTS_HOST), (RESIDENT, EXPERTS_RESIDENT))}
+        X, k, slots = spec.moe.routed, spec.moe.top_k, workload.cache_slots
+        op_of = {HOST: EXPERTS_HOST, RESIDENT: EXPERTS_RESIDENT, STREAMED: EXPERTS_RESIDENT}
+        device_of = {HOST: HOST, RESIDENT: ACCELERATOR, STREAMED: ACCELERATOR}
+        memo: dict[tuple, float] = {}
+
+        def run(home: str, experts: int, rows: int) -> float:
+            """A part of ``experts`` at ``home`` over ``rows`` rows, each row picking each."""
+            key = (device_of[home], experts, rows)
+            if key not in memo:
+                part = spec.expert_part(op_of[home], experts, picks=(1.0,) * experts)
+                memo[key] = op_seconds(part, profile, device_of[home], op_of[home], 1, rows,
+                                       slots, 0)
+            return memo[key]
+
+        one_host = spec.expert_part(EXPERTS_HOST, 1, picks=(1.0,))
+        takes = {HOST: ggml_seconds(one_host, profile.host, EXPERTS_HOST, 1) is not None,
+                 RESIDENT: False, STREAMED: False}
         nbytes = routed_expert_bytes(spec)
-        steps = ((workload.batch * workload.prompt_tokens, 1),
-                 (workload.batch, workload.decode_steps))
+        copy = {STREAMED: profile.h2d_latency + nbytes / profile.h2d_bandwidth}
         share = np.asarray(activity.shares)
         seconds = {home: np.zeros_like(share) for home in (RESIDENT, STREAMED, HOST)}
-        memo: dict[tuple[str, int], float] = {}
-
-        def run(device: str, rows: int) -> float:  # one expert over ``rows`` rows
-            if (device, rows) not in memo:
-                spec_one = one[HOST if device == HOST else RESIDENT]
-                op = EXPERTS_HOST if device == HOST else EXPERTS_RESIDENT
-                memo[(device, rows)] = op_seconds(spec_one, profile, device, op, 1, rows,
-                                                  workload.cache_slots, 0)
-            return memo[(device, rows)]
-
-        copy = profile.h2d_latency + nbytes / profile.h2d_bandwidth
+        fixed = {HOST: 0.0, STREAMED: 0.0, RESIDENT: 0.0}
+        steps = ((workload.batch * workload.prompt_tokens, 1),
+                 (workload.batch, workload.decode_steps))
         for rows, count in steps:
             if not count:
                 continue
             routed = 1.0 - (1.0 - share) ** rows  # the chance a step routes to each expert
             each = np.maximum(1, np.rint(rows * share / np.maximum(routed, 1e-12)))
-            for home, device, extra in ((RESIDENT, ACCELERATOR, 0.0),
-                                        (STREAMED, ACCELERATOR, copy), (HOST, HOST, 0.0)):
-                at = np.vectorize(lambda m: run(device, int(m)))(each)
-                seconds[home] += count * routed * (at + extra)
-        fixed = {HOST: 0.0, STREAMED: 0.0, RESIDENT: 0.0}
+            for home in (RESIDENT, STREAMED, HOST):
+                seconds[home] += count * routed * copy.get(home, 0.0)
+                if takes[home]:
+                    at = np.vectorize(lambda m: run(home, 1, int(m)))(each)
+                    seconds[home] += count * routed * at
+                elif gathers(rows, k, X):  # rows·k gathered experts, however many are here
+                    fixed[home] += count * run(home, X, rows)
+                else:  # every expert here on every row
+                    seconds[home] += count * run(home, 1, rows)
         for rows, count in steps:
             x = rows * spec.d_model * spec.dtype_bytes
             a = rows * spec.inner_width * spec.dtype_bytes
@@ -225,7 +242,8 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     resident experts' bytes within ``accelerator_bytes`` and the host's and streamed ones'
     within ``host_bytes`` (None: unbounded), the accelerator's beside the buffer of the most
     streamed experts of a layer (``schedule``'s ``experts in``: a prefill chunk's routing
-    fills it). One worker, a seed and a deterministic limit:
+    fills it), started from whole layers resident or on the host (``_whole_layers``). One
+    worker, a seed and a deterministic limit:
     the same homes however loaded the machine is.
 
     Raises:
@@ -257,6 +275,11 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     if host_bytes is not None:
         model.Add(sum(x[(l, e, h)] for l in range(L) for e in range(X) for h in homes
                       if h != RESIDENT) * costs.nbytes <= host_bytes)
+    hint = _whole_layers(costs, L, X, accelerator_bytes)
+    for (l, e, h), var in x.items():
+        model.AddHint(var, hint[l] == h)
+    for (l, h), var in any_at.items():
+        model.AddHint(var, hint[l] == h)
     units = lambda v: int(round(v / TIME_UNIT))  # noqa: E731
     model.Minimize(sum(units(costs.seconds[h][l, e]) * x[(l, e, h)] for (l, e, h) in x)
                    + sum(units(costs.fixed[h]) * y for (l, h), y in any_at.items()))
@@ -269,6 +292,20 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                       f"{host_bytes} bytes for them")
     return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
                                    for e in range(X)) for l in range(L)))
+
+
+def _whole_layers(costs: ExpertCosts, layers: int, experts: int, accelerator_bytes: int
+                  ) -> list[str]:
+    """CP-SAT's starting point: per layer one home for all its experts, resident for the
+    layers that save the most time per byte over the host while the accelerator holds them,
+    the host's otherwise (``--n-cpu-moe``'s kind of placement, priced by ``costs``)."""
+    whole = {h: costs.seconds[h].sum(axis=1) + costs.fixed[h] for h in (RESIDENT, HOST)}
+    saved = whole[HOST] - whole[RESIDENT]
+    homes, room = [HOST] * layers, accelerator_bytes
+    for l in sorted(range(layers), key=lambda l: -saved[l]):
+        if saved[l] > 0 and experts * costs.nbytes <= room:
+            homes[l], room = RESIDENT, room - experts * costs.nbytes
+    return homes
 
 
 def hot_experts(spec: ModelSpec, activity: ExpertActivity, accelerator_bytes: int,

@@ -29,6 +29,7 @@ from hx.models.loader import load_spec
 from hx.models.spec import ModelSpec, preset
 from hx.plan import ExecutionPlan
 from hx.planner import policies
+from hx.planner.experts import ExpertActivity, activity_named
 from hx.planner.hardware import hardware_profile
 from hx.planner.layouts import Layout, price, split_hardware
 from hx.planner.profile import HardwareProfile
@@ -60,7 +61,9 @@ class Grid:
     presets (``planner.hardware``), policies (``planner.policies``), accelerator budgets as
     fractions of the preset's accelerator memory, and scenarios; models run in ``dtype``, their
     matrices held in each of ``weights`` and their KV caches in each of ``kv``
-    (``models.formats``: ``dense`` or a compressed format), two more axes."""
+    (``models.formats``: ``dense`` or a compressed format), two more axes; a Mixture of
+    Experts' routed experts picked as ``expert_activity`` says (``planner.experts.
+    activity_named``: ``uniform``, ``zipf:S[:SEED]``), for its plans and their runs."""
 
     models: tuple[str, ...]
     hardware: tuple[str, ...]
@@ -70,6 +73,7 @@ class Grid:
     dtype: str = "float16"
     weights: tuple[str, ...] = (DENSE,)
     kv: tuple[str, ...] = (DENSE,)
+    expert_activity: str = "uniform"
 
     @property
     def size(self) -> int:
@@ -110,11 +114,25 @@ MULTI_GPU = Grid(
     dtype="bfloat16")
 
 
+# The standard grid's Mixture-of-Experts part: Qwen3-30B-A3B and Mixtral-8x7B, 4-bit (GGUF's
+# q4_0: the host multiplies its blocks by ggml), on the machines of issue 40's published
+# figures, every routed expert placed by CP-SAT or by llama.cpp's, kTransformers' and
+# Fiddler's rules (docs/ablation.md); float16, which the Turing GPUs have (no bfloat16).
+MOE = Grid(
+    models=("qwen3-30b-a3b", "mixtral-8x7b"),
+    hardware=("rtx2080-i9-10900x", "quadro-rtx6000-48c", "rtx4090d-2x6454s"),
+    policies=("cpsat", "cpu-moe", "n-cpu-moe", "ktransformers", "fiddler"),
+    budgets=(1.0,),
+    scenarios=(Scenario("chat b1 512+128", 1, 512, 128),
+               Scenario("batch b16 512+32", 16, 512, 32)),
+    weights=("q4_0",))
+
+
 def simulate_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
-                 scenario: Scenario) -> RunPrediction:
+                 scenario: Scenario, activity: ExpertActivity | None = None) -> RunPrediction:
     """Prefill then decode of ``scenario`` under ``plan`` (``simulator.predict_run``: the
-    module docstring's formula)."""
-    return predict_run(plan, spec, profile, scenario.workload())
+    module docstring's formula; an MoE model's experts picked as ``activity`` says)."""
+    return predict_run(plan, spec, profile, scenario.workload(), activity)
 
 
 @dataclass
@@ -208,6 +226,7 @@ def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
     profile = hardware_profile(machine_name)
     formats = (spec.weight_format, spec.kv_format)
     named = "" if formats == (DENSE, DENSE) else f", weights {formats[0]}, KV {formats[1]}"
+    activity = activity_named(spec, grid.expert_activity) if spec.moe else None
     out: list[Outcome] = []
     for fraction in grid.budgets:
         budget = int(fraction * profile.accelerator_memory)
@@ -218,8 +237,9 @@ def _run_formats(grid: Grid, spec: ModelSpec, machine: str, time_limit_s: float,
                 try:
                     if (tp, pp) == (1, 1):
                         plan, need = policies.plan_on(policy, spec, machine, profile, budget,
-                                                      scenario.workload(), time_limit_s)
-                        run = simulate_run(plan, spec, profile, scenario)
+                                                      scenario.workload(), time_limit_s,
+                                                      activity)
+                        run = simulate_run(plan, spec, profile, scenario, activity)
                         accelerator, whole = need.accelerator, run
                     else:
                         whole = price(spec, machine_name, Layout(tp, pp, policy),

@@ -19,6 +19,10 @@ curves are those **measured on an H100 80GB HBM3 machine** (``hx profile``, 2026
   measured rate; host memory bandwidth and hx's host attention kernel as measured there, or,
   where the host sheet gives them (the T4), its memory bandwidth and one core's host SCORE rate
   (measured on the development VM) x its cores, at most that bandwidth (``HostSheet``);
+* host products over GGUF blocks (ggml's, ``DeviceProfile.ggml_matmul``), where the host sheet
+  gives its memory bandwidth: the development VM's measured rate per core x the host's cores,
+  at most what ``GGML_BANDWIDTH_SHARE`` of that bandwidth feeds at M rows (2·M FLOPs per
+  weight read at the layout's bytes per weight: a batch-1 product reads every weight once);
 * per-launch overhead and the activation-transfer latency: as measured (hx's own dispatch).
 
 Figures marked UNSOURCED in ``docs/hardware-sources.md`` are not used: where one is missing
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from hx.errors import HxError
+from hx.models.formats import get_format
 from hx.planner.mesh import Interconnect, tensor_parallel
 from hx.planner.profile import DeviceProfile, HardwareProfile, load_default
 from hx.sizing import sizing_for_absent_accelerator
@@ -134,6 +139,25 @@ REFERENCE = HardwareProfile(
     accelerator_memory=81559 * 2**20, host_memory=135148564480, h2d_latency=0.0,
     round_trip=1.07e-3)
 
+# ggml's products on the development VM (2 cores of an AMD EPYC with AVX-512 VNNI; hx profile,
+# 2026-11-28, docs/measurements/vm-2026-11-28b/profile_full.json): FLOP/s at M rows per layout
+VM_CORES = 2
+VM_GGML = (
+    ("q4_0", ((1, 6.50e10), (2, 8.18e10), (4, 9.11e10), (8, 9.84e10), (16, 1.02e11),
+              (32, 1.03e11), (64, 1.03e11))),
+    ("q4_1", ((1, 6.55e10), (2, 6.61e10), (4, 7.14e10), (8, 7.51e10), (16, 7.75e10),
+              (32, 7.43e10), (64, 7.55e10))),
+    ("q8_0", ((1, 4.32e10), (2, 7.96e10), (4, 9.81e10), (8, 1.13e11), (16, 8.48e10),
+              (32, 1.14e11), (64, 1.23e11))),
+    ("q4_0 repacked", ((1, 7.72e10), (2, 8.36e10), (4, 1.27e11), (8, 1.27e11), (16, 1.55e11),
+                       (32, 1.53e11), (64, 1.52e11), (128, 1.51e11), (256, 1.51e11),
+                       (512, 1.49e11))))
+# The share of a host's datasheet memory bandwidth ggml's batch-1 products are taken to read
+# weights at: an assumption, not a measurement (STREAM-like reads reach 70-85 % of a DDR
+# datasheet's peak; the VM's own 2-core q4_0 product, 21.7 GB/s of weights against a measured
+# 38.0 GB/s copy, is bound by its 2 cores, not by memory, so it cannot say).
+GGML_BANDWIDTH_SHARE = 0.75
+
 _PCIE3 = ("PCIe 3.0 x16: H2D 12.89 GB/s, D2H 4.82 GB/s, FlexGen's rates fitted on the T4 "
           "(FlexiGen experimental/cost_model.py ctog_bdw, gtoc_bdw_hidden)")
 _PCIE4 = ("PCIe 4.0 x16: H2D 25 GB/s measured peak on an A100 (BaM authors, ZaidQureshi/bam "
@@ -195,6 +219,41 @@ PRESETS: dict[str, Preset] = {
                  "BF16 dense; rates and link measured on it (hx profile, 2026-11-22)"),
         HostSheet(REFERENCE_CORES, REFERENCE.host_memory,
                   "measured: 16 cores, 128 GiB (the H100 machine hx was run on)")),
+    # Mixture-of-Experts settings (docs/hardware-sources.md §9): the machines of the published
+    # figures issue 40 compares with
+    "rtx4090d-2x6454s": Preset(
+        "RTX 4090 D 24GB (PCIe 4.0) + 2 x Xeon Gold 6454S, 1 TB DDR5 (kTransformers' machine)",
+        GpuSheet(24 * GiB, 1008 * GB, 73.5e12, 147.1e12, 25 * GB, REFERENCE.d2h_bandwidth,
+                 "hmc-tech.com RTX 4090 D (§9a [g4]): 24 GB GDDR6X, 1,008 GB/s, 73.5 TFLOP/s "
+                 "FP32, 147.1 TFLOP/s FP16/BF16 tensor dense with FP32 accumulate (GeForce: "
+                 "half the FP16-accumulate rate); the 4090's PCIe 4.0 x16 as stand in (the D's link "
+                 "is UNSOURCED); "
+                 + _PCIE4),
+        HostSheet(64, 10**12,
+                  "kvcache-ai/ktransformers DeepseekR1_V3_tutorial.md (§9b [h1]): 2 sockets of "
+                  "32 cores, 8 x DDR5-4800 each, 1 TB; 2 x 307.2 GB/s peak (8 x 4,800 MT/s x "
+                  "8 B a socket)", memory_bandwidth=2 * 307.2 * GB)),
+    "rtx2080-i9-10900x": Preset(
+        "RTX 2080 8GB (PCIe 3.0) + Core i9-10900X, 4-channel DDR4 (llama.cpp --n-cpu-moe 36)",
+        GpuSheet(8 * GiB, 448 * GB, 10.07e12, 40.3e12, 12.89 * GB, 4.82 * GB,
+                 "RTX 2080 (§9a [g6][g7]): 8 GB GDDR6, 448 GB/s, 10.07 TFLOP/s FP32; FP16 "
+                 "tensor with FP32 accumulate 40.3 TFLOP/s dense (368 tensor cores x 128 "
+                 "FLOP/clock x 1.71 GHz, halved on GeForce [g8]; Turing has no bfloat16: priced "
+                 "as float16); " + _PCIE3),
+        HostSheet(10, 62 * GB,
+                  "AlexsJones/llmfit #755 and #773 (§9b [h3][h4]): i9-10900X, 10 cores, 62 GB, "
+                  "'measured ~102 GB/s quad-channel DDR4'", memory_bandwidth=102 * GB)),
+    "quadro-rtx6000-48c": Preset(
+        "Quadro RTX 6000 24GB (PCIe 3.0) + 48-core Skylake (Fiddler's first machine)",
+        GpuSheet(24 * GiB, 672 * GB, 16.3e12, 130.5e12, 12.89 * GB, 4.82 * GB,
+                 "Quadro RTX 6000, active card (§9a [g9][g10]): 24 GB GDDR6, 672 GB/s, 16.3 "
+                 "TFLOP/s FP32; FP16 tensor 130.5 TFLOP/s dense at either accumulate (576 x 128 "
+                 "x 1.77 GHz; the passive card's sheet: 119.4 at 624 GB/s [g11]); no bfloat16: "
+                 "priced as float16; " + _PCIE3),
+        HostSheet(48, 384 * GiB,
+                  "efeslab/fiddler README (§9b [h5]): a 48-core Intel Skylake; its memory is "
+                  "UNSOURCED: 384 GiB assumed (hx's float32 host copies of Mixtral's experts "
+                  "take 187 GB), and its bandwidth is the measured reference host's")),
 }
 
 
@@ -283,6 +342,22 @@ def _host_attention(host: HostSheet, per_core: float | None,
     return tuple((s, rate) for s, _ in REFERENCE.host.attention)
 
 
+def _host_ggml(host: HostSheet) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """ggml's product curves on ``host`` (module docstring): ``VM_GGML`` per core x its
+    cores, at most ``GGML_BANDWIDTH_SHARE`` x its memory bandwidth x 2·M / bytes per weight;
+    none where the sheet gives no bandwidth."""
+    if not host.memory_bandwidth:
+        return ()
+    curves = []
+    for layout, curve in VM_GGML:
+        fmt = get_format(layout.split()[0])
+        per_weight = fmt.block_bytes / fmt.group
+        fed = GGML_BANDWIDTH_SHARE * host.memory_bandwidth * 2 / per_weight
+        curves.append((layout, tuple((m, min(rate / VM_CORES * host.cores, fed * m))
+                                     for m, rate in curve)))
+    return tuple(curves)
+
+
 def build(preset: Preset) -> HardwareProfile:
     """The ``HardwareProfile`` of ``preset`` (module docstring: how its rates are scaled
     from the measured H100 machine)."""
@@ -305,7 +380,7 @@ def build(preset: Preset) -> HardwareProfile:
         matmul=host_matmul, memory_bandwidth=host.memory_bandwidth or ref.host.memory_bandwidth,
         attention=_host_attention(host, host.attention_per_core, ref.host.attention),
         attention_low=_host_attention(host, host.attention_low_per_core, ref.host.attention_low),
-        launch_overhead=ref.host.launch_overhead)
+        launch_overhead=ref.host.launch_overhead, ggml_matmul=_host_ggml(host))
     disk = preset.disk
     return HardwareProfile(
         name=preset.name, accelerator=accelerator, host=host_profile,

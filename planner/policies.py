@@ -343,7 +343,8 @@ def _auto(r: Request) -> ExecutionPlan:
     candidates = [fit_prefill_chunk(_cpsat(r), spec, devices, workload)]
     if fits(stream_all(n).with_prefill_chunk(MIN_CHUNK), spec, devices, workload):
         candidates.append(fit_prefill_chunk(stream_all(n), spec, devices, workload))
-    return min(candidates, key=lambda p: predict_run(p, spec, r.profile, workload).total_s)
+    return min(candidates,
+               key=lambda p: predict_run(p, spec, r.profile, workload, r.activity).total_s)
 
 
 # Every named policy, in the order the CLI's help lists them (``flexgen:G[:C][:kv-disk]``, a
@@ -461,12 +462,13 @@ def _moe_plan(policy: str, r: Request) -> ExecutionPlan | None:
 
 
 def plan_on(policy: str, spec: ModelSpec, machine: str, profile: "HardwareProfile",
-            budget: int, workload: Workload, time_limit_s: float = 2.0
-            ) -> tuple[ExecutionPlan, MemoryEstimate]:
+            budget: int, workload: Workload, time_limit_s: float = 2.0,
+            activity: "ExpertActivity | None" = None) -> tuple[ExecutionPlan, MemoryEstimate]:
     """``policy``'s plan for ``spec`` on hardware ``machine`` (a preset or ``local``; its
     ``profile``) with ``budget`` bytes of accelerator memory and the profile's host memory, and
     its memory estimate, both sized for that machine (``hardware.memory_sizing``). The plan is
-    simulated, not run: CP-SAT may keep KV caches on disk (``build``'s ``kv_disk``).
+    simulated, not run: CP-SAT may keep KV caches on disk (``build``'s ``kv_disk``). An MoE
+    model's experts are placed for ``activity`` (``build``'s).
 
     Raises:
       HxError: no plan of the policy fits (``build``).
@@ -474,7 +476,7 @@ def plan_on(policy: str, spec: ModelSpec, machine: str, profile: "HardwareProfil
     devices = discover(accelerator_memory=budget, host_memory=profile.host_memory)
     with memory_sizing(machine):
         plan = build(policy, spec, devices, workload, profile=profile,
-                     time_limit_s=time_limit_s, kv_disk=True)
+                     time_limit_s=time_limit_s, kv_disk=True, activity=activity)
         return plan, estimate(plan, spec, workload)
 
 

@@ -37,9 +37,11 @@ recompute overlaps the K/V copy).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
@@ -58,7 +60,11 @@ from hx.segments import Segment
 from hx.timeline import ACC_COMPUTE, HOST_COMPUTE, Event, Timeline
 from hx.workload import Workload, prefill_chunks, round_up
 
+if TYPE_CHECKING:
+    from hx.planner.experts import ExpertActivity
+
 COPY_RESOURCES, COMPUTE_RESOURCES = (H2D, D2H), (ACCELERATOR, HOST)
+Picks = Mapping[tuple[int, str], tuple[float, ...]]  # (layer, op) -> its experts' p_e
 HOST_ATTENTION_BLOCK = 64  # slots per block of xla_attention (numpy reads at most 63 fewer)
 
 
@@ -216,28 +222,50 @@ def step_memo(spec: ModelSpec, profile: HardwareProfile, batch: int, tokens: int
 
 def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment, batch: int,
                     tokens: int, slots: int, context: int,
-                    memo: dict[tuple[str, str], float]) -> float:
+                    memo: dict[tuple, float], picks: Picks | None = None) -> float:
     """Compute seconds of a segment: the sum of its ops. ``memo`` keeps each (device, op)'s
     ``op_seconds`` at these shapes (``step_memo``); a SCORE's per layer window: a
     sliding-window layer's over its ring (``models.tensors.held_slots``), at most that many
     slots in use; an op holding part of an MoE layer's experts at its part's spec
-    (``Segment.op_spec``)."""
+    (``Segment.op_spec``), with its experts' chances a row is routed to them where ``picks``
+    (``expert_picks``) has its layer and op."""
     total = 0.0
     for index, (layer, op) in enumerate(segment.ops):
         window = None if layer is None else spec.layer_spec(layer).sliding_window
         part = segment.parts[index] if segment.parts else -1
-        key = (segment.device, op, window if op == SCORE else None, part)
+        routed = (picks or {}).get((layer, op), ())
+        key = (segment.device, op, window if op == SCORE else None, part, routed)
         if key not in memo:
             held = layer_slots(spec, layer, slots) if op == SCORE else slots
-            memo[key] = op_seconds(segment.op_spec(spec, index), profile, segment.device, op,
-                                   batch, tokens, held, min(context, held))
+            op_spec = segment.op_spec(spec, index)
+            if routed:
+                op_spec = op_spec.replace(moe=dataclasses.replace(op_spec.moe, picks=routed))
+            memo[key] = op_seconds(op_spec, profile, segment.device, op, batch, tokens, held,
+                                   min(context, held))
         total += memo[key]
     return total
 
 
+def expert_picks(plan: ExecutionPlan, spec: ModelSpec, activity: "ExpertActivity | None"
+                 ) -> Picks:
+    """Per (layer, op) that runs routed experts -- MLP2 of a layer whose experts have no
+    homes, each ``EXPERT_OPS`` op of one whose have (``ExpertHomes.groups``) -- its experts'
+    chances a row is routed to them, ``activity``'s shares at their ids; {} for no activity
+    (a random router's, ``cost.routed_experts``) or a dense model."""
+    if activity is None or spec.moe is None:
+        return {}
+    picks: dict[tuple[int, str], tuple[float, ...]] = {}
+    for layer, shares in enumerate(activity.shares):
+        groups = plan.experts.groups(layer) if plan.experts.of(layer) else (
+            ("MLP2", tuple(range(len(shares)))),)
+        for op, ids in groups:
+            picks[(layer, op)] = tuple(shares[e] for e in ids)
+    return picks
+
+
 def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
                 batch: int, tokens: int, slots: int, context: int, micro_batches: int = 1,
-                keep: bool = True) -> list[Task]:
+                keep: bool = True, activity: "ExpertActivity | None" = None) -> list[Task]:
     """One task per priced instruction of the step's ``hx.schedule.Schedule``, in issue order,
     after the tasks of the instructions it depends on (``Instruction.deps``): ``read`` and
     ``kv read`` bytes / the disk's read bandwidth (a KV read only the positions written
@@ -248,10 +276,11 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
     ops (``segment_seconds``), ``route`` a D2H copy of the routing weights and a sync,
     ``experts in`` the copies of the streamed experts a step of B·T rows is expected to route
-    to (``cost.routed_copies``: uniform routing; the schedule sizes the most it can). A
+    to (``cost.routed_copies``; the schedule sizes the most it can). A
     block of ``micro_batches`` (zig-zag block schedule) has one
     move and launch per micro-batch of ``batch`` rows. ``keep``: the schedule from
-    ``compile_schedule``'s cache, else built for this once (``build_schedule``)."""
+    ``compile_schedule``'s cache, else built for this once (``build_schedule``).
+    ``activity``: the routed experts' (``expert_picks``), else a random router's."""
     schedule = (compile_schedule if keep else build_schedule)(
         plan, spec, phase, batch, tokens, slots, micro_batches=micro_batches)
     tasks: list[Task] = []
@@ -260,6 +289,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     op_memo = step_memo(spec, profile, batch, tokens, slots, context)
     compute: dict[int, tuple[float, str]] = {}  # segment -> seconds and name
     launch = {d: profile.device(d).launch_seconds(batch) for d in COMPUTE_RESOURCES}
+    picks = expert_picks(plan, spec, activity)
 
     for index, ins in enumerate(schedule.instructions):
         if ins.resource is None:
@@ -270,7 +300,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
                 seg = schedule.segments[i]
                 compute[i] = (
                     launch[seg.device]
-                    + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo)
+                    + segment_seconds(spec, profile, seg, batch, tokens, slots, context, op_memo,
+                                      picks)
                     + assemble_seconds(plan, spec, profile, seg, batch, slots, prior),
                     " ".join(op if layer is None else f"{op}{layer}" for layer, op in seg.ops))
             duration, name = compute[i]
@@ -299,7 +330,11 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             duration = (profile.transfer_latency + nbytes / profile.d2h_bandwidth
                         + profile.sync_overhead)
         elif kind == EXPERTS_IN:  # the experts the step is expected to route to, one a copy
-            copies = routed_copies(spec.moe, schedule.segments[i].parts[0], batch * tokens)
+            seg = schedule.segments[i]  # the streamed part alone
+            part = seg.op_spec(spec, 0).moe
+            if seg.ops[0] in picks:
+                part = dataclasses.replace(part, picks=picks[seg.ops[0]])
+            copies = routed_copies(part, seg.parts[0], batch * tokens)
             name, nbytes = f"experts {i}", round(copies * routed_expert_bytes(spec))
             duration = copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth
         else:  # ACT_LOAD, KV_LOAD, RECOMPUTE
@@ -431,7 +466,8 @@ def run_tasks(tasks: list[Task], contention: float, compute_contention: float = 
 
 def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phase: str,
             batch: int, tokens: int, slots: int, context: int | None = None,
-            micro_batches: int = 1, keep: bool = True) -> Prediction:
+            micro_batches: int = 1, keep: bool = True,
+            activity: "ExpertActivity | None" = None) -> Prediction:
     """Predicted wall time of one executor step of ``phase``.
 
     Args:
@@ -443,9 +479,11 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
       keep: keep the step's schedule for later predictions (``compile_schedule``); False
         for a plan priced once (the planner's layer patterns: thousands of schedules kept
         would push out the others and keep the garbage collector busy).
+      activity: an MoE model's routed experts' (``planner.experts.ExpertActivity``); default
+        a random router's.
     """
     tasks = build_tasks(plan, spec, profile, phase, batch, tokens, slots,
-                        slots if context is None else context, micro_batches, keep)
+                        slots if context is None else context, micro_batches, keep, activity)
     seconds = run_tasks(tasks, profile.contention, profile.compute_contention)
     busy: dict[str, float] = {}
     for t in tasks:
@@ -454,15 +492,16 @@ def predict(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, phas
 
 
 def predict_prefill(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
-                    batch: int, prompt_tokens: int, slots: int, micro_batches: int = 1) -> float:
+                    batch: int, prompt_tokens: int, slots: int, micro_batches: int = 1,
+                    activity: "ExpertActivity | None" = None) -> float:
     """Predicted seconds of a whole prefill: one step per chunk of ``plan.prefill_chunk``
     (``hx.workload.prefill_chunks``), each attending over the prompt so far, of a block of
-    ``micro_batches`` micro-batches of ``batch`` rows."""
+    ``micro_batches`` micro-batches of ``batch`` rows (``activity``: ``predict``'s)."""
     done, seconds = 0, 0.0
     for chunk in prefill_chunks(prompt_tokens, plan.prefill_chunk):
         done += chunk
         seconds += predict(plan, spec, profile, "prefill", batch, chunk, slots, done,
-                           micro_batches).seconds
+                           micro_batches, activity=activity).seconds
     return seconds
 
 
@@ -496,16 +535,18 @@ def prefill_groups(workload: Workload) -> float:
 
 
 def predict_run(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile,
-                workload: Workload) -> RunPrediction:
+                workload: Workload, activity: "ExpertActivity | None" = None) -> RunPrediction:
     """The run of ``workload`` under ``plan``: every row's prompt in the plan's chunks
     (``prefill_groups`` groups of ``Workload.prefill_rows`` rows), then
-    ``Workload.decode_steps`` decode steps at ``Workload.decode_context``. CP-SAT, the
-    policies and the ablation grid all price a run here."""
+    ``Workload.decode_steps`` decode steps at ``Workload.decode_context``; an MoE model's
+    experts routed by ``activity`` (``predict``'s). CP-SAT, the policies and the ablation
+    grid all price a run here."""
     P, S = workload.prompt_tokens, workload.cache_slots
     prefill = prefill_groups(workload) * predict_prefill(
-        plan, spec, profile, workload.prefill_rows, P, S, workload.prefill_micro_batches)
+        plan, spec, profile, workload.prefill_rows, P, S, workload.prefill_micro_batches,
+        activity)
     decode = predict(plan, spec, profile, "decode", workload.batch, 1, S,
-                     workload.decode_context, workload.micro_batches)
+                     workload.decode_context, workload.micro_batches, activity=activity)
     total = prefill + workload.decode_steps * decode.seconds
     rows = workload.batch * workload.micro_batches
     return RunPrediction(rows * workload.generated / total, prefill, decode.seconds, total,

@@ -49,7 +49,8 @@ def test_weight_and_activation_bytes():
 def test_routed_experts_are_the_expected_distinct_experts_of_uniform_routing(rows):
     """``routed_experts`` against a sampled uniform router (each row k distinct experts of X,
     8 000 draws, seeded): the mean count of distinct experts run within 1 % and the rows
-    per run expert their pairs over that count; a part's k' is min(k, its experts)."""
+    per run expert their pairs over that count; a part of the layer's experts runs those of
+    its experts some row picks (each k / X), and the activity given instead where given."""
     from hx.models.spec import MoeShape
     from hx.planner.cost import routed_experts
 
@@ -63,5 +64,8 @@ def test_routed_experts_are_the_expected_distinct_experts_of_uniform_routing(row
     run, each = routed_experts(MoeShape(X, k, 32), rows)
     assert abs(run - np.mean(draws)) <= 0.01 * np.mean(draws)
     assert each * run == pytest.approx(rows * k)
-    part, _ = routed_experts(MoeShape(4, k, 32, of=X), rows)  # k' = 4 of its 4
-    assert part == pytest.approx(4.0)
+    part, each_part = routed_experts(MoeShape(4, k, 32, of=X), rows)
+    assert part == pytest.approx(4 * np.mean(draws) / X, rel=0.01)  # 4 of the X, alike
+    assert part * each_part == pytest.approx(rows * 4 * k / X)
+    hot, _ = routed_experts(MoeShape(4, k, 32, of=X, picks=(1.0, 1.0, 0.0, 0.0)), rows)
+    assert hot == pytest.approx(2.0)  # two picked by every row, two by none

@@ -92,3 +92,44 @@ def test_cpsat_places_experts_no_slower_than_the_rules_and_within_the_budgets(sk
     if skew is not None:
         shares = np.asarray(activity.shares)
         assert shares[resident].sum() / shares.sum() > 1.5 * resident.mean()
+
+
+@pytest.mark.parametrize("rest", ["host", "streamed"])
+def test_the_simulator_prices_the_activity_it_is_given(rest):
+    """A decode step of two Qwen3-30B-A3B layers, experts 0-63 resident, the rest on the host
+    or streamed (a GPU-like profile whose host has the development VM's ggml rates; q4_0
+    experts, which the host multiplies by ggml). The
+    uniform activity given prices as none given (a random router's); a router that sends
+    every row to resident experts leaves the rest no work (the host's products or the copies
+    of streamed experts: only what a layer pays to have them) and one that sends every row to
+    the others costs more than uniform (the step's time too; the resident-only step's is no
+    longer, the host's work overlapping the accelerator's)."""
+    import dataclasses
+
+    from hx.planner.hardware import VM_GGML
+    from hx.planner.simulator import predict
+
+    spec = preset("qwen3-30b-a3b:2L").replace(dtype="bfloat16", weight_format="q4_0",
+                                               host_matmul="ggml")
+    plan = policies.resident_experts(spec, 64, rest)
+    profile, X, k = gpu_like(), spec.moe.routed, spec.moe.top_k
+    profile = dataclasses.replace(profile, host=dataclasses.replace(profile.host,
+                                                                    ggml_matmul=VM_GGML))
+
+    def step(shares):
+        activity = None if shares is None else ExpertActivity(((tuple(shares),) * 2))
+        tasks = predict(plan, spec, profile, "decode", 1, 1, 64, 32, activity=activity).tasks
+        return sum(t.duration for t in tasks if "EXPERTS:" in t.name or t.name.startswith(
+            "experts")), predict(plan, spec, profile, "decode", 1, 1, 64, 32,
+                                 activity=activity).seconds
+
+    hot = np.zeros(X)
+    uniform, none = step([k / X] * X), step(None)
+    assert uniform == pytest.approx(none, rel=1e-12)
+    hot[:k] = 1.0
+    resident_only = step(hot)
+    hot[:] = 0.0
+    hot[X - k:] = 1.0
+    elsewhere = step(hot)
+    assert resident_only[0] < uniform[0] < elsewhere[0]
+    assert resident_only[1] <= uniform[1] < elsewhere[1]

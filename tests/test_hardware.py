@@ -6,7 +6,9 @@ import pytest
 from hx.errors import HxError
 from hx.models.spec import PRESETS as MODELS
 from hx.planner import policies
-from hx.planner.hardware import PRESETS, REFERENCE, REFERENCE_BANDWIDTH, hardware_profile
+from hx.models.formats import get_format
+from hx.planner.hardware import (PRESETS, REFERENCE, REFERENCE_BANDWIDTH, VM_CORES, VM_GGML,
+                                 hardware_profile)
 from hx.planner.simulator import predict
 
 
@@ -25,6 +27,21 @@ def test_rates_follow_the_roofline(name):
     assert profile.h2d_bandwidth == sheet.h2d and profile.accelerator_memory == sheet.memory
     assert "UNSOURCED" not in sheet.source or "stand in" in sheet.source
     assert profile.host.matmul[0][1] >= REFERENCE.host.matmul[0][1]
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.host.memory_bandwidth])
+def test_host_products_read_weights_no_faster_than_the_host_memory(name):
+    """ggml's products on a preset host whose sheet gives its memory bandwidth: every layout
+    the development VM measured, never reading weights faster than that bandwidth (M rows
+    share each weight read, 2·M FLOPs a weight), nor faster per core than the VM's cores."""
+    host, rates = PRESETS[name].host, hardware_profile(name).host
+    curves = dict(rates.ggml_matmul)
+    assert set(curves) == {layout for layout, _ in VM_GGML}
+    for layout, measured in VM_GGML:
+        fmt = get_format(layout.split()[0])
+        for (m, rate), (_, vm) in zip(curves[layout], measured):
+            assert rate * fmt.block_bytes / fmt.group / (2 * m) <= host.memory_bandwidth
+            assert rate <= vm / VM_CORES * host.cores * 1.0001
 
 
 def test_flexgen_t4_machine_has_its_disk():

@@ -29,6 +29,7 @@ from hx.models.loader import load, load_spec, resolve_dtype
 from hx.models.spec import LAYER_OPS, ModelSpec
 from hx.plan import EXPERT_HOMES, ExecutionPlan
 from hx.planner import policies
+from hx.planner.experts import ExpertActivity, activity_named
 from hx.planner.profile import DEFAULT_PATH, HardwareProfile, load_default
 from hx.planner.simulator import predict, predict_prefill, predict_run
 from hx.segments import split_segments
@@ -146,8 +147,9 @@ def _experts_cell(plan: ExecutionPlan, layer: int) -> str:
 
 
 def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile | None,
-                  workload: Workload) -> None:
-    """Print a plan per group of identical layers, its memory and its predicted times."""
+                  workload: Workload, activity: ExpertActivity | None = None) -> None:
+    """Print a plan per group of identical layers, its memory and its predicted times (an MoE
+    model's experts picked as ``activity`` says, default a random router's)."""
     table = Table(title=f"plan {plan.name}: decode placement (acc:res resident, acc:str "
                         f"streamed), KV home")
     table.add_column("layers")
@@ -183,11 +185,11 @@ def describe_plan(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile
     if profile is not None:
         slots = workload.cache_slots
         decode = predict(plan, spec, profile, "decode", workload.batch, 1, slots,
-                         workload.decode_context)
+                         workload.decode_context, activity=activity)
         prefill = predict_prefill(plan, spec, profile, workload.batch, workload.prompt_tokens,
-                                  slots)
+                                  slots, activity=activity)
         busy = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(decode.busy.items()))
-        run = predict_run(plan, spec, profile, workload).total_s
+        run = predict_run(plan, spec, profile, workload, activity).total_s
         steps = workload.decode_steps
         out.print(f"predicted (the simulator, whole plan): decode step "
                   f"{decode.seconds * 1e3:.2f} ms ({workload.batch / decode.seconds:.1f} "
@@ -248,7 +250,7 @@ def plan_command(
                   f"simulator's prediction of the whole plan follows.", soft_wrap=True)
     else:
         plan = plan_by_name(policy, spec, devices, workload, hardware, expert_activity)
-    describe_plan(plan, spec, hardware, workload)
+    describe_plan(plan, spec, hardware, workload, activity_named(spec, expert_activity))
     out.print(describe_dtype(spec.dtype, dtype, devices), soft_wrap=True)
     if output:
         plan.save(str(output))
@@ -278,10 +280,12 @@ def ablate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON."),
     hardware: Optional[str] = typer.Option(
         None, help="Simulate instead of measuring: hardware presets (comma-separated: t4, "
-                   "a10g, a100-40gb, l4, h100-80gb, local; a several-GPU machine with its "
+                   "a10g, a100-40gb, l4, h100-80gb, rtx2080-i9-10900x, quadro-rtx6000-48c, "
+                   "rtx4090d-2x6454s, local; a several-GPU machine with its "
                    "layout, e.g. 4xa10g:tp2xpp2, 8xh100:tp4, 4xa10g:pp4, or 4xa10g:all for "
                    "every layout of 1 to 4 GPUs), `standard` for the "
-                   "standard grid of docs/ablation.md, or `multi-gpu` for its several-GPU part. "
+                   "standard grid of docs/ablation.md, `multi-gpu` for its several-GPU part, "
+                   "or `moe` for its Mixture-of-Experts part. "
                    "-m then takes presets, comma-separated; --budgets are fractions of each "
                    "GPU's memory."),
     workloads: str = typer.Option("1:512+128,16:512+32,4x16:512+32",

@@ -18,7 +18,7 @@ from hx.errors import HxError
 from hx.models.loader import load_spec, resolve_dtype
 from hx.planner import hardware as presets
 from hx.planner import policies
-from hx.planner.grid import (MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, point,
+from hx.planner.grid import (MOE, MULTI_GPU, STANDARD, Grid, GridRow, Scenario, markdown_table, point,
                              run_grid, simulate_run, throughput_table, write_csv, write_json)
 from hx.planner.hardware import LOCAL, hardware_profile, tensor_parallel_profile
 from hx.planner.layouts import layouts
@@ -190,12 +190,14 @@ def grid_from_options(models: Optional[str], hardware: str, policy_names: str, b
     """The grid ``hx ablate --hardware`` asks for (``weights`` and ``kv``: comma-separated
     formats, two axes; ``auto`` is ``dense`` on a preset; ``MACHINE:all``: ``every_layout``);
     ``--hardware standard`` is ``STANDARD`` in those formats, ``--hardware multi-gpu``
-    ``MULTI_GPU``."""
+    ``MULTI_GPU``, ``--hardware moe`` ``MOE``, each in its own formats unless ``weights`` or
+    ``kv`` name others than dense."""
     axes = dict(weights=tuple("dense" if w == "auto" else w for w in _names(weights)),
                 kv=_names(kv))
-    named = {"standard": STANDARD, "multi-gpu": MULTI_GPU}
+    named = {"standard": STANDARD, "multi-gpu": MULTI_GPU, "moe": MOE}
     if hardware.strip() in named:
-        return dataclasses.replace(named[hardware.strip()], **axes)
+        given = {k: v for k, v in axes.items() if v != ("dense",)}
+        return dataclasses.replace(named[hardware.strip()], **given)
     return Grid(models=_names(models or "llama2-7b"), hardware=every_layout(_names(hardware)),
                 policies=_names(policy_names),
                 budgets=tuple(float(b) for b in budgets.split(",")),

@@ -133,3 +133,42 @@ def test_the_simulator_prices_the_activity_it_is_given(rest):
     elsewhere = step(hot)
     assert resident_only[0] < uniform[0] < elsewhere[0]
     assert resident_only[1] <= uniform[1] < elsewhere[1]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_expert_trace_counts_the_experts_transformers_routes_to(name, tmp_path):
+    """``hx expert-trace`` over a prompts file, on a tiny random checkpoint transformers
+    writes: each layer's count of the prompts' tokens routed to each expert equals the top k
+    of transformers' router probabilities over the same prompts, and the file reads back as
+    the activity those counts say (count / tokens a share)."""
+    import torch
+    from typer.testing import CliRunner
+
+    import hx
+    from hx.cli import bench, experts, generate, planning, simulate  # noqa: F401  (commands)
+    from hx.cli.common import app
+
+    from hf_families import PROMPTS, write_checkpoint
+
+    ref = write_checkpoint(name, str(tmp_path / "ckpt"))
+    model = hx.load(str(tmp_path / "ckpt"), dtype="float32")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    trace = tmp_path / "trace.json"
+    result = CliRunner().invoke(app, ["expert-trace", "-m", str(tmp_path / "ckpt"), "--dtype",
+                                      "float32", "--prompts", str(prompts), "-o", str(trace)])
+    assert result.exit_code == 0, result.output
+    got = np.asarray(json.loads(trace.read_text())["layers"])
+    want = np.zeros_like(got)
+    tokens = 0
+    for text in PROMPTS:
+        ids = model.tokenizer.encode(text)
+        tokens += len(ids)
+        with torch.no_grad():
+            out = ref(torch.tensor([ids]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            picks = torch.topk(torch.softmax(logits.float(), -1), ref.config.num_experts_per_tok)
+            np.add.at(want[layer], picks.indices.flatten().numpy(), 1)
+    assert (got == want).all() and (got.sum(axis=1) == tokens * model.spec.moe.top_k).all()
+    shares = np.asarray(ExpertActivity.from_trace(str(trace), model.spec).shares)
+    assert np.allclose(shares, got / tokens)

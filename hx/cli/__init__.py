@@ -1,5 +1,5 @@
 """The ``hx`` command line (typer + rich): ``generate``, ``bench``, ``profile``, ``plan``,
-``ablate``.
+``ablate``, ``simulate``, ``expert-trace``.
 
 Every ``HxError`` becomes one line on stderr and exit status 2, without a traceback. XLA's
 C++ log lines are off (``TF_CPP_MIN_LOG_LEVEL=3`` unless the environment sets it): sizing a
@@ -25,7 +25,7 @@ def main() -> None:
     JAX and the help's width when piped (``console.widen_piped_help``), then run the app,
     turning ``HxError`` into exit status 2."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before XLA first logs
-    from hx.cli import bench, generate, planning, simulate  # noqa: F401  (register the commands)
+    from hx.cli import bench, experts, generate, planning, simulate  # noqa: F401  (commands)
     from hx.cli.common import app, err
     from hx.cli.console import widen_piped_help
     from hx.devices import configure_runtime

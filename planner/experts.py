@@ -224,6 +224,7 @@ class ExpertCosts:
             x = rows * spec.d_model * spec.dtype_bytes
             a = rows * spec.inner_width * spec.dtype_bytes
             fixed[HOST] += count * (profile.device(HOST).launch_seconds(workload.batch)
+                                    + profile.device(ACCELERATOR).launch_seconds(workload.batch)
                                     + 2 * profile.transfer_latency + (x + a) / profile.d2h_bandwidth
                                     + x / profile.h2d_bandwidth + profile.sync_overhead)
             fixed[STREAMED] += count * (
@@ -292,6 +293,17 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                       f"{host_bytes} bytes for them")
     return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
                                    for e in range(X)) for l in range(L)))
+
+
+def whole_layers(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
+                 activity: ExpertActivity, accelerator_bytes: int) -> ExpertHomes:
+    """Each layer's experts all resident or all on the host, resident for the layers that
+    save the most time per byte while ``accelerator_bytes`` hold them (``_whole_layers``,
+    priced by ``ExpertCosts``): where CP-SAT's expert placement starts."""
+    costs = ExpertCosts.price(spec, profile, workload, activity)
+    X = spec.moe.routed
+    return ExpertHomes(tuple((home,) * X for home in _whole_layers(
+        costs, len(activity.shares), X, accelerator_bytes)))
 
 
 def _whole_layers(costs: ExpertCosts, layers: int, experts: int, accelerator_bytes: int

@@ -251,16 +251,30 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
     routed expert resident, streamed or on the host as ``experts.cpsat_experts`` places them
     in the bytes the rest leaves (``experts.expert_budget``), priced on ``r.profile`` for
     ``r.expert_activity()``; re-solved with the accelerator's share lowered by what a plan
-    overshoots (``_fitting``).
+    overshoots (``_fitting``). That placement or the whole-layer one it starts from
+    (``experts.whole_layers``), whichever ``simulator.predict_run`` predicts the shorter run:
+    the solver's price of an expert is linear, the executor's steps are not quite (as the
+    op-level CP-SAT's candidates, ``cpsat.solve``).
 
     Raises:
       HxError: the other ops do not fit, or no placement of the experts fits.
     """
-    def place(accelerator: int, host: int | None):
-        return _experts().cpsat_experts(r.spec, r.profile, r.workload, r.expert_activity(),
-                                        accelerator, host, r.time_limit_s)
+    ex, activity = _experts(), r.expert_activity()
 
-    return _fitting(r, place, "cpsat")
+    def place(accelerator: int, host: int | None):
+        return ex.cpsat_experts(r.spec, r.profile, r.workload, activity, accelerator, host,
+                                r.time_limit_s)
+
+    def whole(accelerator: int, host: int | None):
+        return ex.whole_layers(r.spec, r.profile, r.workload, activity, accelerator)
+
+    candidates = [_fitting(r, place, "cpsat")]
+    try:
+        candidates.append(_fitting(r, whole, "cpsat"))
+    except HxError:  # the whole layers overshoot the host's budget: CP-SAT's alone
+        pass
+    return min(candidates,
+               key=lambda p: predict_run(p, r.spec, r.profile, r.workload, activity).total_s)
 
 
 def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:

@@ -279,9 +279,10 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
 
 def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:
     """``experts.expert_plan`` of the homes ``place(accelerator bytes, host bytes)`` gives in
-    what the other ops leave (``experts.expert_budget``), with 0, 10 and 20 % of the
-    accelerator's share held back in turn until the plan fits (proxy-sized: the resident
-    experts' XLA temporaries are not known before).
+    what the other ops leave (``experts.expert_budget``), all of the accelerator's share if
+    that fits, else the least of it held back, 1 % to ``MAX_MARGIN`` %, under which the plan
+    fits (by bisection: proxy-sized, the resident experts' XLA temporaries are not known
+    before).
 
     Raises:
       HxError: the other ops do not fit, or no placement does.
@@ -289,12 +290,21 @@ def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:
     ex = _experts()
     if r.spec.moe is None:
         raise HxError(f"{r.spec.name} has no experts for {name} to place")
-    for margin in (0.0, 0.1, 0.2):
-        plan = ex.expert_plan(r.spec, place(*ex.expert_budget(r.spec, r.devices, r.workload,
-                                                              margin)), name)
-        if fits(plan.with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload):
-            return plan
-    raise HxError(f"no {name} placement of {r.spec.name}'s routed experts fits the budgets")
+    plans: dict[int, ExecutionPlan] = {}
+
+    def fit(margin: int) -> bool:  # percent of the accelerator's share held back
+        budget = ex.expert_budget(r.spec, r.devices, r.workload, margin / 100)
+        plans[margin] = ex.expert_plan(r.spec, place(*budget), name)
+        return fits(plans[margin].with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload)
+
+    if fit(0):
+        return plans[0]
+    if not fit(MAX_MARGIN):
+        raise HxError(f"no {name} placement of {r.spec.name}'s routed experts fits the budgets")
+    return plans[_boundary(fit, MAX_MARGIN, 0)]
+
+
+MAX_MARGIN = 40  # percent of the experts' accelerator share ``_fitting`` may hold back
 
 
 def _hot_experts(per_layer: bool, name: str) -> Callable[[Request], ExecutionPlan]:

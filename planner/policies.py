@@ -252,7 +252,8 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
     in the bytes the rest leaves (``experts.expert_budget``), priced on ``r.profile`` for
     ``r.expert_activity()``; re-solved with the accelerator's share lowered by what a plan
     overshoots (``_fitting``). That placement or the whole-layer one it starts from
-    (``experts.whole_layers``), whichever ``simulator.predict_run`` predicts the shorter run:
+    (``experts.whole_layers``), each with the largest prefill chunk under which it fits,
+    whichever ``simulator.predict_run`` predicts the shorter run:
     the solver's price of an expert is linear, the executor's steps are not quite (as the
     op-level CP-SAT's candidates, ``cpsat.solve``).
 
@@ -273,7 +274,8 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
         candidates.append(_fitting(r, whole, "cpsat"))
     except HxError:  # the whole layers overshoot the host's budget: CP-SAT's alone
         pass
-    return min(candidates,
+    chunked = [fit_prefill_chunk(p, r.spec, r.devices, r.workload) for p in candidates]
+    return min(chunked,
                key=lambda p: predict_run(p, r.spec, r.profile, r.workload, activity).total_s)
 
 

@@ -165,6 +165,21 @@ def overlap_fraction(events: list[Event]) -> float | None:
     return (compute + copy - wall) / min(compute, copy)
 
 
+def step_traffic(timeline: Timeline, phase: str = "decode") -> dict[str, float]:
+    """Medians over the timeline's steps of ``phase``: bytes each copy resource moved a step
+    (``H2D``, ``D2H``: the events' ``bytes``), and ``experts``, the streamed routed experts a
+    step copied (the ``experts in`` events' ``experts``); {} without such steps."""
+    timeline.wait()
+    steps = timeline.steps(phase)
+    if not steps:
+        return {}
+    per_step = [{**{r: sum(e.args.get("bytes", 0) for e in events if e.resource == r)
+                    for r in COPY},
+                 "experts": sum(len(e.args.get("experts", ())) for e in events)}
+                for events in steps]
+    return {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
+
+
 def median_overlap(timeline: Timeline, phase: str = "decode") -> float | None:
     """Median ``overlap_fraction`` over the timeline's steps of ``phase``."""
     timeline.wait()

@@ -291,6 +291,8 @@ def test_quarter_budget_stream_all_with_trace(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "plan stream-all" in result.stderr and "overlap fraction" in result.stderr
+    moved = re.search(r"a decode step moved H2D ([\d.]+) MiB", result.stderr)
+    assert moved and float(moved[1]) > 0  # stream-all copies the weights every step
     trace = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
     assert {e["args"]["name"] for e in trace if e["name"] == "thread_name"} == {
         "accelerator compute", "host compute", "H2D", "D2H"}

@@ -188,3 +188,22 @@ def test_every_read_is_produced_before():
             available |= set(seg.writes)
         assert segments[-1].writes[-1] == "logits"
         assert [op for s in segments for _, op in s.ops] == [EMBED] + list(LAYER_OPS) * n + [HEAD]
+
+
+def test_step_traffic_is_the_median_step_of_a_phase():
+    """``timeline.step_traffic``: over two decode steps (a prefill step aside), the median
+    bytes each copy resource moved a step and the streamed experts a step copied."""
+    from hx.timeline import D2H, H2D, Event, Timeline, step_traffic
+
+    def event(i, resource, step, **args):
+        return Event(i, resource, "e", step, 0.0, (), args, 0.0, 1.0)
+
+    events = [event(0, H2D, 0, bytes=10**6), event(1, H2D, 1, bytes=100),
+              event(2, D2H, 1, bytes=10), event(3, H2D, 1, bytes=0, experts=[4, 5]),
+              event(4, H2D, 2, bytes=300), event(5, D2H, 2, bytes=30),
+              event(6, H2D, 2, bytes=0, experts=[1])]
+    timeline = Timeline(events=events, step=2,
+                        step_names={0: "prefill", 1: "decode", 2: "decode"})
+    assert step_traffic(timeline) == {H2D: 200, D2H: 20, "experts": 1.5}
+    assert step_traffic(timeline, "prefill") == {H2D: 10**6, D2H: 0, "experts": 0}
+    assert step_traffic(timeline, "none") == {}

@@ -428,7 +428,7 @@ def _report_memory(engine, trace: Optional[Path]) -> None:
     --trace, the trace written."""
     import resource
 
-    from hx.timeline import median_overlap
+    from hx.timeline import D2H, H2D, median_overlap, step_traffic
 
     acct = engine.accountant
     budget = format_bytes(acct.capacity) if acct.capacity is not None else "no budget"
@@ -444,9 +444,14 @@ def _report_memory(engine, trace: Optional[Path]) -> None:
     if trace is not None:
         timeline = engine.executor.timeline
         timeline.to_chrome(str(trace))
-        overlap = median_overlap(timeline)
+        overlap, traffic = median_overlap(timeline), step_traffic(timeline)
+        moved = (f"; a decode step moved H2D {format_bytes(int(traffic[H2D]))}, D2H "
+                 f"{format_bytes(int(traffic[D2H]))}" if traffic else "")
+        copied = (f", {traffic['experts']:g} streamed experts copied"
+                  if traffic.get("experts") else "")
         note(f"trace: {len(timeline.events)} events -> {trace}; median decode overlap "
-             f"fraction {'-' if overlap is None else f'{overlap:.2f}'}")
+             f"fraction {'-' if overlap is None else f'{overlap:.2f}'}{moved}{copied} "
+             "(medians over the decode steps)")
 
 
 def _given_workload(job, spec, options: RunOptions) -> Workload | None:

@@ -29,8 +29,8 @@ def expert_trace_command(
     chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the model's chat template."),
 ) -> None:
     """Count, per MoE layer, the prompts' tokens routed to each expert (each prompt prefilled
-    alone on the host) and write {"layers": [[count, ...], ...]}: the file `hx plan` and `hx
-    generate` take as --expert-activity."""
+    alone on the host) and write them as JSON ("layers": a list per layer of each expert's
+    count): the file `hx plan` and `hx generate` take as --expert-activity."""
     loaded = load(model, resolve_dtype(dtype), weights, host_matmul=host_matmul)
     ids = [encode_prompt(loaded.tokenizer, row["prompt"], chat)
            for row in read_prompts(str(prompts))]

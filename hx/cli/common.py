@@ -67,8 +67,8 @@ ExpertActivityOption = typer.Option(
     None, "--expert-activity",
     help="How often an MoE model's experts are routed to, for placing them: uniform (a random "
          "router's, the default), zipf:S[:SEED] (skewed: shares falling as rank^-S), or a "
-         "trace JSON {\"layers\": [[picks of expert 0, ...], ...]} (`hx expert-trace` "
-         "writes one from a prompts file).")
+         "trace JSON file, \"layers\" a list per layer of each expert's picks (`hx "
+         "expert-trace` writes one from a prompts file).")
 ProfileOption = typer.Option(None, "--profile",
                              help="Hardware profile JSON (default: the one `hx profile` saved, "
                                   "if any).")

@@ -325,18 +325,10 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         elif kind == KV_STORE:
             name = f"kv store {i}"
             duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
-        elif kind == ROUTE:  # the routing weights back, the executor blocked on them
-            name = f"route {i}"
-            duration = (profile.transfer_latency + nbytes / profile.d2h_bandwidth
-                        + profile.sync_overhead)
-        elif kind == EXPERTS_IN:  # the experts the step is expected to route to, one a copy
-            seg = schedule.segments[i]  # the streamed part alone
-            part = seg.op_spec(spec, 0).moe
-            if seg.ops[0] in picks:
-                part = dataclasses.replace(part, picks=picks[seg.ops[0]])
-            copies = routed_copies(part, seg.parts[0], batch * tokens)
-            name, nbytes = f"experts {i}", round(copies * routed_expert_bytes(spec))
-            duration = copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth
+        elif kind in (ROUTE, EXPERTS_IN):
+            name, duration, nbytes = _routed(spec, profile, kind, schedule.segments[i],
+                                             nbytes, batch * tokens, picks)
+            name = f"{name} {i}"
         else:  # ACT_LOAD, KV_LOAD, RECOMPUTE
             name, duration, nbytes = _streamed_cache(plan, spec, profile, kind,
                                                      schedule.segments[i], batch, slots, prior)
@@ -348,6 +340,24 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
         task_of[index] = len(tasks)
         tasks.append(Task(ins.resource, name, duration, tuple(deps), nbytes=nbytes))
     return tasks
+
+
+def _routed(spec: ModelSpec, profile: HardwareProfile, kind: str, seg: Segment, nbytes: int,
+            rows: int, picks: Picks) -> tuple[str, float, int]:
+    """(name, seconds, bytes) of a streamed expert part's ``route`` (its routing weights, the
+    schedule's ``nbytes``, back over D2H with the executor blocked on them) or ``experts in``
+    (the part's experts a step of ``rows`` rows is expected to route to, one H2D copy each:
+    ``cost.routed_copies`` at ``picks``' chances where it has the part, else a random
+    router's)."""
+    if kind == ROUTE:
+        return "route", (profile.transfer_latency + nbytes / profile.d2h_bandwidth
+                         + profile.sync_overhead), nbytes
+    part = seg.op_spec(spec, 0).moe  # the segment runs the streamed part alone
+    if seg.ops[0] in picks:
+        part = dataclasses.replace(part, picks=picks[seg.ops[0]])
+    copies = routed_copies(part, seg.parts[0], rows)
+    nbytes = round(copies * routed_expert_bytes(spec))
+    return "experts", copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth, nbytes
 
 
 def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, kind: str,

@@ -114,25 +114,16 @@ def routed_experts(moe: MoeShape, rows: int) -> tuple[float, float]:
     (``MoeShape``: ``experts`` of the layer's X), each of ``rows`` rows through the part's
     experts it is routed to: expert e, picked by a row with chance p_e (``MoeShape.picks``;
     by default a random router's k / X, the random models' here -- a trained router is skewed:
-    fewer experts run, more rows each), runs when some row picks it, 1 - (1 - p_e)^rows, and
+    fewer experts run, more rows each), runs when some row picks it (``routed_chance``), and
     the rows·sum(p_e) (row, expert) pairs split evenly over those run (a slot weighted 0
-    reads no expert: ``host_compute/ggml_moe.cc``). (0, 0) where no row is expected."""
+    reads no expert: ``host_compute/ggml_moe.cc``). The experts run are also what ``experts
+    in`` copies of a layer's streamed part. (0, 0) where no row is expected."""
     p = np.asarray(moe.picks) if moe.picks else np.full(moe.experts, moe.top_k / moe.routed)
-    run = float(np.sum(1.0 - (1.0 - p) ** rows))
+    run = float(routed_chance(p, rows).sum())
     return (run, rows * float(p.sum()) / run) if run > 0 else (0.0, 0.0)
 
 
-def picked_share(k: int, experts: int, rows: int) -> float:
-    """The share of ``experts`` experts that some of ``rows`` rows picks, each row k distinct
-    of them uniformly: 1 - (1 - k / X)^rows."""
-    return 1.0 - (1.0 - k / experts) ** rows
-
-
-def routed_copies(moe: MoeShape, part: int, rows: int) -> float:
-    """Expected experts of a part of ``part`` of an MoE layer's routed experts that a step of
-    ``rows`` rows routes to: each expert with chance 1 - (1 - p_e)^rows (``MoeShape.picks``'
-    p_e where the part spec ``moe`` has them, else a random router's k / X:
-    ``picked_share``): what ``experts in`` copies of a layer's streamed experts."""
-    if moe.picks:
-        return float(np.sum(1.0 - (1.0 - np.asarray(moe.picks)) ** rows))
-    return part * picked_share(moe.top_k, moe.routed, rows)
+def routed_chance(picks: np.ndarray, rows: int) -> np.ndarray:
+    """The chance a step of ``rows`` rows routes to each expert that a row picks with chance
+    ``picks`` (any shape), the rows picking alone: 1 - (1 - p)^rows."""
+    return 1.0 - (1.0 - picks) ** rows

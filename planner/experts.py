@@ -39,6 +39,7 @@ from hx.errors import HxError
 from hx.models.ops import EXPERTS_HOST, EXPERTS_RESIDENT
 from hx.models.spec import EMBED, ModelSpec, gathers
 from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
+from hx.planner.cost import routed_chance
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import ggml_seconds, op_seconds
 from hx.schedule import routed_expert_bytes
@@ -209,7 +210,7 @@ class ExpertCosts:
         for rows, count in steps:
             if not count:
                 continue
-            routed = 1.0 - (1.0 - share) ** rows  # the chance a step routes to each expert
+            routed = routed_chance(share, rows)  # the chance a step routes to each expert
             each = np.maximum(1, np.rint(rows * share / np.maximum(routed, 1e-12)))
             for home in (RESIDENT, STREAMED, HOST):
                 seconds[home] += count * routed * copy.get(home, 0.0)

@@ -49,7 +49,7 @@ from hx.models.formats import REPACK_ROWS, blocks_layout
 from hx.models.holding import ggml_matrices
 from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
-from hx.planner.cost import op_cost, routed_copies, routed_experts
+from hx.planner.cost import op_cost, routed_experts
 from hx.planner.mesh import collective_seconds
 from hx.planner.profile import DeviceProfile, HardwareProfile
 from hx.errors import HxError
@@ -276,7 +276,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
     ops (``segment_seconds``), ``route`` a D2H copy of the routing weights and a sync,
     ``experts in`` the copies of the streamed experts a step of B·T rows is expected to route
-    to (``cost.routed_copies``; the schedule sizes the most it can). A
+    to (``cost.routed_experts``; the schedule sizes the most it can). A
     block of ``micro_batches`` (zig-zag block schedule) has one
     move and launch per micro-batch of ``batch`` rows. ``keep``: the schedule from
     ``compile_schedule``'s cache, else built for this once (``build_schedule``).
@@ -347,7 +347,7 @@ def _routed(spec: ModelSpec, profile: HardwareProfile, kind: str, seg: Segment, 
     """(name, seconds, bytes) of a streamed expert part's ``route`` (its routing weights, the
     schedule's ``nbytes``, back over D2H with the executor blocked on them) or ``experts in``
     (the part's experts a step of ``rows`` rows is expected to route to, one H2D copy each:
-    ``cost.routed_copies`` at ``picks``' chances where it has the part, else a random
+    ``cost.routed_experts`` at ``picks``' chances where it has the part, else a random
     router's)."""
     if kind == ROUTE:
         return "route", (profile.transfer_latency + nbytes / profile.d2h_bandwidth
@@ -355,7 +355,7 @@ def _routed(spec: ModelSpec, profile: HardwareProfile, kind: str, seg: Segment, 
     part = seg.op_spec(spec, 0).moe  # the segment runs the streamed part alone
     if seg.ops[0] in picks:
         part = dataclasses.replace(part, picks=picks[seg.ops[0]])
-    copies = routed_copies(part, seg.parts[0], rows)
+    copies, _ = routed_experts(part, rows)
     nbytes = round(copies * routed_expert_bytes(spec))
     return "experts", copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth, nbytes
 

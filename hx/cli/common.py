@@ -14,7 +14,7 @@ from hx.errors import HxError
 from hx.models.spec import ModelSpec
 from hx.plan import ExecutionPlan
 from hx.planner import policies
-from hx.planner.experts import activity_named
+from hx.planner.experts import ExpertActivity, activity_named
 from hx.planner.fitting import fit_prefill_chunk
 from hx.planner.profile import HardwareProfile
 from hx.workload import Workload
@@ -113,16 +113,15 @@ def resolve_plan(spec: ModelSpec, devices: Devices, workload: Workload, plan_fil
 
 
 def plan_by_name(name: str, spec: ModelSpec, devices: Devices, workload: Workload,
-                 profile: HardwareProfile | None = None, activity: Optional[str] = None
-                 ) -> ExecutionPlan:
+                 profile: HardwareProfile | None = None,
+                 activity: ExpertActivity | None = None) -> ExecutionPlan:
     """A plan from a short name: a policy, ``layer-split:N``, or ``host:OP+OP``; an MoE
-    placement priced for ``activity`` (``--expert-activity``)."""
+    placement priced for ``activity`` (``--expert-activity``'s, ``activity_named``)."""
     if name.startswith("host:"):
         return ExecutionPlan.uniform(spec.n_layers, name[5:].upper().split("+"))
     if name.startswith("layer-split:"):
         return policies.layer_split(spec.n_layers, int(name.split(":", 1)[1]))
-    return policies.build(name, spec, devices, workload, profile=profile,
-                          activity=activity_named(spec, activity))
+    return policies.build(name, spec, devices, workload, profile=profile, activity=activity)
 
 
 def say(message: str) -> None:

@@ -235,6 +235,7 @@ def plan_command(
         # plan for the machine a --profile file describes (default: this one's budget)
         devices = dataclasses.replace(devices, host=dataclasses.replace(
             devices.host, capacity=hardware.host_memory))
+    activity = activity_named(spec, expert_activity)
     if policy == "cpsat" and spec.moe is None:
         result = plan_cpsat(spec, hardware, devices, workload, time_limit, seed)
         plan = result.plan
@@ -249,8 +250,8 @@ def plan_command(
                   f"{result.solve_s:.3f} s over {result.patterns} layer patterns. The "
                   f"simulator's prediction of the whole plan follows.", soft_wrap=True)
     else:
-        plan = plan_by_name(policy, spec, devices, workload, hardware, expert_activity)
-    describe_plan(plan, spec, hardware, workload, activity_named(spec, expert_activity))
+        plan = plan_by_name(policy, spec, devices, workload, hardware, activity)
+    describe_plan(plan, spec, hardware, workload, activity)
     out.print(describe_dtype(spec.dtype, dtype, devices), soft_wrap=True)
     if output:
         plan.save(str(output))

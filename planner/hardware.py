@@ -158,6 +158,7 @@ VM_GGML = (
 # 38.0 GB/s copy, is bound by its 2 cores, not by memory, so it cannot say).
 GGML_BANDWIDTH_SHARE = 0.75
 
+PCIE3_LINK = (12.89 * GB, 4.82 * GB)  # (H2D, D2H) bytes/s of PCIe 3.0 x16: _PCIE3 cites them
 _PCIE3 = ("PCIe 3.0 x16: H2D 12.89 GB/s, D2H 4.82 GB/s, FlexGen's rates fitted on the T4 "
           "(FlexiGen experimental/cost_model.py ctog_bdw, gtoc_bdw_hidden)")
 _PCIE4 = ("PCIe 4.0 x16: H2D 25 GB/s measured peak on an A100 (BaM authors, ZaidQureshi/bam "
@@ -168,7 +169,7 @@ _PCIE4_A10 = ("PCIe 4.0 x16: H2D 19.5 GB/s, one stream on an A10 (drkennetz/cuda
 PRESETS: dict[str, Preset] = {
     "t4": Preset(
         "T4-16GB (PCIe 3.0), 208 GB host, NVMe (FlexGen's GCP machine)",
-        GpuSheet(16 * GiB, 320 * GB, 8.1e12, 65e12, 12.89 * GB, 4.82 * GB,
+        GpuSheet(16 * GiB, 320 * GB, 8.1e12, 65e12, *PCIE3_LINK,
                  "NVIDIA T4 datasheet via sysrqmts.com: 16 GB GDDR6, 320 GB/s, 8.1 TFLOP/s "
                  "FP32, 65 TFLOP/s FP16 mixed (no sparsity on Turing; bf16 priced as fp16) at "
                  "the 1,590 MHz boost clock; sustained FP16: about 24 TFLOP/s, cuBLAS "
@@ -235,7 +236,7 @@ PRESETS: dict[str, Preset] = {
                   "8 B a socket)", memory_bandwidth=2 * 307.2 * GB)),
     "rtx2080-i9-10900x": Preset(
         "RTX 2080 8GB (PCIe 3.0) + Core i9-10900X, 4-channel DDR4 (llama.cpp --n-cpu-moe 36)",
-        GpuSheet(8 * GiB, 448 * GB, 10.07e12, 40.3e12, 12.89 * GB, 4.82 * GB,
+        GpuSheet(8 * GiB, 448 * GB, 10.07e12, 40.3e12, *PCIE3_LINK,
                  "RTX 2080 (§9a [g6][g7]): 8 GB GDDR6, 448 GB/s, 10.07 TFLOP/s FP32; FP16 "
                  "tensor with FP32 accumulate 40.3 TFLOP/s dense (368 tensor cores x 128 "
                  "FLOP/clock x 1.71 GHz, halved on GeForce [g8]; Turing has no bfloat16: priced "
@@ -245,7 +246,7 @@ PRESETS: dict[str, Preset] = {
                   "'measured ~102 GB/s quad-channel DDR4'", memory_bandwidth=102 * GB)),
     "quadro-rtx6000-48c": Preset(
         "Quadro RTX 6000 24GB (PCIe 3.0) + 48-core Skylake (Fiddler's first machine)",
-        GpuSheet(24 * GiB, 672 * GB, 16.3e12, 130.5e12, 12.89 * GB, 4.82 * GB,
+        GpuSheet(24 * GiB, 672 * GB, 16.3e12, 130.5e12, *PCIE3_LINK,
                  "Quadro RTX 6000, active card (§9a [g9][g10]): 24 GB GDDR6, 672 GB/s, 16.3 "
                  "TFLOP/s FP32; FP16 tensor 130.5 TFLOP/s dense at either accumulate (576 x 128 "
                  "x 1.77 GHz; the passive card's sheet: 119.4 at 624 GB/s [g11]); no bfloat16: "

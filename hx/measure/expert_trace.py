@@ -25,7 +25,7 @@ from hx.host_compute.products import products_on
 from hx.models.decoder import apply_op
 from hx.models.layers import Step
 from hx.models.loader import Model
-from hx.models.spec import EMBED, LAYER_OPS, ModelSpec
+from hx.models.spec import EMBED, LAYER_OPS, SCORE, ModelSpec
 from hx.models.tensors import kv_arrays, layer_key, numpy_dtype, weight_dtype
 
 
@@ -64,8 +64,8 @@ def count_picks(model: Model, prompts: Sequence[Sequence[int]]) -> np.ndarray:
                      for name, (shape, dtype) in kv_arrays(layer, 1, T).items()}
             for op in LAYER_OPS:
                 out, new = _op(layer, op, model.params[layer_key(i)][op], acts, step,
-                               cache if op == "SCORE" else None)
-                cache = new if op == "SCORE" else cache
+                               cache if op == SCORE else None)
+                cache = new if op == SCORE else cache
                 acts = {**acts, **out}
                 if op == "MLP1":
                     weights = np.asarray(out["a"][..., spec.d_model:], np.float32)

@@ -72,7 +72,7 @@ def segment_function(spec: ModelSpec, device: str, ops: tuple[str, ...],
     layers of one type that ``host_compute.ggml_layer.runs`` takes as one ggml graph.
     The caches of the slots in ``keep_h`` come back with the new positions' ``h`` (B, T, D)
     beside K and V (a streamed cache that recomputes keeps it: ``hx.streamed_kv``)."""
-    kernel = blocked_attention if device == HOST else None
+    kernel = blocked_attention if device == HOST and spec.model_family.host_attention else None
     products = products_on(device)
     held, fmt = weight_dtype(spec, device), kv_format(spec)
     specs = [spec.type_spec(kind) for kind in types] if types else [spec] * len(ops)
@@ -368,8 +368,9 @@ class Programs:
         held = max((held_slots(s.type_spec(kind), slots) for kind in self.cache_types(segment)),
                    default=slots)  # the largest cache a SCORE of the segment reads
         elements = 2 * batch * held * s.n_kv_heads * s.head_dim
-        if device != HOST or not segment.cache_layers or not attends_in_numpy(
-                batch, held, s.n_kv_heads, s.head_dim, kv_bytes(s, batch, held) / elements):
+        if (device != HOST or not segment.cache_layers or not s.model_family.host_attention
+                or not attends_in_numpy(batch, held, s.n_kv_heads, s.head_dim,
+                                        kv_bytes(s, batch, held) / elements)):
             return self._function(device, ops, writes, True, keep_h, types, parts).lower(
                 params, acts, caches, step)
         where = self.shardings[HOST]

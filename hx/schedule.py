@@ -529,8 +529,8 @@ class _Builder:
             after = [self.last.get((STAGE, i)), self.synced if self.segments[i].streams
                      else None]
             # the K and V products in float32 before their cast: the recompute's temporaries
-            temp = sum(2 * self.B * n * self.spec.n_kv_heads * self.spec.head_dim * 4
-                       for n in heads)
+            temp = sum(self.B * n * self.spec.n_kv_heads * 4 * (
+                self.spec.kv_width("k") + self.spec.kv_width("v")) for n in heads)
             deps.append(self.add(
                 self.loads[(i, m)][:1] + after, RECOMPUTE, i, m, ACCELERATOR, ("k", "v"),
                 tokens=r,

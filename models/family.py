@@ -50,6 +50,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "hx.models.qwen3_moe",
     "qwen2_moe": "hx.models.qwen2_moe",
     "olmoe": "hx.models.olmoe",
+    "deepseek_v2": "hx.models.deepseek_v2",
 }
 
 # config.json keys that never change a model's outputs at inference, whatever the family:
@@ -240,6 +241,10 @@ class Family:
     # the family's own config.json keys that do not change its outputs, beside ``HF_IGNORED``
     # (each proven so in tests/test_families.py)
     hf_ignored: ClassVar[frozenset] = frozenset()
+    # SCORE is softmax(q k^T / sqrt(E)) v over K heads of E keys and values, so the host's
+    # attention kernels (``hx.host_compute``: XLA's blocked kernel, numpy's) may run it; False:
+    # the family's own SCORE module runs wherever SCORE is placed (latent attention)
+    host_attention: ClassVar[bool] = True
     # the value of a norm's ``scale`` that leaves the normed x as it is (random weights'
     # norms): 1 where a norm multiplies by its scale, 0 for Gemma's x (1 + w)
     norm_identity: ClassVar[float] = 1.0

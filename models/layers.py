@@ -102,21 +102,29 @@ def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
     return 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary position embedding, rotate-half layout (Su et al. 2021; Hugging Face Llama).
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+         interleaved: bool = False) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), in the rotate-half layout (Hugging Face
+    Llama: element i paired with i + E/2) or ``interleaved`` (the paper's and DeepSeek's:
+    elements 2i and 2i + 1 paired, transformers' ``apply_rotary_emb`` over complex pairs).
 
     Args:
       x: (B, T, N, E) queries or keys.
       positions: (B, T) int32 absolute positions.
       inv_freq: (E/2,) float32 inverse frequencies (``inv_frequencies``, or a family's scaled
-        ones).
+        ones); pair i turns by position x inv_freq[i].
     Returns:
       (B, T, N, E) rotated, same dtype as ``x`` (computed in float32).
     """
     angle = positions[..., None].astype(jnp.float32) * inv_freq  # (B,T,E/2)
     cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]  # (B,T,1,E/2)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x32 = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 

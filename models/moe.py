@@ -27,7 +27,7 @@ by 0 -- the same sums at X / (rows k) the FLOPs (``hx.planner.cost.gathered_shar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +52,15 @@ EXPERT_IDS = "experts/ids"  # a part's experts' indices in their layer (int32)
 class RouterOp(WeightedOp):
     """MLP1 of an MoE layer: x (B,T,D) -> a = [RMSNorm(x) | routing weights (X)] (B,T,D+X).
 
-    The router's logits n R^T are rounded to the model's dtype and their softmax taken in
-    float32; the k largest probabilities (``jax.lax.top_k``), renormalised where
-    ``norm_top_k``, rounded to the model's dtype, are the weights of their experts
-    (transformers' ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``).
+    The router's logits n R^T are rounded to the model's dtype (computed in float32 throughout
+    where ``float32_logits``: DeepSeek's) and their softmax taken in float32; the k largest
+    probabilities (``top_k_routed``: of the best groups where ``MoeShape.groups``),
+    renormalised where ``norm_top_k``, times ``routed_scale``, rounded to the model's dtype,
+    are the weights of their experts (transformers' ``Qwen3MoeTopKRouter``,
+    ``MixtralTopKRouter``, ``DeepseekV2TopkRouter``).
     """
+
+    float32_logits: ClassVar[bool] = False
 
     @nn.compact
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array]:
@@ -64,21 +68,39 @@ class RouterOp(WeightedOp):
         n = RMSNorm(s.norm_eps, held_dtype(self), name="ffn_norm")(x)
         table = self.param(ROUTER, nn.initializers.lecun_normal(), (moe.experts, s.d_model),
                            held_dtype(self))
-        logits = jnp.einsum("btd,xd->btx", n.astype(table.dtype), table,
-                            preferred_element_type=jnp.float32).astype(s.dtype)
+        dtype = jnp.float32 if self.float32_logits else table.dtype
+        logits = jnp.einsum("btd,xd->btx", n.astype(dtype), table.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        if not self.float32_logits:
+            logits = logits.astype(s.dtype)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top, ids = jax.lax.top_k(probs, moe.top_k)
+        top, ids = top_k_routed(probs, moe)
         if moe.norm_top_k:
             top = top / top.sum(axis=-1, keepdims=True)
-        top = top.astype(s.dtype).astype(jnp.float32)
+        top = (top * moe.routed_scale).astype(s.dtype).astype(jnp.float32)
         weights = (jax.nn.one_hot(ids, moe.experts, dtype=jnp.float32) * top[..., None]).sum(-2)
         return (jnp.concatenate([n.astype(s.dtype), weights.astype(s.dtype)], axis=-1),)
 
 
+def top_k_routed(probs: jax.Array, moe: MoeShape) -> tuple[jax.Array, jax.Array]:
+    """(weights, ids) (..., k) of the k largest of ``probs`` (..., X) float32: over all X, or
+    where ``moe.groups`` over the experts of the ``top_groups`` groups (X / groups consecutive
+    experts each) whose largest probability is highest, the others' taken as 0 (DeepSeek-V2's
+    ``group_limited_greedy``, arXiv:2405.04434 §3.2.2; transformers' ``DeepseekV2TopkRouter``)."""
+    if moe.groups:
+        X = probs.shape[-1]
+        grouped = probs.reshape(*probs.shape[:-1], moe.groups, X // moe.groups)
+        _, best = jax.lax.top_k(grouped.max(axis=-1), moe.top_groups)
+        kept = jax.nn.one_hot(best, moe.groups, dtype=jnp.bool_).any(axis=-2)  # (..., groups)
+        probs = jnp.where(jnp.repeat(kept, X // moe.groups, axis=-1), probs, 0.0)
+    return jax.lax.top_k(probs, moe.top_k)
+
+
 class ExpertsOp(WeightedOp):
     """MLP2 of an MoE layer: a (B,T,D+X), x (B,T,D) -> x + sum_e w_e SwiGLU_e(n) (B,T,D),
-    plus the shared expert behind its sigmoid gate where ``MoeShape.d_shared`` (Qwen1.5-MoE's
-    ``shared_expert``, ``shared_expert_gate``); the routed experts by ``Experts``. Under a
+    plus the shared expert where ``MoeShape.d_shared``, behind its sigmoid gate where
+    ``shared_gate`` (Qwen1.5-MoE's ``shared_expert``, ``shared_expert_gate``; DeepSeek's
+    ``shared_experts`` have none); the routed experts by ``Experts``. Under a
     part's spec (``ModelSpec.expert_part``) the same sum over the part's experts alone: MLP2
     of a layer whose experts are placed one by one (none of them), an ``EXPERT_OPS`` op (no
     shared expert)."""
@@ -95,6 +117,8 @@ class ExpertsOp(WeightedOp):
             gate = dense(self, moe.d_shared, name="shared_w_gate")(n)
             up = dense(self, moe.d_shared, name="shared_w_up")(n)
             shared = dense(self, s.d_model, name="shared_w_down")(jax.nn.silu(gate) * up)
+            if not moe.shared_gate:
+                return ((x.astype(jnp.float32) + y + shared).astype(s.dtype),)
             mix = self.param(SHARED_GATE, nn.initializers.lecun_normal(), (1, s.d_model),
                              held_dtype(self))
             scale = jnp.einsum("btd,od->bto", n.astype(mix.dtype), mix,
@@ -223,8 +247,8 @@ class MoeFamily(LlamaFamily):
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """Llama's attention weights; MLP1 the FFN norm and the router (X, D), MLP2 the
         experts' gate and up (X, F, D) and down (X, D, F), with a shared expert its gate and
-        up (Fs, D), down (D, Fs) and sigmoid gate (1, D); a part of a layer's experts
-        (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
+        up (Fs, D), down (D, Fs) and sigmoid gate (1, D; where ``shared_gate``); a part of a
+        layer's experts (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
         shapes = super().weight_shapes(spec)
         D, moe = spec.d_model, spec.moe
         X, F = moe.experts, moe.d_expert
@@ -236,7 +260,9 @@ class MoeFamily(LlamaFamily):
         if moe.d_shared:
             Fs = moe.d_shared
             shapes["MLP2"] |= {"shared_w_gate/kernel": (Fs, D), "shared_w_up/kernel": (Fs, D),
-                               "shared_w_down/kernel": (D, Fs), SHARED_GATE: (1, D)}
+                               "shared_w_down/kernel": (D, Fs)}
+            if moe.shared_gate:
+                shapes["MLP2"][SHARED_GATE] = (1, D)
         return shapes
 
     def modules(self) -> Mapping[str, type]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from hx.errors import HxError
 from hx.models.family import FAMILIES, TABLE, family
-from hx.models.formats import DENSE, Format, get_format, kv_cache_format
+from hx.models.formats import DENSE, KV_DTYPES, Format, get_format, kv_cache_format
 from hx.models.ops import (EMBED, EXPERT_OPS, EXPERTS_STREAMED, HEAD,  # noqa: F401
                            LAYER_OPS, SCORE)
 
@@ -105,6 +105,13 @@ class MoeShape:
       picks: pricing alone (the planner's; the executor ignores it): each of ``experts``'
         chance a row is routed to it (``hx.planner.experts.ExpertActivity``); () a random
         router's, top_k / routed each.
+      routed_scale: the chosen weights are multiplied by it (DeepSeek's
+        ``routed_scaling_factor``).
+      groups: 0, or the experts form this many equal groups and a token's top k are taken
+        from the ``top_groups`` groups whose best expert scores highest (DeepSeek-V2's
+        group-limited greedy routing, arXiv:2405.04434 §3.2.2 "device-limited routing").
+      shared_gate: the shared expert's output passes a sigmoid gate (Qwen1.5-MoE); False:
+        added as it is (DeepSeek's ``shared_experts``).
     """
 
     experts: int
@@ -114,10 +121,19 @@ class MoeShape:
     norm_top_k: bool = True
     of: int = 0
     picks: tuple[float, ...] = ()
+    routed_scale: float = 1.0
+    groups: int = 0
+    top_groups: int = 0
+    shared_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.routed:
             raise ValueError(f"top_k={self.top_k} of experts={self.routed}: 1 to experts")
+        if self.groups and (self.routed % self.groups
+                            or not 1 <= self.top_groups <= self.groups
+                            or self.top_k > self.top_groups * self.routed // self.groups):
+            raise ValueError(f"top_k={self.top_k} of the top {self.top_groups} of {self.groups} "
+                             f"groups of {self.routed} experts")
         if self.of and not 0 <= self.experts <= self.of:
             raise ValueError(f"a part of {self.experts} of {self.of} experts")
         if self.picks and len(self.picks) != self.experts:
@@ -127,6 +143,36 @@ class MoeShape:
     def routed(self) -> int:
         """X: the layer's routed experts, over which the router's weights run."""
         return self.of or self.experts
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 §2.1; transformers'
+    ``DeepseekV2Attention``), as hx computes it: with the up-projections absorbed (§2.1.2), so
+    that the KV cache holds each token's latent alone, one head wide.
+
+    A token's keys and values come from its compressed latent c = RMSNorm(h W_DKV) (``kv_rank``,
+    eq. 9) and one key part k_R = RoPE(h W_KR) (``rope_dim``) shared by every head (eq. 14).
+    Head i's query is [q_C,i | RoPE(q_R,i)] (``nope_dim`` + ``rope_dim``), its key [W_UK,i c |
+    k_R] and its value W_UV,i c (``v_dim``). The absorbed form scores q_C,i W_UK,i . c + q_R,i .
+    k_R -- the same number -- and sums p . c before W_UV,i, so the cache holds c as K and k_R
+    as V (``ModelSpec.kv_width``), q is (H, kv_rank + rope_dim) and SCORE's output (H,
+    kv_rank). The softmax scale is (nope_dim + rope_dim)^-1/2.
+
+    Attributes:
+      kv_rank: d_c, the latent's width (``kv_lora_rank``).
+      q_rank: d_c' of the query's own low-rank projection (``q_lora_rank``); 0: q projected
+        from h directly.
+      nope_dim: d_h, each head's key and query part without position (``qk_nope_head_dim``).
+      rope_dim: d_h^R, the rotated part (``qk_rope_head_dim``; ``ModelSpec.head_dim``).
+      v_dim: each head's value width (``v_head_dim``).
+    """
+
+    kv_rank: int
+    q_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True)
@@ -198,6 +244,9 @@ class ModelSpec:
       moe: the Mixture-of-Experts shape of every layer's feed-forward part (``MoeShape``; its
         family's MLP1 routes, MLP2 runs the experts: ``models.moe``); None: a dense SwiGLU of
         ``d_ff``.
+      mla: multi-head latent attention (``MlaShape``; DeepSeek-V2): its KV cache one latent
+        head, ``head_dim`` the rotated part, ``n_kv_heads`` 1; None: attention over K heads of
+        E keys and values.
       embeds / heads: False in a pipeline stage (``pipeline_stage``) that does not hold the
         model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
         in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
@@ -228,6 +277,7 @@ class ModelSpec:
     kv_format: str = DENSE
     host_matmul: str = XLA
     moe: MoeShape | None = None
+    mla: MlaShape | None = None
     embeds: bool = True
     heads: bool = True
 
@@ -248,6 +298,11 @@ class ModelSpec:
         if self.host_matmul not in HOST_MATMULS:
             raise ValueError(f"host_matmul={self.host_matmul!r}; one of {', '.join(HOST_MATMULS)}")
         kv_cache_format(self.kv_format, self.head_dim)  # raises on one that cannot group it
+        if self.mla and (self.n_kv_heads != 1 or self.head_dim != self.mla.rope_dim
+                         or self.kv_format not in (DENSE, *KV_DTYPES)):
+            raise ValueError(f"latent attention holds one KV head (n_kv_heads={self.n_kv_heads}) "
+                             f"whose head_dim={self.head_dim} is the rotated part "
+                             f"({self.mla.rope_dim}), dense (kv_format={self.kv_format!r})")
         overrides = dict(self.layer_overrides)
         if set(self.layer_types) != set(overrides):
             raise ValueError(f"layer_types {sorted(set(self.layer_types))} and layer_overrides "
@@ -268,6 +323,24 @@ class ModelSpec:
         """The width of the activation MLP1 hands MLP2 (``models.tensors.ACTIVATIONS`` "a"):
         d_ff, or an MoE layer's normed x and its routing weights over the experts, D + X."""
         return self.d_model + self.moe.routed if self.moe else self.d_ff
+
+    @property
+    def q_width(self) -> int:
+        """Each query head's width as SCORE reads it: E, or latent attention's absorbed
+        kv_rank + rope_dim (``MlaShape``)."""
+        return self.mla.kv_rank + self.mla.rope_dim if self.mla else self.head_dim
+
+    @property
+    def o_width(self) -> int:
+        """Each head's width of SCORE's output: E, or latent attention's kv_rank."""
+        return self.mla.kv_rank if self.mla else self.head_dim
+
+    def kv_width(self, name: str) -> int:
+        """Each KV head's width of the cache's ``k`` or ``v``: E, or latent attention's
+        kv_rank (the latent) and rope_dim (the shared rotated key)."""
+        if self.mla:
+            return self.mla.kv_rank if name == "k" else self.mla.rope_dim
+        return self.head_dim
 
     def expert_part(self, op: str, experts: int, picks: tuple[float, ...] = ()
                     ) -> "ModelSpec":
@@ -421,12 +494,15 @@ class ModelSpec:
         ``tp`` = 1 is the model itself.
 
         Raises:
-          ValueError: ``tp`` < 1.
+          ValueError: ``tp`` < 1, or a model of latent attention (``mla``) and ``tp`` > 1.
         """
         if tp < 1:
             raise ValueError(f"tensor-parallel degree {tp}: 1 or more accelerators")
         if tp == 1:
             return self
+        if self.mla:
+            raise ValueError(f"{self.name}: hx does not split latent attention's one KV head "
+                             "across accelerators (tensor parallelism)")
         kv = -(-self.n_kv_heads // tp)
         heads = (kv * (self.n_heads // self.n_kv_heads) if self.n_kv_heads >= tp
                  else -(-self.n_heads // tp))

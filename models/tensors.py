@@ -12,7 +12,8 @@ output (``ModelSpec.inner_width``: F, or an MoE layer's D + experts), V vocabula
   checkpoint's (out..., in) layout); ``held_weights`` the arrays a device holds for them --
   dense ones in ``weight_dtype``, compressed matrices as their format's codes, scales and
   offsets (``models.formats``); ``layer_key`` names a layer in the parameter tree.
-* **KV cache**: per layer a K and a V array of logical shape (B, S, K, E) (``kv_shape``),
+* **KV cache**: per layer a K and a V array of logical shape (B, S, K, E) (``kv_shape``; under
+  latent attention the latent as K and the shared rotated key as V, of their own widths),
   held in the model's dtype or, compressed (``ModelSpec.kv_format``), as codes, scales and
   offsets grouped along E (``kv_format``, ``kv_arrays``, ``kv_bytes``). A sliding-window
   layer holds a ring of fewer slots (``held_slots``; ``cache_bytes`` sums the layers).
@@ -70,10 +71,10 @@ ACTIVATIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "tokens": (("B", "T"), "int32"),
     "x": (("B", "T", "D"), MODEL_DTYPE),
     "h": (("B", "T", "D"), MODEL_DTYPE),
-    "q": (("B", "T", "H", "E"), MODEL_DTYPE),
-    "o": (("B", "T", "H", "E"), MODEL_DTYPE),
-    "k": (("B", "T", "K", "E"), MODEL_DTYPE),
-    "v": (("B", "T", "K", "E"), MODEL_DTYPE),
+    "q": (("B", "T", "H", "Eq"), MODEL_DTYPE),
+    "o": (("B", "T", "H", "Eo"), MODEL_DTYPE),
+    "k": (("B", "T", "K", "Ek"), MODEL_DTYPE),
+    "v": (("B", "T", "K", "Ev"), MODEL_DTYPE),
     "a": (("B", "T", "A"), MODEL_DTYPE),
     "logits": (("B", "V"), "float32"),
 }
@@ -82,10 +83,13 @@ _ITEM_BYTES = {"int32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def axis_sizes(spec: ModelSpec, batch: int, tokens: int) -> dict[str, int]:
-    """Size of each axis letter at B = ``batch`` rows and T = ``tokens`` new tokens."""
+    """Size of each axis letter at B = ``batch`` rows and T = ``tokens`` new tokens; the head
+    widths of q, o, k and v (``Eq``, ``Eo``, ``Ek``, ``Ev``) are all E but under latent
+    attention (``ModelSpec.q_width``, ``o_width``, ``kv_width``)."""
     return {"B": batch, "T": tokens, "D": spec.d_model, "H": spec.n_heads,
-            "K": spec.n_kv_heads, "E": spec.head_dim, "F": spec.d_ff, "A": spec.inner_width,
-            "V": spec.vocab_size}
+            "K": spec.n_kv_heads, "E": spec.head_dim, "Eq": spec.q_width, "Eo": spec.o_width,
+            "Ek": spec.kv_width("k"), "Ev": spec.kv_width("v"), "F": spec.d_ff,
+            "A": spec.inner_width, "V": spec.vocab_size}
 
 
 def activation_shape(spec: ModelSpec, name: str, batch: int, tokens: int
@@ -113,10 +117,12 @@ def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int
 KV_NAMES = ("k", "v")
 
 
-def kv_shape(spec: ModelSpec, rows: int, slots: int) -> tuple[int, int, int, int]:
-    """Logical shape (B, S, K, E) of one layer's K (and of its V): ``rows`` rows of ``slots``
-    cache slots; ``kv_arrays`` gives the arrays that hold it."""
-    return rows, slots, spec.n_kv_heads, spec.head_dim
+def kv_shape(spec: ModelSpec, rows: int, slots: int, name: str = "k"
+             ) -> tuple[int, int, int, int]:
+    """Logical shape (B, S, K, E) of one layer's ``name`` (``k`` or ``v``): ``rows`` rows of
+    ``slots`` cache slots, E the width of that name (``ModelSpec.kv_width``: latent attention's
+    K and V differ); ``kv_arrays`` gives the arrays that hold it."""
+    return rows, slots, spec.n_kv_heads, spec.kv_width(name)
 
 
 # Most tokens one step writes into a sliding-window layer's ring (llama.cpp's default micro-batch,
@@ -201,12 +207,12 @@ def kv_arrays(spec: ModelSpec, rows: int, slots: int
     name, float16 scales (B, S, K, E/g) under ``k_scale``, and for an asymmetric format float16
     offsets under ``k_offset`` (``models.formats.Format.arrays`` of the logical shape). Every array
     has B on axis 0 and S on axis 1 (re-framing and row gathers rely on it)."""
-    shape, fmt = kv_shape(spec, rows, slots), kv_format(spec)
+    fmt = kv_format(spec)
     if fmt is None:
         dtype = spec.kv_format if spec.kv_format in KV_DTYPES else spec.dtype
-        return {name: (shape, dtype) for name in KV_NAMES}
+        return {name: (kv_shape(spec, rows, slots, name), dtype) for name in KV_NAMES}
     return {kv_key(name, part): array for name in KV_NAMES
-            for part, array in fmt.arrays(shape).items()}
+            for part, array in fmt.arrays(kv_shape(spec, rows, slots, name)).items()}
 
 
 def kv_bytes(spec: ModelSpec, rows: int, slots: int) -> int:

@@ -74,13 +74,14 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
       SwiGLU MLP1 2·(2·M·D·F), OPT's fc1 2·M·D·F, MLP2 2·M·F·D; an MoE layer's routed
       experts all X of them, or the rows·k XLA gathers: ``gathered_share``) and HEAD
       2·B·D·V;  SCORE:
-      q·kᵀ and p·v, 2·(2·B·H·T·S·E), reading 2·B·S·K·E cache elements and appending
-      2·B·T·K·E;  EMBED: B·T·D elements gathered.
+      q·kᵀ and p·v, 2·B·H·T·S·(Eq + Eo) (4·B·H·T·S·E; latent attention's absorbed q and
+      output widths: ``ModelSpec.q_width``, ``o_width``), reading the B·S cache slots and
+      appending B·T (``kv_bytes``);  EMBED: B·T·D elements gathered.
     A pipeline stage's pass-through EMBED or HEAD (``ModelSpec.embeds``, ``heads``) costs
     nothing.
     """
     s, w = spec, spec.dtype_bytes
-    D, H, E = s.d_model, s.n_heads, s.head_dim
+    D, H = s.d_model, s.n_heads
     M = batch * tokens
     weights = s.op_weight_bytes(op)
     if (op == EMBED and not s.embeds) or (op == HEAD and not s.heads):
@@ -88,7 +89,7 @@ def op_cost(spec: ModelSpec, op: str, batch: int, tokens: int, slots: int) -> Op
     if op == EMBED:
         return OpCost(0.0, M, 0, other_bytes=M * D * w)
     if op == SCORE:
-        return OpCost(4.0 * batch * H * tokens * slots * E, M, 0,
+        return OpCost(2.0 * batch * H * tokens * slots * (s.q_width + s.o_width), M, 0,
                       kv_read_bytes=kv_bytes(spec, batch, slots),
                       kv_write_bytes=kv_bytes(spec, batch, tokens))
     rows = batch if op == HEAD else M

@@ -58,13 +58,23 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                     moe_intermediate_size=48,
                                     shared_expert_intermediate_size=80)),
     "olmoe": ("olmoe", dict(SHAPES, num_experts=4, num_experts_per_tok=2)),
+    # DeepSeek-V2-Lite's layout at tiny sizes: latent attention (q projected directly, a latent
+    # of 32, heads of 16 + 8 rotated, values of 16), 8 routed experts in 4 groups of which a
+    # token's top 2 come from the best 2, weights x 2.5, two shared experts
+    "deepseek_v2": ("deepseek_v2", dict(
+        SHAPES, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, n_shared_experts=2, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5)),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return"]
 EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
 
 # Where llama.cpp's GGUF of a family's checkpoint is another model, and why. Its converter
 # writes none of OPT (llama.cpp defines no OPT architecture):
-NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)"}
+NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)",
+           "deepseek_v2": "hx reads DeepSeek-V2 from Hugging Face folders, not llama.cpp's "
+                          "deepseek2 files"}
 # The checkpoint the GGUF test converts in place of the family's where a llama.cpp file cannot
 # carry the latter: Gemma 3's GGUF holds no layer types or query_pre_attn_scalar (llama.cpp
 # makes every 6th layer global and scales attention by E^-1/2 below 27B), and its converter cuts

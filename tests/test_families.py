@@ -1,7 +1,8 @@
 """Every family hx runs, against transformers on the checkpoint transformers itself wrote.
 
 For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
-shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3), a tiny random checkpoint in float32:
+shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts: Mixtral,
+Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2), a tiny random checkpoint in float32:
 hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
@@ -225,7 +226,10 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
     ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
     ("qwen2_moe", "qkv_bias", False), ("olmoe", "clip_qkv", 8.0),
-    ("mixtral", "unheard_of_field", 1)])
+    ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "first_k_dense_replace", 1),
+    ("deepseek_v2", "norm_topk_prob", True), ("deepseek_v2", "topk_method", "noaux_tc"),
+    ("deepseek_v2", "scoring_func", "sigmoid"),
+    ("deepseek_v2", "rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4})])
 def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     """One line naming the field (or the RoPE type, or its unknown part)."""
     config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 112,
@@ -234,6 +238,10 @@ def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         config |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "shared_expert_intermediate_size": 48}
+    if model_type == "deepseek_v2":
+        config |= {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                   "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 48}
     word = value.get("rope_type") if isinstance(value, dict) else field
     word = "beta" if isinstance(value, dict) and "beta" in value else word
     with pytest.raises(HxError, match=word) as refused:

@@ -230,7 +230,7 @@ class Executor:
 
         def held(layer: int | None, op: str, device: str) -> Any:
             home = plan.weight_home(layer, op) or HOST
-            if plan.op_spec(spec, layer, op) is spec:
+            if plan.experts.part(layer, op) < 0:  # the op whole, not a part
                 return self._place(op_params(params, layer, op), layer, op, home, device,
                                    placed, tier)
             if (layer, op) not in parts:  # made once: both phases' segments hold the one

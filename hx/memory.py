@@ -22,7 +22,8 @@ from hx.errors import HxError
 from hx.models.spec import EXPERT_OPS, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, home_device
 from hx.models.tensors import (ACTIVATIONS, activation_bytes, cache_bytes, held_weights,
-                               kv_bytes, layer_slots, step_bytes, step_limit, widest_slots)
+                               kv_bytes, layer_slots, step_bytes, step_limit,
+                               widest_activation_bytes, widest_slots)
 from hx.schedule import DryRun, Instruction, compile_schedule, dry_run, read_buffer_bytes
 from hx.segments import split_segments
 from hx.workload import Workload, prefill_chunks
@@ -338,7 +339,7 @@ def activation_reserve(spec: ModelSpec, workload: Workload, prefill_tokens: int,
     # micro-batch's activations
     steps = {(workload.prefill_rows, workload.prefill_micro_batches, prefill_tokens),
              (workload.batch, workload.micro_batches, 1)}
-    return max(N * (2 * sum(activation_bytes(spec, n, B, T) for n in ACTIVATIONS)
+    return max(N * (2 * sum(widest_activation_bytes(spec, n, B, T) for n in ACTIVATIONS)
                     + step_bytes(B, T))
                + programs.temp_bytes(whole, B, T, S) for B, N, T in steps)
 

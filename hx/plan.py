@@ -334,11 +334,12 @@ class ExecutionPlan:
         return self.weights.get(layer, op)
 
     def op_spec(self, spec: ModelSpec, layer: int | None, op: str) -> ModelSpec:
-        """The spec ``op`` of ``layer`` is held and computed with: ``spec``, or where the
-        layer's experts have homes, MLP2's and the expert ops' parts of it
-        (``ModelSpec.expert_part``)."""
+        """The spec ``op`` of ``layer`` is held and computed with: the layer's
+        (``ModelSpec.layer_spec``; ``spec`` for EMBED and HEAD), or where the layer's experts
+        have homes, MLP2's and the expert ops' parts of it (``ModelSpec.expert_part``)."""
+        held = spec if layer is None else spec.layer_spec(layer)
         n = self.experts.part(layer, op)
-        return spec if n < 0 else spec.expert_part(op, n)
+        return held if n < 0 else held.expert_part(op, n)
 
     def held_ops(self) -> Iterator[tuple[int | None, str, str]]:
         """(layer, op, home) of every op that holds weights (``weight_owners`` order, each
@@ -528,9 +529,13 @@ class ExecutionPlan:
             raise HxError(f"plan {self.name!r} gives expert homes for "
                           f"{len(self.experts.layers)} layers; the model has {spec.n_layers}")
         for layer, homes in enumerate(self.experts.layers):
-            if homes and len(homes) != spec.moe.routed:
+            moe = spec.layer_spec(layer).moe
+            if homes and moe is None:
+                raise HxError(f"plan {self.name!r}: layer {layer} gives homes to routed "
+                              f"experts; that layer of {spec.name} is dense")
+            if homes and len(homes) != moe.routed:
                 raise HxError(f"plan {self.name!r}: layer {layer} gives homes to {len(homes)} "
-                              f"routed experts; {spec.name} has {spec.moe.routed} a layer")
+                              f"routed experts; {spec.name} has {moe.routed} a layer")
 
     def _validate_recompute(self) -> None:
         if self.kv_recompute and len(self.kv_recompute) != len(self.kv):

@@ -308,8 +308,8 @@ class Programs:
         segment = self.at_rows(segment, batch, tokens)
         params = tuple(param_tree(segment.op_spec(s, i), op, segment.device, functools.partial(
             self.weight_sharding, segment.device)) for i, (_, op) in enumerate(segment.ops))
-        acts = _activation_structs(s, segment.reads, batch, tokens, functools.partial(
-            self.activation_sharding, segment.device))
+        acts = _activation_structs(segment.spec_at(s, end=False), segment.reads, batch, tokens,
+                                   functools.partial(self.activation_sharding, segment.device))
         caches = tuple({name: _struct(shape, dtype, self.cache_sharding(segment.device, shape))
                         for name, (shape, dtype) in kv_arrays(
                             s, batch, held_slots(s.type_spec(kind), slots)).items()}
@@ -378,7 +378,8 @@ class Programs:
         for part, part_reads, part_writes in host_pieces(ops, writes):
             attends = int(OPS[part[-1]].uses_cache)
             kinds = types[first:first + len(part)]
-            ins = _activation_structs(self.spec, part_reads, batch, tokens, lambda *_: where)
+            ins = _activation_structs(s.type_spec(kinds[0]) if kinds else s, part_reads,
+                                      batch, tokens, lambda *_: where)
             piece_parts = parts[first:first + len(part)] if parts else ()
             lowered.append((self._function(HOST, part, part_writes, False, (), kinds,
                                            piece_parts).lower(

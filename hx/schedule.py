@@ -186,12 +186,13 @@ def weight_sizes(spec: ModelSpec) -> dict[str, int]:
 
 
 def op_bytes(spec: ModelSpec, segment: Segment, index: int) -> int:
-    """Bytes of the weights op ``index`` of ``segment`` holds (``weight_sizes``; a part of an
-    MoE layer's experts: ``Segment.op_spec``'s)."""
-    op = segment.ops[index][1]
+    """Bytes of the weights op ``index`` of ``segment`` holds (``weight_sizes`` of its layer's
+    spec, ``Segment.op_spec``: a dense first layer's MLP, a part of an MoE layer's
+    experts)."""
+    op, held = segment.ops[index][1], segment.op_spec(spec, index)
     if segment.parts and segment.parts[index] >= 0:
-        return segment.op_spec(spec, index).op_weight_bytes(op)
-    return weight_sizes(spec)[op]
+        return held.op_weight_bytes(op)
+    return weight_sizes(held)[op]
 
 
 def staged_bytes(spec: ModelSpec, segment: Segment) -> int:
@@ -362,7 +363,11 @@ class _Builder:
         self.streamed = [streamed_layers(plan, seg) for seg in segments]
         self.disk_caches = [tuple(layer for layer in seg.cache_layers if plan.kv[layer] == DISK)
                             for seg in segments]
-        self.act_sizes = activation_sizes(spec, batch, tokens)
+        # per segment: the bytes of the activations it reads and of those it writes
+        self.read_sizes = [activation_sizes(seg.spec_at(spec, end=False), batch, tokens)
+                           for seg in segments]
+        self.write_sizes = [activation_sizes(seg.spec_at(spec, end=True), batch, tokens)
+                            for seg in segments]
         weights = plan.weights
         self.reads_disk = DISK in (weights.embed, weights.head) or any(
             DISK in row for row in weights.layers)  # some weights are homed on disk
@@ -448,7 +453,7 @@ class _Builder:
         on_acc = self.segments[i].device == ACCELERATOR
         nbytes, producers = 0, []
         for n in moves:
-            nbytes += self.act_sizes[n]
+            nbytes += self.read_sizes[i][n]
             producers.append(self.producer.get((n, m)))
         resource = None if moves == ("tokens",) and not on_acc else (H2D if on_acc else D2H)
         self.add(producers, MOVE, i, m, resource, moves, nbytes,
@@ -493,7 +498,7 @@ class _Builder:
             temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
             allocs = [(TEMP_KEY, "activations", temp)]
             for n in seg.writes:
-                allocs.append((act_key(n, m), "activations", self.act_sizes[n]))
+                allocs.append((act_key(n, m), "activations", self.write_sizes[i][n]))
                 self.held.add((n, m))
             index = self.add(deps, LAUNCH, i, m, ACCELERATOR, seg.writes,
                              allocs=tuple(allocs),
@@ -576,7 +581,7 @@ class _Builder:
         if not layers:
             return
         nbytes = len(layers) * kv_bytes(self.spec, self.B, self.T)
-        nbytes += sum(self.act_sizes["h"] for _, r in layers if r)
+        nbytes += sum(self.read_sizes[i]["h"] for _, r in layers if r)
         self.last_store[(i, m)] = self.add(
             [launch], KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(cache_key(i, m),))
 

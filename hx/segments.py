@@ -81,11 +81,22 @@ class Segment:
         return (self.device, tuple(op for _, op in self.ops), self.staged, self.reads,
                 self.writes, self.parts)
 
+    def spec_at(self, spec: ModelSpec, end: bool) -> ModelSpec:
+        """The spec of the activations live at the segment's start (its reads) or ``end`` (its
+        writes): that of its first (last) op's layer (``ModelSpec.layer_spec``; ``spec`` at
+        EMBED or HEAD). Layers differ there only in ``a``: a dense first layer's is d_ff
+        wide, an MoE layer's D + X."""
+        layer = self.ops[-1 if end else 0][0]
+        return spec if layer is None else spec.layer_spec(layer)
+
     def op_spec(self, spec: ModelSpec, index: int) -> ModelSpec:
-        """The spec op ``index`` is held and computed with: ``spec`` (a layer type's, where
-        the caller gives one), or the part of an MoE layer it holds (``parts``)."""
+        """The spec op ``index`` is held and computed with: its layer's
+        (``ModelSpec.layer_spec`` of the model's ``spec``; a layer type's spec is its own),
+        or the part of an MoE layer it holds (``parts``)."""
+        layer, op = self.ops[index]
+        held = spec if layer is None else spec.layer_spec(layer)
         n = self.parts[index] if self.parts else -1
-        return spec if n < 0 else spec.expert_part(self.ops[index][1], n)
+        return held if n < 0 else held.expert_part(op, n)
 
 
 def routed_slots(experts: int, rows: int, top_k: int) -> int:

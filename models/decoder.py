@@ -54,7 +54,7 @@ def apply_op(spec: ModelSpec, op: str, params: Params, acts: Mapping[str, jax.Ar
     if spec.layer_types and op in LAYER_OPS:
         raise ValueError(f"{op} of {spec.name}, whose layers differ in type, runs with its "
                          "layer's spec (ModelSpec.layer_spec)")
-    d, module_type = OPS[op], spec.model_family.modules()[op]
+    d, module_type = OPS[op], spec.model_family.module(spec, op)
     if d.uses_cache:
         module = module_type(spec, attend) if attend else module_type(spec)
     else:
@@ -127,14 +127,13 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, Any]:
     B, T = 1, 1
     step = Step(jnp.zeros((B, T), jnp.int32), jnp.int32(0), jnp.zeros((B,), jnp.int32))
     dense = spec.replace(weight_format=DENSE, embedding_format=DENSE)
-    modules = spec.model_family.modules()
-
     def init(op, k, layer=None):
         d = OPS[op]
         if d.uses_cache:
             return {}
-        dummy = [jnp.zeros(*activation_shape(spec, n, B, T)) for n in d.reads]
-        module = modules[op](dense if layer is None else dense.layer_spec(layer))
+        op_spec = dense if layer is None else dense.layer_spec(layer)
+        dummy = [jnp.zeros(*activation_shape(op_spec, n, B, T)) for n in d.reads]
+        module = spec.model_family.module(op_spec, op)(op_spec)
         return hold_tree(module.init(k, *dummy, step)["params"], spec.matrix_format)
 
     keys = iter(jax.random.split(key, spec.n_layers * len(LAYER_OPS) + 2))

@@ -28,12 +28,18 @@ and W_UV (H, d_v, d_c), which OUT applies before o_proj. RoPE pairs adjacent ele
            (``n_shared_experts`` x ``moe_intermediate_size``, no gate)
   =======  ==============================================================  ===============
 
-Refused (one line naming the field): dense first layers (``first_k_dense_replace`` > 0: their
-MLP's shapes differ from the other layers', which hx does not yet hold per layer), YaRN and
-every RoPE hx's Llama does not run, ``norm_topk_prob`` (transformers' DeepSeek-V2 router
-ignores it; DeepSeek's own code renormalises), attention biases, scoring other than softmax,
-MoE layers not every layer (``moe_layer_freq``), and key/value heads other than the query
-heads. hx reads DeepSeek-V2 from Hugging Face folders, not llama.cpp's ``deepseek2`` GGUF.
+The first ``first_k_dense_replace`` layers are dense: a layer type of their own (``dense``
+beside ``moe``; ``ModelSpec.layer_types``) whose ``moe`` is None, so their MLP1 and MLP2 are
+Llama's SwiGLU of ``intermediate_size`` (``MoeFamily.module``).
+
+RoPE may be YaRN (DeepSeek-V2's own: ``models.llama.yarn_frequencies``), whose attention
+factors multiply the rotated parts of q and k and the softmax scale (``yarn_factors``).
+
+Refused (one line naming the field): every other RoPE hx's Llama does not run,
+``norm_topk_prob`` (transformers' DeepSeek-V2 router ignores it; DeepSeek's own code
+renormalises), attention biases, scoring other than softmax, MoE layers not every layer after
+the dense ones (``moe_layer_freq``), and key/value heads other than the query heads. hx reads
+DeepSeek-V2 from Hugging Face folders, not llama.cpp's ``deepseek2`` GGUF.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from flax import linen as nn
 from hx.models.family import ConfigReader, GraphLayer
 from hx.models.layers import (Cache, RMSNorm, Step, WeightedOp, append_kv, attention_mask, dense,
                               held_dtype, rope)
-from hx.models.llama import HF_MODEL_NAMES, HeadOp, EmbedOp, inv_frequencies, rope_scaling
+from hx.models.llama import (HF_MODEL_NAMES, ROPE_TYPES, YARN, EmbedOp, HeadOp, inv_frequencies,
+                              rope_scaling, yarn_factors)
 from hx.models.moe import ExpertsOp, MoeFamily, ROUTER, RouterOp
 from hx.models.ops import EMBED, EXPERT_OPS, HEAD, SCORE
 from hx.models.qwen3_moe import MOE_TRAINING, QWEN_EXPERTS
@@ -84,7 +91,8 @@ class QOp(WeightedOp):
         absorbed = jnp.einsum("bthn,hnr->bthr", q[..., :m.nope_dim].astype(w_uk.dtype), w_uk,
                               preferred_element_type=jnp.float32)
         turned = rope(q[..., m.nope_dim:], step.positions, inv_frequencies(s), interleaved=True)
-        return h, jnp.concatenate([absorbed, turned.astype(jnp.float32)], -1).astype(s.dtype)
+        turned = turned.astype(jnp.float32) * yarn_factors(s)[0]
+        return h, jnp.concatenate([absorbed, turned], -1).astype(s.dtype)
 
 
 class KOp(WeightedOp):
@@ -105,7 +113,8 @@ class VOp(WeightedOp):
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
         k = dense(self, (1, s.mla.rope_dim), name="wv")(h).astype(s.dtype)
-        return (rope(k, step.positions, inv_frequencies(s), interleaved=True),)
+        k = rope(k, step.positions, inv_frequencies(s), interleaved=True)
+        return ((k.astype(jnp.float32) * yarn_factors(s)[0]).astype(s.dtype),)
 
 
 def latent_attention(q: jax.Array, cache: Cache, step: Step, spec: ModelSpec) -> jax.Array:
@@ -117,16 +126,16 @@ def latent_attention(q: jax.Array, cache: Cache, step: Step, spec: ModelSpec) ->
         tokens' written.
       step: ``kv_start`` masks each row's left padding; causality masks future slots.
     Returns:
-      o: (B, T, H, d_c) = softmax((q_C' c^T + q_R k_R^T) (d_h + d_h^R)^-1/2 + mask) c,
+      o: (B, T, H, d_c) = softmax((q_C' c^T + q_R k_R^T) (d_h + d_h^R)^-1/2 m + mask) c,
       in float32 then ``q``'s dtype (arXiv:2405.04434 eqs. 10-19, with W_UK and W_UV
-      absorbed).
+      absorbed; m YaRN's softmax factor, ``models.llama.yarn_factors``, else 1).
     """
     m, T = spec.mla, q.shape[1]
     c, k = cache["k"][:, :, 0].astype(jnp.float32), cache["v"][:, :, 0].astype(jnp.float32)
     q32 = q.astype(jnp.float32)
     scores = (jnp.einsum("bthr,bsr->bhts", q32[..., :m.kv_rank], c)
               + jnp.einsum("bthp,bsp->bhts", q32[..., m.kv_rank:], k))
-    scores = scores * (m.nope_dim + m.rope_dim) ** -0.5
+    scores = scores * (m.nope_dim + m.rope_dim) ** -0.5 * yarn_factors(spec)[1]
     valid = attention_mask(step, T, c.shape[1], None)  # (B,T,S)
     scores = jnp.where(valid[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -184,7 +193,12 @@ HF_LAYER_NAMES = {
     ("OUT", "w_uv"): "self_attn.kv_b_proj.weight",
     ("OUT", "wo/kernel"): "self_attn.o_proj.weight",
     ("MLP1", "ffn_norm/scale"): "post_attention_layernorm.weight",
+    # a dense first layer's MLP (``first_k_dense_replace``)
+    ("MLP1", "w_gate/kernel"): "mlp.gate_proj.weight",
+    ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
+    ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
 }
+DENSE, MOE = "dense", "moe"  # layer types: the first layers' dense MLP, the rest's experts
 HF_MOE_NAMES = {("MLP1", ROUTER): "mlp.gate.weight",
                 ("MLP2", "shared_w_gate/kernel"): "mlp.shared_experts.gate_proj.weight",
                 ("MLP2", "shared_w_up/kernel"): "mlp.shared_experts.up_proj.weight",
@@ -250,7 +264,8 @@ class DeepseekV2Family(MoeFamily):
 
     def spec_from_hf(self, config: Mapping[str, Any], where: str) -> ModelSpec:
         """The spec of a ``deepseek_v2`` config.json (module docstring): one KV head, the
-        rotated part as ``head_dim``, ``MlaShape`` and the MoE shape (``read_moe``).
+        rotated part as ``head_dim``, ``MlaShape``, the MoE shape (``read_moe``) and, with
+        ``first_k_dense_replace``, the layer types ``dense`` (``moe`` None) and ``moe``.
 
         Raises:
           HxError: a key missing, or a field hx refuses (module docstring).
@@ -268,16 +283,23 @@ class DeepseekV2Family(MoeFamily):
                        v_dim=int(reader.need("v_head_dim")))
         reader.expect("head_dim", (mla.rope_dim,), mla.rope_dim)  # transformers sets it so
         reader.expect("qk_head_dim", (mla.nope_dim + mla.rope_dim,), mla.nope_dim + mla.rope_dim)
-        theta, scaling = rope_scaling(reader)
+        theta, scaling = rope_scaling(reader, (*ROPE_TYPES, YARN))
+        n_layers = reader.need("num_hidden_layers")
+        moe = self.read_moe(reader)
+        dense = min(int(reader.get("first_k_dense_replace", 0)), n_layers)
+        moe = None if dense == n_layers else moe  # every layer dense
+        types = {} if dense in (0, n_layers) else {
+            "layer_types": tuple(DENSE if i < dense else MOE for i in range(n_layers)),
+            "layer_overrides": ((DENSE, (("moe", None),)), (MOE, (("moe", moe),)))}
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
-            n_layers=reader.need("num_hidden_layers"), d_model=d_model, n_heads=n_heads,
+            n_layers=n_layers, d_model=d_model, n_heads=n_heads,
             n_kv_heads=1, head_dim=mla.rope_dim, d_ff=reader.need("intermediate_size"),
             vocab_size=reader.need("vocab_size"),
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)), family=self.name,
-            rope_scaling=scaling, moe=self.read_moe(reader), mla=mla)
+            rope_scaling=scaling, moe=moe, mla=mla, **types)
         reader.finish()
         return spec
 
@@ -288,10 +310,9 @@ class DeepseekV2Family(MoeFamily):
         ``n_shared_experts`` shared ones as one of their summed size, ungated.
 
         Raises:
-          HxError: dense first layers, another top-k method or scoring, MoE layers not every
-            layer, ``norm_topk_prob``, or a key missing.
+          HxError: another top-k method or scoring, MoE layers not every layer after the
+            dense ones, ``norm_topk_prob``, or a key missing.
         """
-        reader.expect("first_k_dense_replace", (0,), 0)
         reader.expect("moe_layer_freq", (1,), 1)
         reader.expect("scoring_func", ("softmax",), "softmax")
         reader.expect("norm_topk_prob", (False,), False)

@@ -8,7 +8,8 @@ model of it, so that nothing outside the family's own module tests which family 
   (F, D), ``attn_norm/scale`` (D,), ``embedding`` (V, D), ...; matrices in the checkpoint's
   (out..., in) layout). The bytes table, the cost model (FLOPs from the matrices) and tensor
   parallelism (``models.sharding``, by path) read it.
-* **math**: ``modules()``, the Flax module of each op (``models.decoder.apply_op``); each maps
+* **math**: ``modules()``, the Flax module of each op (``module(spec, op)``: a layer's, where
+  layers differ in kind; ``models.decoder.apply_op``); each maps
   its layer onto the seven ops ``Q K V SCORE OUT MLP1 MLP2`` that hx places.
 * **files**: ``hf_name`` / ``gguf_name`` of each tensor, ``from_hf`` / ``gguf_rows`` to split
   a fused checkpoint tensor, ``gguf_rope_permuted`` (rows llama.cpp's converter permutes),
@@ -289,6 +290,11 @@ class Family:
     def modules(self) -> Mapping[str, type]:
         """op -> the Flax module computing it (``models.decoder.apply_op``)."""
         raise NotImplementedError
+
+    def module(self, spec, op: str) -> type:
+        """The Flax module computing ``op`` under ``spec`` (a layer's, ``ModelSpec.layer_spec``):
+        ``modules()``'s, unless the family's layers differ in kind."""
+        return self.modules()[op]
 
     def graph_layer(self, spec) -> GraphLayer | None:
         """The family's decoder layer as one host graph (``GraphLayer``), or None where it is

@@ -117,12 +117,13 @@ def relayout(spec, params: dict, part: str, convert) -> dict:
     from hx.models.tensors import layer_key
 
     done: dict[int, tuple] = {}  # id of a converted matrix -> (it, kept alive; its new layout)
-    owners = [(EMBED, params[EMBED])] if EMBED in params else []
-    owners += [(op, params[layer_key(i)][op]) for i in range(spec.n_layers) for op in LAYER_OPS]
-    owners += [(HEAD, params[HEAD])] if HEAD in params else []
-    for op, tree in owners:
-        held = spec.op_weight_arrays(op)
-        for path, shape in spec.op_weight_shapes(op).items():
+    owners = [(spec, EMBED, params[EMBED])] if EMBED in params else []
+    owners += [(spec.layer_spec(i), op, params[layer_key(i)][op]) for i in range(spec.n_layers)
+               for op in LAYER_OPS]
+    owners += [(spec, HEAD, params[HEAD])] if HEAD in params else []
+    for owner, op, tree in owners:
+        held = owner.op_weight_arrays(op)
+        for path, shape in owner.op_weight_shapes(op).items():
             if f"{path}/{part}" not in held:
                 continue
             *parents, leaf = path.split("/")
@@ -131,8 +132,8 @@ def relayout(spec, params: dict, part: str, convert) -> dict:
                 node = node[p]
             old = node[leaf]
             if id(old) not in done:
-                done[id(old)] = (old, convert(old, spec.product_shape(path, shape),
-                                              not rows_stay(spec, op, path)))
+                done[id(old)] = (old, convert(old, owner.product_shape(path, shape),
+                                              not rows_stay(owner, op, path)))
                 for array in old.parts().values():
                     release(array)
             node[leaf] = done[id(old)][1]

@@ -44,6 +44,10 @@ from hx.models.ops import EMBED, HEAD, SCORE
 from hx.models.spec import ModelSpec, MoeShape
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN (Peng et al. 2023, arXiv:2309.00071), read where a family applies its attention factors
+# (``yarn_factors``: DeepSeek-V2's), with transformers' defaults of its optional fields
+YARN, YARN_DEFAULTS = "yarn", {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0,
+                               "mscale_all_dim": 0.0, "truncate": True}
 
 
 def inv_frequencies(spec: ModelSpec) -> jax.Array:
@@ -73,28 +77,77 @@ def inv_frequencies(spec: ModelSpec) -> jax.Array:
         return jnp.where(medium, smoothed, scaled)
     if kind == "frequency_factors":
         return inv / jnp.asarray(scaling["factors"], jnp.float32)
+    if kind == YARN:
+        return yarn_frequencies(inv, spec.head_dim, spec.rope_theta, scaling)
     return inv
 
 
-def rope_scaling(reader: ConfigReader) -> tuple[tuple[str, Any], ...]:
+def yarn_frequencies(inv: jax.Array, dim: int, theta: float, scaling: dict) -> jax.Array:
+    """YaRN's inverse frequencies (Peng et al. 2023, §3.2 "NTK-by-parts"; transformers'
+    ``_compute_yarn_parameters``): each of ``inv`` (E/2,) kept where its wavelength turns more
+    than ``beta_fast`` times over ``original_max_position_embeddings``, divided by ``factor``
+    where it turns fewer than ``beta_slow`` times, and a linear ramp between over the
+    dimension index, whose ends are d(r) = E log(original / (2 pi r)) / (2 log theta),
+    floored and ceiled where ``truncate``."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(scaling["beta_fast"]), correction(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low)
+                    / ((high + 0.001 if high == low else high) - low), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_factors(spec: ModelSpec) -> tuple[float, float]:
+    """(rotated-part factor, softmax factor) of ``spec``'s YaRN (1, 1 without): every rotated
+    element of q and k is multiplied by the first (transformers' ``attention_factor``:
+    m(factor, mscale) / m(factor, mscale_all_dim) where both are set, else m(factor), with
+    m(s, c) = 0.1 c ln s + 1 for s > 1, else 1), and the softmax scale by the second (DeepSeek's
+    ``yarn_apply_mscale``: m(factor, mscale_all_dim)^2 where that is set)."""
+    scaling = dict(spec.rope_scaling)
+    if scaling.get("rope_type") != YARN:
+        return 1.0, 1.0
+    factor, mscale, whole = scaling["factor"], scaling["mscale"], scaling["mscale_all_dim"]
+
+    def m(c: float) -> float:
+        return 0.1 * c * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    rotated = m(mscale) / m(whole) if mscale and whole else m(1.0)
+    return rotated, m(whole) ** 2 if whole else 1.0
+
+
+def rope_scaling(reader: ConfigReader, kinds: tuple[str, ...] = ROPE_TYPES
+                 ) -> tuple[tuple[str, Any], ...]:
     """(rope_theta, ``ModelSpec.rope_scaling``) from a config's ``rope_parameters``
-    (transformers 5) or ``rope_theta`` + ``rope_scaling`` (earlier files).
+    (transformers 5) or ``rope_theta`` + ``rope_scaling`` (earlier files), of a RoPE type in
+    ``kinds`` (``YARN`` only where the family applies ``yarn_factors``).
 
     Raises:
-      HxError: a RoPE type hx does not implement (``ROPE_TYPES``), or a field of it hx does
-        not read.
+      HxError: a RoPE type hx does not implement (``kinds``), or a field of it hx does not
+        read.
     """
     params = dict(reader.get("rope_parameters", {}))
     legacy = dict(reader.get("rope_scaling", {}))
     theta = float(params.pop("rope_theta", reader.get("rope_theta", 10000.0)))
     params = {**legacy, **params}
     kind = params.pop("rope_type", params.pop("type", "default"))
-    if kind not in ROPE_TYPES:
+    if kind not in kinds:
         raise HxError(f"{reader.where}: config.json sets rope_type={kind!r}, which hx does not "
-                      f"implement (it runs {', '.join(ROPE_TYPES)})")
+                      f"implement here (it runs {', '.join(kinds)})")
     wanted = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}[kind]
+                         "original_max_position_embeddings"),
+              YARN: ("factor", "original_max_position_embeddings", *YARN_DEFAULTS)}[kind]
+    if kind == YARN:
+        params = {**YARN_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
+    missing = [k for k in wanted if k not in params]
+    if missing:
+        raise HxError(f"{reader.where}: config.json's RoPE {kind} lacks {', '.join(missing)}")
     if params.get("partial_rotary_factor", 1.0) == 1.0:  # every dim rotates: what hx runs
         params.pop("partial_rotary_factor", None)
     unknown = sorted(set(params) - set(wanted))
@@ -103,8 +156,8 @@ def rope_scaling(reader: ConfigReader) -> tuple[tuple[str, Any], ...]:
                       "which hx does not implement")
     if kind == "default":
         return theta, ()
-    return theta, tuple(sorted({"rope_type": kind, **{k: float(params[k])
-                                                      for k in wanted}}.items()))
+    return theta, tuple(sorted({"rope_type": kind, **{
+        k: params[k] if k == "truncate" else float(params[k]) for k in wanted}}.items()))
 
 
 def gguf_rope_scaling(reader: MetadataReader, head_dim: int, frequency_factors: bool = False

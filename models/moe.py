@@ -250,6 +250,8 @@ class MoeFamily(LlamaFamily):
         up (Fs, D), down (D, Fs) and sigmoid gate (1, D; where ``shared_gate``); a part of a
         layer's experts (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
         shapes = super().weight_shapes(spec)
+        if spec.moe is None:  # a dense layer (``ModelSpec.layer_types``): Llama's MLP
+            return shapes
         D, moe = spec.d_model, spec.moe
         X, F = moe.experts, moe.d_expert
         shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (moe.routed, D)}
@@ -267,6 +269,13 @@ class MoeFamily(LlamaFamily):
 
     def modules(self) -> Mapping[str, type]:
         return MOE_MODULES
+
+    def module(self, spec: ModelSpec, op: str) -> type:
+        """``modules()``'s, or in a dense layer (``moe`` None: DeepSeek's first layers)
+        Llama's MLP1 and MLP2."""
+        if spec.moe is None and op in ("MLP1", "MLP2"):
+            return MODULES[op]
+        return self.modules()[op]
 
     def graph_layer(self, spec: ModelSpec) -> GraphLayer | None:
         """Llama's layer with this family's switches, its FFN the routed experts and a shared

@@ -88,7 +88,8 @@ def random_params(spec: ModelSpec, seed: int = 0, workers: int | None = None,
         bytes and suggests fewer layers).
     """
     layers = range(spec.n_layers) if layers is None else sorted(layers)
-    need = spec.weight_bytes - (spec.n_layers - len(layers)) * spec.layer_weight_bytes
+    need = spec.weight_bytes - spec.layers_weight_bytes(
+        sorted(set(range(spec.n_layers)) - set(layers)))
     dtype = numpy_dtype(spec.dtype)
     available = available_host_memory()
     if available is not None and need > available:

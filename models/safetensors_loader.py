@@ -165,7 +165,7 @@ def hf_tensors(spec: ModelSpec, params: dict[str, Any], layers) -> dict[str, np.
         [(None, HEAD)] if spec.n_layers - 1 in layers else [])
     for layer, op in ops:
         tree = params[op] if layer is None else params[layer_key(layer)][op]
-        for path in spec.op_weight_shapes(op):
+        for path in (spec if layer is None else spec.layer_spec(layer)).op_weight_shapes(op):
             leaf = tree
             for key in path.split("/"):
                 leaf = leaf[key]

@@ -43,8 +43,9 @@ HELD_LAYOUTS = {XLA: HeldLayout(), TORCH_INT4: HeldLayout(Format.int4pack_arrays
                 GGML: HeldLayout(Format.blocks_arrays, tables=True)}
 HOST_MATMULS = tuple(HELD_LAYOUTS)
 # the fields a layer type may set for its layers (``ModelSpec.layer_overrides``): what a
-# layer's ops compute with, never a shape
-LAYER_FIELDS = ("sliding_window", "rope_theta", "rope_scaling")
+# layer's ops compute with -- its window and RoPE -- and, in a Mixture of Experts whose first
+# layers are dense (DeepSeek's), its feed-forward part (``moe`` None: a SwiGLU of ``d_ff``)
+LAYER_FIELDS = ("sliding_window", "rope_theta", "rope_scaling", "moe")
 
 
 def host_dtype(dtype: str) -> str:
@@ -211,10 +212,13 @@ class ModelSpec:
         whose scale differs (Gemma 3: ``query_pre_attn_scalar``^-1/2) multiplies q by
         ``attention_scale`` * sqrt(head_dim) in its Q op.
       layer_types: each decoder layer's type, in order (Gemma 3's ``sliding_attention``,
-        ``full_attention``); empty: the layers are alike. Layers of different types differ only
-        in ``LAYER_FIELDS`` (their window and RoPE), never in shapes: their weights and caches
-        are sized alike, and each op runs with its layer's spec (``layer_spec``). Past the
-        tuple's end the pattern repeats (a spec resized for pricing, ``replace(n_layers=)``).
+        ``full_attention``; DeepSeek's ``dense`` and ``moe``); empty: the layers are alike.
+        Layers of different types differ only in ``LAYER_FIELDS``: their window and RoPE, or
+        their feed-forward part (``moe``: a dense layer's MLP1 and MLP2 hold other weights,
+        and its ``a`` is d_ff wide). Their attention and caches are sized alike; each op is
+        held and runs with its layer's spec (``layer_spec``; ``layer_weight_bytes`` sums
+        them), and the ``moe`` of the model's own fields is its MoE layers'. Past the tuple's
+        end the pattern repeats (a spec resized for pricing, ``replace(n_layers=)``).
       layer_overrides: per layer type, sorted, the ``LAYER_FIELDS`` its layers see in place of
         the model's: ((type, ((field, value), ...)), ...); empty exactly when ``layer_types``
         is.
@@ -242,8 +246,9 @@ class ModelSpec:
         float32 activations rounded to 8 bits a block, as llama.cpp).
         ``models.loader.resolve_host_matmul`` chooses it.
       moe: the Mixture-of-Experts shape of every layer's feed-forward part (``MoeShape``; its
-        family's MLP1 routes, MLP2 runs the experts: ``models.moe``); None: a dense SwiGLU of
-        ``d_ff``.
+        family's MLP1 routes, MLP2 runs the experts: ``models.moe``) -- of the layers whose
+        type sets none other (``layer_types``: dense first layers, ``moe`` None there);
+        None: a dense SwiGLU of ``d_ff``.
       mla: multi-head latent attention (``MlaShape``; DeepSeek-V2): its KV cache one latent
         head, ``head_dim`` the rotated part, ``n_kv_heads`` 1; None: attention over K heads of
         E keys and values.
@@ -479,8 +484,22 @@ class ModelSpec:
 
     @property
     def layer_weight_bytes(self) -> int:
-        """Bytes of one decoder layer's weights."""
+        """Bytes of one decoder layer's weights (of a layer of the model's own fields: an MoE
+        layer where the first are dense; ``layers_weight_bytes`` sums each layer's own)."""
         return sum(self.op_weight_bytes(op) for op in LAYER_OPS)
+
+    def layers_weight_bytes(self, layers) -> int:
+        """Bytes of the weights of decoder ``layers`` (indices), each of its own type
+        (``layer_spec``)."""
+        if not self.layer_types:
+            return len(layers) * self.layer_weight_bytes
+        return sum(self.layer_spec(i).layer_weight_bytes for i in layers)
+
+    @property
+    def expert_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose feed-forward part is routed experts (``moe``): every layer
+        of an MoE model but dense first layers; none of a dense model."""
+        return tuple(i for i in range(self.n_layers) if self.layer_spec(i).moe)
 
     def shard(self, tp: int) -> "ModelSpec":
         """The part of the model one of ``tp`` accelerators holds and computes under tensor
@@ -518,7 +537,7 @@ class ModelSpec:
             tied = sum(math.prod(shape) * numpy_dtype(d).itemsize for path, (shape, d)
                        in self.op_weight_arrays(HEAD).items()
                        if path == TABLE or path.startswith(TABLE + "/"))
-        return (self.n_layers * self.layer_weight_bytes + self.op_weight_bytes(EMBED)
+        return (self.layers_weight_bytes(range(self.n_layers)) + self.op_weight_bytes(EMBED)
                 + self.op_weight_bytes(HEAD) - tied)
 
 
@@ -574,6 +593,25 @@ def _gemma3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
                                 ("sliding_window", None))),
             ("sliding_attention", (("rope_scaling", ()), ("rope_theta", 1e4),
                                    ("sliding_window", 1024)))))
+
+
+def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, q_rank: int,
+              d_ff: int, vocab_size: int, moe: MoeShape, mscale: float) -> ModelSpec:
+    """A DeepSeek decoder as its Hugging Face config gives it (``models.deepseek_v2``): latent
+    attention of a 512 latent, heads of 128 + 64 rotated, values of 128; the first ``dense``
+    layers a SwiGLU of ``d_ff`` (layer type ``dense``), the rest ``moe``; YaRN by 40 over an
+    original 4,096 positions (``mscale`` and ``mscale_all_dim`` both ``mscale``), context
+    163,840."""
+    yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 40.0), ("mscale", mscale),
+            ("mscale_all_dim", mscale), ("original_max_position_embeddings", 4096.0),
+            ("rope_type", "yarn"), ("truncate", True))
+    return ModelSpec(
+        name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=1,
+        head_dim=64, d_ff=d_ff, vocab_size=vocab_size, context_length=163840,
+        rope_theta=10000.0, norm_eps=1e-6, family="deepseek_v2", rope_scaling=yarn, moe=moe,
+        mla=MlaShape(kv_rank=512, q_rank=q_rank, nope_dim=128, rope_dim=64, v_dim=128),
+        layer_types=("dense",) * dense + ("moe",) * (n_layers - dense),
+        layer_overrides=(("dense", (("moe", None),)), ("moe", (("moe", moe),))))
 
 
 # Named shapes of real models, for planning models hx never loads and for random weights of
@@ -681,6 +719,21 @@ PRESETS: dict[str, ModelSpec] = {
         name="OLMoE-1B-7B", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
         d_ff=1024, vocab_size=50304, context_length=4096, rope_theta=10000.0, norm_eps=1e-5,
         family="olmoe", moe=MoeShape(64, 8, 1024, norm_top_k=False)),
+    # deepseek-ai/DeepSeek-V2-Lite: 64 experts of 1408, top 6 (greedy), two shared; the first
+    # layer dense (10944)
+    "deepseek-v2-lite": _deepseek(
+        "DeepSeek-V2-Lite", 27, 1, 2048, 16, 0, 10944, 102400,
+        MoeShape(64, 6, 1408, d_shared=2816, norm_top_k=False, shared_gate=False), 0.707),
+    # deepseek-ai/DeepSeek-V3 (without its multi-token-prediction module): 256 experts of
+    # 2048, top 8 of the best 4 of 8 groups, x 2.5, one shared; the first 3 layers dense
+    # (18432); q through a 1536 latent. Its router scores by sigmoid with a learned bias and
+    # renormalises, which hx does not implement (no ``deepseek_v3`` family: it reads no V3
+    # checkpoint): the preset prices V3's shapes -- the same bytes and products -- and random
+    # weights of it route as DeepSeek-V2 does
+    "deepseek-v3": _deepseek(
+        "DeepSeek-V3", 61, 3, 7168, 128, 1536, 18432, 129280,
+        MoeShape(256, 8, 2048, d_shared=2048, norm_top_k=True, routed_scale=2.5, groups=8,
+                 top_groups=4, shared_gate=False), 1.0),
     # google/gemma-3-12b-pt (its config.json's text_config; local and global layers 5:1)
     "gemma3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 256),
     # google/gemma-3-27b-pt (head dim 128; query_pre_attn_scalar 168 = 5376 / 32)

@@ -114,6 +114,12 @@ def activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int
     return math.prod(shape) * _ITEM_BYTES[dtype]
 
 
+def widest_activation_bytes(spec: ModelSpec, name: str, batch: int, tokens: int) -> int:
+    """``activation_bytes`` of ``name`` in the layer type where it is widest (a dense first
+    layer's ``a`` is d_ff wide, an MoE layer's D + X)."""
+    return max(activation_bytes(s, name, batch, tokens) for s in _type_specs(spec))
+
+
 KV_NAMES = ("k", "v")
 
 
@@ -267,7 +273,8 @@ def weight_tree(spec: ModelSpec, take: Callable[[int | None, str, str, tuple[int
     leaf itself (``take`` is not asked for it). Loaders and random weights build it so."""
     def op_tree(layer: int | None, op: str) -> dict[str, Any]:
         tree: dict[str, Any] = {}
-        for path, shape in spec.op_weight_shapes(op).items():
+        held = spec if layer is None else spec.layer_spec(layer)  # its layer's weights
+        for path, shape in held.op_weight_shapes(op).items():
             if op == HEAD and path == "embedding" and spec.tie_embeddings:
                 continue
             *modules, last = path.split("/")

@@ -62,9 +62,11 @@ class ExpertActivity:
 
     @classmethod
     def uniform(cls, spec: ModelSpec) -> "ExpertActivity":
-        """A random router's: every expert k / X."""
+        """A random router's: every expert k / X (0 in a dense first layer, which has
+        none: ``ModelSpec.expert_layers``)."""
         X, k = spec.moe.routed, spec.moe.top_k
-        return cls(((k / X,) * X,) * spec.n_layers)
+        experts = set(spec.expert_layers)
+        return cls(tuple((k / X if l in experts else 0.0,) * X for l in range(spec.n_layers)))
 
     @classmethod
     def zipf(cls, spec: ModelSpec, s: float = 1.0, seed: int = 0) -> "ExpertActivity":
@@ -72,11 +74,11 @@ class ExpertActivity:
         in proportion to r^-s, scaled so a layer's shares sum to k, none above 1."""
         X, k = spec.moe.routed, spec.moe.top_k
         rng = np.random.default_rng(seed)
-        layers = []
-        for _ in range(spec.n_layers):
+        layers, experts = [], set(spec.expert_layers)
+        for l in range(spec.n_layers):
             weight = np.arange(1, X + 1, dtype=np.float64) ** -s
-            share = _capped(k * weight / weight.sum())
-            layers.append(tuple(float(v) for v in share[rng.permutation(X)]))
+            share = _capped(k * weight / weight.sum())[rng.permutation(X)]
+            layers.append(tuple(float(v) if l in experts else 0.0 for v in share))
         return cls(tuple(layers), f"zipf:{s:g}")
 
     @classmethod
@@ -93,15 +95,16 @@ class ExpertActivity:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HxError(f"expert trace {path}: {e}; write {{\"layers\": [[picks of expert "
                           "0, ...], ...]}}") from None
-        X = spec.moe.routed
-        if len(rows) != spec.n_layers or any(len(r) != X or sum(r) <= 0 for r in rows):
+        X, experts = spec.moe.routed, set(spec.expert_layers)
+        if len(rows) != spec.n_layers or any(
+                len(r) != X or (sum(r) <= 0) == (l in experts) for l, r in enumerate(rows)):
             raise HxError(f"expert trace {path} has {len(rows)} layers of counts; "
-                          f"{spec.name} has {spec.n_layers} layers of {X} experts, each "
-                          "layer's counts summing above 0")
+                          f"{spec.name} has {spec.n_layers} layers of {X} experts, each MoE "
+                          "layer's counts summing above 0 and a dense layer's to 0")
         k = spec.moe.top_k
         return cls(tuple(tuple(float(v) for v in _capped(k * np.asarray(r, np.float64)
-                                                          / sum(r))) for r in rows),
-                   f"trace:{path}")
+                                                          / max(sum(r), 1)))
+                         for r in rows), f"trace:{path}")
 
 
 def activity_named(spec: ModelSpec, name: str | None) -> ExpertActivity | None:
@@ -255,12 +258,12 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
 
     costs = ExpertCosts.price(spec, profile, workload, activity)
     homes = (RESIDENT, STREAMED, HOST) if streams else (RESIDENT, HOST)
-    L, X = len(activity.shares), spec.moe.routed
+    layers, X = spec.expert_layers, spec.moe.routed  # a dense first layer has none
     model = cp_model.CpModel()
-    x = {(l, e, h): model.NewBoolVar(f"x{l}_{e}_{h}") for l in range(L) for e in range(X)
+    x = {(l, e, h): model.NewBoolVar(f"x{l}_{e}_{h}") for l in layers for e in range(X)
          for h in homes}
-    any_at = {(l, h): model.NewBoolVar(f"y{l}_{h}") for l in range(L) for h in homes}
-    for l in range(L):
+    any_at = {(l, h): model.NewBoolVar(f"y{l}_{h}") for l in layers for h in homes}
+    for l in layers:
         for e in range(X):
             model.AddExactlyOne(x[(l, e, h)] for h in homes)
             for h in homes:
@@ -268,16 +271,16 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     # the buffer streamed experts are copied into: the most a layer streams (a prefill
     # chunk of ``workload.prompt_tokens`` rows routes to all of them), one layer at a time
     widest = model.NewIntVar(0, X, "streamed")
-    for l in range(L):
+    for l in layers:
         if STREAMED in homes:
             model.Add(widest >= sum(x[(l, e, STREAMED)] for e in range(X)))
     buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
-    model.Add(sum(x[(l, e, RESIDENT)] for l in range(L) for e in range(X)) * costs.nbytes
+    model.Add(sum(x[(l, e, RESIDENT)] for l in layers for e in range(X)) * costs.nbytes
               + widest * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
     if host_bytes is not None:
-        model.Add(sum(x[(l, e, h)] for l in range(L) for e in range(X) for h in homes
+        model.Add(sum(x[(l, e, h)] for l in layers for e in range(X) for h in homes
                       if h != RESIDENT) * costs.nbytes <= host_bytes)
-    hint = _whole_layers(costs, L, X, accelerator_bytes)
+    hint = _whole_layers(costs, layers, X, accelerator_bytes)
     for (l, e, h), var in x.items():
         model.AddHint(var, hint[l] == h)
     for (l, h), var in any_at.items():
@@ -293,7 +296,8 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
         raise HxError(f"no placement of {spec.name}'s routed experts fits: the host holds "
                       f"{host_bytes} bytes for them")
     return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
-                                   for e in range(X)) for l in range(L)))
+                                   for e in range(X)) if l in hint else ()
+                             for l in range(spec.n_layers)))
 
 
 def whole_layers(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
@@ -303,19 +307,21 @@ def whole_layers(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     priced by ``ExpertCosts``): where CP-SAT's expert placement starts."""
     costs = ExpertCosts.price(spec, profile, workload, activity)
     X = spec.moe.routed
-    return ExpertHomes(tuple((home,) * X for home in _whole_layers(
-        costs, len(activity.shares), X, accelerator_bytes)))
+    homes = _whole_layers(costs, spec.expert_layers, X, accelerator_bytes)
+    return ExpertHomes(tuple((homes[l],) * X if l in homes else ()
+                             for l in range(spec.n_layers)))
 
 
-def _whole_layers(costs: ExpertCosts, layers: int, experts: int, accelerator_bytes: int
-                  ) -> list[str]:
-    """CP-SAT's starting point: per layer one home for all its experts, resident for the
-    layers that save the most time per byte over the host while the accelerator holds them,
-    the host's otherwise (``--n-cpu-moe``'s kind of placement, priced by ``costs``)."""
+def _whole_layers(costs: ExpertCosts, layers: tuple[int, ...], experts: int,
+                  accelerator_bytes: int) -> dict[int, str]:
+    """CP-SAT's starting point: for each of ``layers`` (those with experts) one home for all
+    its experts, resident for the layers that save the most time per byte over the host
+    while the accelerator holds them, the host's otherwise (``--n-cpu-moe``'s kind of
+    placement, priced by ``costs``)."""
     whole = {h: costs.seconds[h].sum(axis=1) + costs.fixed[h] for h in (RESIDENT, HOST)}
     saved = whole[HOST] - whole[RESIDENT]
-    homes, room = [HOST] * layers, accelerator_bytes
-    for l in sorted(range(layers), key=lambda l: -saved[l]):
+    homes, room = dict.fromkeys(layers, HOST), accelerator_bytes
+    for l in sorted(layers, key=lambda l: -saved[l]):
         if saved[l] > 0 and experts * costs.nbytes <= room:
             homes[l], room = RESIDENT, room - experts * costs.nbytes
     return homes
@@ -326,7 +332,8 @@ def hot_experts(spec: ModelSpec, activity: ExpertActivity, accelerator_bytes: in
     """The hottest experts resident within ``accelerator_bytes``, the rest on the host:
     over all (layer, expert) pairs (kTransformers' rule), or, ``per_layer``, the same count
     of each layer's hottest (Fiddler's)."""
-    share = np.asarray(activity.shares)
+    layers = spec.expert_layers  # a dense first layer has none
+    share = np.asarray(activity.shares)[list(layers)]
     L, X = share.shape
     fit = accelerator_bytes // routed_expert_bytes(spec)
     resident = np.zeros((L, X), bool)
@@ -337,7 +344,9 @@ def hot_experts(spec: ModelSpec, activity: ExpertActivity, accelerator_bytes: in
     else:
         order = np.argsort(-share.reshape(-1), kind="stable")[:min(fit, L * X)]
         resident.reshape(-1)[order] = True
-    return ExpertHomes(tuple(tuple(RESIDENT if r else HOST for r in row) for row in resident))
+    rows = dict(zip(layers, resident))
+    return ExpertHomes(tuple(tuple(RESIDENT if r else HOST for r in rows[l]) if l in rows
+                             else () for l in range(spec.n_layers)))
 
 
 def expert_budget(spec: ModelSpec, devices: Devices, workload: Workload,
@@ -352,12 +361,14 @@ def expert_budget(spec: ModelSpec, devices: Devices, workload: Workload,
     """
     from hx.memory import PROXY, estimate
 
-    base = expert_plan(spec, ExpertHomes(((HOST,) * spec.moe.routed,) * spec.n_layers),
+    layers = set(spec.expert_layers)
+    base = expert_plan(spec, ExpertHomes(tuple((HOST,) * spec.moe.routed if l in layers else ()
+                                               for l in range(spec.n_layers))),
                        "experts on the host")
     need = estimate(base.with_prefill_chunk(min(workload.prompt_tokens, 512)), spec, workload,
                     sizing=PROXY)
     capacity, each = devices.accelerator.capacity, routed_expert_bytes(spec)
-    experts = spec.n_layers * spec.moe.routed * each  # what ``base`` holds on the host
+    experts = len(layers) * spec.moe.routed * each  # what ``base`` holds on the host
     host = None if devices.host.capacity is None else devices.host.capacity - (
         need.host - experts)
     if capacity is None:

@@ -87,8 +87,10 @@ def cpu_moe(spec: ModelSpec, layers: int | None = None) -> ExecutionPlan:
     """llama.cpp's ``--cpu-moe`` (``--n-cpu-moe N``: the first N layers'): every op on the
     accelerator with its weights resident, but EMBED and the routed experts of the first
     ``layers`` layers (default all), which stay on the host and run there on the rows routed
-    to them (MLP2 of an MoE layer, ``models.moe``). A shared expert goes with them (llama.cpp
-    keeps it on the GPU: hx places MLP2 whole). Named ``cpu-moe``, ``n-cpu-moe:N``.
+    to them (MLP2 of an MoE layer, ``models.moe``; a dense first layer has none: its MLP
+    stays, as llama.cpp moves only the ``*_exps`` tensors). A shared expert goes with them
+    (llama.cpp keeps it on the GPU: hx places MLP2 whole). Named ``cpu-moe``,
+    ``n-cpu-moe:N``.
 
     Raises:
       HxError: the model has no experts, or N outside [0, n_layers].
@@ -98,7 +100,7 @@ def cpu_moe(spec: ModelSpec, layers: int | None = None) -> ExecutionPlan:
         raise HxError(f"{spec.name} has no experts for --cpu-moe or --n-cpu-moe to place")
     if not 0 <= (n if layers is None else layers) <= n:
         raise HxError(f"--n-cpu-moe must be between 0 and {n}, got {layers}")
-    on_host = range(n if layers is None else layers)
+    on_host = set(range(n if layers is None else layers)) & set(spec.expert_layers)
     rows = tuple(tuple(HOST if op == MLP2 and i in on_host else ACCELERATOR
                        for op in LAYER_OPS) for i in range(n))
     return ExecutionPlan.from_placement(
@@ -128,7 +130,9 @@ def resident_experts(spec: ModelSpec, resident: int, rest: str = STREAMED) -> Ex
     placement = Placement.uniform(spec.n_layers,
                                   lambda op: HOST if op == EMBED else ACCELERATOR)
     plan = ExecutionPlan.from_placement(placement, name=f"resident-experts:{resident}:{rest}")
-    return dataclasses.replace(plan, experts=ExpertHomes((homes,) * spec.n_layers))
+    experts = set(spec.expert_layers)  # a dense first layer has none to place
+    return dataclasses.replace(plan, experts=ExpertHomes(tuple(
+        homes if i in experts else () for i in range(spec.n_layers))))
 
 
 def fewest_cpu_moe(spec: ModelSpec, devices: Devices, workload: Workload) -> ExecutionPlan:

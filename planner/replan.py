@@ -102,7 +102,7 @@ def switch_seconds(old: ExecutionPlan, new: ExecutionPlan, spec: ModelSpec,
     for layer, op in weight_owners(spec):
         was, now = resident(old, layer, op), resident(new, layer, op)
         if was != now:
-            nbytes = spec.op_weight_bytes(op)
+            nbytes = (spec if layer is None else spec.layer_spec(layer)).op_weight_bytes(op)
             h2d, d2h, copies = h2d + nbytes * now, d2h + nbytes * was, copies + 1
     for layer in range(spec.n_layers):
         before, after = old.kv[layer] == ACCELERATOR, new.kv[layer] == ACCELERATOR

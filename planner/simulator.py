@@ -234,7 +234,8 @@ def segment_seconds(spec: ModelSpec, profile: HardwareProfile, segment: Segment,
         window = None if layer is None else spec.layer_spec(layer).sliding_window
         part = segment.parts[index] if segment.parts else -1
         routed = (picks or {}).get((layer, op), ())
-        key = (segment.device, op, window if op == SCORE else None, part, routed)
+        kind = "" if layer is None else spec.layer_type(layer)  # a dense first layer's MLP
+        key = (segment.device, op, window if op == SCORE else None, part, routed, kind)
         if key not in memo:
             held = layer_slots(spec, layer, slots) if op == SCORE else slots
             op_spec = segment.op_spec(spec, index)
@@ -256,6 +257,8 @@ def expert_picks(plan: ExecutionPlan, spec: ModelSpec, activity: "ExpertActivity
         return {}
     picks: dict[tuple[int, str], tuple[float, ...]] = {}
     for layer, shares in enumerate(activity.shares):
+        if spec.layer_spec(layer).moe is None:  # a dense first layer routes nothing
+            continue
         groups = plan.experts.groups(layer) if plan.experts.of(layer) else (
             ("MLP2", tuple(range(len(shares)))),)
         for op, ids in groups:

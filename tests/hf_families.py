@@ -59,10 +59,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                     shared_expert_intermediate_size=80)),
     "olmoe": ("olmoe", dict(SHAPES, num_experts=4, num_experts_per_tok=2)),
     # DeepSeek-V2-Lite's layout at tiny sizes: latent attention (q projected directly, a latent
-    # of 32, heads of 16 + 8 rotated, values of 16), 8 routed experts in 4 groups of which a
-    # token's top 2 come from the best 2, weights x 2.5, two shared experts
+    # of 32, heads of 16 + 8 rotated, values of 16), a dense first layer (of intermediate_size)
+    # before 2 MoE layers of 8 routed experts in 4 groups, of which a token's top 2 come from
+    # the best 2, weights x 2.5, two shared experts
     "deepseek_v2": ("deepseek_v2", dict(
-        SHAPES, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        SHAPES, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=24, n_shared_experts=2, topk_method="group_limited_greedy",
         n_group=4, topk_group=2, routed_scaling_factor=2.5)),

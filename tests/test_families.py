@@ -226,10 +226,11 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
     ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
     ("qwen2_moe", "qkv_bias", False), ("olmoe", "clip_qkv", 8.0),
-    ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "first_k_dense_replace", 1),
-    ("deepseek_v2", "norm_topk_prob", True), ("deepseek_v2", "topk_method", "noaux_tc"),
+    ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "norm_topk_prob", True), ("deepseek_v2", "topk_method", "noaux_tc"),
     ("deepseek_v2", "scoring_func", "sigmoid"),
-    ("deepseek_v2", "rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4})])
+    ("deepseek_v2", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+    ("deepseek_v2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                        "original_max_position_embeddings": 64, "beta": 1.0})])
 def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     """One line naming the field (or the RoPE type, or its unknown part)."""
     config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 112,

@@ -17,15 +17,21 @@ from hx.sampling import SamplingParams
 from hf_families import CONFIGS, PROMPTS, reference, write_checkpoint
 
 
-def test_query_low_rank_and_greedy_routing_match_transformers(tmp_path):
+def test_query_low_rank_yarn_and_greedy_routing_match_transformers(tmp_path):
     """DeepSeek-V2's own layout (``q_lora_rank``: q = RMSNorm(h Wq_a) Wq_b; greedy top k, no
-    groups): logits within 1e-4 relative and 16 greedy tokens equal to transformers', with
-    SCORE on the accelerator and on the host (stream-all)."""
+    groups; YaRN, here over a ramp of the 4 frequencies and with attention factors 1.065 on
+    the rotated parts and 1.143 on the softmax): logits within 1e-4 relative and 16 greedy
+    tokens equal to transformers', with SCORE on the accelerator and on the host
+    (stream-all)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5}
     fields = dict(CONFIGS["deepseek_v2"][1], q_lora_rank=24, topk_method="greedy",
-                  n_group=None, topk_group=None, routed_scaling_factor=1.0)
+                  n_group=None, topk_group=None, routed_scaling_factor=1.0,
+                  rope_parameters=yarn)
     ref_model = write_checkpoint("deepseek_v2", str(tmp_path), config=("deepseek_v2", fields))
     model = hx.load(str(tmp_path), dtype="float32")
     assert model.spec.mla.q_rank == 24 and model.spec.moe.groups == 0
+    assert dict(model.spec.rope_scaling)["rope_type"] == "yarn"
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     ref_logits, ref_greedy = reference(ref_model, prompts, 16, model.tokenizer.eos_id)
     n = model.spec.n_layers
@@ -35,6 +41,35 @@ def test_query_low_rank_and_greedy_routing_match_transformers(tmp_path):
             assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan.name
         got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=16))
         assert [c.token_ids for c in got] == ref_greedy, plan.name
+
+
+def test_a_dense_first_layer_runs_beside_moe_layers_on_either_device(tmp_path):
+    """DeepSeek's dense first layer (``first_k_dense_replace``) is its own layer type: its MLP
+    is held d_ff wide and its ``a`` crosses the devices (B, T, d_ff) where an MoE layer's is
+    (B, T, D + X). With MLP1 on the host (``a`` crossing to the accelerator) and with MLP2 on
+    the host (crossing back): transformers' logits and greedy tokens, the accelerator's peak
+    at most the exact estimate; the weights as many bytes as the file's float32 tensors."""
+    from hx.memory import estimate
+    from hx.plan import ExecutionPlan
+    from hx.workload import Workload
+
+    ref_model = write_checkpoint("deepseek_v2", str(tmp_path))
+    model = hx.load(str(tmp_path), dtype="float32")
+    spec = model.spec
+    assert spec.layer_types == ("dense", "moe", "moe") and spec.expert_layers == (1, 2)
+    assert spec.layer_spec(0).moe is None and spec.layer_spec(1).moe == spec.moe
+    assert spec.weight_bytes == 4 * sum(p.numel() for p in ref_model.parameters())
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    ref_logits, ref_greedy = reference(ref_model, prompts, 16, model.tokenizer.eos_id)
+    work = Workload.for_prompts(len(prompts), max(map(len, prompts)), 16, spec)
+    for ops in (("MLP1",), ("MLP2",)):
+        plan = ExecutionPlan.uniform(spec.n_layers, ops)
+        engine = Engine(model, plan, discover())
+        for row, ref in zip(engine.last_logits(prompts), ref_logits):
+            assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, ops
+        got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=16))
+        assert [c.token_ids for c in got] == ref_greedy, ops
+        assert engine.accountant.peak <= estimate(plan, spec, work).accelerator, ops
 
 
 def _group_limited(probs: np.ndarray, groups: int, top_groups: int, k: int) -> np.ndarray:

@@ -28,7 +28,10 @@ PUBLISHED = {"smollm2-135m": 1.35e8, "llama2-7b": 6.74e9, "llama2-13b": 13.0e9,
              "gemma3-12b": 1.012e9 + 10.759e9, "gemma3-27b": 1.416e9 + 25.600e9,
              # Mixtures of Experts, every expert counted (their model cards' totals)
              "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9,
-             "qwen1.5-moe-a2.7b": 14.3e9, "olmoe-1b-7b": 6.92e9}
+             "qwen1.5-moe-a2.7b": 14.3e9, "olmoe-1b-7b": 6.92e9,
+             # DeepSeek-V2 (arXiv:2405.04434) Appendix B: V2-Lite 15.7B; DeepSeek-V3 (arXiv:
+             # 2412.19437) §1: 671B, without the 14B of its multi-token-prediction module
+             "deepseek-v2-lite": 15.7e9, "deepseek-v3": 671e9}
 
 
 def test_every_preset_has_its_published_size():

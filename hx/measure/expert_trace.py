@@ -67,7 +67,7 @@ def count_picks(model: Model, prompts: Sequence[Sequence[int]]) -> np.ndarray:
                                cache if op == SCORE else None)
                 cache = new if op == SCORE else cache
                 acts = {**acts, **out}
-                if op == "MLP1":
+                if op == "MLP1" and layer.moe:  # a dense first layer routes nothing
                     weights = np.asarray(out["a"][..., spec.d_model:], np.float32)
                     counts[i] += (weights.reshape(-1, spec.moe.routed) != 0).sum(axis=0)
     return counts

@@ -71,6 +71,7 @@ from hx.models.tensors import (held_weights, kv_arrays, layer_key, layer_slots, 
 from hx.models.spec import EMBED, HEAD, ModelSpec, numpy_dtype
 from hx.plan import DISK, PHASES, RESIDENT, STREAMED, ExecutionPlan, weight_owners
 from hx.programs import SplitHostProgram, programs_for
+from hx.routed_pairs import RoutedPairs
 from hx.sampling import Sampler
 from hx.schedule import (ACT_LOAD, EXPERTS_IN, FREE, INPUT_KEY, KV_LOAD, KV_STORE, LAUNCH, MOVE,
                          READ, RECOMPUTE, ROUTE, STAGE, STEP, TEMP_KEY, WAIT, Instruction,
@@ -211,6 +212,8 @@ class Executor:
         # workload's exact check is ``Engine.check``'s; temporaries are not sized here)
         check_fits(plan, *self.sizing, Workload(1, 1, 1), self.programs, UNSIZED)
         self.timeline = timeline
+        # a Mixture of Experts' routed (token, expert) pairs by where they ran
+        self.routed = RoutedPairs(spec, plan) if spec.moe else None
         self.accountant = Accountant(self.devices.accelerator.capacity)
         self.compilations = 0
         acc = self.devices.accelerator.device
@@ -336,6 +339,8 @@ class Executor:
                 else:
                     params[key][old] = node
         new = Executor(self.spec, params, plan, self.devices, self.timeline, spill_dir)
+        if self.routed is not None:  # the run's pairs so far, under the old plan
+            new.routed.counts.update(self.routed.counts)
         if self.accountant.peak > new.accountant.peak:
             new.accountant.peak = self.accountant.peak
             new.accountant.peak_by_owner = dict(self.accountant.peak_by_owner)
@@ -561,6 +566,8 @@ class Executor:
         caches = list(caches)
         for layer, cache in zip(seg.cache_layers, updated):
             caches[layer] = cache
+        if self.routed is not None:
+            self.routed.add_loop("decode", tokens.shape[0], int(ran))
         return np.asarray(out)[:, :int(ran)], caches
 
 
@@ -595,6 +602,9 @@ class _BlockStep:
         # into its experts) after ``route``, the buffer the launch runs after ``experts in``
         self.routes: dict[tuple[int, int], list[int]] = {}
         self.routed_in: dict[tuple[int, int], Any] = {}
+        # (layer, micro) -> the routing weights of a layer whose experts are split, as they
+        # crossed the devices (counted once the step is done: ``hx.routed_pairs``)
+        self.routing: dict[tuple[int, int], Any] = {}
         # (segment, micro) -> {what: {layer: arrays}}: a streamed cache's copies on the
         # accelerator ("h", "tail", "cache": before the launch; "out": after it)
         self.copies: dict[tuple[int, int], dict[str, dict[int, Any]]] = {}
@@ -608,7 +618,13 @@ class _BlockStep:
                     ROUTE: self.route, EXPERTS_IN: self.experts_in}
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
-        return stream.resolve(([env["logits"] for env in self.envs], self.caches))
+        out = stream.resolve(([env["logits"] for env in self.envs], self.caches))
+        if self.ex.routed is not None:
+            rows = self.schedule.batch * self.schedule.tokens
+            for m in range(len(self.envs)):
+                self.ex.routed.add_step(self.phase, rows, stream.resolve(
+                    {layer: a for (layer, micro), a in self.routing.items() if micro == m}))
+        return out
 
     def record(self, index: int, ins: Instruction, track: str, name: str, arrays: Any,
                dispatch: float, **meta) -> None:
@@ -696,6 +712,9 @@ class _BlockStep:
         moved = self.inputs.pop((i, m), {})
         params = (self.routed_in.pop((i, m)),) if seg.routes else self.segment_params(i)
         acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
+        first = seg.ops[0][0]
+        if "a" in acts and self.ex.routed is not None and first in self.ex.routed.split:
+            self.routing.setdefault((first, m), acts["a"])
         copied = self.copies.get((i, m), {}).pop("cache", {})
         caches = tuple(copied.pop(layer) if layer in copied else self.caches[m][layer]
                        for layer in seg.cache_layers)
@@ -743,6 +762,7 @@ class _BlockStep:
         ids = dict(self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED]
         weights = np.asarray(stream.resolve(self.envs[m]["a"])[..., self.ex.spec.d_model:])
         self.routes[(i, m)] = routed_experts.routed(weights, ids)
+        self.routing.setdefault((layer, m), weights)
         self.acct.apply(ins)
         self.record(index, ins, D2H, f"route {layer}", (), dispatch, bytes=weights.nbytes,
                     layers=[layer])

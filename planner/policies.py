@@ -255,9 +255,12 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
     routed expert resident, streamed or on the host as ``experts.cpsat_experts`` places them
     in the bytes the rest leaves (``experts.expert_budget``), priced on ``r.profile`` for
     ``r.expert_activity()``; re-solved with the accelerator's share lowered by what a plan
-    overshoots (``_fitting``). That placement or the whole-layer one it starts from
-    (``experts.whole_layers``), each with the largest prefill chunk under which it fits,
-    whichever ``simulator.predict_run`` predicts the shorter run:
+    overshoots (``_fitting``). That placement, the whole-layer one it starts from
+    (``experts.whole_layers``), every expert on the host (the shared experts kept on the
+    accelerator) or ``--cpu-moe``'s plan (MLP2 whole on the host, its shared experts with
+    it: the expert placements keep them on the accelerator, which may be the busier side),
+    each with the largest prefill chunk under which it fits, whichever
+    ``simulator.predict_run`` predicts the shorter run:
     the solver's price of an expert is linear, the executor's steps are not quite (as the
     op-level CP-SAT's candidates, ``cpsat.solve``).
 
@@ -273,11 +276,17 @@ def moe_cpsat(r: Request) -> ExecutionPlan:
     def whole(accelerator: int, host: int | None):
         return ex.whole_layers(r.spec, r.profile, r.workload, activity, accelerator)
 
+    def on_host(accelerator: int, host: int | None):
+        return whole(0, host)
+
     candidates = [_fitting(r, place, "cpsat")]
-    try:
-        candidates.append(_fitting(r, whole, "cpsat"))
-    except HxError:  # the whole layers overshoot the host's budget: CP-SAT's alone
-        pass
+    for other in (whole, on_host):
+        try:
+            candidates.append(_fitting(r, other, "cpsat"))
+        except HxError:  # it overshoots the host's budget: the others alone
+            pass
+    if fits(cpu_moe(r.spec).with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload):
+        candidates.append(dataclasses.replace(cpu_moe(r.spec), name="cpsat"))
     chunked = [fit_prefill_chunk(p, r.spec, r.devices, r.workload) for p in candidates]
     return min(chunked,
                key=lambda p: predict_run(p, r.spec, r.profile, r.workload, activity).total_s)

@@ -172,3 +172,41 @@ def test_expert_trace_counts_the_experts_transformers_routes_to(name, tmp_path):
     assert (got == want).all() and (got.sum(axis=1) == tokens * model.spec.moe.top_k).all()
     shares = np.asarray(ExpertActivity.from_trace(str(trace), model.spec).shares)
     assert np.allclose(shares, got / tokens)
+
+
+def test_routed_pairs_by_device_are_transformers_routing(tmp_path):
+    """``Executor.routed`` (what ``hx generate`` reports): on a tiny Qwen3-MoE whose experts 0
+    and 1 are resident and 2 and 3 on the host, a 32-token prompt (one prefill chunk, no
+    padding) and up to 6 greedy tokens: the pairs counted on each side equal the top k of
+    transformers' router over the tokens the run fed (the prompt and those generated before
+    the last, or before the end of text); under cpu-moe every pair is MLP2's on the host,
+    rows x k x layers."""
+    import torch
+
+    import hx
+    from hx.generate import Engine
+    from hx.sampling import SamplingParams
+
+    from hf_families import write_checkpoint
+
+    ref = write_checkpoint("qwen3_moe", str(tmp_path))
+    model = hx.load(str(tmp_path), dtype="float32")
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog!!!!!!!!!!")[:32]
+    assert len(ids) == 32
+    spec = model.spec
+    engine = Engine(model, policies.resident_experts(spec, 2, "host"), discover())
+    out = engine.generate_ids([ids], SamplingParams(max_new_tokens=6))[0].token_ids
+    fed = ids + (out[:-1] if len(out) == 6 else out)  # an end-of-text token was not fed
+    with torch.no_grad():
+        logits = ref(torch.tensor([fed]), output_router_logits=True).router_logits
+    want = {"resident": 0, "host": 0}
+    for layer in logits:
+        picks = torch.topk(torch.softmax(layer.float(), -1), spec.moe.top_k).indices.flatten()
+        want["resident"] += int((picks < 2).sum())
+        want["host"] += int((picks >= 2).sum())
+    assert dict(engine.executor.routed.counts) == {("accelerator", "resident"): want["resident"],
+                                                   ("host", "host"): want["host"]}
+    engine = Engine(model, policies.cpu_moe(spec), discover())
+    engine.generate_ids([ids], SamplingParams(max_new_tokens=6))
+    assert dict(engine.executor.routed.counts) == {
+        ("host", "host"): len(fed) * spec.moe.top_k * spec.n_layers}

@@ -424,8 +424,9 @@ def _generate_file(prompts: Path, output: Path, options: RunOptions) -> None:
 
 
 def _report_memory(engine, trace: Optional[Path]) -> None:
-    """The accelerator memory peak by owner, the process's peak resident set and, with
-    --trace, the trace written."""
+    """The accelerator memory peak by owner, the process's peak resident set, a Mixture of
+    Experts' routed (token, expert) pairs by the device and home of the expert
+    (``hx.routed_pairs``) and, with --trace, the trace written."""
     import resource
 
     from hx.timeline import D2H, H2D, median_overlap, step_traffic
@@ -441,6 +442,9 @@ def _report_memory(engine, trace: Optional[Path]) -> None:
     note(f"accelerator memory peak {format_bytes(acct.peak)} ({budget}): "
          f"{owners or 'the plan puts nothing there'}; process peak RSS "
          f"{format_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}")
+    routed = getattr(engine.executor, "routed", None)
+    if routed is not None and routed.counts:
+        note(f"routed (token, expert) pairs by where the expert ran: {routed.summary()}")
     if trace is not None:
         timeline = engine.executor.timeline
         timeline.to_chrome(str(trace))

@@ -8,7 +8,7 @@ computes all of a step's rows x k pairs there, whatever the routing. A layer who
 split reads its routing back: the executor keeps the routing weights that cross the devices
 (the router's ``a`` a segment of that layer reads, or a streamed part's ``route``) and counts
 the nonzero weights in each home's columns once the step is done. The pairs are those the
-devices computed: a prefill chunk's padding rows (``memory.PREFILL_BUCKET``) route too.
+devices computed: a prefill chunk's padding rows (``workload.PREFILL_BUCKET``) route too.
 """
 
 from __future__ import annotations

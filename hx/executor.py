@@ -645,9 +645,24 @@ class _BlockStep:
 
     def stage(self, index: int, ins: Instruction) -> None:
         """Copy a streaming segment's weights into accelerator memory (H2D); those read from
-        disk on the disk thread, after their read."""
+        disk on the disk thread, after their read. A layer's streamed experts staged whole
+        (``schedule.whole_part``): every expert of the part, one copy each, into one buffer
+        (``routed_experts.assemble``)."""
         seg = self.segments[ins.segment]
         dispatch = time.perf_counter()
+        if seg.routes:
+            experts = self.params[ins.segment][0]
+            copied = [jax.device_put(e, self.ex._acc_memory) for e in experts]
+            buffer = routed_experts.assemble(copied, experts[0], len(experts),
+                                             self.ex._acc_memory)
+            self.staged[ins.segment] = (buffer,)
+            self.acct.apply(ins, {staging_key(ins.segment): tree_bytes(buffer)})
+            layer = seg.ops[0][0]
+            self.record(index, ins, H2D, f"experts {layer} (whole)", copied, dispatch,
+                        bytes=sum(tree_bytes(t) for t in copied), layers=[layer],
+                        experts=[int(e) for e in dict(
+                            self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED]])
+            return
         params, acc = self.params[ins.segment], self.ex._acc_memory
         read_in = self.read_in.get(ins.segment, (None,) * len(params))
         sources = tuple((r if r is not None else p) if staged else None
@@ -710,7 +725,11 @@ class _BlockStep:
         i, m = ins.segment, ins.micro
         seg, env = self.segments[i], self.envs[m]
         moved = self.inputs.pop((i, m), {})
-        params = (self.routed_in.pop((i, m)),) if seg.routes else self.segment_params(i)
+        if seg.routes:  # copied as routed, or staged whole
+            params = ((self.routed_in.pop((i, m)),) if (i, m) in self.routed_in
+                      else self.staged[i])
+        else:
+            params = self.segment_params(i)
         acts = {n: moved[n] if n in moved else env[n] for n in seg.reads}
         first = seg.ops[0][0]
         if "a" in acts and self.ex.routed is not None and first in self.ex.routed.split:

@@ -27,6 +27,11 @@ and, before the launch of a layer's streamed experts (``Segment.routes``: placed
   ``experts in``  H2D: the part's experts it routes to, into a buffer of the most it can
                   route to (``routed_slots``), freed once the launch is done
 
+-- unless the step routes ``WHOLE_PART_ROUTINGS`` times the part's experts or more (a prefill
+chunk: ``whole_part``): then the part crosses whole (``stage``) without waiting for the
+routing, as soon as the previous such part's launch is done (``wait``: one buffer), while the
+ops between run;
+
 and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
 just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
 before its launch: planned and simulated, not yet executed). A segment attending a
@@ -109,6 +114,19 @@ def routed_expert_bytes(spec: ModelSpec) -> int:
     """Bytes of one routed expert as the accelerator holds it (its matrices in the model's
     dtype or format, and its id, int32): a slot of ``experts in``'s buffer."""
     return spec.expert_part(EXPERTS_STREAMED, 1).op_weight_bytes(EXPERTS_STREAMED)
+
+
+# routings a step makes per expert of a streamed part past which the part crosses whole
+WHOLE_PART_ROUTINGS = 4
+
+
+def whole_part(experts: int, rows: int, top_k: int) -> bool:
+    """Whether a layer's ``experts`` streamed experts cross whole at a step of ``rows`` rows
+    routed to ``top_k`` each: rows·k >= ``WHOLE_PART_ROUTINGS`` x experts (under a uniform
+    router each expert is then left out with chance (1 - k/X)^rows, below e^-4 = 1.8 %), so
+    the copy need not wait for the routing and goes ahead of the layer's other ops (a
+    prefill chunk's)."""
+    return rows * top_k >= WHOLE_PART_ROUTINGS * experts
 
 
 def routing_bytes(spec: ModelSpec, batch: int, tokens: int) -> int:
@@ -352,6 +370,16 @@ class _Builder:
         self.B, self.T, self.S, self.N, self.temp_bytes = (batch, tokens, slots,
                                                            micro_batches, temp_bytes)
         self.moves_of, self.next_stream = crossings(segments), next_streaming(segments)
+        # a layer's streamed experts whose step routes past ``WHOLE_PART_ROUTINGS`` an expert
+        # cross whole, with no ``route``: each waited for at the start of the segment after it
+        # (its buffer freed) and the next staged there (one buffer), the first at the step's
+        # start; {segment: (the part to wait for or None, the part to stage or None)}
+        self.whole = [seg.routes and whole_part(seg.parts[0], batch * tokens, spec.moe.top_k)
+                      for seg in segments]
+        parts = [j for j, whole in enumerate(self.whole) if whole]
+        self.whole_stage: dict[int, tuple[int | None, int | None]] = {}
+        for previous, j in zip([None] + parts, parts + [None]):
+            self.whole_stage[0 if previous is None else previous + 1] = (previous, j)
         self.out: list[Instruction] = []
         self.producer: dict[tuple[str, int], int] = {}  # (activation, micro) -> its launch
         self.last: dict[tuple[str, int], int] = {}  # (kind, segment) -> latest such
@@ -406,7 +434,8 @@ class _Builder:
 
     def stage(self, j: int) -> None:
         self.read(j)
-        nbytes = staged_bytes(self.spec, self.segments[j])
+        nbytes = (self.segments[j].parts[0] * routed_expert_bytes(self.spec) if self.whole[j]
+                  else staged_bytes(self.spec, self.segments[j]))
         self.add([self.synced, self.last.get((READ, j))], STAGE, j, resource=H2D,
                  nbytes=nbytes, allocs=((staging_key(j), "staging", nbytes),))
 
@@ -419,6 +448,12 @@ class _Builder:
         """Everything segment ``i`` issues: the stream's wait and next stage, then per
         micro-batch its step inputs, input copies and launch."""
         seg, late = self.segments[i], None  # late: the next weights, after i's input copies
+        if i in self.whole_stage:  # the last whole part of streamed experts done, the next in
+            previous, j = self.whole_stage.pop(i)
+            if previous is not None:
+                self.wait(previous)
+            if j is not None:
+                self.stage(j)
         if seg.streams:
             if self.previous_stream is not None:
                 self.wait(self.previous_stream)
@@ -492,7 +527,8 @@ class _Builder:
             deps.append(producer.get((n, m)))
         if self.streamed[i]:
             deps += self.streamed_cache(i, m)
-        if seg.routes:
+        routed = seg.routes and not self.whole[i]  # copied as routed, not staged whole
+        if routed:
             deps.append(self.routed(i, m))
         if seg.device == ACCELERATOR:
             temp = self.temp_bytes(seg, self.B, self.T, self.S) if self.temp_bytes else 0
@@ -502,7 +538,7 @@ class _Builder:
                 self.held.add((n, m))
             index = self.add(deps, LAUNCH, i, m, ACCELERATOR, seg.writes,
                              allocs=tuple(allocs),
-                             releases=(experts_key(i, m),) if seg.routes else ())
+                             releases=(experts_key(i, m),) if routed else ())
         else:  # the host's outputs replace any held on the accelerator
             dropped = []
             for n in seg.writes:
@@ -586,9 +622,12 @@ class _Builder:
             [launch], KV_STORE, i, m, D2H, ("k", "v"), nbytes, frees=(cache_key(i, m),))
 
     def finish(self) -> None:
-        """The last stream's wait, then the end of the step: free what the step allocated."""
+        """The last stream's wait (and the last whole part's of streamed experts, where it is
+        the last segment), then the end of the step: free what the step allocated."""
         if self.previous_stream is not None:
             self.wait(self.previous_stream)
+        for previous, _ in self.whole_stage.values():  # not waited for at a segment after it
+            self.wait(previous)
         frees: list[Hashable] = [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(self.N)]
         frees += [act_key(n, m) for n, m in sorted(self.held)]
         self.add([], FREE, None, frees=tuple(frees))

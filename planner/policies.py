@@ -296,8 +296,10 @@ def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:
     """``experts.expert_plan`` of the homes ``place(accelerator bytes, host bytes)`` gives in
     what the other ops leave (``experts.expert_budget``), all of the accelerator's share if
     that fits, else the least of it held back, 1 % to ``MAX_MARGIN`` %, under which the plan
-    fits (by bisection: proxy-sized, the resident experts' XLA temporaries are not known
-    before).
+    fits (proxy-sized, the resident experts' XLA temporaries are not known before): the first
+    of 1, 2, 4, ... % that fits, then by bisection below it. Whether a placement fits is not
+    monotone in the margin over the whole range (a smaller budget may put experts on the
+    host, whose layers hold a staged part longer), so the search climbs from the smallest.
 
     Raises:
       HxError: the other ops do not fit, or no placement does.
@@ -312,11 +314,12 @@ def _fitting(r: Request, place: Callable, name: str) -> ExecutionPlan:
         plans[margin] = ex.expert_plan(r.spec, place(*budget), name)
         return fits(plans[margin].with_prefill_chunk(MIN_CHUNK), r.spec, r.devices, r.workload)
 
-    if fit(0):
-        return plans[0]
-    if not fit(MAX_MARGIN):
-        raise HxError(f"no {name} placement of {r.spec.name}'s routed experts fits the budgets")
-    return plans[_boundary(fit, MAX_MARGIN, 0)]
+    failing = 0
+    for margin in (0, 1, 2, 4, 8, 16, 32, MAX_MARGIN):
+        if fit(margin):
+            return plans[_boundary(fit, margin, failing) if margin else 0]
+        failing = margin
+    raise HxError(f"no {name} placement of {r.spec.name}'s routed experts fits the budgets")
 
 
 MAX_MARGIN = 40  # percent of the experts' accelerator share ``_fitting`` may hold back

@@ -206,9 +206,11 @@ def kv_load_seconds(spec: ModelSpec, profile: HardwareProfile, batch: int, posit
 
 
 def stage_seconds(profile: HardwareProfile, segment: Segment, nbytes: int) -> float:
-    """Seconds of a ``stage``: one ``device_put`` per staged op, each ``h2d_latency``, plus the
-    segment's staged bytes ``nbytes`` (``schedule.staged_bytes``) at ``h2d_bandwidth``."""
-    return sum(segment.staged) * profile.h2d_latency + nbytes / profile.h2d_bandwidth
+    """Seconds of a ``stage``: one ``device_put`` per staged op (per expert of a layer's
+    streamed experts staged whole), each ``h2d_latency``, plus the segment's staged bytes
+    ``nbytes`` (``schedule.staged_bytes``) at ``h2d_bandwidth``."""
+    copies = segment.parts[0] if segment.routes else sum(segment.staged)
+    return copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth
 
 
 @functools.lru_cache(maxsize=256)

@@ -262,10 +262,55 @@ def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, re
         for args in copies:
             assert args["bytes"] == one * len(args["experts"])
             assert set(args["experts"]) <= {2, 3} and args["experts"]
+    for events in timeline.steps("prefill"):  # 64 rows x k = 2 route past 4 x 2 experts
+        whole = [e.args for e in events if e.name.endswith("(whole)")]
+        assert not [e for e in events if e.name.startswith("route")]
+        assert whole == ([] if rest == "host" else
+                         [{"bytes": 2 * one, "layers": [layer], "experts": [2, 3]}
+                          for layer in range(spec.n_layers)])
     if rest == "host":
         assert engine.accountant.peak == need.accelerator
     else:
         assert engine.accountant.peak <= need.accelerator
+
+
+def test_a_prefill_chunk_stages_the_streamed_experts_whole_ahead_of_their_layer():
+    """Qwen3-30B-A3B's shapes (4 layers, q4_0) under ``resident-experts:64:streamed``: a
+    prefill chunk of 64 rows routes 512 times, 8 a streamed expert (past
+    ``WHOLE_PART_ROUTINGS``), so each layer's 64 streamed experts are staged whole -- one
+    stage of 64 experts' bytes, no ``route`` -- the first before the step's first launch,
+    each next one as soon as the previous layer's have run (a ``wait`` on them: one buffer),
+    before the ops between launch; the simulator prices a stage as 64 copies. A decode step
+    of one row still reads its routing back and copies 8."""
+    from hx.models.spec import preset
+    from hx.planner import policies
+    from hx.planner.simulator import stage_seconds
+    from hx.schedule import (EXPERTS_IN, LAUNCH, ROUTE, STAGE, WAIT, compile_schedule,
+                             routed_expert_bytes)
+
+    from profiles import gpu_like
+
+    spec = preset("qwen3-30b-a3b:4L").replace(dtype="bfloat16", weight_format="q4_0")
+    plan = policies.resident_experts(spec, 64, "streamed")
+    one = routed_expert_bytes(spec)
+    prefill = compile_schedule(plan, spec, "prefill", 1, 64, 64)
+    out = prefill.instructions
+    parts = sorted(i for i, seg in enumerate(prefill.segments) if seg.routes)
+    first = {(ins.kind, ins.segment): n for n, ins in reversed(list(enumerate(out)))}
+    assert not [ins for ins in out if ins.kind in (ROUTE, EXPERTS_IN)]
+    assert [out[first[(STAGE, j)]].nbytes for j in parts] == [64 * one] * 4
+    assert first[(STAGE, parts[0])] < min(n for n, ins in enumerate(out) if ins.kind == LAUNCH)
+    for previous, j in zip(parts, parts[1:]):
+        assert (first[(LAUNCH, previous)] < first[(WAIT, previous)] < first[(STAGE, j)]
+                < first[(LAUNCH, previous + 1)] < first[(LAUNCH, j)])
+    profile = gpu_like()
+    seg = prefill.segments[parts[0]]
+    assert stage_seconds(profile, seg, 64 * one) == pytest.approx(
+        64 * profile.h2d_latency + 64 * one / profile.h2d_bandwidth)
+    decode = compile_schedule(plan, spec, "decode", 1, 1, 64)
+    assert [(ins.kind, ins.nbytes) for ins in decode.instructions
+            if ins.kind in (STAGE, EXPERTS_IN)] == [(EXPERTS_IN, 8 * one)] * 4
+    assert len([ins for ins in decode.instructions if ins.kind == ROUTE]) == 4
 
 
 def test_routed_picks_the_experts_some_row_routes_to():

@@ -60,7 +60,7 @@ from hx.models.llama import (HF_MODEL_NAMES, ROPE_TYPES, YARN, EmbedOp, HeadOp, 
 from hx.models.moe import ExpertsOp, MoeFamily, ROUTER, RouterOp
 from hx.models.ops import EMBED, EXPERT_OPS, HEAD, SCORE
 from hx.models.qwen3_moe import MOE_TRAINING, QWEN_EXPERTS
-from hx.models.spec import MlaShape, ModelSpec, MoeShape
+from hx.models.spec import MlaShape, ModelSpec, MoeShape, feed_forward_fields
 
 ABSORBED = ("w_uk", "w_uv")  # the halves of kv_b_proj: Q's W_UK, OUT's W_UV (dense)
 TOP_K_METHODS = {"greedy": False, "group_limited_greedy": True}  # -> routes by group
@@ -198,7 +198,6 @@ HF_LAYER_NAMES = {
     ("MLP1", "w_up/kernel"): "mlp.up_proj.weight",
     ("MLP2", "w_down/kernel"): "mlp.down_proj.weight",
 }
-DENSE, MOE = "dense", "moe"  # layer types: the first layers' dense MLP, the rest's experts
 HF_MOE_NAMES = {("MLP1", ROUTER): "mlp.gate.weight",
                 ("MLP2", "shared_w_gate/kernel"): "mlp.shared_experts.gate_proj.weight",
                 ("MLP2", "shared_w_up/kernel"): "mlp.shared_experts.up_proj.weight",
@@ -285,12 +284,7 @@ class DeepseekV2Family(MoeFamily):
         reader.expect("qk_head_dim", (mla.nope_dim + mla.rope_dim,), mla.nope_dim + mla.rope_dim)
         theta, scaling = rope_scaling(reader, (*ROPE_TYPES, YARN))
         n_layers = reader.need("num_hidden_layers")
-        moe = self.read_moe(reader)
-        dense = min(int(reader.get("first_k_dense_replace", 0)), n_layers)
-        moe = None if dense == n_layers else moe  # every layer dense
-        types = {} if dense in (0, n_layers) else {
-            "layer_types": tuple(DENSE if i < dense else MOE for i in range(n_layers)),
-            "layer_overrides": ((DENSE, (("moe", None),)), (MOE, (("moe", moe),)))}
+        dense = tuple(range(min(int(reader.get("first_k_dense_replace", 0)), n_layers)))
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
             n_layers=n_layers, d_model=d_model, n_heads=n_heads,
@@ -299,7 +293,8 @@ class DeepseekV2Family(MoeFamily):
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)), family=self.name,
-            rope_scaling=scaling, moe=moe, mla=mla, **types)
+            rope_scaling=scaling, mla=mla,
+            **feed_forward_fields(n_layers, dense, self.read_moe(reader)))
         reader.finish()
         return spec
 

@@ -41,7 +41,7 @@ from hx.models.family import ROPE_FREQS, ConfigReader, Family, GraphLayer, Metad
 from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, dense, held_dtype,
                               inv_frequencies as base_frequencies, lm_head, lookup, rope)
 from hx.models.ops import EMBED, HEAD, SCORE
-from hx.models.spec import ModelSpec, MoeShape
+from hx.models.spec import ModelSpec, MoeShape, feed_forward_fields
 
 ROPE_TYPES = ("default", "linear", "llama3")
 # YaRN (Peng et al. 2023, arXiv:2309.00071), read where a family applies its attention factors
@@ -399,9 +399,10 @@ class LlamaFamily(Family):
         reader.expect("attention_bias", (self.qkv_bias,), self.qkv_bias)
         reader.expect("mlp_bias", (False,), False)
         theta, scaling = rope_scaling(reader)
+        n_layers, moe = reader.need("num_hidden_layers"), self.read_moe(reader)
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
-            n_layers=reader.need("num_hidden_layers"), d_model=d_model, n_heads=n_heads,
+            n_layers=n_layers, d_model=d_model, n_heads=n_heads,
             n_kv_heads=reader.get("num_key_value_heads", n_heads),
             head_dim=reader.get("head_dim", d_model // n_heads),
             d_ff=reader.need("intermediate_size"), vocab_size=reader.need("vocab_size"),
@@ -409,13 +410,17 @@ class LlamaFamily(Family):
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
             family=self.name, sliding_window=self.read_window(reader), rope_scaling=scaling,
-            moe=self.read_moe(reader))
+            **feed_forward_fields(n_layers, self.read_dense_layers(reader, n_layers), moe))
         reader.finish()
         return spec
 
     def read_moe(self, reader: ConfigReader) -> MoeShape | None:
         """The config's Mixture-of-Experts shape (``models.moe``); None: Llama's dense MLP."""
         return None
+
+    def read_dense_layers(self, reader: ConfigReader, n_layers: int) -> tuple[int, ...]:
+        """The layers of an MoE model whose feed-forward part is a dense MLP; none here."""
+        return ()
 
     def read_gguf_moe(self, reader: MetadataReader, d_ff: int) -> MoeShape | None:
         """The Mixture-of-Experts shape of a GGUF, as llama.cpp reads it: ``expert_count``

@@ -317,11 +317,10 @@ class MoeFamily(LlamaFamily):
         (``read_shared_size``), ``norm_topk_prob`` (``read_norm_top_k``).
 
         Raises:
-          HxError: a key missing, or layers without experts (``read_dense_layers``).
+          HxError: a key missing.
         """
         experts = reader.get("num_experts") or reader.need("num_local_experts")
         reader.get("num_local_experts")
-        self.read_dense_layers(reader)
         return MoeShape(experts=int(experts), top_k=int(reader.need("num_experts_per_tok")),
                         d_expert=int(self.read_expert_size(reader)),
                         d_shared=int(self.read_shared_size(reader)),
@@ -339,12 +338,19 @@ class MoeFamily(LlamaFamily):
         """Whether the top k probabilities are renormalised: ``norm_topk_prob``."""
         return reader.get("norm_topk_prob", False)
 
-    def read_dense_layers(self, reader: ConfigReader) -> None:
-        """Every layer must have experts: ``decoder_sparse_step`` 1 and no ``mlp_only_layers``.
+    def read_dense_layers(self, reader: ConfigReader, n_layers: int) -> tuple[int, ...]:
+        """The layers with a dense MLP of ``intermediate_size`` (transformers' Qwen2-MoE and
+        Qwen3-MoE decoder layers): those in ``mlp_only_layers``, and layer i where (i + 1) is
+        not a multiple of ``decoder_sparse_step``; they become the layer type ``dense``
+        (``models.spec.feed_forward_fields``).
 
         Raises:
-          HxError: the config gives some layers a dense MLP.
+          HxError: ``decoder_sparse_step`` below 1, or a layer index out of range.
         """
-        reader.expect("decoder_sparse_step", (1,), 1)
-        if reader.get("mlp_only_layers", []):
-            reader.expect("mlp_only_layers", ([],))
+        step = int(reader.get("decoder_sparse_step", 1))
+        only = set(reader.get("mlp_only_layers", []) or [])
+        if step < 1 or not only <= set(range(n_layers)):
+            raise HxError(f"{reader.where}: config.json sets decoder_sparse_step={step} and "
+                          f"mlp_only_layers={sorted(only)}; hx reads a step of 1 or more and "
+                          f"layers 0 to {n_layers - 1}")
+        return tuple(i for i in range(n_layers) if i in only or (i + 1) % step)

@@ -2,8 +2,8 @@
 (``models.qwen3``: q/k RMSNorm per head, no biases) and a Mixture-of-Experts feed-forward part
 (``models.moe``): ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, the top
 ``num_experts_per_tok`` of a softmax router, renormalised where ``norm_topk_prob``. Layers with a
-dense MLP (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused; ``intermediate_size``
-(their MLP's size) is read and unused.
+dense MLP of ``intermediate_size`` (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are the
+layer type ``dense`` (``MoeFamily.read_dense_layers``).
 """
 
 from __future__ import annotations

@@ -595,6 +595,25 @@ def _gemma3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
                                    ("sliding_window", 1024)))))
 
 
+DENSE_LAYER, MOE_LAYER = "dense", "moe"  # the layer types of an MoE model with dense layers
+
+
+def feed_forward_fields(n_layers: int, dense: tuple[int, ...], moe: MoeShape | None
+                        ) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a model whose MoE layers are ``moe`` but for the ``dense``
+    ones (a SwiGLU of ``d_ff``): ``moe`` alone where no layer is dense, None where all are,
+    else the layer types ``dense`` (``moe`` None) and ``moe`` (``layer_types``)."""
+    dense = set(dense)
+    if moe is None or not dense:
+        return {"moe": moe}
+    if len(dense) >= n_layers:
+        return {"moe": None}
+    return {"moe": moe,
+            "layer_types": tuple(DENSE_LAYER if i in dense else MOE_LAYER
+                                 for i in range(n_layers)),
+            "layer_overrides": ((DENSE_LAYER, (("moe", None),)), (MOE_LAYER, (("moe", moe),)))}
+
+
 def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, q_rank: int,
               d_ff: int, vocab_size: int, moe: MoeShape, mscale: float) -> ModelSpec:
     """A DeepSeek decoder as its Hugging Face config gives it (``models.deepseek_v2``): latent
@@ -608,10 +627,9 @@ def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, 
     return ModelSpec(
         name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=1,
         head_dim=64, d_ff=d_ff, vocab_size=vocab_size, context_length=163840,
-        rope_theta=10000.0, norm_eps=1e-6, family="deepseek_v2", rope_scaling=yarn, moe=moe,
+        rope_theta=10000.0, norm_eps=1e-6, family="deepseek_v2", rope_scaling=yarn,
         mla=MlaShape(kv_rank=512, q_rank=q_rank, nope_dim=128, rope_dim=64, v_dim=128),
-        layer_types=("dense",) * dense + ("moe",) * (n_layers - dense),
-        layer_overrides=(("dense", (("moe", None),)), ("moe", (("moe", moe),))))
+        **feed_forward_fields(n_layers, tuple(range(dense)), moe))
 
 
 # Named shapes of real models, for planning models hx never loads and for random weights of

@@ -224,7 +224,7 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("opt", "do_layer_norm_before", False), ("opt", "word_embed_proj_dim", 32),
     ("opt", "activation_function", "gelu"),
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
-    ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
+    ("qwen3_moe", "decoder_sparse_step", 0), ("qwen3_moe", "mlp_only_layers", [2]),
     ("qwen2_moe", "qkv_bias", False), ("olmoe", "clip_qkv", 8.0),
     ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "norm_topk_prob", True), ("deepseek_v2", "topk_method", "noaux_tc"),
     ("deepseek_v2", "scoring_func", "sigmoid"),
@@ -248,3 +248,26 @@ def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     with pytest.raises(HxError, match=word) as refused:
         spec_from_config({**config, field: value}, "/m")
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name,fields", [("qwen3_moe", {"mlp_only_layers": [0]}),
+                                         ("qwen2_moe", {"decoder_sparse_step": 2})])
+def test_moe_layers_beside_dense_ones_match_transformers(name, fields, tmp_path):
+    """Qwen's MoE configs with dense layers (``mlp_only_layers``; ``decoder_sparse_step`` 2:
+    every other layer): layer 0 is the layer type ``dense`` (an MLP of intermediate_size), layer
+    1 ``moe``; all-accelerator, cpu-moe (the dense MLP stays) and half the experts streamed:
+    transformers' logits within 1e-4 and its greedy tokens."""
+    model_type, config = CONFIGS[name]
+    ref_model = write_checkpoint(name, str(tmp_path), config=(model_type, {**config, **fields}))
+    model = hx.load(str(tmp_path), dtype="float32")
+    spec = model.spec
+    assert spec.layer_types == ("dense", "moe") and spec.expert_layers == (1,)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    ref_logits, ref_greedy = reference(ref_model, prompts, NEW_TOKENS, model.tokenizer.eos_id)
+    for plan in (policies.all_accelerator(spec.n_layers), policies.cpu_moe(spec),
+                 policies.resident_experts(spec, spec.moe.routed // 2, "streamed")):
+        engine = Engine(model, plan, discover())
+        for row, ref in zip(engine.last_logits(prompts), ref_logits):
+            assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan.name
+        got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        assert [c.token_ids for c in got] == ref_greedy, plan.name

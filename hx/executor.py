@@ -220,9 +220,23 @@ class Executor:
         self._acc_memory = self.programs.shardings[ACCELERATOR]
         self._pinned = SingleDeviceSharding(acc, memory_kind="pinned_host")  # disk reads
         self.segments = {phase: split_segments(plan, phase) for phase in PHASES}
+        self._params = self._place_weights(params, spill_dir)
+        self._on_disk = {phase: [tuple(plan.weight_home(layer, op) == DISK
+                                       for layer, op in seg.ops) for seg in segs]
+                         for phase, segs in self.segments.items()}
+        self._schedules: dict[tuple, Schedule] = {}
+        self._executables: dict[tuple, tuple[Any, int]] = {}
+        self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
+        self._kv_keys: set[tuple] = set()  # accountant keys of live KV caches
+
+    def _place_weights(self, params: dict[str, Any], spill_dir: str | None
+                       ) -> dict[str, list[tuple]]:
+        """Every segment's weight trees, by phase, placed at their homes (``_place``; a part
+        of an MoE layer's experts cut from its stacks once, a streamed part one tree an
+        expert); sets ``spilled_bytes`` (the disk tier's)."""
+        spec, plan = self.spec, self.plan
         placed: dict[tuple[int, str, str], Any] = {}  # (id(array), home, dtype) -> placed
         tier = disk.DiskTier(spill_dir, plan.name)
-
         parts: dict[tuple[int, str], Any] = {}  # (layer, op) -> a part of an MoE layer's
         cut: list[Any] = []  # the parts' host trees, alive while placing: ``placed`` keys ids
 
@@ -247,17 +261,11 @@ class Executor:
                                                      device, placed, tier)
             return parts[(layer, op)]
 
-        self._params = tier.finish({
+        placed_params = tier.finish({
             phase: [tuple(held(layer, op, seg.device) for layer, op in seg.ops) for seg in segs]
             for phase, segs in self.segments.items()})
         self.spilled_bytes = tier.spilled_bytes
-        self._on_disk = {phase: [tuple(plan.weight_home(layer, op) == DISK
-                                       for layer, op in seg.ops) for seg in segs]
-                         for phase, segs in self.segments.items()}
-        self._schedules: dict[tuple, Schedule] = {}
-        self._executables: dict[tuple, tuple[Any, int]] = {}
-        self._shapes: set[tuple] = set()  # (signature, B, T, S) this executor has used
-        self._kv_keys: set[tuple] = set()  # accountant keys of live KV caches
+        return placed_params
 
     def _place(self, tree, layer: int | None, op: str, home: str, device: str,
                placed: dict[tuple[int, str, str], Any], tier: disk.DiskTier) -> Any:

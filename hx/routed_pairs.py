@@ -42,6 +42,7 @@ class RoutedPairs:
 
     def __init__(self, spec: ModelSpec, plan: ExecutionPlan):
         self.spec, self.plan = spec, plan
+        self.layers = spec.expert_layers  # kept: every step asks
         self.split = split_layers(plan)
         self.counts: Counter[tuple[str, str]] = Counter()
 
@@ -62,7 +63,7 @@ class RoutedPairs:
           HxError: a split layer's routing was not kept (an executor that lost it).
         """
         k = self.spec.moe.top_k
-        for layer in self.spec.expert_layers:
+        for layer in self.layers:
             if layer not in self.split:
                 self.counts[self._whole(phase, layer)] += rows * k
                 continue
@@ -76,9 +77,8 @@ class RoutedPairs:
 
     def add_loop(self, phase: str, rows: int, steps: int) -> None:
         """``steps`` steps of ``rows`` rows run as one launch on one device (no split
-        layer)."""
-        for _ in range(steps):
-            self.add_step(phase, rows, {})
+        layer: each layer's rows x k a step)."""
+        self.add_step(phase, rows * steps, {})
 
     def summary(self) -> str:
         """One line: the pairs on each device, by home, and their total."""

@@ -56,11 +56,11 @@ from hx.models.family import ConfigReader, GraphLayer
 from hx.models.layers import (Cache, RMSNorm, Step, WeightedOp, append_kv, attention_mask, dense,
                               held_dtype, rope)
 from hx.models.llama import (HF_MODEL_NAMES, ROPE_TYPES, YARN, EmbedOp, HeadOp, inv_frequencies,
-                              rope_scaling, yarn_factors)
+                              yarn_factors)
 from hx.models.moe import ExpertsOp, MoeFamily, ROUTER, RouterOp
 from hx.models.ops import EMBED, EXPERT_OPS, HEAD, SCORE
 from hx.models.qwen3_moe import MOE_TRAINING, QWEN_EXPERTS
-from hx.models.spec import MlaShape, ModelSpec, MoeShape, feed_forward_fields
+from hx.models.spec import MlaShape, ModelSpec, MoeShape
 
 ABSORBED = ("w_uk", "w_uv")  # the halves of kv_b_proj: Q's W_UK, OUT's W_UV (dense)
 TOP_K_METHODS = {"greedy": False, "group_limited_greedy": True}  # -> routes by group
@@ -212,6 +212,7 @@ class DeepseekV2Family(MoeFamily):
     hf_ignored: ClassVar[frozenset] = MOE_TRAINING | frozenset({
         "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp"})
     host_attention: ClassVar[bool] = False
+    rope_types: ClassVar[tuple[str, ...]] = (*ROPE_TYPES, YARN)  # YaRN: ``yarn_factors``
 
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """``MoeFamily``'s embedding, MoE part and HEAD; latent attention's Q the norm (D,),
@@ -261,19 +262,15 @@ class DeepseekV2Family(MoeFamily):
             return whole[:, :m.nope_dim] if path == "w_uk" else whole[:, m.nope_dim:]
         return super().from_hf(spec, tensors, layer, op, path)
 
-    def spec_from_hf(self, config: Mapping[str, Any], where: str) -> ModelSpec:
-        """The spec of a ``deepseek_v2`` config.json (module docstring): one KV head, the
-        rotated part as ``head_dim``, ``MlaShape``, the MoE shape (``read_moe``) and, with
-        ``first_k_dense_replace``, the layer types ``dense`` (``moe`` None) and ``moe``.
+    def read_heads(self, reader: ConfigReader, d_model: int, n_heads: int) -> dict[str, Any]:
+        """Latent attention's fields (module docstring): one KV head, the rotated part as
+        ``head_dim``, ``MlaShape`` (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``,
+        ``qk_rope_head_dim``, ``v_head_dim``).
 
         Raises:
-          HxError: a key missing, or a field hx refuses (module docstring).
+          HxError: key/value heads other than the query heads, ``head_dim`` or ``qk_head_dim``
+            other than transformers sets, or a key missing.
         """
-        reader = ConfigReader(config, where, self.hf_ignored)
-        d_model, n_heads = reader.need("hidden_size"), reader.need("num_attention_heads")
-        reader.expect("hidden_act", ("silu",), "silu")
-        reader.expect("attention_bias", (False,), False)
-        reader.expect("mlp_bias", (False,), False)
         reader.expect("num_key_value_heads", (n_heads,), n_heads)
         mla = MlaShape(kv_rank=int(reader.need("kv_lora_rank")),
                        q_rank=int(reader.get("q_lora_rank", 0)),
@@ -282,21 +279,11 @@ class DeepseekV2Family(MoeFamily):
                        v_dim=int(reader.need("v_head_dim")))
         reader.expect("head_dim", (mla.rope_dim,), mla.rope_dim)  # transformers sets it so
         reader.expect("qk_head_dim", (mla.nope_dim + mla.rope_dim,), mla.nope_dim + mla.rope_dim)
-        theta, scaling = rope_scaling(reader, (*ROPE_TYPES, YARN))
-        n_layers = reader.need("num_hidden_layers")
-        dense = tuple(range(min(int(reader.get("first_k_dense_replace", 0)), n_layers)))
-        spec = ModelSpec(
-            name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
-            n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-            n_kv_heads=1, head_dim=mla.rope_dim, d_ff=reader.need("intermediate_size"),
-            vocab_size=reader.need("vocab_size"),
-            context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
-            norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(reader.get("tie_word_embeddings", False)), family=self.name,
-            rope_scaling=scaling, mla=mla,
-            **feed_forward_fields(n_layers, dense, self.read_moe(reader)))
-        reader.finish()
-        return spec
+        return {"n_kv_heads": 1, "head_dim": mla.rope_dim, "mla": mla}
+
+    def read_dense_layers(self, reader: ConfigReader, n_layers: int) -> tuple[int, ...]:
+        """The first ``first_k_dense_replace`` layers (the layer type ``dense``)."""
+        return tuple(range(min(int(reader.get("first_k_dense_replace", 0)), n_layers)))
 
     def read_moe(self, reader: ConfigReader) -> MoeShape:
         """DeepSeekMoE's shape: ``n_routed_experts`` experts of ``moe_intermediate_size``, the

@@ -352,6 +352,8 @@ class LlamaFamily(Family):
     # ``pretraining_tp`` splits the products of Meta's training into slices whose sums
     # transformers adds back in the same order (tests/test_families.py proves it)
     hf_ignored: ClassVar[frozenset] = frozenset({"pretraining_tp"})
+    # the RoPE types its config may set (``rope_scaling``)
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES
 
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """Llama's weights per op (paths as in ``models.family``): Q holds the attention norm
@@ -398,14 +400,12 @@ class LlamaFamily(Family):
         reader.expect("hidden_act", ("silu",), "silu")
         reader.expect("attention_bias", (self.qkv_bias,), self.qkv_bias)
         reader.expect("mlp_bias", (False,), False)
-        theta, scaling = rope_scaling(reader)
+        theta, scaling = rope_scaling(reader, self.rope_types)
         n_layers, moe = reader.need("num_hidden_layers"), self.read_moe(reader)
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
             n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-            n_kv_heads=reader.get("num_key_value_heads", n_heads),
-            head_dim=reader.get("head_dim", d_model // n_heads),
-            d_ff=reader.need("intermediate_size"), vocab_size=reader.need("vocab_size"),
+            **self.read_heads(reader, d_model, n_heads), d_ff=reader.need("intermediate_size"), vocab_size=reader.need("vocab_size"),
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
@@ -413,6 +413,12 @@ class LlamaFamily(Family):
             **feed_forward_fields(n_layers, self.read_dense_layers(reader, n_layers), moe))
         reader.finish()
         return spec
+
+    def read_heads(self, reader: ConfigReader, d_model: int, n_heads: int) -> dict[str, Any]:
+        """The ``ModelSpec`` fields of attention's heads: ``num_key_value_heads`` (else the
+        query heads) and ``head_dim`` (else D / H)."""
+        return {"n_kv_heads": reader.get("num_key_value_heads", n_heads),
+                "head_dim": reader.get("head_dim", d_model // n_heads)}
 
     def read_moe(self, reader: ConfigReader) -> MoeShape | None:
         """The config's Mixture-of-Experts shape (``models.moe``); None: Llama's dense MLP."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +144,7 @@ def _refuse_on_a_mesh(plan: ExecutionPlan, tp: int) -> None:
     Raises:
       HxError: the plan has either.
     """
-    if any(home == DISK for _, _, home in plan.weights.sequence()) or STREAMED in plan.kv:
+    if any(home == DISK for _, _, home in plan.held_ops()) or STREAMED in plan.kv:
         raise HxError(f"plan {plan.name!r} keeps weights on disk or KV caches streamed: over "
                       f"{tp} accelerators hx runs weights resident, streamed or on the host, and "
                       "KV caches on either side, not yet these")
@@ -252,10 +252,11 @@ class Executor:
                                    placed, tier)
             if (layer, op) not in parts:  # made once: both phases' segments hold the one
                 ids = dict(plan.experts.groups(layer)).get(op, ())
-                if op == EXPERTS_STREAMED:  # one tree an expert: copied as routed
+                if op == EXPERTS_STREAMED:  # one tree an expert, in memory or on disk
                     parts[(layer, op)] = tuple(
-                        self._place(part(layer, op, (e,)), layer, op, home, device, placed,
-                                    tier) for e in ids)
+                        self._place(part(layer, op, (e,)), layer, op, DISK if on_disk else home,
+                                    device, placed, tier)
+                        for e, on_disk in zip(ids, plan.experts.on_disk(layer)))
                 else:
                     parts[(layer, op)] = self._place(part(layer, op, ids), layer, op, home,
                                                      device, placed, tier)
@@ -610,6 +611,7 @@ class _BlockStep:
         # into its experts) after ``route``, the buffer the launch runs after ``experts in``
         self.routes: dict[tuple[int, int], list[int]] = {}
         self.routed_in: dict[tuple[int, int], Any] = {}
+        self.disk_read: list[np.ndarray] = []  # disk-homed experts' leaves copied this step
         # (layer, micro) -> the routing weights of a layer whose experts are split, as they
         # crossed the devices (counted once the step is done: ``hx.routed_pairs``)
         self.routing: dict[tuple[int, int], Any] = {}
@@ -627,6 +629,8 @@ class _BlockStep:
         for index, ins in enumerate(self.schedule.instructions):
             handlers[ins.kind](index, ins)
         out = stream.resolve(([env["logits"] for env in self.envs], self.caches))
+        for leaf in self.disk_read:  # the copies are done: drop the file's pages
+            release(leaf)
         if self.ex.routed is not None:
             rows = self.schedule.batch * self.schedule.tokens
             for m in range(len(self.envs)):
@@ -660,15 +664,15 @@ class _BlockStep:
         dispatch = time.perf_counter()
         if seg.routes:
             experts = self.params[ins.segment][0]
-            copied = [jax.device_put(e, self.ex._acc_memory) for e in experts]
+            copied, read = self.copy_experts(ins.segment, range(len(experts)))
             buffer = routed_experts.assemble(copied, experts[0], len(experts),
                                              self.ex._acc_memory)
             self.staged[ins.segment] = (buffer,)
             self.acct.apply(ins, {staging_key(ins.segment): tree_bytes(buffer)})
             layer = seg.ops[0][0]
             self.record(index, ins, H2D, f"experts {layer} (whole)", copied, dispatch,
-                        bytes=sum(tree_bytes(t) for t in copied), layers=[layer],
-                        experts=[int(e) for e in dict(
+                        bytes=sum(tree_bytes(t) for t in copied), disk_bytes=read,
+                        layers=[layer], experts=[int(e) for e in dict(
                             self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED]])
             return
         params, acc = self.params[ins.segment], self.ex._acc_memory
@@ -803,15 +807,30 @@ class _BlockStep:
         chosen = self.routes.pop((i, m))
         slots = routed_slots(seg.parts[0], self.schedule.batch * self.schedule.tokens,
                              self.ex.spec.moe.top_k)
-        copied = [jax.device_put(experts[j], self.ex._acc_memory) for j in chosen]
+        copied, read = self.copy_experts(i, chosen)
         buffer = routed_experts.assemble(copied, experts[0], slots, self.ex._acc_memory)
         self.routed_in[(i, m)] = buffer
         self.acct.apply(ins, {experts_key(i, m): tree_bytes(buffer)})
         layer = seg.ops[0][0]
         self.record(index, ins, H2D, f"experts {layer}", copied, dispatch,
-                    bytes=sum(tree_bytes(t) for t in copied), layers=[layer],
+                    bytes=sum(tree_bytes(t) for t in copied), disk_bytes=read, layers=[layer],
                     experts=[int(dict(self.ex.plan.experts.groups(layer))[EXPERTS_STREAMED][j])
                              for j in chosen])
+
+    def copy_experts(self, i: int, chosen: Iterable[int]) -> tuple[list[Any], int]:
+        """Copy experts ``chosen`` (indices into the experts of segment ``i``, a streamed
+        part) to the accelerator, one copy each; (the copies, bytes read from disk). A
+        disk-homed expert's copy reads its mapped file; its pages are released once the step
+        is done (``run``)."""
+        experts = self.params[i][0]
+        on_disk = self.ex.plan.experts.on_disk(self.segments[i].ops[0][0])
+        copied, read = [], 0
+        for j in chosen:
+            copied.append(jax.device_put(experts[j], self.ex._acc_memory))
+            if on_disk[j]:
+                self.disk_read.extend(jax.tree.leaves(experts[j]))
+                read += tree_bytes(experts[j])
+        return copied, read
 
     def segment_params(self, i: int) -> tuple:
         """Segment ``i``'s weight trees as its launch takes them: staged where staged."""

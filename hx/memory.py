@@ -164,8 +164,8 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
         devices = ({home_device(home)} if op in EXPERT_OPS else
                    {plan.phase(p).get(layer, op) for p in PHASES})
         for device in devices:
-            for path, (shape, dtype) in held_weights(plan.op_spec(spec, layer, op), op,
-                                                     device).items():
+            for path, (shape, dtype) in held_weights(plan.held_spec(spec, layer, op, home),
+                                                     op, device).items():
                 tied = path.split("/")[0] == "embedding" and spec.tie_embeddings
                 array = path if tied else (layer, op, path)
                 held[(array, home, dtype)] = math.prod(shape) * numpy_dtype(dtype).itemsize
@@ -175,7 +175,7 @@ def held_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> tuple[int, int]:
 
 def disk_weight_bytes(plan: ExecutionPlan, spec: ModelSpec) -> int:
     """Bytes of the weights ``plan`` keeps on disk (in the model's dtype)."""
-    return sum(plan.op_spec(spec, layer, op).op_weight_bytes(op)
+    return sum(plan.held_spec(spec, layer, op, home).op_weight_bytes(op)
                for layer, op, home in plan.held_ops() if home == DISK)
 
 

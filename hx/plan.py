@@ -197,10 +197,14 @@ class WeightHomes(OpTable):
 
 
 # the op that computes an MoE layer's routed experts of each home (``models.ops.EXPERT_OPS``),
-# in the order a layer runs them: the host's before MLP2, the accelerator's after it
-EXPERT_OP_OF = {HOST: EXPERTS_HOST, RESIDENT: EXPERTS_RESIDENT, STREAMED: EXPERTS_STREAMED}
+# in the order a layer runs them: the host's before MLP2, the accelerator's after it. A
+# disk-homed expert is a streamed one read from a mapped file instead of host memory: the
+# streamed op copies both kinds as routed.
+EXPERT_OP_OF = {HOST: EXPERTS_HOST, RESIDENT: EXPERTS_RESIDENT, STREAMED: EXPERTS_STREAMED,
+                DISK: EXPERTS_STREAMED}
 EXPERT_HOMES = tuple(EXPERT_OP_OF)
-EXPERT_HOME_OF = {op: home for home, op in EXPERT_OP_OF.items()}  # an expert op's home
+EXPERT_HOME_OF = {EXPERTS_HOST: HOST, EXPERTS_RESIDENT: RESIDENT,
+                  EXPERTS_STREAMED: STREAMED}  # an expert op's home (its weights' buffers)
 
 
 @dataclass(frozen=True)
@@ -208,18 +212,21 @@ class ExpertHomes:
     """Where each routed expert of an MoE layer lives (docs/architecture.md, "Plans"): the
     unit of placement of a layer's experts is one expert.
 
-    A layer with homes runs its experts of each home as one op of ``EXPERT_OPS`` on that
-    home's device (``host``: computed on the host on the rows routed to them; ``resident``:
-    on the accelerator; ``streamed``: copied to the accelerator before its segment, like a
-    streamed op's weights, and computed there); MLP2 keeps the shared expert and the residual
-    add (``ModelSpec.expert_part``). A layer without homes runs its experts inside MLP2,
-    placed as MLP2's weights are (``WeightHomes``).
+    A layer with homes runs its experts as one op of ``EXPERT_OPS`` per device side
+    (``EXPERT_OP_OF``; ``host``: computed on the host on the rows routed to them;
+    ``resident``: on the accelerator; ``streamed``: held in host memory and copied to the
+    accelerator once the layer's routing is known, only the experts some row routes to, and
+    computed there; ``disk``: the same copy read from a mapped file, so that between steps
+    the expert costs no memory at all -- MoE-Infinity's and HOBBIT's SSD tier); MLP2 keeps the
+    shared expert and the residual add (``ModelSpec.expert_part``). A layer without homes
+    runs its experts inside MLP2, placed as MLP2's weights are (``WeightHomes``).
 
     Attributes:
       layers: per decoder layer, () or one home per routed expert (``EXPERT_HOMES``); ()
         altogether: no layer has homes.
 
-    JSON form: per layer null or ``{"resident": [ids], "streamed": [ids], "host": [ids]}``.
+    JSON form: per layer null or ``{"resident": [ids], "streamed": [ids], "host": [ids],
+    "disk": [ids]}``.
     """
 
     layers: tuple[tuple[str, ...], ...] = ()
@@ -229,11 +236,23 @@ class ExpertHomes:
         return self.layers[layer] if self.layers else ()
 
     def groups(self, layer: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """((op, expert ids), ...) of ``layer``'s homes that hold experts, in
-        ``EXPERT_HOMES`` order."""
+        """((op, expert ids), ...) of ``layer``'s expert ops that run some experts, in
+        ``EXPERT_OPS`` order (the streamed op's ids: its streamed and disk-homed experts)."""
         homes = self.of(layer)
-        return tuple((EXPERT_OP_OF[home], ids) for home in EXPERT_HOMES
-                     if (ids := tuple(e for e, h in enumerate(homes) if h == home)))
+        return tuple((op, ids) for op in EXPERT_OPS
+                     if (ids := tuple(e for e, h in enumerate(homes) if EXPERT_OP_OF[h] == op)))
+
+    def homes(self, layer: int | None) -> tuple[tuple[str, str, int], ...]:
+        """((op, home, experts), ...): how many of ``layer``'s experts each op holds at each
+        home, for the homes that hold some (``EXPERT_HOMES`` order)."""
+        homes = self.of(layer) if layer is not None else ()
+        return tuple((EXPERT_OP_OF[h], h, homes.count(h)) for h in EXPERT_HOMES if h in homes)
+
+    def on_disk(self, layer: int) -> tuple[bool, ...]:
+        """Per expert of ``layer``'s streamed op (``groups`` order), whether it is read from
+        disk."""
+        homes = self.of(layer)
+        return tuple(homes[e] == DISK for e in dict(self.groups(layer)).get(EXPERTS_STREAMED, ()))
 
     def part(self, layer: int | None, op: str) -> int:
         """How many routed experts ``op`` of ``layer`` holds where the layer's experts have
@@ -343,12 +362,21 @@ class ExecutionPlan:
 
     def held_ops(self) -> Iterator[tuple[int | None, str, str]]:
         """(layer, op, home) of every op that holds weights (``weight_owners`` order, each
-        layer's expert ops after its MLP2)."""
+        layer's expert ops after its MLP2), an expert op once for each home of its experts
+        (``ExpertHomes.homes``: the streamed op's in host memory and on disk)."""
         for layer, op, home in self.weights.sequence():
             yield layer, op, home
             if op == "MLP2" and layer is not None:
-                for g, _ in self.experts.groups(layer):
-                    yield layer, g, EXPERT_HOME_OF[g]
+                for g, h, _ in self.experts.homes(layer):
+                    yield layer, g, h
+
+    def held_spec(self, spec: ModelSpec, layer: int | None, op: str, home: str) -> ModelSpec:
+        """The spec of what ``op`` of ``layer`` holds at ``home`` (``held_ops``): ``op_spec``,
+        but an expert op's experts at that home alone."""
+        if op not in EXPERT_OPS:
+            return self.op_spec(spec, layer, op)
+        n = dict(((g, h), n) for g, h, n in self.experts.homes(layer)).get((op, home), 0)
+        return spec.layer_spec(layer).expert_part(op, n)
 
     @property
     def n_layers(self) -> int:

@@ -18,12 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hx.devices import ACCELERATOR, HOST
 from hx.errors import HxError
 from hx.models.spec import ModelSpec
-from hx.plan import RESIDENT, STREAMED, ExecutionPlan
-
-EXPERT_DEVICE = {RESIDENT: ACCELERATOR, STREAMED: ACCELERATOR, HOST: HOST}
+from hx.plan import ExecutionPlan, home_device
 
 
 def split_layers(plan: ExecutionPlan) -> frozenset[int]:
@@ -50,7 +47,7 @@ class RoutedPairs:
         """(device, home) of every expert of an unsplit layer in ``phase``."""
         homes = self.plan.experts.layers[layer] if self.plan.experts.of(layer) else ()
         if homes:
-            return EXPERT_DEVICE[homes[0]], homes[0]
+            return home_device(homes[0]), homes[0]
         return (self.plan.phase(phase).get(layer, "MLP2"),
                 self.plan.weight_home(layer, "MLP2"))
 
@@ -73,7 +70,7 @@ class RoutedPairs:
             weights = np.asarray(routing[layer])[..., -self.spec.moe.routed:]
             chosen = (weights.reshape(-1, weights.shape[-1]) != 0).sum(axis=0)
             for home, n in zip(self.plan.experts.layers[layer], chosen):
-                self.counts[(EXPERT_DEVICE[home], home)] += int(n)
+                self.counts[(home_device(home), home)] += int(n)
 
     def add_loop(self, phase: str, rows: int, steps: int) -> None:
         """``steps`` steps of ``rows`` rows run as one launch on one device (no split

@@ -440,13 +440,25 @@ def expert_rows(matrix, ids: np.ndarray, experts: int):
     contiguous) taken by whole experts -- ggml's repacked rows stay interleaved within
     their 8, which an expert's out (a multiple of 8) never splits. The arrays are new: numpy
     where ``matrix`` holds numpy arrays, JAX inside a program (a gather of the routed
-    experts: ``models.moe.Experts``)."""
-    return _xp(matrix, ids).take(matrix, ids, axis=0)
+    experts: ``models.moe.Experts``), but a view where numpy takes a run of consecutive
+    experts (so one expert of a mapped file stays a view of the file: ``hx.disk``)."""
+    return _take(matrix, ids, 0)
 
 
 def _xp(array, ids):
     """numpy where both are numpy arrays, else ``jax.numpy`` (inside a program)."""
     return np if isinstance(array, np.ndarray) and isinstance(ids, np.ndarray) else jnp
+
+
+def _take(array, index, axis: int):
+    """``array`` at ``index`` along ``axis``: a slice (a view) where both are numpy and the
+    index is a run of consecutive integers, else ``take``."""
+    xp = _xp(array, index)
+    if xp is np and index.size and np.array_equal(index, np.arange(index.flat[0],
+                                                                   index.flat[0] + index.size)):
+        return array[(slice(None),) * axis + (slice(int(index.flat[0]),
+                                                    int(index.flat[0]) + index.size),)]
+    return xp.take(array, index, axis=axis)
 
 
 def _whole_expert_rows(n: int, ids, experts: int, xp):
@@ -456,23 +468,21 @@ def _whole_expert_rows(n: int, ids, experts: int, xp):
 
 @expert_rows.register
 def _(matrix: GroupMatrix, ids, experts: int):
-    return matrix.map(lambda a: _xp(a, ids).take(a, ids, axis=0))
+    return matrix.map(lambda a: _take(a, ids, 0))
 
 
 @expert_rows.register
 def _(matrix: Int4Packed, ids, experts: int):
-    xp = _xp(matrix.packed, ids)
-    rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts, xp)
-    return Int4Packed(xp.take(matrix.packed, rows, axis=0), xp.take(matrix.sz, rows, axis=1),
+    rows = _whole_expert_rows(matrix.packed.shape[0], ids, experts, _xp(matrix.packed, ids))
+    return Int4Packed(_take(matrix.packed, rows, 0), _take(matrix.sz, rows, 1),
                       matrix.fmt, matrix.block)
 
 
 @expert_rows.register
 def _(matrix: GGUFBlocks, ids, experts: int):
-    xp = _xp(matrix.blocks, ids)
-    rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts, xp)
-    return GGUFBlocks(xp.take(matrix.blocks, rows, axis=0), matrix.fmt, matrix.repacked,
-                      None if matrix.centres is None else xp.take(matrix.centres, rows, axis=1))
+    rows = _whole_expert_rows(matrix.blocks.shape[0], ids, experts, _xp(matrix.blocks, ids))
+    return GGUFBlocks(_take(matrix.blocks, rows, 0), matrix.fmt, matrix.repacked,
+                      None if matrix.centres is None else _take(matrix.centres, rows, 1))
 
 
 @functools.singledispatch

@@ -38,7 +38,7 @@ from hx.devices import ACCELERATOR, HOST, Devices
 from hx.errors import HxError
 from hx.models.ops import EXPERTS_HOST, EXPERTS_RESIDENT
 from hx.models.spec import EMBED, ModelSpec, gathers
-from hx.plan import RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
+from hx.plan import DISK, RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placement
 from hx.planner.cost import routed_chance
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import ggml_seconds, op_seconds
@@ -167,14 +167,16 @@ class ExpertCosts:
       (decode) it gathers each row's k of the part's experts, whatever they are: a layer's
       fixed cost, k experts' products a row; at more (prefill) every expert of the part runs
       on every row, routed to or not;
-    * a streamed expert adds its copy when a step routes to it.
+    * a streamed expert adds its copy when a step routes to it; a disk-homed one (where the
+      profile has a disk) its read from disk besides, in the same op as the streamed ones.
 
     Attributes:
       seconds: {home: (layers, experts) array}: an expert's expected seconds there over the
-        run.
+        run (``disk`` only where the profile has a disk's read rate).
       fixed: {home: seconds a layer pays over the run for running some experts there}: the
         host's x and a crossing and coming back, a launch each side; a streamed part's
-        routing read back and its launch; XLA's gathered products.
+        routing read back and its launch (disk-homed experts' too); XLA's gathered
+        products.
       nbytes: bytes of one expert as the accelerator and the host hold it.
     """
 
@@ -208,6 +210,7 @@ class ExpertCosts:
         share = np.asarray(activity.shares)
         seconds = {home: np.zeros_like(share) for home in (RESIDENT, STREAMED, HOST)}
         fixed = {HOST: 0.0, STREAMED: 0.0, RESIDENT: 0.0}
+        read = np.zeros_like(share)  # a disk-homed expert's reads before its copies
         steps = ((workload.batch * workload.prompt_tokens, 1),
                  (workload.batch, workload.decode_steps))
         for rows, count in steps:
@@ -224,6 +227,10 @@ class ExpertCosts:
                     fixed[home] += count * run(home, X, rows)
                 else:  # every expert here on every row
                     seconds[home] += count * run(home, 1, rows)
+            if profile.disk_read_bandwidth:
+                read += count * routed * nbytes / profile.disk_read_bandwidth
+        if profile.disk_read_bandwidth:  # a streamed expert read from disk first
+            seconds[DISK] = seconds[STREAMED] + read
         for rows, count in steps:
             x = rows * spec.d_model * spec.dtype_bytes
             a = rows * spec.inner_width * spec.dtype_bytes
@@ -242,14 +249,16 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
                   activity: ExpertActivity, accelerator_bytes: int, host_bytes: int | None,
                   time_limit_s: float = 5.0, streams: bool = True) -> ExpertHomes:
     """CP-SAT's expert homes (module docstring): a boolean per (layer, expert, home), one home
-    an expert, an indicator per (layer, home) that any expert is there; minimised: the
-    experts' expected seconds plus the layers' fixed ones (``ExpertCosts``); subject to the
-    resident experts' bytes within ``accelerator_bytes`` and the host's and streamed ones'
-    within ``host_bytes`` (None: unbounded), the accelerator's beside the buffer of the most
-    streamed experts of a layer (``schedule``'s ``experts in``: a prefill chunk's routing
-    fills it), started from whole layers resident or on the host (``_whole_layers``). One
-    worker, a seed and a deterministic limit:
-    the same homes however loaded the machine is.
+    an expert, an indicator per (layer, side) that any expert runs there (a disk-homed one
+    in the streamed op); minimised: the experts' expected seconds plus the layers' fixed ones
+    (``ExpertCosts``); subject to the resident experts' bytes within ``accelerator_bytes``
+    and the host's and streamed ones' within ``host_bytes`` (None: unbounded), the
+    accelerator's beside the buffer of the most streamed and disk-homed experts of a layer
+    (``schedule``'s ``experts in``: a prefill chunk's routing fills it). With a host budget
+    and a profile with a disk's read rate (``ExpertCosts``) an expert may live on disk,
+    costing no memory. Started from whole layers resident or on the host
+    (``_whole_layers``). One worker, a seed and a deterministic limit: the same homes however
+    loaded the machine is.
 
     Raises:
       HxError: the host cannot hold the experts the accelerator does not.
@@ -258,28 +267,32 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
 
     costs = ExpertCosts.price(spec, profile, workload, activity)
     homes = (RESIDENT, STREAMED, HOST) if streams else (RESIDENT, HOST)
+    if streams and DISK in costs.seconds and host_bytes is not None:
+        homes += (DISK,)
+    copied = [h for h in (STREAMED, DISK) if h in homes]  # the streamed op's homes
     layers, X = spec.expert_layers, spec.moe.routed  # a dense first layer has none
     model = cp_model.CpModel()
     x = {(l, e, h): model.NewBoolVar(f"x{l}_{e}_{h}") for l in layers for e in range(X)
          for h in homes}
-    any_at = {(l, h): model.NewBoolVar(f"y{l}_{h}") for l in layers for h in homes}
+    sides = [h for h in homes if h != DISK]  # a disk-homed expert runs in the streamed op
+    any_at = {(l, h): model.NewBoolVar(f"y{l}_{h}") for l in layers for h in sides}
     for l in layers:
         for e in range(X):
             model.AddExactlyOne(x[(l, e, h)] for h in homes)
             for h in homes:
-                model.AddImplication(x[(l, e, h)], any_at[(l, h)])
+                model.AddImplication(x[(l, e, h)], any_at[(l, STREAMED if h == DISK else h)])
     # the buffer streamed experts are copied into: the most a layer streams (a prefill
     # chunk of ``workload.prompt_tokens`` rows routes to all of them), one layer at a time
     widest = model.NewIntVar(0, X, "streamed")
     for l in layers:
-        if STREAMED in homes:
-            model.Add(widest >= sum(x[(l, e, STREAMED)] for e in range(X)))
+        if copied:
+            model.Add(widest >= sum(x[(l, e, h)] for e in range(X) for h in copied))
     buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
     model.Add(sum(x[(l, e, RESIDENT)] for l in layers for e in range(X)) * costs.nbytes
               + widest * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
     if host_bytes is not None:
         model.Add(sum(x[(l, e, h)] for l in layers for e in range(X) for h in homes
-                      if h != RESIDENT) * costs.nbytes <= host_bytes)
+                      if h not in (RESIDENT, DISK)) * costs.nbytes <= host_bytes)
     hint = _whole_layers(costs, layers, X, accelerator_bytes)
     for (l, e, h), var in x.items():
         model.AddHint(var, hint[l] == h)
@@ -294,7 +307,8 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     solver.parameters.random_seed = 0
     if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise HxError(f"no placement of {spec.name}'s routed experts fits: the host holds "
-                      f"{host_bytes} bytes for them")
+                      f"{host_bytes} bytes for them" + ("" if DISK in homes else
+                      ", and the hardware profile has no disk to keep the others on"))
     return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
                                    for e in range(X)) if l in hint else ()
                              for l in range(spec.n_layers)))

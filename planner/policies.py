@@ -111,9 +111,10 @@ def cpu_moe(spec: ModelSpec, layers: int | None = None) -> ExecutionPlan:
 def resident_experts(spec: ModelSpec, resident: int, rest: str = STREAMED) -> ExecutionPlan:
     """Every op on the accelerator with its weights resident, but EMBED on the host, and each
     MoE layer's routed experts placed one by one (``hx.plan.ExpertHomes``): experts 0 to N-1
-    resident, the others ``streamed`` (copied in before their layer's experts run) or on the
-    ``host`` (computed there on the rows routed to them: Fiddler's split, Kamahori et al.
-    2024). Named ``resident-experts:N[:streamed|host]``.
+    resident, the others ``streamed`` (copied in as routed before their layer's experts run),
+    on ``disk`` (the same copies read from a mapped file) or on the ``host`` (computed there
+    on the rows routed to them: Fiddler's split, Kamahori et al. 2024). Named
+    ``resident-experts:N[:streamed|disk|host]``.
 
     Raises:
       HxError: the model has no experts, N outside [0, X], or another home for the rest.
@@ -123,9 +124,9 @@ def resident_experts(spec: ModelSpec, resident: int, rest: str = STREAMED) -> Ex
     X = spec.moe.routed
     if not 0 <= resident <= X:
         raise HxError(f"resident-experts:N takes N between 0 and {X}, got {resident}")
-    if rest not in (STREAMED, HOST):
+    if rest not in (STREAMED, DISK, HOST):
         raise HxError(f"resident-experts:N:HOME puts the other experts at a home of "
-                      f"streamed or host, got {rest!r}")
+                      f"streamed, disk or host, got {rest!r}")
     homes = tuple(RESIDENT if e < resident else rest for e in range(X))
     placement = Placement.uniform(spec.n_layers,
                                   lambda op: HOST if op == EMBED else ACCELERATOR)
@@ -411,7 +412,7 @@ MOE_TABLE: dict[str, Policy] = {
     "ktransformers": Policy(_hot_experts(False, "ktransformers"), baseline=True),
     "fiddler": Policy(_hot_experts(True, "fiddler"), baseline=True),
 }
-MOE_POLICIES = ("cpu-moe", "n-cpu-moe[:N]", "resident-experts:N[:streamed|host]",
+MOE_POLICIES = ("cpu-moe", "n-cpu-moe[:N]", "resident-experts:N[:streamed|disk|host]",
                 *MOE_TABLE)
 NEEDS_PROFILE = tuple(name for name, policy in POLICIES.items() if policy.needs_profile)
 BASELINES = tuple(name for name, policy in POLICIES.items() if policy.baseline)
@@ -428,7 +429,7 @@ def build(policy: str, spec: ModelSpec, devices: Devices, workload: Workload,
     ``layer-split`` uses ``gpu_layers``, or the largest N that fits when it is None.
     ``cpu-moe`` keeps an MoE model's routed experts on the host, ``n-cpu-moe:N`` the first N
     layers' (``cpu_moe``; ``n-cpu-moe`` the smallest N that fits: ``fewest_cpu_moe``); ``resident-experts:N[:HOME]`` N of each layer's experts resident,
-    the rest streamed or on the host (``resident_experts``); ``ktransformers`` and ``fiddler``
+    the rest streamed, on disk or on the host (``resident_experts``); ``ktransformers`` and ``fiddler``
     the hottest experts resident by ``activity`` (default uniform), over the model or per
     layer (``experts.hot_experts``); ``cpsat`` places an MoE model's experts one by one
     (``moe_cpsat``).
@@ -495,7 +496,7 @@ def _moe_plan(policy: str, r: Request) -> ExecutionPlan | None:
     if policy.startswith("resident-experts:"):
         count, *rest = policy.split(":")[1:]
         if not count.isdigit() or len(rest) > 1:
-            raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|host], N "
+            raise HxError(f"policy {policy!r}: write resident-experts:N[:streamed|disk|host], N "
                           "experts of each layer resident")
         return resident_experts(r.spec, int(count), *rest)
     if policy in MOE_TABLE:

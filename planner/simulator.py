@@ -43,13 +43,15 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
+import numpy as np
+
 from hx.devices import ACCELERATOR, HOST
 from hx.models.spec import EMBED, SCORE, ModelSpec
 from hx.models.formats import REPACK_ROWS, blocks_layout
 from hx.models.holding import ggml_matrices
 from hx.models.tensors import int4_matrices, kv_bytes, layer_slots, weight_dtype
 from hx.plan import DISK, ExecutionPlan
-from hx.planner.cost import op_cost, routed_experts
+from hx.planner.cost import op_cost, routed_chance, routed_experts
 from hx.planner.mesh import collective_seconds
 from hx.planner.profile import DeviceProfile, HardwareProfile
 from hx.errors import HxError
@@ -277,7 +279,8 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     before the step: the step computes its own, and the host kernel's padding of the prefix
     to 64-slot blocks, ``host_read_slots``, is read from host memory, not from disk),
     ``stage`` an H2D copy of the staged weights (the link's per-copy
-    latency for each staged op plus bytes / bandwidth), ``wait`` the sync overhead, ``move`` a
+    latency for each staged op plus bytes / bandwidth; disk-homed experts staged whole read
+    from disk first), ``wait`` the sync overhead, ``move`` a
     transfer (latency + bytes / bandwidth), ``launch`` the device's launch overhead plus its
     ops (``segment_seconds``), ``route`` a D2H copy of the routing weights and a sync,
     ``experts in`` the copies of the streamed experts a step of B·T rows is expected to route
@@ -317,7 +320,10 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             name = " ".join(ins.names)
             duration = profile.transfer_latency + nbytes / bandwidth
         elif kind == STAGE:
-            name, duration = f"weights {i}", stage_seconds(profile, schedule.segments[i], nbytes)
+            seg = schedule.segments[i]  # disk-homed experts staged whole: read, then copied
+            read = sum(plan.experts.on_disk(seg.ops[0][0])) if seg.routes else 0
+            name, duration = f"weights {i}", stage_seconds(profile, seg, nbytes) + (
+                read * routed_expert_bytes(spec) / _disk(profile, plan) if read else 0.0)
         elif kind == WAIT:
             name, duration, nbytes = f"wait {i}", profile.sync_overhead, 0
         elif kind == READ:
@@ -331,7 +337,7 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
             name = f"kv store {i}"
             duration = profile.transfer_latency + nbytes / profile.d2h_bandwidth
         elif kind in (ROUTE, EXPERTS_IN):
-            name, duration, nbytes = _routed(spec, profile, kind, schedule.segments[i],
+            name, duration, nbytes = _routed(plan, spec, profile, kind, schedule.segments[i],
                                              nbytes, batch * tokens, picks)
             name = f"{name} {i}"
         else:  # ACT_LOAD, KV_LOAD, RECOMPUTE
@@ -347,22 +353,27 @@ def build_tasks(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, 
     return tasks
 
 
-def _routed(spec: ModelSpec, profile: HardwareProfile, kind: str, seg: Segment, nbytes: int,
-            rows: int, picks: Picks) -> tuple[str, float, int]:
+def _routed(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, kind: str,
+            seg: Segment, nbytes: int, rows: int, picks: Picks) -> tuple[str, float, int]:
     """(name, seconds, bytes) of a streamed expert part's ``route`` (its routing weights, the
     schedule's ``nbytes``, back over D2H with the executor blocked on them) or ``experts in``
     (the part's experts a step of ``rows`` rows is expected to route to, one H2D copy each:
     ``cost.routed_experts`` at ``picks``' chances where it has the part, else a random
-    router's)."""
+    router's; those homed on disk read first at the disk's read bandwidth)."""
     if kind == ROUTE:
         return "route", (profile.transfer_latency + nbytes / profile.d2h_bandwidth
                          + profile.sync_overhead), nbytes
     part = seg.op_spec(spec, 0).moe  # the segment runs the streamed part alone
     if seg.ops[0] in picks:
         part = dataclasses.replace(part, picks=picks[seg.ops[0]])
-    copies, _ = routed_experts(part, rows)
-    nbytes = round(copies * routed_expert_bytes(spec))
-    return "experts", copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth, nbytes
+    p = np.asarray(part.picks) if part.picks else np.full(part.experts, part.top_k / part.routed)
+    copies, each = routed_experts(part, rows)[0], routed_expert_bytes(spec)
+    nbytes = round(copies * each)
+    seconds = copies * profile.h2d_latency + nbytes / profile.h2d_bandwidth
+    on_disk = np.asarray(plan.experts.on_disk(seg.ops[0][0]), bool)
+    if on_disk.any():
+        seconds += routed_chance(p[on_disk], rows).sum() * each / _disk(profile, plan)
+    return "experts", seconds, nbytes
 
 
 def _streamed_cache(plan: ExecutionPlan, spec: ModelSpec, profile: HardwareProfile, kind: str,

@@ -210,3 +210,50 @@ def test_routed_pairs_by_device_are_transformers_routing(tmp_path):
     engine.generate_ids([ids], SamplingParams(max_new_tokens=6))
     assert dict(engine.executor.routed.counts) == {
         ("host", "host"): len(fed) * spec.moe.top_k * spec.n_layers}
+
+
+def test_disk_homed_experts_are_read_then_copied_and_kept_where_the_host_has_no_room():
+    """Experts on disk (``resident-experts:64:disk``: MoE-Infinity's and HOBBIT's SSD tier) on
+    Qwen3-30B-A3B's shapes with a GPU-like profile reading 2 GB/s from disk: a decode step
+    copies what it routes to as the streamed experts do, each read first -- uniform routing
+    of one row, 64 x 8/128 = 4 expected of a layer's 64, 4 x one expert / 2 GB/s more a
+    layer -- and a profile without a disk tier cannot price it. CP-SAT's placement keeps
+    experts on disk only where the host cannot hold them: with a host budget of 100 experts
+    (and room for 200 on the accelerator, the buffer a prefill chunk stages a layer's
+    streamed and disk-homed experts into among them) it puts the rest on disk and fits both
+    budgets;
+    without a host budget, or without a disk in the profile, it keeps none there (the
+    latter raising where nothing else fits)."""
+    import dataclasses
+
+    from hx.plan import DISK, HOST, RESIDENT, STREAMED
+    from hx.planner.experts import cpsat_experts
+    from hx.planner.simulator import predict
+    from hx.schedule import routed_expert_bytes
+
+    one, bandwidth = routed_expert_bytes(SPEC), 2e9
+    profile = dataclasses.replace(gpu_like(), disk_read_bandwidth=bandwidth)
+
+    def experts_in(rest, on=profile):
+        tasks = predict(policies.resident_experts(SPEC, 64, rest), SPEC, on, "decode", 1, 1,
+                        64, 32).tasks
+        return [t.duration for t in tasks if t.name.startswith("experts")]
+
+    streamed, disk = experts_in(STREAMED), experts_in(DISK)
+    assert len(disk) == SPEC.n_layers
+    for s, d in zip(streamed, disk):
+        assert d - s == pytest.approx(4 * one / bandwidth, rel=1e-9)
+    with pytest.raises(HxError, match="no disk tier"):
+        experts_in(DISK, gpu_like())
+    work = Workload.for_prompts(1, 64, 8, SPEC)
+    activity = ExpertActivity.zipf(SPEC, 1.2, seed=0)
+    homes = np.array(cpsat_experts(SPEC, profile, work, activity, 200 * one, 100 * one,
+                                   time_limit_s=2.0).layers)
+    held = {home: int((homes == home).sum()) for home in (RESIDENT, STREAMED, HOST, DISK)}
+    assert held[DISK] > 0 and held[STREAMED] + held[HOST] <= 100 and held[RESIDENT] <= 200
+    assert sum(held.values()) == 4 * 128
+    unbounded = np.array(cpsat_experts(SPEC, profile, work, activity, 200 * one, None,
+                                       time_limit_s=2.0).layers)
+    assert not (unbounded == DISK).any()
+    with pytest.raises(HxError, match="no disk"):
+        cpsat_experts(SPEC, gpu_like(), work, activity, 200 * one, 100 * one, time_limit_s=2.0)

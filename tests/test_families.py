@@ -7,7 +7,8 @@ hx's last-position logits within 1e-4 relative and its 16-token greedy continuat
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
 bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
-llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1`` (and 8 rows in throughput mode); the same checkpoint as llama.cpp's
+llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``, half of each layer's experts resident and the
+rest streamed, on disk or on the host (and 8 rows in throughput mode); the same checkpoint as llama.cpp's
 converter writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses
 and ignores.
 
@@ -69,7 +70,7 @@ def plans(name, model, prompts):
         yield "cpu-moe", policies.cpu_moe(spec), discover()
         yield "n-cpu-moe:1", policies.cpu_moe(spec, 1), discover()
         half = spec.moe.routed // 2  # experts placed one by one: half resident, half not
-        for rest in ("streamed", "host"):
+        for rest in ("streamed", "disk", "host"):
             yield (f"resident-experts:{half}:{rest}",
                    policies.resident_experts(spec, half, rest), discover())
     if name not in CPSAT_IN_SUITE and not os.environ.get("HX_FAMILIES_ALL_PLANS"):
@@ -80,13 +81,13 @@ def plans(name, model, prompts):
                                   time_limit_s=0.2), devices
 
 
-def test_matches_transformers(checkpoint):
+def test_matches_transformers(checkpoint, tmp_path):
     name, _, model, _, prompts, (ref_logits, ref_greedy) = checkpoint
     assert CONFIGS[name][0] in family(model.spec.family).hf_model_types
     if name == "mistral":
         assert max(map(len, prompts)) > model.spec.sliding_window  # the window is exercised
     for plan_name, plan, devices in plans(name, model, prompts):
-        engine = Engine(model, plan, devices)
+        engine = Engine(model, plan, devices, spill_dir=str(tmp_path))
         got = engine.last_logits(prompts)
         for row, ref in zip(got, ref_logits):
             assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan_name

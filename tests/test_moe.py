@@ -174,15 +174,17 @@ def test_cpu_moe_leaves_the_experts_bytes_on_the_host():
 
 
 def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
-    """``resident-experts:64:host`` and ``:streamed`` on Qwen3-30B-A3B's shapes (4 layers,
-    q4_0): beside ``n-cpu-moe:0`` (the same plan with each layer's experts MLP2's, resident),
-    the accelerator holds exactly half the routed experts' bytes fewer, plus the resident
-    half's ids (int32); the host (or the streamed experts' pinned host memory) holds that
-    half; a decode step of one row sizes each layer's copy of the streamed experts its
-    routing picks at the most it can (k = 8 experts), and copies none whole. A plan's expert homes round-trip through JSON, and homes for a
-    dense model, for another count of experts or naming an expert twice are refused."""
+    """``resident-experts:64:host``, ``:streamed`` and ``:disk`` on Qwen3-30B-A3B's shapes (4
+    layers, q4_0): beside ``n-cpu-moe:0`` (the same plan with each layer's experts MLP2's,
+    resident), the accelerator holds exactly half the routed experts' bytes fewer, plus the
+    resident half's ids (int32); the host (or the streamed experts' pinned host memory)
+    holds that half, and on disk no memory does; a decode step of one row sizes each layer's
+    copy of the streamed (or disk-homed) experts its routing picks at the most it can (k = 8
+    experts), and copies none whole. A plan's expert homes round-trip through JSON, and
+    homes for a dense model, for another count of experts or naming an expert twice are
+    refused."""
     from hx.errors import HxError
-    from hx.memory import estimate
+    from hx.memory import disk_weight_bytes, estimate
     from hx.models.spec import preset
     from hx.plan import ExecutionPlan
     from hx.planner import policies
@@ -194,15 +196,17 @@ def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
     experts = spec.op_weight_bytes("MLP2")
     ids = 64 * 4  # a part's expert ids, int32
     whole = estimate(policies.cpu_moe(spec, 0), spec, work)
-    for rest in ("host", "streamed"):
+    for rest in ("host", "streamed", "disk"):
         plan = policies.resident_experts(spec, 64, rest)
         need = estimate(plan, spec, work)
+        on_disk = 4 * (experts // 2 + ids) if rest == "disk" else 0
         assert whole.weights - need.weights == 4 * (experts // 2 - ids), rest
-        assert need.host - whole.host == 4 * (experts // 2 + ids), rest
+        assert need.host - whole.host == 4 * (experts // 2 + ids) - on_disk, rest
+        assert disk_weight_bytes(plan, spec) == on_disk
         copies = [(ins.kind, ins.nbytes) for ins in compile_schedule(
             plan, spec, "decode", 1, 1, 64).instructions if ins.kind in (STAGE, EXPERTS_IN)]
         one = (experts // 2 + ids) // 64  # an expert and its id
-        assert copies == ([(EXPERTS_IN, 8 * one)] * 4 if rest == "streamed" else []), rest
+        assert copies == ([] if rest == "host" else [(EXPERTS_IN, 8 * one)] * 4), rest
         assert ExecutionPlan.from_json(plan.to_json(), 4) == plan
     with pytest.raises(HxError, match="not a Mixture of Experts"):
         plan.validate(preset("llama2-7b:4L"))
@@ -214,21 +218,24 @@ def test_experts_placed_one_by_one_hold_their_bytes_at_their_homes():
         ExecutionPlan.from_json(data, 4)
 
 
-@pytest.mark.parametrize("rest", ["streamed", "host"])
+@pytest.mark.parametrize("rest", ["streamed", "host", "disk"])
 def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, rest):
     """Qwen2-MoE's tiny checkpoint (a shared expert: it stays MLP2's) under
-    ``resident-experts:2`` with the other two experts streamed or on the host; the tokens
-    equal all-accelerator's (tests/test_families.py checks the logits against
+    ``resident-experts:2`` with the other two experts streamed, on disk or on the host; the
+    tokens equal all-accelerator's (tests/test_families.py checks the logits against
     transformers). On the host the run's accelerator peak equals the exact estimate of its
     schedule. Streamed, each decode step copies in, per layer, just the streamed experts
     its rows route to (``route`` read back the router's output first), each one expert's
     held bytes and id: at least one of the two (three rows, k = 2 of 4, route to some) and
     never one of the resident pair; the estimate sizes the most a step can route to, so
-    the peak is at most it."""
+    the peak is at most it. On disk the same copies read every byte from the spill file
+    (the checkpoint's experts are converted when loaded), and once the run is done none of
+    its pages is in the process's memory but each tensor's last (partly its own)."""
     import hx
     from hx.devices import discover
     from hx.generate import Engine
     from hx.memory import EXACT, estimate
+    from hx.models.mapped import PAGE, is_mapped, resident_bytes
     from hx.planner import policies
     from hx.sampling import SamplingParams
     from hx.timeline import H2D, Timeline
@@ -245,13 +252,15 @@ def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, re
                                         devices).generate_ids(prompts, params)]
     plan = policies.resident_experts(spec, 2, rest)
     timeline = Timeline()
-    engine = Engine(model, plan, devices, timeline=timeline)
+    engine = Engine(model, plan, devices, timeline=timeline, spill_dir=str(tmp_path))
     work = Workload.for_prompts(len(prompts), max(map(len, prompts)), 4, spec)
     need = estimate(plan.with_prefill_chunk(engine.plan.prefill_chunk), spec, work,
                     engine.executor.programs, EXACT)
     assert [c.token_ids for c in engine.generate_ids(prompts, params)] == want
     timeline.wait()
     one = spec.expert_part("EXPERTS:streamed", 1).op_weight_bytes("EXPERTS:streamed")
+    assert engine.executor.spilled_bytes == (2 * spec.n_layers * one if rest == "disk" else 0)
+    read = 1 if rest == "disk" else 0  # the share of a copy read from disk
     for events in timeline.steps("decode"):
         copies = [e.args for e in events if e.resource == H2D and e.name.startswith("experts")]
         assert not [e for e in events if e.name.startswith("weights")]  # none copied whole
@@ -261,13 +270,22 @@ def test_a_run_with_experts_placed_one_by_one_peaks_at_its_estimate(tmp_path, re
         assert len(copies) == spec.n_layers
         for args in copies:
             assert args["bytes"] == one * len(args["experts"])
+            assert args["disk_bytes"] == read * args["bytes"]
             assert set(args["experts"]) <= {2, 3} and args["experts"]
     for events in timeline.steps("prefill"):  # 64 rows x k = 2 route past 4 x 2 experts
         whole = [e.args for e in events if e.name.endswith("(whole)")]
         assert not [e for e in events if e.name.startswith("route")]
         assert whole == ([] if rest == "host" else
-                         [{"bytes": 2 * one, "layers": [layer], "experts": [2, 3]}
-                          for layer in range(spec.n_layers)])
+                         [{"bytes": 2 * one, "disk_bytes": 2 * one * read, "layers": [layer],
+                           "experts": [2, 3]} for layer in range(spec.n_layers)])
+    if rest == "disk":
+        experts = [e for params in engine.executor._params["decode"] for p in params
+                   if isinstance(p, tuple) for e in p]
+        assert len(experts) == 2 * spec.n_layers
+        assert all(is_mapped(leaf) for e in experts for leaf in jax.tree.leaves(e))
+        leaves = [leaf for e in experts for leaf in jax.tree.leaves(e)]
+        # released whole pages: what stays is each tensor's last, partly its own
+        assert sum(map(resident_bytes, leaves)) <= len(leaves) * PAGE
     if rest == "host":
         assert engine.accountant.peak == need.accelerator
     else:

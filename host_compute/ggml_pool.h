@@ -16,11 +16,13 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "gemv_q4_0.h"
 
 namespace hx_ggml {
 
@@ -166,6 +168,79 @@ inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor
   }
 }
 
+// Whether GemvQ4_0x8 (gemv_q4_0.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
+// in ggml's repacked layout (8 rows interleaved on x86), on a CPU with AVX-512 VNNI.
+inline bool OwnGemv(const ggml_tensor* w) {
+  return HX_GEMV_Q4_0 && w->type == GGML_TYPE_Q4_0 && w->extra != nullptr && w->ne[1] % 8 == 0;
+}
+
+#if HX_GEMV_Q4_0
+// Rows [g0, g1) of `groups` split evenly over nth threads: thread ith's.
+inline std::pair<int64_t, int64_t> Share(int64_t groups, int ith, int nth) {
+  const int64_t share = (groups + nth - 1) / nth;
+  const int64_t g0 = std::min(groups, ith * share);
+  return {g0, std::min(groups, g0 + share)};
+}
+
+// dst (N) = x (K) W^T of one row, w (K, N) OwnGemv's, as a ggml custom op over every thread:
+// each quantizes x itself (no barrier inside the node) and computes its share of the N / 8
+// groups of 8 outputs.
+inline void Gemv(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor *w = dst->src[0], *x = dst->src[1];
+  thread_local RowQ8 row;
+  QuantizeRow(static_cast<const float*>(x->data), w->ne[0], row);
+  const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
+  GemvQ4_0x8(static_cast<const uint8_t*>(w->data), row, w->ne[0], g0, g1,
+             static_cast<float*>(dst->data));
+}
+
+// dst (M, k, 1) = for each slot j < k, x's row j (x (K, 1, 1): the same row for every slot)
+// times expert ids[j]'s matrix of w (K, M, X) OwnGemv's: ggml_mul_mat_id at one row, as a
+// custom op over every thread, each quantizing x's rows itself and computing its share of
+// the k M / 8 groups of 8 outputs.
+inline void GemvExperts(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
+  const int64_t K = w->ne[0], groups = w->ne[1] / 8, k = ids->ne[0], rows = x->ne[1];
+  thread_local std::vector<RowQ8> xq;
+  xq.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    QuantizeRow(reinterpret_cast<const float*>(static_cast<const char*>(x->data) + r * x->nb[1]),
+                K, xq[r]);
+  const auto [i0, i1] = Share(k * groups, ith, nth);
+  for (int64_t j = i0 / groups; j < k && j * groups < i1; ++j) {
+    const int32_t e = static_cast<const int32_t*>(ids->data)[j];
+    GemvQ4_0x8(static_cast<const uint8_t*>(w->data) + e * w->nb[2], xq[rows == 1 ? 0 : j], K,
+               std::max(i0 - j * groups, int64_t(0)), std::min(i1 - j * groups, groups),
+               reinterpret_cast<float*>(static_cast<char*>(dst->data) + j * dst->nb[1]));
+  }
+}
+#endif
+
+// ggml_mul_mat(w, x), but at one row of x, w OwnGemv's, GemvQ4_0x8 as one custom node.
+inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
+#if HX_GEMV_Q4_0
+  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && ggml_nrows(x) == 1 && ggml_is_contiguous(x)) {
+    ggml_tensor* args[] = {w, x};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, Gemv,
+                          GGML_N_TASKS_MAX, nullptr);
+  }
+#endif
+  return ggml_mul_mat(ctx, w, x);
+}
+
+// ggml_mul_mat_id(w, x, ids), but at one row of x (ids (k, 1)), w OwnGemv's, GemvExperts.
+inline ggml_tensor* MulMatId(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x,
+                             ggml_tensor* ids) {
+#if HX_GEMV_Q4_0
+  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && ids->ne[1] == 1 && ggml_is_contiguous(x)) {
+    ggml_tensor* args[] = {w, x, ids};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], 1, 1, args, 3, GemvExperts,
+                          GGML_N_TASKS_MAX, nullptr);
+  }
+#endif
+  return ggml_mul_mat_id(ctx, w, x, ids);
+}
+
 // x W^T, (N, M) in ggml's order, of w (K, N) and x (K, M) with contiguous rows: ggml_mul_mat,
 // plus, where `centres` (N, K / 32 in ggml's order: numpy's (K / 32, N)) f32 is given, the
 // centres' part (AddCentres, one node after the product). With w a centred matrix's Q4_0
@@ -175,7 +250,7 @@ inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor
 // all-host decode spent 4 % of its samples in out_prod and waited at their barriers.
 inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* centres,
                             ggml_tensor* x) {
-  ggml_tensor* y = ggml_mul_mat(ctx, w, x);
+  ggml_tensor* y = MulMat(ctx, w, x);
   if (centres == nullptr) return y;
   return ggml_map_custom3(ctx, y, x, centres, AddCentres, GGML_N_TASKS_MAX, nullptr);
 }
@@ -187,9 +262,9 @@ inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* cent
 inline ggml_tensor* RoutedExperts(ggml_context* ctx, ggml_tensor* gate, ggml_tensor* up,
                                   ggml_tensor* down, ggml_tensor* x, ggml_tensor* ids,
                                   ggml_tensor* weights, ggml_tensor* base) {
-  ggml_tensor* a = ggml_swiglu_split(ctx, ggml_mul_mat_id(ctx, gate, x, ids),
-                                     ggml_mul_mat_id(ctx, up, x, ids));         // (F, k, N)
-  ggml_tensor* e = ggml_mul(ctx, ggml_mul_mat_id(ctx, down, a, ids), weights);  // (D, k, N)
+  ggml_tensor* a = ggml_swiglu_split(ctx, MulMatId(ctx, gate, x, ids),
+                                     MulMatId(ctx, up, x, ids));         // (F, k, N)
+  ggml_tensor* e = ggml_mul(ctx, MulMatId(ctx, down, a, ids), weights);  // (D, k, N)
   const int64_t D = e->ne[0], k = e->ne[1], N = e->ne[2];
   ggml_tensor* out = base;
   for (int64_t j = 0; j < k; ++j) {

@@ -68,6 +68,43 @@ def test_repacked_q4_0_is_the_same_matrix_and_the_same_products():
         held.map(lambda a: a[:8])
 
 
+def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (rows, K) float32 as ggml's ``quantize_row_q8_0`` rounds it, per block of 32: its
+    bytes q (rows, K / 32, 32) and scales d = max |x| / 127 in float16 (rows, K / 32, 1), x ~
+    d q (q = x 127 / max |x| rounded to nearest even, in float32)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    scale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return np.rint(blocks * scale), (amax / np.float32(127)).astype(np.float16)
+
+
+@pytest.mark.skipif("q4_0" not in ggml_kernel.repacked_formats(),
+                    reason="ggml repacks no format hx reads on this CPU")
+@pytest.mark.parametrize("K", [256, 576])
+def test_one_row_of_repacked_q4_0_is_the_exact_integer_product(K):
+    """At one row a repacked Q4_0 product runs hx's AVX-512 GEMV where the CPU has it
+    (``gemv_q4_0.h``; ggml's kernel elsewhere): x rounded to Q8_0 as ggml rounds it, each
+    block's integer dot sum(q_x (q_w - 8)) exact, scaled by the two float16 scales -- in
+    float64 here, in float32 there, so the two agree to float32 rounding, on one thread and
+    two (96 outputs: 6 groups of 8 each)."""
+    rng = np.random.default_rng(K)
+    N = 96
+    blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), Q.Q4_0)
+    packed = ggml_kernel.repack(blocks, "q4_0")
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    qx, dx = q8_0_rows(x)
+    raw = blocks.reshape(N, K // 32, 18)
+    dw = raw[..., :2].copy().view(np.float16).astype(np.float64)  # (N, K / 32, 1)
+    nibbles = raw[..., 2:].astype(np.int64)
+    qw = np.concatenate([nibbles & 15, nibbles >> 4], axis=2) - 8  # (N, K / 32, 32)
+    sums = (qw * qx.astype(np.int64)).sum(axis=2)  # exact
+    want = (sums * dw[..., 0] * dx[..., 0].astype(np.float64)).sum(axis=1)
+    for threads in (1, 2):
+        got = np.asarray(jax.jit(lambda x, w: ggml_kernel.matmul(
+            x, w, int(Q.Q4_0), threads, repacked=True))(x, packed))[0]
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+
+
 def test_a_row_of_the_wrong_size_is_refused():
     blocks = quantize(np.ones((4, 64), np.float32), Q.Q8_0)
     with pytest.raises(Exception, match="ggml_row_size"):

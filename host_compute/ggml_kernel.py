@@ -36,7 +36,7 @@ from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, blocks_format, get_forma
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_moe.cc", "ggml_pool.h",
-                             "gemv_q4_0.h"))
+                             "q4_0_avx512.h"))
 TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;

@@ -22,7 +22,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
-#include "gemv_q4_0.h"
+#include "q4_0_avx512.h"
 
 namespace hx_ggml {
 
@@ -168,18 +168,22 @@ inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor
   }
 }
 
-// Whether GemvQ4_0x8 (gemv_q4_0.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
+// Whether GemvQ4_0x8 (q4_0_avx512.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
 // in ggml's repacked layout (8 rows interleaved on x86), on a CPU with AVX-512 VNNI.
 inline bool OwnGemv(const ggml_tensor* w) {
   return HX_GEMV_Q4_0 && w->type == GGML_TYPE_Q4_0 && w->extra != nullptr && w->ne[1] % 8 == 0;
 }
 
 #if HX_GEMV_Q4_0
-// Rows [g0, g1) of `groups` split evenly over nth threads: thread ith's.
+// [g0, g1) of `groups` split evenly over nth threads: thread ith's.
 inline std::pair<int64_t, int64_t> Share(int64_t groups, int ith, int nth) {
   const int64_t share = (groups + nth - 1) / nth;
   const int64_t g0 = std::min(groups, ith * share);
   return {g0, std::min(groups, g0 + share)};
+}
+
+inline const float* Row(const ggml_tensor* x, int64_t r) {  // row r of x (K, rows, ...)
+  return reinterpret_cast<const float*>(static_cast<const char*>(x->data) + r * x->nb[1]);
 }
 
 // dst (N) = x (K) W^T of one row, w (K, N) OwnGemv's, as a ggml custom op over every thread:
@@ -187,55 +191,122 @@ inline std::pair<int64_t, int64_t> Share(int64_t groups, int ith, int nth) {
 // groups of 8 outputs.
 inline void Gemv(ggml_tensor* dst, int ith, int nth, void*) {
   const ggml_tensor *w = dst->src[0], *x = dst->src[1];
-  thread_local RowQ8 row;
-  QuantizeRow(static_cast<const float*>(x->data), w->ne[0], row);
+  thread_local std::vector<uint8_t> row;
+  row.resize(RowQ8Bytes(w->ne[0]));
+  QuantizeRow(Row(x, 0), w->ne[0], row.data());
   const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
-  GemvQ4_0x8(static_cast<const uint8_t*>(w->data), row, w->ne[0], g0, g1,
+  GemvQ4_0x8(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], g0, g1,
              static_cast<float*>(dst->data));
 }
 
-// dst (M, k, 1) = for each slot j < k, x's row j (x (K, 1, 1): the same row for every slot)
-// times expert ids[j]'s matrix of w (K, M, X) OwnGemv's: ggml_mul_mat_id at one row, as a
-// custom op over every thread, each quantizing x's rows itself and computing its share of
-// the k M / 8 groups of 8 outputs.
-inline void GemvExperts(ggml_tensor* dst, int ith, int nth, void*) {
-  const ggml_tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
-  const int64_t K = w->ne[0], groups = w->ne[1] / 8, k = ids->ne[0], rows = x->ne[1];
-  thread_local std::vector<RowQ8> xq;
-  xq.resize(rows);
-  for (int64_t r = 0; r < rows; ++r)
-    QuantizeRow(reinterpret_cast<const float*>(static_cast<const char*>(x->data) + r * x->nb[1]),
-                K, xq[r]);
-  const auto [i0, i1] = Share(k * groups, ith, nth);
-  for (int64_t j = i0 / groups; j < k && j * groups < i1; ++j) {
-    const int32_t e = static_cast<const int32_t*>(ids->data)[j];
-    GemvQ4_0x8(static_cast<const uint8_t*>(w->data) + e * w->nb[2], xq[rows == 1 ? 0 : j], K,
-               std::max(i0 - j * groups, int64_t(0)), std::min(i1 - j * groups, groups),
-               reinterpret_cast<float*>(static_cast<char*>(dst->data) + j * dst->nb[1]));
+// dst (RowQ8Bytes(K), rows) i8: the rows of x (K, rows) quantized (QuantizeRow), a share of
+// them on each thread.
+inline void QuantizeRows(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor* x = dst->src[0];
+  const auto [r0, r1] = Share(x->ne[1], ith, nth);
+  for (int64_t r = r0; r < r1; ++r)
+    QuantizeRow(Row(x, r), x->ne[0], static_cast<uint8_t*>(dst->data) + r * dst->nb[1]);
+}
+
+// dst (N, M) = x W^T, w (K, N) OwnGemv's, x's M rows quantized (QuantizeRows' xq): each thread
+// its share of the N / 8 groups over every row.
+inline void Gemm(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor *w = dst->src[0], *xq = dst->src[1];
+  const int64_t M = xq->ne[1];
+  thread_local std::vector<const uint8_t*> rows;
+  thread_local std::vector<float*> outs;
+  rows.resize(M);
+  outs.resize(M);
+  for (int64_t r = 0; r < M; ++r) {
+    rows[r] = static_cast<const uint8_t*>(xq->data) + r * xq->nb[1];
+    outs[r] = reinterpret_cast<float*>(static_cast<char*>(dst->data) + r * dst->nb[1]);
+  }
+  const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
+  GemmQ4_0x8(static_cast<const uint8_t*>(w->data), rows.data(), outs.data(), M, w->ne[0], g0,
+             g1);
+}
+
+// dst (M, k, N) = for each row n and slot j, x's row (j, n) (x (K, 1 or k, N): one row for
+// every slot, or one a slot) times expert ids[j, n]'s matrix of w (K, M, X) OwnGemv's:
+// ggml_mul_mat_id. xq: x's rows quantized (QuantizeRows over x as (K, rows N)). Each thread
+// gathers every expert's (slot, row) pairs and computes its share of the work, each expert's
+// groups of 8 outputs over its rows, the shares even in rows x groups.
+inline void GemmExperts(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2], *xq = dst->src[3];
+  const int64_t K = w->ne[0], groups = w->ne[1] / 8, X = w->ne[2], k = ids->ne[0];
+  const int64_t N = ids->ne[1], per = x->ne[1];  // x's rows a token: 1, or k
+  thread_local std::vector<std::vector<std::pair<int64_t, int64_t>>> pairs;  // e -> (j, n)
+  pairs.assign(X, {});
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = *reinterpret_cast<const int32_t*>(static_cast<const char*>(ids->data) +
+                                                          j * ids->nb[0] + n * ids->nb[1]);
+      pairs[e].push_back({j, n});
+    }
+  int64_t total = 0;
+  for (const auto& p : pairs) total += int64_t(p.size()) * groups;
+  const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;  // this thread's work
+  thread_local std::vector<const uint8_t*> rows;
+  thread_local std::vector<float*> outs;
+  int64_t start = 0;  // the work before expert e
+  for (int64_t e = 0; e < X && start < hi; ++e) {
+    const int64_t m = pairs[e].size(), cost = m * groups;
+    if (m > 0 && start + cost > lo) {  // groups whose first unit of work is in [lo, hi)
+      const int64_t g0 = std::clamp((lo - start + m - 1) / m, int64_t(0), groups);
+      const int64_t g1 = std::clamp((hi - start + m - 1) / m, int64_t(0), groups);
+      rows.resize(m);
+      outs.resize(m);
+      for (int64_t i = 0; i < m; ++i) {
+        const auto [j, n] = pairs[e][i];
+        rows[i] = static_cast<const uint8_t*>(xq->data) +
+                  (n * per + (per == 1 ? 0 : j)) * xq->nb[1];
+        outs[i] = reinterpret_cast<float*>(static_cast<char*>(dst->data) + j * dst->nb[1] +
+                                           n * dst->nb[2]);
+      }
+      if (g0 < g1)
+        GemmQ4_0x8(static_cast<const uint8_t*>(w->data) + e * w->nb[2], rows.data(), outs.data(),
+                   m, K, g0, g1);
+    }
+    start += cost;
   }
 }
 #endif
 
-// ggml_mul_mat(w, x), but at one row of x, w OwnGemv's, GemvQ4_0x8 as one custom node.
+// x's rows quantized for Gemm (QuantizeRows), x (K, rows[, ...]) float32.
+inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
+  ggml_tensor* flat = ggml_is_contiguous(x) ? x : ggml_cont(ctx, x);
+  ggml_tensor* args[] = {ggml_reshape_2d(ctx, flat, x->ne[0], ggml_nrows(x))};
+  return ggml_custom_4d(ctx, GGML_TYPE_I8, RowQ8Bytes(x->ne[0]), ggml_nrows(x), 1, 1, args, 1,
+                        QuantizeRows, GGML_N_TASKS_MAX, nullptr);
+}
+
+// ggml_mul_mat(w, x) (x (K, M) float32), w OwnGemv's: at one row Gemv, else Gemm after
+// QuantizeRows, as custom nodes.
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
 #if HX_GEMV_Q4_0
-  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && ggml_nrows(x) == 1 && ggml_is_contiguous(x)) {
-    ggml_tensor* args[] = {w, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, Gemv,
+  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1) {
+    if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
+      ggml_tensor* args[] = {w, x};
+      return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, Gemv,
+                            GGML_N_TASKS_MAX, nullptr);
+    }
+    ggml_tensor* args[] = {w, Quantized(ctx, x)};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
                           GGML_N_TASKS_MAX, nullptr);
   }
 #endif
   return ggml_mul_mat(ctx, w, x);
 }
 
-// ggml_mul_mat_id(w, x, ids), but at one row of x (ids (k, 1)), w OwnGemv's, GemvExperts.
+// ggml_mul_mat_id(w, x, ids) (x (K, 1 or k, N) float32, ids (k, N)), w OwnGemv's:
+// GemmExperts after QuantizeRows.
 inline ggml_tensor* MulMatId(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x,
                              ggml_tensor* ids) {
 #if HX_GEMV_Q4_0
-  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && ids->ne[1] == 1 && ggml_is_contiguous(x)) {
-    ggml_tensor* args[] = {w, x, ids};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], 1, 1, args, 3, GemvExperts,
-                          GGML_N_TASKS_MAX, nullptr);
+  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[3] == 1) {
+    ggml_tensor* args[] = {w, x, ids, Quantized(ctx, x)};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], ids->ne[1], 1, args, 4,
+                          GemmExperts, GGML_N_TASKS_MAX, nullptr);
   }
 #endif
   return ggml_mul_mat_id(ctx, w, x, ids);

@@ -80,28 +80,29 @@ def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.skipif("q4_0" not in ggml_kernel.repacked_formats(),
                     reason="ggml repacks no format hx reads on this CPU")
-@pytest.mark.parametrize("K", [256, 576])
-def test_one_row_of_repacked_q4_0_is_the_exact_integer_product(K):
-    """At one row a repacked Q4_0 product runs hx's AVX-512 GEMV where the CPU has it
-    (``gemv_q4_0.h``; ggml's kernel elsewhere): x rounded to Q8_0 as ggml rounds it, each
-    block's integer dot sum(q_x (q_w - 8)) exact, scaled by the two float16 scales -- in
-    float64 here, in float32 there, so the two agree to float32 rounding, on one thread and
-    two (96 outputs: 6 groups of 8 each)."""
-    rng = np.random.default_rng(K)
+@pytest.mark.parametrize("K,rows", [(256, 1), (576, 1), (576, 7), (256, 70)])
+def test_repacked_q4_0_products_are_the_exact_integer_products(K, rows):
+    """A repacked Q4_0 product runs hx's AVX-512 kernels where the CPU has them
+    (``q4_0_avx512.h``; ggml's elsewhere): x rounded to Q8_0 as ggml rounds it, each block's
+    integer dot sum(q_x (q_w - 8)) exact, scaled by the two float16 scales -- in float64
+    here, in float32 there, so the two agree to float32 rounding, at one row (the GEMV) and
+    at 7 and 70 (the GEMM's tiles of 4 rows and 2 groups, and what is left), on one thread
+    and two (96 outputs: 6 groups of 8 each)."""
+    rng = np.random.default_rng(K + rows)
     N = 96
     blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), Q.Q4_0)
     packed = ggml_kernel.repack(blocks, "q4_0")
-    x = rng.standard_normal((1, K)).astype(np.float32)
+    x = rng.standard_normal((rows, K)).astype(np.float32)
     qx, dx = q8_0_rows(x)
     raw = blocks.reshape(N, K // 32, 18)
     dw = raw[..., :2].copy().view(np.float16).astype(np.float64)  # (N, K / 32, 1)
     nibbles = raw[..., 2:].astype(np.int64)
     qw = np.concatenate([nibbles & 15, nibbles >> 4], axis=2) - 8  # (N, K / 32, 32)
-    sums = (qw * qx.astype(np.int64)).sum(axis=2)  # exact
-    want = (sums * dw[..., 0] * dx[..., 0].astype(np.float64)).sum(axis=1)
+    sums = np.einsum("nbi,rbi->rnb", qw, qx.astype(np.int64))  # exact, (rows, N, K / 32)
+    want = (sums * dw[None, :, :, 0] * dx[:, None, :, 0].astype(np.float64)).sum(axis=2)
     for threads in (1, 2):
         got = np.asarray(jax.jit(lambda x, w: ggml_kernel.matmul(
-            x, w, int(Q.Q4_0), threads, repacked=True))(x, packed))[0]
+            x, w, int(Q.Q4_0), threads, repacked=True))(x, packed))
         assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
 
 

@@ -1,0 +1,176 @@
+// One row of x times a Q4_0 matrix held in ggml's repacked CPU layout (block_q4_0x8: 8 output
+// rows' blocks interleaved), with AVX-512 VNNI: the product ggml_pool.h's Product and
+// RoutedExperts use at one row (a decode step's) in place of ggml's own kernel.
+//
+// ggml's repacked GEMV (ggml_gemv_q4_0_8x8_q8_0, llama.cpp's decode kernel on x86) is written
+// for AVX2: each of its VNNI dot products multiplies signed bytes by signed bytes through two
+// sign instructions, after a table lookup that widens each signed nibble. Here the nibbles are
+// read unsigned (q in 0..15; ggml stores them as q ^ 8), so each 64 bytes of weights take one
+// dpbusd against x's bytes broadcast across the 8 rows, and the -8 of every q comes off once a
+// block as 8 sum(x's block) (Q4_0: w = d (q - 8)). x is quantized to Q8_0 as ggml quantizes it
+// (d = max |x| / 127 in float16, q = x / d rounded to nearest even), so the integer sums are
+// ggml's exactly; the float sums run in another order. The blocks of the next rows are
+// prefetched 2 KiB ahead: one thread reads 20-27 GB/s where ggml's kernel reads 18-21, two
+// threads 38-44 against 30-39 (the development VM, cold matrices of 0.2-22 MiB; its memory
+// tops out near 44). docs/measurements/log.md, "An AVX-512 GEMV".
+#pragma once
+
+#include <cstddef>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HX_GEMV_Q4_0 1
+#else
+#define HX_GEMV_Q4_0 0
+#endif
+
+namespace hx_ggml {
+
+// The bytes of one row of x quantized to Q8_0 (K a multiple of 32): its K bytes, then per
+// block of 32 its scale (the float16 value, widened: float32) and 8 times the sum of its bytes
+// (int32).
+inline int64_t RowQ8Bytes(int64_t K) { return K + K / 32 * 8; }
+
+#if HX_GEMV_Q4_0
+
+// Quantizes the K floats at x into the RowQ8Bytes(K) bytes at row.
+inline void QuantizeRow(const float* x, int64_t K, uint8_t* row) {
+  const int64_t blocks = K / 32;
+  int8_t* q = reinterpret_cast<int8_t*>(row);
+  float* d = reinterpret_cast<float*>(row + K);
+  int32_t* sum8 = reinterpret_cast<int32_t*>(row + K + 4 * blocks);
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign),
+                                                          _mm512_and_ps(v1, sign)));
+    const float scale = amax != 0.f ? 127.f / amax : 0.f;
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(scale)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(scale)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    d[b] = _cvtsh_ss(_cvtss_sh(amax / 127.f, _MM_FROUND_TO_NEAREST_INT));
+    sum8[b] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+
+constexpr int64_t kBlockBytes = 144;  // block_q4_0x8: 8 float16 scales, 128 bytes of nibbles
+
+// One block of 8 rows (block_q4_0x8 at `block`) unpacked for dpbusd: the nibbles unsigned (q;
+// ggml stores q ^ 8), lo0/hi0 elements 0-7/16-23 and lo1/hi1 8-15/24-31 of each row (byte
+// 64 k + 8 r + i holds row r's element 8 k + i low and 8 k + i + 16 high); scales: row r's
+// float16 scale widened, in lanes 2r and 2r + 1.
+struct Unpacked {
+  __m512i lo0, hi0, lo1, hi1;
+  __m512 scales;
+};
+
+inline Unpacked Unpack(const uint8_t* block) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x88));
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(block + 16), flip);
+  const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(block + 80), flip);
+  return {_mm512_and_si512(w0, m4), _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4),
+          _mm512_and_si512(w1, m4), _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4),
+          _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block)))))};
+}
+
+// acc + one block's product of 8 rows `w` with block b of x's quantized row (QuantizeRow's, K
+// values): lanes 2r and 2r + 1 hold halves of row r's sum; the -8 of the 32 q comes off in
+// the even lane.
+inline __m512 Dot(const Unpacked& w, const uint8_t* row, int64_t K, int64_t b, __m512 acc) {
+  const uint8_t* q = row + 32 * b;
+  const float d = reinterpret_cast<const float*>(row + K)[b];
+  const int32_t sum8 = reinterpret_cast<const int32_t*>(row + K + K / 8)[b];
+  auto bytes = [q](int at) { return _mm512_set1_epi64(*reinterpret_cast<const int64_t*>(q + at)); };
+  __m512i i0 = _mm512_dpbusd_epi32(_mm512_set1_epi64(int64_t(uint32_t(-sum8))), w.lo0, bytes(0));
+  __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.lo1, bytes(8));
+  i0 = _mm512_dpbusd_epi32(i0, w.hi0, bytes(16));
+  i1 = _mm512_dpbusd_epi32(i1, w.hi1, bytes(24));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+                         _mm512_mul_ps(w.scales, _mm512_set1_ps(d)), acc);
+}
+
+// The 8 rows' sums of `acc` (Dot's lanes, added pairwise) at out.
+inline void Store8(__m512 acc, float* out) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_add_ps(
+      _mm512_permutex2var_ps(acc, even, acc), _mm512_permutex2var_ps(acc, odd, acc))));
+}
+
+// out[n] for the 8 rows n of each group g in [g0, g1) of w (groups of 8 rows of K / 32 blocks
+// each), x one quantized row. The blocks 2 KiB ahead are prefetched.
+inline void GemvQ4_0x8(const uint8_t* w, const uint8_t* x, int64_t K, int64_t g0, int64_t g1,
+                       float* out) {
+  constexpr int64_t kAhead = 2048;
+  const int64_t blocks = K / 32;
+  const uint8_t* end = w + g1 * blocks * kBlockBytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* rows = w + g * blocks * kBlockBytes;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = rows + b * kBlockBytes;
+      if (block + kAhead < end) {
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + 128), _MM_HINT_T0);
+      }
+      acc = Dot(Unpack(block), x, K, b, acc);
+    }
+    Store8(acc, out + 8 * g);
+  }
+}
+
+// R rows of x (quantized rows x[0..R), K values each) times the 8 G rows of groups g, g + 1,
+// ... of w, into out[i] + 8 (g + j): a tile whose unpacked blocks serve R rows and whose x
+// bytes serve G groups.
+template <int R, int G>
+inline void Tile(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t g,
+                 float* const* out) {
+  const int64_t blocks = K / 32;
+  __m512 acc[R][G];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < G; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    Unpacked u[G];
+    for (int j = 0; j < G; ++j) u[j] = Unpack(w + ((g + j) * blocks + b) * kBlockBytes);
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < G; ++j) acc[i][j] = Dot(u[j], x[i], K, b, acc[i][j]);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < G; ++j) Store8(acc[i][j], out[i] + 8 * (g + j));
+}
+
+// out[r] = x[r] W^T over groups [g0, g1) of w, for the M quantized rows x[r] (K values each;
+// out[r] the row's N outputs): tiles of 4 rows and 2 groups, the rest in smaller ones; rows in
+// chunks of 64 so that a chunk's x bytes stay in cache across the groups; one row by the GEMV.
+inline void GemmQ4_0x8(const uint8_t* w, const uint8_t* const* x, float* const* out, int64_t M,
+                       int64_t K, int64_t g0, int64_t g1) {
+  constexpr int64_t kChunk = 64;
+  if (M == 1) return GemvQ4_0x8(w, x[0], K, g0, g1, out[0]);
+  for (int64_t c = 0; c < M; c += kChunk) {
+    const int64_t c1 = std::min(M, c + kChunk);
+    int64_t g = g0;
+    for (; g + 2 <= g1; g += 2) {
+      int64_t r = c;
+      for (; r + 4 <= c1; r += 4) Tile<4, 2>(w, x + r, K, g, out + r);
+      for (; r < c1; ++r) Tile<1, 2>(w, x + r, K, g, out + r);
+    }
+    for (; g < g1; ++g) {
+      int64_t r = c;
+      for (; r + 4 <= c1; r += 4) Tile<4, 1>(w, x + r, K, g, out + r);
+      for (; r < c1; ++r) Tile<1, 1>(w, x + r, K, g, out + r);
+    }
+  }
+}
+
+#endif
+
+}  // namespace hx_ggml

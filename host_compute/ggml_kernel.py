@@ -56,6 +56,8 @@ TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # (one run, median of 3, ms: 64 rows 36.2 against 135; 128 74.4 / 158; 256 155 / 236; 512 291
 # / 342; the file's layout 51.6, 106, 224, 428): to the step limit, 512.
 # q4_1 is held centred (``models.formats.CENTRED_BLOCKS``): q4_0's kernels, so q4_0's rows.
+# On a CPU with AVX-512 VNNI the repacked q4_0 products are hx's own (``q4_0_avx512.h``), faster
+# still: 1.2x ggml's GEMV and 1.5-2x its GEMM (docs/measurements/log.md, "hx's own Q4_0 kernels").
 KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512),
                ("q4_1 repacked", 512))
 REPACKED = 1 << 16  # a type's flag: the matrix is in ggml's repacked layout (ggml_pool.h)

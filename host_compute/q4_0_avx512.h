@@ -1,18 +1,20 @@
-// One row of x times a Q4_0 matrix held in ggml's repacked CPU layout (block_q4_0x8: 8 output
-// rows' blocks interleaved), with AVX-512 VNNI: the product ggml_pool.h's Product and
-// RoutedExperts use at one row (a decode step's) in place of ggml's own kernel.
+// x times a Q4_0 matrix held in ggml's repacked CPU layout (block_q4_0x8: 8 output rows'
+// blocks interleaved), with AVX-512 VNNI: the products ggml_pool.h's MulMat and MulMatId run in
+// place of ggml's own kernels for these matrices (a GEMV at one row, a GEMM past it).
 //
-// ggml's repacked GEMV (ggml_gemv_q4_0_8x8_q8_0, llama.cpp's decode kernel on x86) is written
-// for AVX2: each of its VNNI dot products multiplies signed bytes by signed bytes through two
-// sign instructions, after a table lookup that widens each signed nibble. Here the nibbles are
-// read unsigned (q in 0..15; ggml stores them as q ^ 8), so each 64 bytes of weights take one
-// dpbusd against x's bytes broadcast across the 8 rows, and the -8 of every q comes off once a
-// block as 8 sum(x's block) (Q4_0: w = d (q - 8)). x is quantized to Q8_0 as ggml quantizes it
-// (d = max |x| / 127 in float16, q = x / d rounded to nearest even), so the integer sums are
-// ggml's exactly; the float sums run in another order. The blocks of the next rows are
-// prefetched 2 KiB ahead: one thread reads 20-27 GB/s where ggml's kernel reads 18-21, two
-// threads 38-44 against 30-39 (the development VM, cold matrices of 0.2-22 MiB; its memory
-// tops out near 44). docs/measurements/log.md, "An AVX-512 GEMV".
+// ggml's repacked kernels (ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0: llama.cpp's on
+// x86) multiply signed bytes by signed bytes: each VNNI dot product costs two sign instructions
+// (or an absolute value and a masked negation), after a table lookup that widens each signed
+// nibble. Here the nibbles are read unsigned (q in 0..15; ggml stores them as q ^ 8), so each
+// 64 bytes of weights take one dpbusd against x's bytes broadcast across the 8 rows, and the
+// -8 of every q comes off once a block as 8 sum(x's block) (Q4_0: w = d (q - 8)). x is
+// quantized to Q8_0 as ggml quantizes it (d = max |x| / 127 in float16, q = x / d rounded to
+// nearest even), so the integer sums are ggml's exactly; the float sums run in another order.
+// The GEMV prefetches the blocks 2 KiB ahead: one thread reads 20-27 GB/s where ggml's kernel
+// reads 18-21, two threads 38-44 against 30-39 (the development VM, cold matrices of 0.2-22
+// MiB; its memory tops out near 44). The GEMM's tiles (4 rows, 2 groups of 8 outputs) reuse
+// each unpacked block 4 times and each broadcast of x twice: 1.5-2x ggml's at 32-512 rows.
+// docs/measurements/log.md, "hx's own Q4_0 kernels".
 #pragma once
 
 #include <cstddef>

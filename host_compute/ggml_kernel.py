@@ -36,7 +36,7 @@ from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, blocks_format, get_forma
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_moe.cc", "ggml_pool.h",
-                             "q4_0_avx512.h"))
+                             "avx512_products.h"))
 TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # ggml's product against XLA's of the decompressed matrix, float32 x, Llama-2-7B's 11008 x 4096,
 # 2 threads, median ms of 5 interleaved rounds on the 2-core VM (scripts/bench_host_matmul.py;
@@ -56,8 +56,9 @@ TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # (one run, median of 3, ms: 64 rows 36.2 against 135; 128 74.4 / 158; 256 155 / 236; 512 291
 # / 342; the file's layout 51.6, 106, 224, 428): to the step limit, 512.
 # q4_1 is held centred (``models.formats.CENTRED_BLOCKS``): q4_0's kernels, so q4_0's rows.
-# On a CPU with AVX-512 VNNI the repacked q4_0 products are hx's own (``q4_0_avx512.h``), faster
-# still: 1.2x ggml's GEMV and 1.5-2x its GEMM (docs/measurements/log.md, "hx's own Q4_0 kernels").
+# On a CPU with AVX-512 VNNI the repacked q4_0 products, and q8_0's at one row, are hx's own
+# (``avx512_products.h``): 1.2x ggml's GEMV and 1.5-2x its GEMM (docs/measurements/log.md,
+# "hx's own Q4_0 and Q8_0 kernels").
 KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512),
                ("q4_1 repacked", 512))
 REPACKED = 1 << 16  # a type's flag: the matrix is in ggml's repacked layout (ggml_pool.h)

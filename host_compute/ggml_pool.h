@@ -22,7 +22,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
-#include "q4_0_avx512.h"
+#include "avx512_products.h"
 
 namespace hx_ggml {
 
@@ -168,7 +168,7 @@ inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor
   }
 }
 
-// Whether GemvQ4_0x8 (q4_0_avx512.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
+// Whether GemvQ4_0x8 (avx512_products.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
 // in ggml's repacked layout (8 rows interleaved on x86), on a CPU with AVX-512 VNNI.
 inline bool OwnGemv(const ggml_tensor* w) {
   return HX_GEMV_Q4_0 && w->type == GGML_TYPE_Q4_0 && w->extra != nullptr && w->ne[1] % 8 == 0;
@@ -197,6 +197,18 @@ inline void Gemv(ggml_tensor* dst, int ith, int nth, void*) {
   const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
   GemvQ4_0x8(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], g0, g1,
              static_cast<float*>(dst->data));
+}
+
+// dst (N) = x (K) W^T of one row, w (K, N) Q8_0 in the file's layout (GemvQ8_0): as Gemv, each
+// thread its share of the N rows.
+inline void GemvQ8(ggml_tensor* dst, int ith, int nth, void*) {
+  const ggml_tensor *w = dst->src[0], *x = dst->src[1];
+  thread_local std::vector<uint8_t> row;
+  row.resize(RowQ8Bytes(w->ne[0]));
+  QuantizeRow(Row(x, 0), w->ne[0], row.data());
+  const auto [n0, n1] = Share(w->ne[1], ith, nth);
+  GemvQ8_0(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], n0, n1,
+           static_cast<float*>(dst->data));
 }
 
 // dst (RowQ8Bytes(K), rows) i8: the rows of x (K, rows) quantized (QuantizeRow), a share of
@@ -281,7 +293,7 @@ inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
 }
 
 // ggml_mul_mat(w, x) (x (K, M) float32), w OwnGemv's: at one row Gemv, else Gemm after
-// QuantizeRows, as custom nodes.
+// QuantizeRows, as custom nodes; w Q8_0 in the file's layout, at one row: GemvQ8.
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
 #if HX_GEMV_Q4_0
   if (OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1) {
@@ -292,6 +304,12 @@ inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
     }
     ggml_tensor* args[] = {w, Quantized(ctx, x)};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
+                          GGML_N_TASKS_MAX, nullptr);
+  }
+  if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) &&
+      x->type == GGML_TYPE_F32 && ggml_nrows(x) == 1 && ggml_is_contiguous(x)) {
+    ggml_tensor* args[] = {w, x};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, GemvQ8,
                           GGML_N_TASKS_MAX, nullptr);
   }
 #endif

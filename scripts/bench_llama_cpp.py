@@ -16,7 +16,11 @@ device and says nothing of a GPU), greedy: decode tokens/s of a 16-token prompt 
 tokens (``Completion.decode_tok_s``: the tokens after the first over their seconds) and prefill
 tokens/s of one PROMPT-token prompt (``Engine.last_logits``, its plan's prefill chunks). Each
 round runs all four once, interleaved, after one untimed warm-up of each (hx compiles); medians
-over rounds and the median of the per-round ratios hx / llama.cpp. ``--depth D`` adds a third
+over rounds and the median of the per-round ratios hx / llama.cpp. Before each of hx's timed runs
+a 2-token generate runs untimed, as llama-bench runs each test once untimed first: a model near
+the machine's memory has the file pages hx keeps mapped (its tables, norms, routers) evicted by
+llama-bench's load of the same file between them (Qwen3-30B-A3B:24L, 8.5 GB of 23: hx's decode
+rounds 22.9-35.1 tokens/s without it, 33-41 alone). ``--depth D`` adds a third
 pair (issue 39 D): decode of NEW tokens after a D-token prompt (hx: ``decode_tok_s`` of that
 generate; llama.cpp: ``llama-bench -p 0 -n NEW -d D``); ``--kv`` holds hx's KV cache so
 (``float16``: llama.cpp's cache type). ``--batch N`` adds a batch-N pair (issue 39 C): hx's
@@ -127,8 +131,9 @@ def main() -> None:
     if not os.path.exists(args.llama_bench):
         raise SystemExit(f"no llama-bench at {args.llama_bench}: build it with "
                          "`python -m hx.host_compute.ggml_build --tools`")
+    devices = discover()  # the host's budget before the model takes its memory, as hx's CLI
     model = hx.load(args.gguf, kv=args.kv)
-    engine = Engine(model, policies.all_host(model.spec.n_layers), discover())
+    engine = Engine(model, policies.all_host(model.spec.n_layers), devices)
     ids = model.tokenizer.encode("The history of the printing press begins " * 1000)
     short, long, deep = ids[:16], ids[:args.prompt_tokens], ids[:args.depth]
     greedy = SamplingParams(max_new_tokens=args.new_tokens)
@@ -173,6 +178,8 @@ def main() -> None:
     seen: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for _ in range(args.rounds):
         for key, run in runs.items():
+            if key[1] == "hx":  # untimed, as llama-bench warms up before each test
+                engine.generate_ids([short], SamplingParams(max_new_tokens=2))
             seen[key].append(run())
     table = Table(title=f"{os.path.basename(args.gguf)}, {args.threads} threads: "
                         f"tokens/s, median of {args.rounds} interleaved rounds")

@@ -83,7 +83,7 @@ def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("K,rows", [(256, 1), (576, 1), (576, 7), (256, 70)])
 def test_repacked_q4_0_products_are_the_exact_integer_products(K, rows):
     """A repacked Q4_0 product runs hx's AVX-512 kernels where the CPU has them
-    (``q4_0_avx512.h``; ggml's elsewhere): x rounded to Q8_0 as ggml rounds it, each block's
+    (``avx512_products.h``; ggml's elsewhere): x rounded to Q8_0 as ggml rounds it, each block's
     integer dot sum(q_x (q_w - 8)) exact, scaled by the two float16 scales -- in float64
     here, in float32 there, so the two agree to float32 rounding, at one row (the GEMV) and
     at 7 and 70 (the GEMM's tiles of 4 rows and 2 groups, and what is left), on one thread
@@ -103,6 +103,28 @@ def test_repacked_q4_0_products_are_the_exact_integer_products(K, rows):
     for threads in (1, 2):
         got = np.asarray(jax.jit(lambda x, w: ggml_kernel.matmul(
             x, w, int(Q.Q4_0), threads, repacked=True))(x, packed))
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("K", [256, 608])
+def test_one_row_of_q8_0_is_the_exact_integer_product(K):
+    """At one row a Q8_0 product (the file's layout: SmolLM2's LM head) runs hx's AVX-512
+    GEMV where the CPU has it: x rounded to Q8_0 as ggml rounds it, each block's integer dot
+    sum(q_x q_w) exact, scaled by the two float16 scales -- agreeing with float64 to float32
+    rounding, on one thread and two, over an odd count of blocks (608 = 19 x 32) too."""
+    rng = np.random.default_rng(K)
+    N = 40
+    blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), Q.Q8_0)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    qx, dx = q8_0_rows(x)
+    raw = blocks.reshape(N, K // 32, 34)
+    dw = raw[..., :2].copy().view(np.float16).astype(np.float64)
+    qw = raw[..., 2:].view(np.int8).astype(np.int64)
+    sums = np.einsum("nbi,rbi->rnb", qw, qx.astype(np.int64))
+    want = (sums * dw[None, :, :, 0] * dx[:, None, :, 0].astype(np.float64)).sum(axis=2)
+    for threads in (1, 2):
+        got = np.asarray(jax.jit(lambda x, w: ggml_kernel.matmul(x, w, int(Q.Q8_0), threads))(
+            x, blocks))
         assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
 
 

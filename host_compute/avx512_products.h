@@ -1,20 +1,22 @@
-// x times a Q4_0 matrix held in ggml's repacked CPU layout (block_q4_0x8: 8 output rows'
-// blocks interleaved), with AVX-512 VNNI: the products ggml_pool.h's MulMat and MulMatId run in
-// place of ggml's own kernels for these matrices (a GEMV at one row, a GEMM past it).
+// x times a held GGUF matrix with AVX-512 VNNI: Q4_0 in ggml's repacked CPU layout
+// (block_q4_0x8: 8 output rows' blocks interleaved; a GEMV at one row, a GEMM past it) and Q8_0
+// in the file's layout (a GEMV): the products ggml_pool.h's MulMat and MulMatId run in place
+// of ggml's own kernels for these matrices.
 //
-// ggml's repacked kernels (ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0: llama.cpp's on
-// x86) multiply signed bytes by signed bytes: each VNNI dot product costs two sign instructions
-// (or an absolute value and a masked negation), after a table lookup that widens each signed
-// nibble. Here the nibbles are read unsigned (q in 0..15; ggml stores them as q ^ 8), so each
-// 64 bytes of weights take one dpbusd against x's bytes broadcast across the 8 rows, and the
-// -8 of every q comes off once a block as 8 sum(x's block) (Q4_0: w = d (q - 8)). x is
+// ggml's kernels (ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0, ggml_vec_dot_q8_0_q8_0:
+// llama.cpp's on x86) multiply signed bytes by signed bytes: each VNNI dot product costs two
+// sign instructions (or an absolute value and a masked negation), after a table lookup that
+// widens each signed nibble of Q4_0. Here the weights are read unsigned (Q4_0's nibbles q in
+// 0..15, which ggml stores as q ^ 8; Q8_0's bytes plus 128), so each 64 bytes of weights take
+// one dpbusd against x's signed bytes (broadcast across Q4_0's 8 rows), and the offset comes
+// off once a block from x's block sum (Q4_0: w = d (q - 8), 8 sum(x); Q8_0: 128 sum(x)). x is
 // quantized to Q8_0 as ggml quantizes it (d = max |x| / 127 in float16, q = x / d rounded to
 // nearest even), so the integer sums are ggml's exactly; the float sums run in another order.
-// The GEMV prefetches the blocks 2 KiB ahead: one thread reads 20-27 GB/s where ggml's kernel
-// reads 18-21, two threads 38-44 against 30-39 (the development VM, cold matrices of 0.2-22
-// MiB; its memory tops out near 44). The GEMM's tiles (4 rows, 2 groups of 8 outputs) reuse
-// each unpacked block 4 times and each broadcast of x twice: 1.5-2x ggml's at 32-512 rows.
-// docs/measurements/log.md, "hx's own Q4_0 kernels".
+// The GEMVs prefetch 2 KiB ahead: one thread reads a cold Q4_0 matrix at 20-27 GB/s where
+// ggml's kernel reads 18-21, two threads 38-44 against 30-39 (the development VM, matrices of
+// 0.2-22 MiB; its memory tops out near 44). The GEMM's tiles (4 rows, 2 groups of 8 outputs)
+// reuse each unpacked block 4 times and each broadcast of x twice: 1.5-2x ggml's at 32-512
+// rows. docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels".
 #pragma once
 
 #include <cstddef>
@@ -22,7 +24,8 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HX_GEMV_Q4_0 1
 #else
@@ -127,6 +130,50 @@ inline void GemvQ4_0x8(const uint8_t* w, const uint8_t* x, int64_t K, int64_t g0
       acc = Dot(Unpack(block), x, K, b, acc);
     }
     Store8(acc, out + 8 * g);
+  }
+}
+
+// out[n] for rows n in [n0, n1) of a Q8_0 matrix w in the file's layout (each row K / 32
+// blocks of 34 bytes: a float16 scale, 32 signed bytes) times x's quantized row: each block's
+// bytes read unsigned (w + 128) against x's signed ones in one dpbusd, the 128 sum(x) off
+// (16 times RowQ8's 8 sum), two blocks a step on separate sums; the row 2 KiB ahead
+// prefetched. A decode step's Q8_0 products (SmolLM2's LM head) read their matrix at the
+// memory's rate.
+inline void GemvQ8_0(const uint8_t* w, const uint8_t* x, int64_t K, int64_t n0, int64_t n1,
+                     float* out) {
+  constexpr int64_t kBlock = 34, kAhead = 2048;
+  const int64_t blocks = K / 32, row_bytes = blocks * kBlock;
+  const float* xd = reinterpret_cast<const float*>(x + K);
+  const int32_t* sum8 = reinterpret_cast<const int32_t*>(x + K + K / 8);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const uint8_t* end = w + n1 * row_bytes;
+  auto block = [&](const uint8_t* at, int64_t b, __m256 acc) {
+    const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2)),
+                                       flip);
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -16 * sum8[b]),
+                                             q, _mm256_loadu_si256(
+                                                 reinterpret_cast<const __m256i*>(x + 32 * b)));
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(at)) * xd[b];
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), acc);
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      const uint8_t* at = row + b * kBlock;
+      if (at + kAhead < end) {
+        _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + 64), _MM_HINT_T0);
+      }
+      even = block(at, b, even);
+      odd = block(at + kBlock, b + 1, odd);
+    }
+    if (b < blocks) even = block(row + b * kBlock, b, even);
+    const __m256 sum = _mm256_add_ps(even, odd);
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    out[n] = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
   }
 }
 

@@ -29,8 +29,8 @@ and, before the launch of a layer's streamed experts (``Segment.routes``: placed
 
 -- unless the step routes ``WHOLE_PART_ROUTINGS`` times the part's experts or more (a prefill
 chunk: ``whole_part``): then the part crosses whole (``stage``) without waiting for the
-routing, as soon as the previous such part's launch is done (``wait``: one buffer), while the
-ops between run;
+routing, as soon as the launch of the part ``WHOLE_PART_BUFFERS`` such parts back is done
+(``wait``: one buffer, so the copy overlaps the ops between);
 
 and, for plans with a disk tier, ``read`` (a segment's disk-homed weights into host memory,
 just before its stage; ``hx.disk``) and ``kv read`` (a micro-batch's disk-homed KV caches,
@@ -118,6 +118,14 @@ def routed_expert_bytes(spec: ModelSpec) -> int:
 
 # routings a step makes per expert of a streamed part past which the part crosses whole
 WHOLE_PART_ROUTINGS = 4
+# buffers of streamed parts crossing whole. With 2 a layer's copy would start once the part two
+# layers back is done, overlapping the previous layer's experts too: Qwen3-30B-A3B:12L with 64
+# experts a layer streamed, on the gpu_like test profile, TTFT 186 -> 151 ms (64-token prompt)
+# and 226 -> 201 (512) for one more part's bytes (170 MB), but CP-SAT's placement at a quarter
+# of the weights' bytes, given room for two parts, streams nothing and computes 1,408 experts
+# on the host (TTFT 334 -> 1,410 ms): the count stays 1 until plans choose it
+# (docs/measurements/log.md, session 29)
+WHOLE_PART_BUFFERS = 1
 
 
 def whole_part(experts: int, rows: int, top_k: int) -> bool:
@@ -371,15 +379,18 @@ class _Builder:
                                                            micro_batches, temp_bytes)
         self.moves_of, self.next_stream = crossings(segments), next_streaming(segments)
         # a layer's streamed experts whose step routes past ``WHOLE_PART_ROUTINGS`` an expert
-        # cross whole, with no ``route``: each waited for at the start of the segment after it
-        # (its buffer freed) and the next staged there (one buffer), the first at the step's
-        # start; {segment: (the part to wait for or None, the part to stage or None)}
+        # cross whole, with no ``route``, into ``WHOLE_PART_BUFFERS`` buffers: each waited for
+        # at the start of the segment after it (its buffer freed) and the part that buffer
+        # takes next staged there, the first parts at the step's start; {segment: [(the part
+        # to wait for or None, the part to stage or None)]}
         self.whole = [seg.routes and whole_part(seg.parts[0], batch * tokens, spec.moe.top_k)
                       for seg in segments]
         parts = [j for j, whole in enumerate(self.whole) if whole]
-        self.whole_stage: dict[int, tuple[int | None, int | None]] = {}
-        for previous, j in zip([None] + parts, parts + [None]):
-            self.whole_stage[0 if previous is None else previous + 1] = (previous, j)
+        self.whole_stage: dict[int, list[tuple[int | None, int | None]]] = {}
+        ahead = [None] * WHOLE_PART_BUFFERS + parts
+        for previous, j in zip(ahead, parts + [None] * WHOLE_PART_BUFFERS):
+            self.whole_stage.setdefault(0 if previous is None else previous + 1, []).append(
+                (previous, j))
         self.out: list[Instruction] = []
         self.producer: dict[tuple[str, int], int] = {}  # (activation, micro) -> its launch
         self.last: dict[tuple[str, int], int] = {}  # (kind, segment) -> latest such
@@ -448,8 +459,7 @@ class _Builder:
         """Everything segment ``i`` issues: the stream's wait and next stage, then per
         micro-batch its step inputs, input copies and launch."""
         seg, late = self.segments[i], None  # late: the next weights, after i's input copies
-        if i in self.whole_stage:  # the last whole part of streamed experts done, the next in
-            previous, j = self.whole_stage.pop(i)
+        for previous, j in self.whole_stage.pop(i, ()):  # a whole part done, the next in
             if previous is not None:
                 self.wait(previous)
             if j is not None:
@@ -626,8 +636,9 @@ class _Builder:
         the last segment), then the end of the step: free what the step allocated."""
         if self.previous_stream is not None:
             self.wait(self.previous_stream)
-        for previous, _ in self.whole_stage.values():  # not waited for at a segment after it
-            self.wait(previous)
+        for previous, _ in (p for pairs in self.whole_stage.values() for p in pairs):
+            if previous is not None:  # not waited for at a segment after it
+                self.wait(previous)
         frees: list[Hashable] = [TEMP_KEY, INPUT_KEY] + [step_key(m) for m in range(self.N)]
         frees += [act_key(n, m) for n, m in sorted(self.held)]
         self.add([], FREE, None, frees=tuple(frees))

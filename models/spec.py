@@ -752,6 +752,20 @@ PRESETS: dict[str, ModelSpec] = {
         "DeepSeek-V3", 61, 3, 7168, 128, 1536, 18432, 129280,
         MoeShape(256, 8, 2048, d_shared=2048, norm_top_k=True, routed_scale=2.5, groups=8,
                  top_groups=4, shared_gate=False), 1.0),
+    # openai/gpt-oss-20b and openai/gpt-oss-120b: 32 or 128 experts of 2880, top 4 (softmax
+    # over the 4 picked: Mixtral's routing), 64 heads of 64 beside a hidden 2880. hx has no
+    # ``gpt_oss`` family (it reads no gpt-oss checkpoint): the presets price their shapes with
+    # Mixtral's layer -- without the attention sinks, the biases (0.01 % of the bytes), the
+    # clamped SwiGLU and YaRN, and with every layer attending in full where gpt-oss alternates a
+    # 128-token window with full attention (so long contexts price twice its KV bytes) --
+    # and their MXFP4 experts in whichever format is asked (q4_0: 4.5 bits a weight, MXFP4's
+    # 4.25)
+    **{name: ModelSpec(
+        name=label, n_layers=layers, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+        d_ff=2880, vocab_size=201088, context_length=131072, rope_theta=150000.0,
+        norm_eps=1e-5, family="mixtral", moe=MoeShape(experts, 4, 2880))
+       for name, label, layers, experts in (("gpt-oss-20b", "gpt-oss-20b", 24, 32),
+                                            ("gpt-oss-120b", "gpt-oss-120b", 36, 128))},
     # google/gemma-3-12b-pt (its config.json's text_config; local and global layers 5:1)
     "gemma3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 256),
     # google/gemma-3-27b-pt (head dim 128; query_pre_attn_scalar 168 = 5376 / 32)

@@ -42,7 +42,7 @@ from hx.plan import DISK, RESIDENT, STREAMED, ExecutionPlan, ExpertHomes, Placem
 from hx.planner.cost import routed_chance
 from hx.planner.profile import HardwareProfile
 from hx.planner.simulator import ggml_seconds, op_seconds
-from hx.schedule import routed_expert_bytes
+from hx.schedule import WHOLE_PART_BUFFERS, routed_expert_bytes
 from hx.workload import Workload
 
 TIME_UNIT = 1e-7  # seconds per integer unit of CP-SAT's objective (0.1 µs)
@@ -254,7 +254,8 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     (``ExpertCosts``); subject to the resident experts' bytes within ``accelerator_bytes``
     and the host's and streamed ones' within ``host_bytes`` (None: unbounded), the
     accelerator's beside the buffer of the most streamed and disk-homed experts of a layer
-    (``schedule``'s ``experts in``: a prefill chunk's routing fills it). With a host budget
+    (``schedule``'s ``experts in``: a prefill chunk's routing fills it; ``WHOLE_PART_BUFFERS``
+    of them where the part crosses whole). With a host budget
     and a profile with a disk's read rate (``ExpertCosts``) an expert may live on disk,
     costing no memory. Started from whole layers resident or on the host
     (``_whole_layers``). One worker, a seed and a deterministic limit: the same homes however
@@ -288,8 +289,9 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
         if copied:
             model.Add(widest >= sum(x[(l, e, h)] for e in range(X) for h in copied))
     buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
+    buffers = WHOLE_PART_BUFFERS if buffer >= 1.0 else 1  # parts crossing whole, a layer ahead
     model.Add(sum(x[(l, e, RESIDENT)] for l in layers for e in range(X)) * costs.nbytes
-              + widest * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
+              + widest * buffers * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
     if host_bytes is not None:
         model.Add(sum(x[(l, e, h)] for l in layers for e in range(X) for h in homes
                       if h not in (RESIDENT, DISK)) * costs.nbytes <= host_bytes)

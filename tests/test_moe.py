@@ -331,6 +331,49 @@ def test_a_prefill_chunk_stages_the_streamed_experts_whole_ahead_of_their_layer(
     assert len([ins for ins in decode.instructions if ins.kind == ROUTE]) == 4
 
 
+def test_two_whole_part_buffers_stage_a_layer_ahead(monkeypatch):
+    """``WHOLE_PART_BUFFERS`` = 2 (not the default: CP-SAT's placements do not choose it yet):
+    the first two layers' streamed parts staged before the first launch, each next one once
+    the part two layers back has run; the estimate holds one more part (64 experts' bytes)
+    and the simulator predicts a shorter prefill on the gpu_like profile."""
+    from hx import schedule
+    from hx.memory import estimate
+    from hx.models.spec import preset
+    from hx.planner import policies
+    from hx.planner.simulator import predict_run
+    from hx.schedule import LAUNCH, STAGE, WAIT, compile_schedule, routed_expert_bytes
+    from hx.workload import Workload
+
+    from profiles import gpu_like
+
+    spec = preset("qwen3-30b-a3b:4L").replace(dtype="bfloat16", weight_format="q4_0")
+    plan = policies.resident_experts(spec, 64, "streamed").with_prefill_chunk(64)
+    work = Workload.for_prompts(1, 64, 4, spec)
+
+    def planned():
+        compile_schedule.cache_clear()
+        estimate.cache_clear()
+        return (compile_schedule(plan, spec, "prefill", 1, 64, 68), estimate(plan, spec, work),
+                predict_run(plan, spec, gpu_like(), work).ttft_s)
+
+    _, one_need, one_ttft = planned()
+    monkeypatch.setattr(schedule, "WHOLE_PART_BUFFERS", 2)
+    prefill, two_need, two_ttft = planned()
+    out = prefill.instructions
+    parts = sorted(i for i, seg in enumerate(prefill.segments) if seg.routes)
+    first = {(ins.kind, ins.segment): n for n, ins in reversed(list(enumerate(out)))}
+    start = min(n for n, ins in enumerate(out) if ins.kind == LAUNCH)
+    assert first[(STAGE, parts[0])] < start and first[(STAGE, parts[1])] < start
+    for back, j in zip(parts, parts[2:]):
+        assert first[(LAUNCH, back)] < first[(WAIT, back)] < first[(STAGE, j)] < first[(LAUNCH, j)]
+        assert first[(STAGE, j)] < first[(LAUNCH, j - 1)]  # ahead of the layer before
+    assert two_need.accelerator - one_need.accelerator == 64 * routed_expert_bytes(spec)
+    assert two_ttft < one_ttft
+    monkeypatch.undo()
+    compile_schedule.cache_clear()
+    estimate.cache_clear()
+
+
 def test_routed_picks_the_experts_some_row_routes_to():
     """``routed_experts.routed`` over routing weights (rows, X), 0 off each row's k: the
     indices into a part's ids of the experts with a nonzero weight in some row, in the

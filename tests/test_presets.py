@@ -31,7 +31,9 @@ PUBLISHED = {"smollm2-135m": 1.35e8, "llama2-7b": 6.74e9, "llama2-13b": 13.0e9,
              "qwen1.5-moe-a2.7b": 14.3e9, "olmoe-1b-7b": 6.92e9,
              # DeepSeek-V2 (arXiv:2405.04434) Appendix B: V2-Lite 15.7B; DeepSeek-V3 (arXiv:
              # 2412.19437) §1: 671B, without the 14B of its multi-token-prediction module
-             "deepseek-v2-lite": 15.7e9, "deepseek-v3": 671e9}
+             "deepseek-v2-lite": 15.7e9, "deepseek-v3": 671e9,
+             # gpt-oss model card (OpenAI, 2025-08-05), Table 1: total parameters
+             "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
 
 
 def test_every_preset_has_its_published_size():

@@ -143,7 +143,8 @@ def measure_side(devices: Devices, side: str, kernel, effort: Effort,
             f"{int4[-1][1] / 1e9:.1f} at M={int4[-1][0]}")
     ggml = measure_ggml_matmul(device, effort.ggml_rows, effort) if side == HOST else ()
     for layout, curve in ggml:
-        log(f"{side}: ggml's {layout} products {curve[0][1] / 1e9:.1f} GFLOP/s at "
+        log(f"{side}: {layout} products by ggml's path (hx's own kernels where the CPU has "
+            f"AVX-512 VNNI) {curve[0][1] / 1e9:.1f} GFLOP/s at "
             f"M={curve[0][0]}, {curve[-1][1] / 1e9:.1f} at M={curve[-1][0]}")
     return DeviceProfile(
         matmul=curves[jnp.float32], memory_bandwidth=memory, int4_matmul=int4,

@@ -296,7 +296,8 @@ inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
 // QuantizeRows, as custom nodes; w Q8_0 in the file's layout, at one row: GemvQ8.
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
 #if HX_GEMV_Q4_0
-  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1) {
+  const bool matrix = w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1;
+  if (OwnGemv(w) && matrix && x->type == GGML_TYPE_F32) {
     if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
       ggml_tensor* args[] = {w, x};
       return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, Gemv,
@@ -306,8 +307,8 @@ inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
                           GGML_N_TASKS_MAX, nullptr);
   }
-  if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) &&
-      x->type == GGML_TYPE_F32 && ggml_nrows(x) == 1 && ggml_is_contiguous(x)) {
+  if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) && matrix &&
+      x->type == GGML_TYPE_F32 && x->ne[1] == 1 && ggml_is_contiguous(x)) {
     ggml_tensor* args[] = {w, x};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, GemvQ8,
                           GGML_N_TASKS_MAX, nullptr);

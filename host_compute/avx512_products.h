@@ -12,11 +12,11 @@
 // off once a block from x's block sum (Q4_0: w = d (q - 8), 8 sum(x); Q8_0: 128 sum(x)). x is
 // quantized to Q8_0 as ggml quantizes it (d = max |x| / 127 in float16, q = x / d rounded to
 // nearest even), so the integer sums are ggml's exactly; the float sums run in another order.
-// The GEMVs prefetch 2 KiB ahead: one thread reads a cold Q4_0 matrix at 20-27 GB/s where
-// ggml's kernel reads 18-21, two threads 38-44 against 30-39 (the development VM, matrices of
-// 0.2-22 MiB; its memory tops out near 44). The GEMM's tiles (4 rows, 2 groups of 8 outputs)
-// reuse each unpacked block 4 times and each broadcast of x twice: 1.5-2x ggml's at 32-512
-// rows. docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels".
+// The GEMVs prefetch 2 KiB ahead and reach the memory's rate where ggml's GEMV is bound by
+// its instructions; the GEMM's tiles (4 rows, 2 groups of 8 outputs) reuse each unpacked block
+// 4 times and each broadcast of x twice. On the development VM, cold matrices of 0.5-25 MB
+// (scripts/avx512_kernels/run.py): 1.1-1.45x ggml's GEMV, 1.4-2.1x its GEMM at 32-512 rows.
+// docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels".
 #pragma once
 
 #include <cstddef>

@@ -57,7 +57,7 @@ TARGET, LAYER_TARGET, MOE_TARGET = "hx_ggml_mm", "hx_ggml_layers", "hx_ggml_moe"
 # / 342; the file's layout 51.6, 106, 224, 428): to the step limit, 512.
 # q4_1 is held centred (``models.formats.CENTRED_BLOCKS``): q4_0's kernels, so q4_0's rows.
 # On a CPU with AVX-512 VNNI the repacked q4_0 products, and q8_0's at one row, are hx's own
-# (``avx512_products.h``): 1.2x ggml's GEMV and 1.5-2x its GEMM (docs/measurements/log.md,
+# (``avx512_products.h``): 1.1-1.45x ggml's GEMV and 1.4-2.1x its GEMM (docs/measurements/log.md,
 # "hx's own Q4_0 and Q8_0 kernels").
 KERNEL_ROWS = (("q4_0", 64), ("q4_1", 64), ("q8_0", 64), ("q4_0 repacked", 512),
                ("q4_1 repacked", 512))

@@ -27,9 +27,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define HX_GEMV_Q4_0 1
+#define HX_AVX512_PRODUCTS 1
 #else
-#define HX_GEMV_Q4_0 0
+#define HX_AVX512_PRODUCTS 0
 #endif
 
 namespace hx_ggml {
@@ -39,7 +39,7 @@ namespace hx_ggml {
 // (int32).
 inline int64_t RowQ8Bytes(int64_t K) { return K + K / 32 * 8; }
 
-#if HX_GEMV_Q4_0
+#if HX_AVX512_PRODUCTS
 
 // Quantizes the K floats at x into the RowQ8Bytes(K) bytes at row.
 inline void QuantizeRow(const float* x, int64_t K, uint8_t* row) {
@@ -110,11 +110,19 @@ inline void Store8(__m512 acc, float* out) {
       _mm512_permutex2var_ps(acc, even, acc), _mm512_permutex2var_ps(acc, odd, acc))));
 }
 
+// Prefetches `lines` cache lines 2 KiB past `at`, where that is before `end`: the GEMVs read
+// their matrix at the memory's rate only so.
+inline void PrefetchAhead(const uint8_t* at, const uint8_t* end, int lines) {
+  constexpr int64_t kAhead = 2048;
+  if (at + kAhead >= end) return;
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + 64 * i), _MM_HINT_T0);
+}
+
 // out[n] for the 8 rows n of each group g in [g0, g1) of w (groups of 8 rows of K / 32 blocks
 // each), x one quantized row. The blocks 2 KiB ahead are prefetched.
 inline void GemvQ4_0x8(const uint8_t* w, const uint8_t* x, int64_t K, int64_t g0, int64_t g1,
                        float* out) {
-  constexpr int64_t kAhead = 2048;
   const int64_t blocks = K / 32;
   const uint8_t* end = w + g1 * blocks * kBlockBytes;
   for (int64_t g = g0; g < g1; ++g) {
@@ -122,11 +130,7 @@ inline void GemvQ4_0x8(const uint8_t* w, const uint8_t* x, int64_t K, int64_t g0
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = rows + b * kBlockBytes;
-      if (block + kAhead < end) {
-        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + 128), _MM_HINT_T0);
-      }
+      PrefetchAhead(block, end, 3);
       acc = Dot(Unpack(block), x, K, b, acc);
     }
     Store8(acc, out + 8 * g);
@@ -141,7 +145,7 @@ inline void GemvQ4_0x8(const uint8_t* w, const uint8_t* x, int64_t K, int64_t g0
 // memory's rate.
 inline void GemvQ8_0(const uint8_t* w, const uint8_t* x, int64_t K, int64_t n0, int64_t n1,
                      float* out) {
-  constexpr int64_t kBlock = 34, kAhead = 2048;
+  constexpr int64_t kBlock = 34;
   const int64_t blocks = K / 32, row_bytes = blocks * kBlock;
   const float* xd = reinterpret_cast<const float*>(x + K);
   const int32_t* sum8 = reinterpret_cast<const int32_t*>(x + K + K / 8);
@@ -162,10 +166,7 @@ inline void GemvQ8_0(const uint8_t* w, const uint8_t* x, int64_t K, int64_t n0, 
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
       const uint8_t* at = row + b * kBlock;
-      if (at + kAhead < end) {
-        _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + 64), _MM_HINT_T0);
-      }
+      PrefetchAhead(at, end, 2);
       even = block(at, b, even);
       odd = block(at + kBlock, b + 1, odd);
     }

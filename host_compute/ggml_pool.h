@@ -168,13 +168,13 @@ inline void AddCentres(ggml_tensor* dst, const ggml_tensor* y, const ggml_tensor
   }
 }
 
-// Whether GemvQ4_0x8 (avx512_products.h) multiplies w (K, N, [X]): a Q4_0 matrix (or stack of them)
-// in ggml's repacked layout (8 rows interleaved on x86), on a CPU with AVX-512 VNNI.
+// Whether hx's Q4_0 kernels (avx512_products.h) multiply w (K, N, [X]): a Q4_0 matrix (or stack
+// of them) in ggml's repacked layout (8 rows interleaved on x86), on a CPU with AVX-512 VNNI.
 inline bool OwnGemv(const ggml_tensor* w) {
-  return HX_GEMV_Q4_0 && w->type == GGML_TYPE_Q4_0 && w->extra != nullptr && w->ne[1] % 8 == 0;
+  return HX_AVX512_PRODUCTS && w->type == GGML_TYPE_Q4_0 && w->extra != nullptr && w->ne[1] % 8 == 0;
 }
 
-#if HX_GEMV_Q4_0
+#if HX_AVX512_PRODUCTS
 // [g0, g1) of `groups` split evenly over nth threads: thread ith's.
 inline std::pair<int64_t, int64_t> Share(int64_t groups, int ith, int nth) {
   const int64_t share = (groups + nth - 1) / nth;
@@ -186,29 +186,20 @@ inline const float* Row(const ggml_tensor* x, int64_t r) {  // row r of x (K, ro
   return reinterpret_cast<const float*>(static_cast<const char*>(x->data) + r * x->nb[1]);
 }
 
-// dst (N) = x (K) W^T of one row, w (K, N) OwnGemv's, as a ggml custom op over every thread:
-// each quantizes x itself (no barrier inside the node) and computes its share of the N / 8
-// groups of 8 outputs.
-inline void Gemv(ggml_tensor* dst, int ith, int nth, void*) {
+// dst (N) = x (K) W^T of one row by `Kernel` (GemvQ4_0x8: w OwnGemv's, in groups of 8 rows;
+// GemvQ8_0: Q8_0 in the file's layout, row by row: `Rows` outputs a unit), as a ggml custom op
+// over every thread: each quantizes x itself (no barrier inside the node) and computes its
+// share of the N / Rows units.
+template <void (*Kernel)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*),
+          int64_t Rows>
+inline void OneRow(ggml_tensor* dst, int ith, int nth, void*) {
   const ggml_tensor *w = dst->src[0], *x = dst->src[1];
   thread_local std::vector<uint8_t> row;
   row.resize(RowQ8Bytes(w->ne[0]));
   QuantizeRow(Row(x, 0), w->ne[0], row.data());
-  const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
-  GemvQ4_0x8(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], g0, g1,
-             static_cast<float*>(dst->data));
-}
-
-// dst (N) = x (K) W^T of one row, w (K, N) Q8_0 in the file's layout (GemvQ8_0): as Gemv, each
-// thread its share of the N rows.
-inline void GemvQ8(ggml_tensor* dst, int ith, int nth, void*) {
-  const ggml_tensor *w = dst->src[0], *x = dst->src[1];
-  thread_local std::vector<uint8_t> row;
-  row.resize(RowQ8Bytes(w->ne[0]));
-  QuantizeRow(Row(x, 0), w->ne[0], row.data());
-  const auto [n0, n1] = Share(w->ne[1], ith, nth);
-  GemvQ8_0(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], n0, n1,
-           static_cast<float*>(dst->data));
+  const auto [u0, u1] = Share(w->ne[1] / Rows, ith, nth);
+  Kernel(static_cast<const uint8_t*>(w->data), row.data(), w->ne[0], u0, u1,
+         static_cast<float*>(dst->data));
 }
 
 // dst (RowQ8Bytes(K), rows) i8: the rows of x (K, rows) quantized (QuantizeRow), a share of
@@ -282,7 +273,6 @@ inline void GemmExperts(ggml_tensor* dst, int ith, int nth, void*) {
     start += cost;
   }
 }
-#endif
 
 // x's rows quantized for Gemm (QuantizeRows), x (K, rows[, ...]) float32.
 inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
@@ -291,16 +281,17 @@ inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
   return ggml_custom_4d(ctx, GGML_TYPE_I8, RowQ8Bytes(x->ne[0]), ggml_nrows(x), 1, 1, args, 1,
                         QuantizeRows, GGML_N_TASKS_MAX, nullptr);
 }
+#endif
 
 // ggml_mul_mat(w, x) (x (K, M) float32), w OwnGemv's: at one row Gemv, else Gemm after
-// QuantizeRows, as custom nodes; w Q8_0 in the file's layout, at one row: GemvQ8.
+// QuantizeRows, as custom nodes; w Q8_0 in the file's layout, at one row: GemvQ8_0.
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
-#if HX_GEMV_Q4_0
+#if HX_AVX512_PRODUCTS
   const bool matrix = w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1;
   if (OwnGemv(w) && matrix && x->type == GGML_TYPE_F32) {
     if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
       ggml_tensor* args[] = {w, x};
-      return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, Gemv,
+      return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, OneRow<GemvQ4_0x8, 8>,
                             GGML_N_TASKS_MAX, nullptr);
     }
     ggml_tensor* args[] = {w, Quantized(ctx, x)};
@@ -310,20 +301,25 @@ inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
   if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) && matrix &&
       x->type == GGML_TYPE_F32 && x->ne[1] == 1 && ggml_is_contiguous(x)) {
     ggml_tensor* args[] = {w, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, GemvQ8,
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, OneRow<GemvQ8_0, 1>,
                           GGML_N_TASKS_MAX, nullptr);
   }
 #endif
   return ggml_mul_mat(ctx, w, x);
 }
 
+// Whether MulMatId runs GemmExperts for w and x.
+inline bool OwnExperts(const ggml_tensor* w, const ggml_tensor* x) {
+  return OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[3] == 1;
+}
+
 // ggml_mul_mat_id(w, x, ids) (x (K, 1 or k, N) float32, ids (k, N)), w OwnGemv's:
-// GemmExperts after QuantizeRows.
+// GemmExperts after QuantizeRows (`xq`, x's rows quantized, where the caller made them).
 inline ggml_tensor* MulMatId(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x,
-                             ggml_tensor* ids) {
-#if HX_GEMV_Q4_0
-  if (OwnGemv(w) && x->type == GGML_TYPE_F32 && x->ne[3] == 1) {
-    ggml_tensor* args[] = {w, x, ids, Quantized(ctx, x)};
+                             ggml_tensor* ids, ggml_tensor* xq = nullptr) {
+#if HX_AVX512_PRODUCTS
+  if (OwnExperts(w, x)) {
+    ggml_tensor* args[] = {w, x, ids, xq != nullptr ? xq : Quantized(ctx, x)};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], ids->ne[1], 1, args, 4,
                           GemmExperts, GGML_N_TASKS_MAX, nullptr);
   }
@@ -352,8 +348,12 @@ inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* cent
 inline ggml_tensor* RoutedExperts(ggml_context* ctx, ggml_tensor* gate, ggml_tensor* up,
                                   ggml_tensor* down, ggml_tensor* x, ggml_tensor* ids,
                                   ggml_tensor* weights, ggml_tensor* base) {
-  ggml_tensor* a = ggml_swiglu_split(ctx, MulMatId(ctx, gate, x, ids),
-                                     MulMatId(ctx, up, x, ids));         // (F, k, N)
+  ggml_tensor* xq = nullptr;  // gate and up read the same x: quantized once where both are hx's
+#if HX_AVX512_PRODUCTS
+  if (OwnExperts(gate, x) && OwnExperts(up, x)) xq = Quantized(ctx, x);
+#endif
+  ggml_tensor* a = ggml_swiglu_split(ctx, MulMatId(ctx, gate, x, ids, xq),
+                                     MulMatId(ctx, up, x, ids, xq));     // (F, k, N)
   ggml_tensor* e = ggml_mul(ctx, MulMatId(ctx, down, a, ids), weights);  // (D, k, N)
   const int64_t D = e->ne[0], k = e->ne[1], N = e->ne[2];
   ggml_tensor* out = base;

@@ -242,11 +242,11 @@ class ExpertHomes:
         return tuple((op, ids) for op in EXPERT_OPS
                      if (ids := tuple(e for e, h in enumerate(homes) if EXPERT_OP_OF[h] == op)))
 
-    def homes(self, layer: int | None) -> tuple[tuple[str, str, int], ...]:
-        """((op, home, experts), ...): how many of ``layer``'s experts each op holds at each
-        home, for the homes that hold some (``EXPERT_HOMES`` order)."""
-        homes = self.of(layer) if layer is not None else ()
-        return tuple((EXPERT_OP_OF[h], h, homes.count(h)) for h in EXPERT_HOMES if h in homes)
+    def homes(self, layer: int) -> tuple[tuple[str, str], ...]:
+        """((op, home), ...): the homes of ``layer``'s experts and the op that runs each
+        (``EXPERT_HOMES`` order)."""
+        homes = self.of(layer)
+        return tuple((EXPERT_OP_OF[h], h) for h in EXPERT_HOMES if h in homes)
 
     def on_disk(self, layer: int) -> tuple[bool, ...]:
         """Per expert of ``layer``'s streamed op (``groups`` order), whether it is read from
@@ -367,7 +367,7 @@ class ExecutionPlan:
         for layer, op, home in self.weights.sequence():
             yield layer, op, home
             if op == "MLP2" and layer is not None:
-                for g, h, _ in self.experts.homes(layer):
+                for g, h in self.experts.homes(layer):
                     yield layer, g, h
 
     def held_spec(self, spec: ModelSpec, layer: int | None, op: str, home: str) -> ModelSpec:
@@ -375,8 +375,7 @@ class ExecutionPlan:
         but an expert op's experts at that home alone."""
         if op not in EXPERT_OPS:
             return self.op_spec(spec, layer, op)
-        n = dict(((g, h), n) for g, h, n in self.experts.homes(layer)).get((op, home), 0)
-        return spec.layer_spec(layer).expert_part(op, n)
+        return spec.layer_spec(layer).expert_part(op, self.experts.of(layer).count(home))
 
     @property
     def n_layers(self) -> int:

@@ -270,7 +270,6 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     homes = (RESIDENT, STREAMED, HOST) if streams else (RESIDENT, HOST)
     if streams and DISK in costs.seconds and host_bytes is not None:
         homes += (DISK,)
-    copied = [h for h in (STREAMED, DISK) if h in homes]  # the streamed op's homes
     layers, X = spec.expert_layers, spec.moe.routed  # a dense first layer has none
     model = cp_model.CpModel()
     x = {(l, e, h): model.NewBoolVar(f"x{l}_{e}_{h}") for l in layers for e in range(X)
@@ -282,19 +281,7 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
             model.AddExactlyOne(x[(l, e, h)] for h in homes)
             for h in homes:
                 model.AddImplication(x[(l, e, h)], any_at[(l, STREAMED if h == DISK else h)])
-    # the buffer streamed experts are copied into: the most a layer streams (a prefill
-    # chunk of ``workload.prompt_tokens`` rows routes to all of them), one layer at a time
-    widest = model.NewIntVar(0, X, "streamed")
-    for l in layers:
-        if copied:
-            model.Add(widest >= sum(x[(l, e, h)] for e in range(X) for h in copied))
-    buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
-    buffers = WHOLE_PART_BUFFERS if buffer >= 1.0 else 1  # parts crossing whole, a layer ahead
-    model.Add(sum(x[(l, e, RESIDENT)] for l in layers for e in range(X)) * costs.nbytes
-              + widest * buffers * int(math.ceil(buffer * costs.nbytes)) <= accelerator_bytes)
-    if host_bytes is not None:
-        model.Add(sum(x[(l, e, h)] for l in layers for e in range(X) for h in homes
-                      if h not in (RESIDENT, DISK)) * costs.nbytes <= host_bytes)
+    _add_budgets(model, x, spec, workload, costs.nbytes, accelerator_bytes, host_bytes)
     hint = _whole_layers(costs, layers, X, accelerator_bytes)
     for (l, e, h), var in x.items():
         model.AddHint(var, hint[l] == h)
@@ -314,6 +301,30 @@ def cpsat_experts(spec: ModelSpec, profile: HardwareProfile, workload: Workload,
     return ExpertHomes(tuple(tuple(next(h for h in homes if solver.Value(x[(l, e, h)]))
                                    for e in range(X)) if l in hint else ()
                              for l in range(spec.n_layers)))
+
+
+def _add_budgets(model, x: dict, spec: ModelSpec, workload: Workload, nbytes: int,
+                 accelerator_bytes: int, host_bytes: int | None) -> None:
+    """``cpsat_experts``' memory constraints over its booleans ``x`` ((layer, expert, home) ->
+    var) of experts of ``nbytes`` each: the resident ones within ``accelerator_bytes`` beside
+    the buffer streamed and disk-homed experts are copied into -- the most a layer streams (a
+    prefill chunk of ``workload.prompt_tokens`` rows routes to all of them), one layer at a
+    time, ``WHOLE_PART_BUFFERS`` of them where the part crosses whole -- and the host's and
+    streamed ones within ``host_bytes`` (None: unbounded)."""
+    layers, X = spec.expert_layers, spec.moe.routed
+    homes = {h for _, _, h in x}
+    copied = [h for h in (STREAMED, DISK) if h in homes]  # the streamed op's homes
+    widest = model.NewIntVar(0, X, "streamed")
+    for l in layers:
+        if copied:
+            model.Add(widest >= sum(x[(l, e, h)] for e in range(X) for h in copied))
+    buffer = min(1.0, workload.batch * min(workload.prompt_tokens, 512) * spec.moe.top_k / X)
+    buffers = WHOLE_PART_BUFFERS if buffer >= 1.0 else 1  # parts crossing whole, a layer ahead
+    model.Add(sum(x[(l, e, RESIDENT)] for l in layers for e in range(X)) * nbytes
+              + widest * buffers * int(math.ceil(buffer * nbytes)) <= accelerator_bytes)
+    if host_bytes is not None:
+        model.Add(sum(var for (_, _, h), var in x.items() if h not in (RESIDENT, DISK))
+                  * nbytes <= host_bytes)
 
 
 def whole_layers(spec: ModelSpec, profile: HardwareProfile, workload: Workload,

@@ -90,7 +90,8 @@ class QOp(WeightedOp):
         w_uk = _absorbed(self, "w_uk", (s.n_heads, m.nope_dim, m.kv_rank))
         absorbed = jnp.einsum("bthn,hnr->bthr", q[..., :m.nope_dim].astype(w_uk.dtype), w_uk,
                               preferred_element_type=jnp.float32)
-        turned = rope(q[..., m.nope_dim:], step.positions, inv_frequencies(s), interleaved=True)
+        turned = rope(q[..., m.nope_dim:], step.positions, inv_frequencies(s),
+                      interleaved=m.interleaved)
         turned = turned.astype(jnp.float32) * yarn_factors(s)[0]
         return h, jnp.concatenate([absorbed, turned], -1).astype(s.dtype)
 
@@ -113,7 +114,7 @@ class VOp(WeightedOp):
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
         s = self.spec
         k = dense(self, (1, s.mla.rope_dim), name="wv")(h).astype(s.dtype)
-        k = rope(k, step.positions, inv_frequencies(s), interleaved=True)
+        k = rope(k, step.positions, inv_frequencies(s), interleaved=s.mla.interleaved)
         return ((k.astype(jnp.float32) * yarn_factors(s)[0]).astype(s.dtype),)
 
 

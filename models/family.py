@@ -52,6 +52,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "hx.models.qwen2_moe",
     "olmoe": "hx.models.olmoe",
     "deepseek_v2": "hx.models.deepseek_v2",
+    "deepseek_v3": "hx.models.deepseek_v3",
 }
 
 # config.json keys that never change a model's outputs at inference, whatever the family:

@@ -405,7 +405,8 @@ class LlamaFamily(Family):
         spec = ModelSpec(
             name=reader.get("_name_or_path") or where.rstrip("/").split("/")[-1],
             n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-            **self.read_heads(reader, d_model, n_heads), d_ff=reader.need("intermediate_size"), vocab_size=reader.need("vocab_size"),
+            **self.read_heads(reader, d_model, n_heads), d_ff=reader.need("intermediate_size"),
+            vocab_size=reader.need("vocab_size"),
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),

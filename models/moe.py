@@ -53,11 +53,11 @@ class RouterOp(WeightedOp):
     """MLP1 of an MoE layer: x (B,T,D) -> a = [RMSNorm(x) | routing weights (X)] (B,T,D+X).
 
     The router's logits n R^T are rounded to the model's dtype (computed in float32 throughout
-    where ``float32_logits``: DeepSeek's) and their softmax taken in float32; the k largest
-    probabilities (``top_k_routed``: of the best groups where ``MoeShape.groups``),
-    renormalised where ``norm_top_k``, times ``routed_scale``, rounded to the model's dtype,
-    are the weights of their experts (transformers' ``Qwen3MoeTopKRouter``,
-    ``MixtralTopKRouter``, ``DeepseekV2TopkRouter``).
+    where ``float32_logits``: DeepSeek's) and the experts chosen from them in float32
+    (``choose``: here the k largest softmax probabilities, ``top_k_routed``, of the best
+    groups where ``MoeShape.groups``); their weights, renormalised where ``norm_top_k``, times
+    ``routed_scale``, rounded to the model's dtype, are the weights of their experts
+    (transformers' ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``DeepseekV2TopkRouter``).
     """
 
     float32_logits: ClassVar[bool] = False
@@ -73,27 +73,39 @@ class RouterOp(WeightedOp):
                             preferred_element_type=jnp.float32)
         if not self.float32_logits:
             logits = logits.astype(s.dtype)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top, ids = top_k_routed(probs, moe)
+        top, ids = self.choose(logits.astype(jnp.float32))
         if moe.norm_top_k:
             top = top / top.sum(axis=-1, keepdims=True)
         top = (top * moe.routed_scale).astype(s.dtype).astype(jnp.float32)
         weights = (jax.nn.one_hot(ids, moe.experts, dtype=jnp.float32) * top[..., None]).sum(-2)
         return (jnp.concatenate([n.astype(s.dtype), weights.astype(s.dtype)], axis=-1),)
 
+    def choose(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights, ids) (B,T,k) float32 and int32 of the experts chosen from the router's
+        logits (B,T,X) float32: the k largest softmax probabilities (``top_k_routed``)."""
+        return top_k_routed(jax.nn.softmax(logits, axis=-1), self.spec.moe)
 
-def top_k_routed(probs: jax.Array, moe: MoeShape) -> tuple[jax.Array, jax.Array]:
-    """(weights, ids) (..., k) of the k largest of ``probs`` (..., X) float32: over all X, or
+
+def best_expert(grouped: jax.Array) -> jax.Array:
+    """A group's score (..., groups) from its experts' (..., groups, X / groups): the best
+    one's (DeepSeek-V2's ``group_limited_greedy``)."""
+    return grouped.max(axis=-1)
+
+
+def top_k_routed(scores: jax.Array, moe: MoeShape, group_score=best_expert
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(scores, ids) (..., k) of the k highest of ``scores`` (..., X) float32: over all X, or
     where ``moe.groups`` over the experts of the ``top_groups`` groups (X / groups consecutive
-    experts each) whose largest probability is highest, the others' taken as 0 (DeepSeek-V2's
-    ``group_limited_greedy``, arXiv:2405.04434 §3.2.2; transformers' ``DeepseekV2TopkRouter``)."""
+    experts each) that ``group_score`` ranks highest, the others' taken as -inf (DeepSeek-V2's
+    ``group_limited_greedy``, arXiv:2405.04434 §3.2.2; transformers' ``DeepseekV2TopkRouter``,
+    ``DeepseekV3TopkRouter``)."""
     if moe.groups:
-        X = probs.shape[-1]
-        grouped = probs.reshape(*probs.shape[:-1], moe.groups, X // moe.groups)
-        _, best = jax.lax.top_k(grouped.max(axis=-1), moe.top_groups)
+        X = scores.shape[-1]
+        grouped = scores.reshape(*scores.shape[:-1], moe.groups, X // moe.groups)
+        _, best = jax.lax.top_k(group_score(grouped), moe.top_groups)
         kept = jax.nn.one_hot(best, moe.groups, dtype=jnp.bool_).any(axis=-2)  # (..., groups)
-        probs = jnp.where(jnp.repeat(kept, X // moe.groups, axis=-1), probs, 0.0)
-    return jax.lax.top_k(probs, moe.top_k)
+        scores = jnp.where(jnp.repeat(kept, X // moe.groups, axis=-1), scores, -jnp.inf)
+    return jax.lax.top_k(scores, moe.top_k)
 
 
 class ExpertsOp(WeightedOp):

@@ -109,8 +109,9 @@ class MoeShape:
       routed_scale: the chosen weights are multiplied by it (DeepSeek's
         ``routed_scaling_factor``).
       groups: 0, or the experts form this many equal groups and a token's top k are taken
-        from the ``top_groups`` groups whose best expert scores highest (DeepSeek-V2's
-        group-limited greedy routing, arXiv:2405.04434 §3.2.2 "device-limited routing").
+        from the ``top_groups`` groups that score highest: by their best expert (DeepSeek-V2's
+        group-limited greedy routing, arXiv:2405.04434 §3.2.2 "device-limited routing") or
+        their best two (DeepSeek-V3's, arXiv:2412.19437 §2.1.2; the family's router decides).
       shared_gate: the shared expert's output passes a sigmoid gate (Qwen1.5-MoE); False:
         added as it is (DeepSeek's ``shared_experts``).
     """
@@ -167,6 +168,8 @@ class MlaShape:
       nope_dim: d_h, each head's key and query part without position (``qk_nope_head_dim``).
       rope_dim: d_h^R, the rotated part (``qk_rope_head_dim``; ``ModelSpec.head_dim``).
       v_dim: each head's value width (``v_head_dim``).
+      interleaved: RoPE turns adjacent pairs of the rotated part (DeepSeek's own layout;
+        DeepSeek-V3's ``rope_interleave``); False: element i with i + rope_dim / 2, as Llama.
     """
 
     kv_rank: int
@@ -174,6 +177,7 @@ class MlaShape:
     nope_dim: int
     rope_dim: int
     v_dim: int
+    interleaved: bool = True
 
 
 @dataclass(frozen=True)
@@ -571,7 +575,8 @@ def _weight_shapes(spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
     return spec.model_family.weight_shapes(spec)
 
 
-LLAMA31_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0), ("original_max_position_embeddings", 8192.0), ("rope_type", "llama3"))
+LLAMA31_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                ("original_max_position_embeddings", 8192.0), ("rope_type", "llama3"))
 
 
 def _gemma3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int,
@@ -615,8 +620,10 @@ def feed_forward_fields(n_layers: int, dense: tuple[int, ...], moe: MoeShape | N
 
 
 def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, q_rank: int,
-              d_ff: int, vocab_size: int, moe: MoeShape, mscale: float) -> ModelSpec:
-    """A DeepSeek decoder as its Hugging Face config gives it (``models.deepseek_v2``): latent
+              d_ff: int, vocab_size: int, moe: MoeShape, mscale: float, family: str
+              ) -> ModelSpec:
+    """A DeepSeek decoder of ``family`` as its Hugging Face config gives it (``models.deepseek_v2``,
+    ``models.deepseek_v3``): latent
     attention of a 512 latent, heads of 128 + 64 rotated, values of 128; the first ``dense``
     layers a SwiGLU of ``d_ff`` (layer type ``dense``), the rest ``moe``; YaRN by 40 over an
     original 4,096 positions (``mscale`` and ``mscale_all_dim`` both ``mscale``), context
@@ -627,7 +634,7 @@ def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, 
     return ModelSpec(
         name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=1,
         head_dim=64, d_ff=d_ff, vocab_size=vocab_size, context_length=163840,
-        rope_theta=10000.0, norm_eps=1e-6, family="deepseek_v2", rope_scaling=yarn,
+        rope_theta=10000.0, norm_eps=1e-6, family=family, rope_scaling=yarn,
         mla=MlaShape(kv_rank=512, q_rank=q_rank, nope_dim=128, rope_dim=64, v_dim=128),
         **feed_forward_fields(n_layers, tuple(range(dense)), moe))
 
@@ -741,17 +748,16 @@ PRESETS: dict[str, ModelSpec] = {
     # layer dense (10944)
     "deepseek-v2-lite": _deepseek(
         "DeepSeek-V2-Lite", 27, 1, 2048, 16, 0, 10944, 102400,
-        MoeShape(64, 6, 1408, d_shared=2816, norm_top_k=False, shared_gate=False), 0.707),
+        MoeShape(64, 6, 1408, d_shared=2816, norm_top_k=False, shared_gate=False), 0.707,
+        "deepseek_v2"),
     # deepseek-ai/DeepSeek-V3 (without its multi-token-prediction module): 256 experts of
-    # 2048, top 8 of the best 4 of 8 groups, x 2.5, one shared; the first 3 layers dense
-    # (18432); q through a 1536 latent. Its router scores by sigmoid with a learned bias and
-    # renormalises, which hx does not implement (no ``deepseek_v3`` family: it reads no V3
-    # checkpoint): the preset prices V3's shapes -- the same bytes and products -- and random
-    # weights of it route as DeepSeek-V2 does
+    # 2048 chosen by sigmoid scores plus a learned bias, top 8 of the best 4 of 8 groups,
+    # renormalised, x 2.5, one shared; the first 3 layers dense (18432); q through a 1536
+    # latent
     "deepseek-v3": _deepseek(
         "DeepSeek-V3", 61, 3, 7168, 128, 1536, 18432, 129280,
         MoeShape(256, 8, 2048, d_shared=2048, norm_top_k=True, routed_scale=2.5, groups=8,
-                 top_groups=4, shared_gate=False), 1.0),
+                 top_groups=4, shared_gate=False), 1.0, "deepseek_v3"),
     # openai/gpt-oss-20b and openai/gpt-oss-120b: 32 or 128 experts of 2880, top 4 (softmax
     # over the 4 picked: Mixtral's routing), 64 heads of 64 beside a hidden 2880. hx has no
     # ``gpt_oss`` family (it reads no gpt-oss checkpoint): the presets price their shapes with

@@ -63,10 +63,18 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # before 2 MoE layers of 8 routed experts in 4 groups, of which a token's top 2 come from
     # the best 2, weights x 2.5, two shared experts
     "deepseek_v2": ("deepseek_v2", dict(
-        SHAPES, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=24, n_shared_experts=2, topk_method="group_limited_greedy",
-        n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+        SHAPES, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4,
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # DeepSeek-V3's layout at the same sizes, q through its own latent of 24: sigmoid scores
+    # and a score bias (drawn: ``write_checkpoint``) choosing the top 2 of the best 2 of 4
+    # groups by their two best experts, renormalised, x 2.5, one shared expert
+    "deepseek_v3": ("deepseek_v3", dict(
+        SHAPES, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4,
+        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return"]
 EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
@@ -74,8 +82,8 @@ EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
 # Where llama.cpp's GGUF of a family's checkpoint is another model, and why. Its converter
 # writes none of OPT (llama.cpp defines no OPT architecture):
 NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)",
-           "deepseek_v2": "hx reads DeepSeek-V2 from Hugging Face folders, not llama.cpp's "
-                          "deepseek2 files"}
+           **{name: f"hx reads DeepSeek-V{name[-1]} from Hugging Face folders, not "
+                    f"llama.cpp's deepseek2 files" for name in ("deepseek_v2", "deepseek_v3")}}
 # The checkpoint the GGUF test converts in place of the family's where a llama.cpp file cannot
 # carry the latter: Gemma 3's GGUF holds no layer types or query_pre_attn_scalar (llama.cpp
 # makes every 6th layer global and scales attention by E^-1/2 below 27B), and its converter cuts
@@ -128,6 +136,9 @@ def write_checkpoint(name: str, directory: str, seed: int = 0,
                 p.copy_(1 + 0.3 * torch.randn_like(p))  # norm scales away from 1
             else:
                 p.copy_(0.15 * torch.randn_like(p))
+        for bname, b in model.named_buffers():  # DeepSeek-V3's score bias: it moves choices
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     model.eval()
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)

@@ -2,15 +2,15 @@
 
 For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
 shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts: Mixtral,
-Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2), a tiny random checkpoint in float32:
+Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3), a tiny random checkpoint in float32:
 hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
 bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
 llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``, half of each layer's experts resident and the
-rest streamed, on disk or on the host (and 8 rows in throughput mode); the same checkpoint as llama.cpp's
-converter writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses
-and ignores.
+rest streamed, on disk or on the host (and 8 rows in throughput mode); the same checkpoint as
+llama.cpp's converter writes it, read from the GGUF (every family llama.cpp defines). Then
+what hx refuses and ignores.
 
 CP-SAT's plan costs about 15 s a family to make (its pattern pricing), so the suite makes it for
 the families whose layers differ most from Llama's (``CPSAT_IN_SUITE``);
@@ -227,8 +227,10 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
     ("qwen3_moe", "decoder_sparse_step", 0), ("qwen3_moe", "mlp_only_layers", [2]),
     ("qwen2_moe", "qkv_bias", False), ("olmoe", "clip_qkv", 8.0),
-    ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "norm_topk_prob", True), ("deepseek_v2", "topk_method", "noaux_tc"),
-    ("deepseek_v2", "scoring_func", "sigmoid"),
+    ("mixtral", "unheard_of_field", 1), ("deepseek_v2", "norm_topk_prob", True),
+    ("deepseek_v2", "topk_method", "noaux_tc"),
+    ("deepseek_v2", "scoring_func", "sigmoid"), ("deepseek_v3", "topk_method", "greedy"),
+    ("deepseek_v3", "scoring_func", "softmax"), ("deepseek_v3", "n_group", 4),
     ("deepseek_v2", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
     ("deepseek_v2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                         "original_max_position_embeddings": 64, "beta": 1.0})])
@@ -240,7 +242,7 @@ def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         config |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "shared_expert_intermediate_size": 48}
-    if model_type == "deepseek_v2":
+    if model_type.startswith("deepseek"):
         config |= {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
                    "num_experts_per_tok": 2, "moe_intermediate_size": 48}
@@ -249,6 +251,21 @@ def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     with pytest.raises(HxError, match=word) as refused:
         spec_from_config({**config, field: value}, "/m")
     assert "\n" not in str(refused.value)
+
+
+def test_deepseek_v3_with_llamas_rope_pairing_matches_transformers(tmp_path):
+    """DeepSeek-V3's ``rope_interleave`` False: RoPE pairs element i with i + 4 of the 8
+    rotated ones (``MlaShape.interleaved``), the logits transformers' within 1e-4."""
+    model_type, config = CONFIGS["deepseek_v3"]
+    ref_model = write_checkpoint("deepseek_v3", str(tmp_path),
+                                 config=(model_type, {**config, "rope_interleave": False}))
+    model = hx.load(str(tmp_path), dtype="float32")
+    assert not model.spec.mla.interleaved
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    ref_logits, _ = reference(ref_model, prompts, 1, model.tokenizer.eos_id)
+    engine = Engine(model, policies.all_accelerator(model.spec.n_layers), discover())
+    for row, ref in zip(engine.last_logits(prompts), ref_logits):
+        assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4
 
 
 @pytest.mark.parametrize("name,fields", [("qwen3_moe", {"mlp_only_layers": [0]}),

@@ -53,6 +53,7 @@ FAMILIES: dict[str, str] = {
     "olmoe": "hx.models.olmoe",
     "deepseek_v2": "hx.models.deepseek_v2",
     "deepseek_v3": "hx.models.deepseek_v3",
+    "gpt_oss": "hx.models.gpt_oss",
 }
 
 # config.json keys that never change a model's outputs at inference, whatever the family:

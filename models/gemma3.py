@@ -235,25 +235,28 @@ def _rope(rope: Mapping[str, Any], where: str, kind: str
     return rope_scaling(reader)
 
 
-def layer_types(reader: ConfigReader, n_layers: int) -> tuple[str, ...]:
+def layer_types(reader: ConfigReader, n_layers: int, family: str = "gemma3",
+                period: int | None = None) -> tuple[str, ...]:
     """Each layer's type: the config's ``layer_types``, else transformers' pattern (every
-    ``sliding_window_pattern``-th layer global, the rest local; 6 where unset).
+    ``period``-th layer global, the rest local; Gemma 3's period its
+    ``sliding_window_pattern``, 6 where unset, read past where ``layer_types`` decides).
 
     Raises:
       HxError: a type other than local or global, or a count other than the layers'.
     """
     kinds = reader.get("layer_types")
+    if period is None:
+        pattern = reader.get("sliding_window_pattern")
+        period = int(pattern or DEFAULTS["sliding_window_pattern"])
     if kinds is None:
-        period = int(reader.get("sliding_window_pattern", DEFAULTS["sliding_window_pattern"]))
         return tuple(LOCAL if (i + 1) % period else GLOBAL for i in range(n_layers))
     unknown = sorted(set(kinds) - {LOCAL, GLOBAL})
     if unknown:
         raise HxError(f"{reader.where}: config.json's layer_types has {', '.join(unknown)}, "
-                      f"which hx does not implement for gemma3 (it runs {LOCAL}, {GLOBAL})")
+                      f"which hx does not implement for {family} (it runs {LOCAL}, {GLOBAL})")
     if len(kinds) != n_layers:
         raise HxError(f"{reader.where}: config.json lists {len(kinds)} layer_types for "
                       f"{n_layers} layers")
-    reader.get("sliding_window_pattern")  # read past: layer_types decides, as in transformers
     return tuple(kinds)
 
 

@@ -271,7 +271,7 @@ def read_kv(cache: Cache, name: str, fmt: Format | None, start: jax.Array | int 
 
 
 def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
-              window: int | None = None) -> jax.Array:
+              window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention of new queries over the (already appended) KV cache.
 
     Args:
@@ -283,6 +283,8 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
       step: ``kv_start`` masks each row's left padding; causality masks future slots.
       window: a query sees only the last ``window`` slots, its own included (sliding-window
         attention, ``ModelSpec.sliding_window``); None: every slot before it.
+      sinks: (B, T, H) float32, each head's sink logit (``ModelSpec.sinks``): its exp joins
+        the softmax's denominator and weighs no value; None: none.
     Returns:
       o: (B, T, H, E) = softmax(q k^T / sqrt(E) + mask) v  (Vaswani et al. 2017, eq. 1),
       accumulated in float32. A row with no valid key (a padding query) gets a finite average.
@@ -294,7 +296,13 @@ def attention(q: jax.Array, cache: Cache, step: Step, fmt: Format | None = None,
     scores = jnp.einsum("btkge,bske->bkgts", qg, ck) * E**-0.5
     valid = attention_mask(step, T, R, window)
     scores = jnp.where(valid[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,R)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)  # (B,K,G,T,R)
+    else:
+        sink = sinks.reshape(B, T, K, H // K).transpose(0, 2, 3, 1)[..., None]  # (B,K,G,T,1)
+        top = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
     o = jnp.einsum("bkgts,bske->btkge", probs, cv)
     return o.reshape(B, T, H, E).astype(q.dtype)
 

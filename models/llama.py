@@ -202,11 +202,12 @@ class EmbedOp(WeightedOp):
         return (lookup(self, "embedding", tokens, s.vocab_size, s.embedding_format),)
 
 
-def _heads(module: WeightedOp, x: jax.Array, name: str, heads: int, step: Step,
+def project_heads(module: WeightedOp, x: jax.Array, name: str, heads: int, step: Step,
            rotate: bool) -> jax.Array:
     """x (B, T, D) projected by ``name`` into (B, T, heads, E) in float32 -- plus the bias
     where the family has one (Qwen2), RMSNorm over E where it has one (Qwen3's q_norm,
-    k_norm), then RoPE where ``rotate`` -- in the model's dtype."""
+    k_norm), then RoPE where ``rotate``, times YaRN's attention factor (``yarn_factors``; 1
+    without) -- in the model's dtype."""
     s, fam = module.spec, module.spec.model_family
     y = dense(module, (heads, s.head_dim), name=f"w{name}", use_bias=fam.qkv_bias)(x)
     if fam.qk_norm and rotate and fam.qk_norm_whole:  # over the whole projection (OLMoE)
@@ -215,7 +216,7 @@ def _heads(module: WeightedOp, x: jax.Array, name: str, heads: int, step: Step,
     elif fam.qk_norm and rotate:
         y = RMSNorm(s.norm_eps, held_dtype(module), name=f"{name}_norm")(y)
     if rotate:
-        y = rope(y, step.positions, inv_frequencies(s))
+        y = rope(y, step.positions, inv_frequencies(s)).astype(jnp.float32) * yarn_factors(s)[0]
     return y.astype(s.dtype)
 
 
@@ -226,7 +227,7 @@ class QOp(WeightedOp):
     def __call__(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array]:
         s = self.spec
         h = RMSNorm(s.norm_eps, held_dtype(self), name="attn_norm")(x)
-        return h, _heads(self, h, "q", s.n_heads, step, rotate=True)
+        return h, project_heads(self, h, "q", s.n_heads, step, rotate=True)
 
 
 class KOp(WeightedOp):
@@ -234,7 +235,7 @@ class KOp(WeightedOp):
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        return (_heads(self, h, "k", self.spec.n_kv_heads, step, rotate=True),)
+        return (project_heads(self, h, "k", self.spec.n_kv_heads, step, rotate=True),)
 
 
 class VOp(WeightedOp):
@@ -242,7 +243,7 @@ class VOp(WeightedOp):
 
     @nn.compact
     def __call__(self, h: jax.Array, step: Step) -> tuple[jax.Array]:
-        return (_heads(self, h, "v", self.spec.n_kv_heads, step, rotate=False),)
+        return (project_heads(self, h, "v", self.spec.n_kv_heads, step, rotate=False),)
 
 
 class OutOp(WeightedOp):
@@ -394,6 +395,11 @@ class LlamaFamily(Family):
         """The sliding window a config sets (None: none); the Llama config has none."""
         return None
 
+    def read_attention(self, reader: ConfigReader, n_layers: int) -> dict[str, Any]:
+        """The ``ModelSpec`` fields of how the layers attend: ``sliding_window``
+        (``read_window``)."""
+        return {"sliding_window": self.read_window(reader)}
+
     def spec_from_hf(self, config: Mapping[str, Any], where: str) -> ModelSpec:
         reader = ConfigReader(config, where, self.hf_ignored)
         d_model, n_heads = reader.need("hidden_size"), reader.need("num_attention_heads")
@@ -410,7 +416,7 @@ class LlamaFamily(Family):
             context_length=reader.get("max_position_embeddings", 2048), rope_theta=theta,
             norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
-            family=self.name, sliding_window=self.read_window(reader), rope_scaling=scaling,
+            family=self.name, rope_scaling=scaling, **self.read_attention(reader, n_layers),
             **feed_forward_fields(n_layers, self.read_dense_layers(reader, n_layers), moe))
         reader.finish()
         return spec

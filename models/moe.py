@@ -40,7 +40,7 @@ from hx.models.compressed import DEFAULT_PRODUCTS, Products, expert_rows, produc
 from hx.models.formats import DENSE
 from hx.models.layers import RMSNorm, Step, WeightedOp, dense, held_dtype, matrix
 from hx.models.llama import GGUF_LAYER_NAMES, MODULES, LlamaFamily
-from hx.models.spec import EXPERT_OPS, ModelSpec, MoeShape, gathers
+from hx.models.spec import EXPERT_OPS, ClampedSwiGLU, ModelSpec, MoeShape, SwiGLU, gathers
 
 ROUTER = "router"  # the router's (X, D) matrix: MLP1's, dense
 SHARED_GATE = "shared_expert_gate"  # the shared expert's sigmoid gate (1, D): MLP2's, dense
@@ -124,7 +124,8 @@ class ExpertsOp(WeightedOp):
         y = jnp.zeros(n.shape, jnp.float32)
         if moe.experts:
             y = Experts(moe.experts, moe.top_k, moe.d_expert, held_dtype(self), s.weight_format,
-                        self.products, moe.of, name="experts")(n, weights)
+                        self.products, moe.of, moe.activation, moe.expert_bias,
+                        name="experts")(n, weights)
         if moe.d_shared:
             gate = dense(self, moe.d_shared, name="shared_w_gate")(n)
             up = dense(self, moe.d_shared, name="shared_w_up")(n)
@@ -140,13 +141,16 @@ class ExpertsOp(WeightedOp):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer: y (B,T,D) float32 = sum_e w_e down_e(SiLU(gate_e n) *
-    up_e n) of n (B,T,D) and the routing weights w (B,T,X) float32 (0 off each row's k).
+    """The routed experts of one layer: y (B,T,D) float32 = sum_e w_e down_e(act(gate_e n,
+    up_e n)) of n (B,T,D) and the routing weights w (B,T,X) float32 (0 off each row's k);
+    ``activation`` act (``models.spec.SwiGLU``: SiLU(g) u), and where ``biased`` each product
+    adds its expert's bias (``gate_bias``, ``up_bias`` (X, F), ``down_bias`` (X, D), dense).
 
     ``gate_kernel``, ``up_kernel`` (X, F, D) and ``down_kernel`` (X, D, F) are held in ``fmt``.
     Where the device multiplies them as held (``Products.takes_experts``: the host's ggml,
-    llama.cpp's ``mul_mat_id``) each row runs its k experts alone, after the k largest weights
-    and their experts are read off w (``jax.lax.top_k``). Elsewhere XLA runs a loop
+    llama.cpp's ``mul_mat_id``, which computes SwiGLU without biases) each row runs its k
+    experts alone, after the k largest weights and their experts are read off w
+    (``jax.lax.top_k``). Elsewhere XLA runs a loop
     (``jax.lax.fori_loop``, so one step's matrices are decompressed at a time): at fewer
     (row, expert) pairs than experts (``gathers``: decode) over j < k, each row's j-th
     expert's matrices gathered (``held_experts``: a compressed one's blocks, then
@@ -166,6 +170,8 @@ class Experts(nn.Module):
     fmt: str = DENSE
     products: Products = DEFAULT_PRODUCTS
     of: int = 0
+    activation: SwiGLU | ClampedSwiGLU = SwiGLU()
+    biased: bool = False
 
     @nn.compact
     def __call__(self, n: jax.Array, weights: jax.Array) -> jax.Array:
@@ -178,9 +184,13 @@ class Experts(nn.Module):
                           for name, shape in (("gate_kernel", (X, F, D)),
                                               ("up_kernel", (X, F, D)),
                                               ("down_kernel", (X, D, F))))
+        biases = tuple(self.param(name, nn.initializers.zeros_init(), shape, self.param_dtype)
+                       for name, shape in (("gate_bias", (X, F)), ("up_bias", (X, F)),
+                                           ("down_bias", (X, D)))) if self.biased else ()
         rows, w = n.reshape(-1, D), weights.reshape(-1, X)
         k = min(self.top_k, X)
-        if self.products.takes_experts((gate, up, down)):
+        if (self.products.takes_experts((gate, up, down)) and not biases
+                and self.activation == SwiGLU()):
             top, ids = jax.lax.top_k(w, k)
             return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
         dtype = self.param_dtype
@@ -196,11 +206,15 @@ class Experts(nn.Module):
                        if spec[0] == "f" else
                        held_experts(m, picks[j], X, dtype).reshape(-1, *shape)
                        for m, shape in ((gate, (F, D)), (up, (F, D)), (down, (D, F))))
-            inner = (jax.nn.silu(jnp.einsum(spec, g, x, preferred_element_type=jnp.float32))
-                     * jnp.einsum(spec, u, x, preferred_element_type=jnp.float32)
-                     * weight[j][:, None])
-            return y + jnp.einsum(spec.replace("fd", "df").replace("rd->rf", "rf->rd"), d,
-                                  inner.astype(dtype), preferred_element_type=jnp.float32)
+            gb, ub, db = (held_experts(b, picks[j], X, dtype).reshape(-1, b.shape[-1])
+                          .astype(jnp.float32) for b in biases) if biases else (0.0, 0.0, 0.0)
+            inner = self.activation(
+                jnp.einsum(spec, g, x, preferred_element_type=jnp.float32) + gb,
+                jnp.einsum(spec, u, x, preferred_element_type=jnp.float32) + ub
+            ) * weight[j][:, None]
+            return y + weight[j][:, None] * db + jnp.einsum(
+                spec.replace("fd", "df").replace("rd->rf", "rf->rd"), d, inner.astype(dtype),
+                preferred_element_type=jnp.float32)
 
         y = jax.lax.fori_loop(0, picks.shape[0], one, jnp.zeros(rows.shape, jnp.float32))
         return y.reshape(n.shape)
@@ -215,8 +229,7 @@ def part_params(tree: Mapping[str, Any], op: str, ids: tuple[int, ...], experts:
     if op == "MLP2":
         return {k: v for k, v in tree.items() if k != "experts"}
     index = np.asarray(ids, np.int32)
-    part = {kind.split("/")[1]: expert_rows(tree["experts"][kind.split("/")[1]], index,
-                                            experts) for kind in EXPERT_KINDS}
+    part = {name: expert_rows(leaf, index, experts) for name, leaf in tree["experts"].items()}
     return {"experts": {**part, EXPERT_IDS.split("/")[1]: index}}
 
 
@@ -259,8 +272,9 @@ class MoeFamily(LlamaFamily):
     def weight_shapes(self, spec: ModelSpec) -> dict[str, dict[str, tuple[int, ...]]]:
         """Llama's attention weights; MLP1 the FFN norm and the router (X, D), MLP2 the
         experts' gate and up (X, F, D) and down (X, D, F), with a shared expert its gate and
-        up (Fs, D), down (D, Fs) and sigmoid gate (1, D; where ``shared_gate``); a part of a
-        layer's experts (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
+        up (Fs, D), down (D, Fs) and sigmoid gate (1, D; where ``shared_gate``); with
+        ``expert_bias`` the experts' biases (X, F), (X, F), (X, D); a part of a layer's
+        experts (``ModelSpec.expert_part``) its X experts' and their ids (X,)."""
         shapes = super().weight_shapes(spec)
         if spec.moe is None:  # a dense layer (``ModelSpec.layer_types``): Llama's MLP
             return shapes
@@ -269,6 +283,9 @@ class MoeFamily(LlamaFamily):
         shapes["MLP1"] = {"ffn_norm/scale": (D,), ROUTER: (moe.routed, D)}
         shapes["MLP2"] = {"experts/gate_kernel": (X, F, D), "experts/up_kernel": (X, F, D),
                           "experts/down_kernel": (X, D, F)} if X else {}
+        if moe.expert_bias and X:
+            shapes["MLP2"] |= {"experts/gate_bias": (X, F), "experts/up_bias": (X, F),
+                               "experts/down_bias": (X, D)}
         if moe.of and X:  # a part of the layer's experts (``ModelSpec.expert_part``)
             shapes["MLP2"][EXPERT_IDS] = (X,)
         if moe.d_shared:

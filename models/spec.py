@@ -86,6 +86,35 @@ def gathers(rows: int, top_k: int, experts: int) -> bool:
 
 
 @dataclass(frozen=True)
+class SwiGLU:
+    """A routed expert's activation: SiLU(g) * u of its gate and up products (Shazeer 2020)."""
+
+    def __call__(self, gate, up):
+        """gate, up (..., F) float32 -> (..., F) float32."""
+        import jax
+
+        return jax.nn.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' ``GptOssExperts._apply_gate``): g clamped
+    above at ``limit``, u to [-limit, limit]; (u + 1) * g * sigmoid(``alpha`` g)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate, up):
+        """gate, up (..., F) float32 -> (..., F) float32."""
+        import jax
+        import jax.numpy as jnp
+
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+
+@dataclass(frozen=True)
 class MoeShape:
     """The feed-forward part of a Mixture-of-Experts layer (Shazeer et al. 2017; Mixtral, Jiang
     et al. 2024): a router picks ``top_k`` of ``experts`` SwiGLU experts per token and sums
@@ -114,6 +143,9 @@ class MoeShape:
         their best two (DeepSeek-V3's, arXiv:2412.19437 §2.1.2; the family's router decides).
       shared_gate: the shared expert's output passes a sigmoid gate (Qwen1.5-MoE); False:
         added as it is (DeepSeek's ``shared_experts``).
+      activation: the routed experts' (``SwiGLU``, or gpt-oss's ``ClampedSwiGLU``).
+      expert_bias: each routed expert's gate, up and down products add its own bias
+        (gpt-oss).
     """
 
     experts: int
@@ -127,6 +159,8 @@ class MoeShape:
     groups: int = 0
     top_groups: int = 0
     shared_gate: bool = True
+    activation: SwiGLU | ClampedSwiGLU = SwiGLU()
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.routed:
@@ -256,6 +290,9 @@ class ModelSpec:
       mla: multi-head latent attention (``MlaShape``; DeepSeek-V2): its KV cache one latent
         head, ``head_dim`` the rotated part, ``n_kv_heads`` 1; None: attention over K heads of
         E keys and values.
+      sinks: each query head has a learned sink logit that joins its softmax's denominator
+        and weighs no value (gpt-oss's attention sinks); Q writes it as q's last element
+        (``q_width`` E + 1), since SCORE owns no weights.
       embeds / heads: False in a pipeline stage (``pipeline_stage``) that does not hold the
         model's first (last) op: EMBED takes the previous stage's residual stream x (B, T, D)
         in ``dtype`` where token ids go and passes it on, and HEAD gives x of every position
@@ -287,6 +324,7 @@ class ModelSpec:
     host_matmul: str = XLA
     moe: MoeShape | None = None
     mla: MlaShape | None = None
+    sinks: bool = False
     embeds: bool = True
     heads: bool = True
 
@@ -312,6 +350,8 @@ class ModelSpec:
             raise ValueError(f"latent attention holds one KV head (n_kv_heads={self.n_kv_heads}) "
                              f"whose head_dim={self.head_dim} is the rotated part "
                              f"({self.mla.rope_dim}), dense (kv_format={self.kv_format!r})")
+        if self.mla and self.sinks:
+            raise ValueError("sinks with latent attention: its SCORE takes no sink logits")
         overrides = dict(self.layer_overrides)
         if set(self.layer_types) != set(overrides):
             raise ValueError(f"layer_types {sorted(set(self.layer_types))} and layer_overrides "
@@ -335,9 +375,11 @@ class ModelSpec:
 
     @property
     def q_width(self) -> int:
-        """Each query head's width as SCORE reads it: E, or latent attention's absorbed
-        kv_rank + rope_dim (``MlaShape``)."""
-        return self.mla.kv_rank + self.mla.rope_dim if self.mla else self.head_dim
+        """Each query head's width as SCORE reads it: E (E + 1 with ``sinks``: the head's
+        sink logit last), or latent attention's absorbed kv_rank + rope_dim (``MlaShape``)."""
+        if self.mla:
+            return self.mla.kv_rank + self.mla.rope_dim
+        return self.head_dim + 1 if self.sinks else self.head_dim
 
     @property
     def o_width(self) -> int:
@@ -622,12 +664,11 @@ def feed_forward_fields(n_layers: int, dense: tuple[int, ...], moe: MoeShape | N
 def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, q_rank: int,
               d_ff: int, vocab_size: int, moe: MoeShape, mscale: float, family: str
               ) -> ModelSpec:
-    """A DeepSeek decoder of ``family`` as its Hugging Face config gives it (``models.deepseek_v2``,
-    ``models.deepseek_v3``): latent
-    attention of a 512 latent, heads of 128 + 64 rotated, values of 128; the first ``dense``
-    layers a SwiGLU of ``d_ff`` (layer type ``dense``), the rest ``moe``; YaRN by 40 over an
-    original 4,096 positions (``mscale`` and ``mscale_all_dim`` both ``mscale``), context
-    163,840."""
+    """A DeepSeek decoder of ``family`` as its Hugging Face config gives it
+    (``models.deepseek_v2``, ``models.deepseek_v3``): latent attention of a 512 latent, heads
+    of 128 + 64 rotated, values of 128; the first ``dense`` layers a SwiGLU of ``d_ff``
+    (layer type ``dense``), the rest ``moe``; YaRN by 40 over an original 4,096 positions
+    (``mscale`` and ``mscale_all_dim`` both ``mscale``), context 163,840."""
     yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 40.0), ("mscale", mscale),
             ("mscale_all_dim", mscale), ("original_max_position_embeddings", 4096.0),
             ("rope_type", "yarn"), ("truncate", True))
@@ -637,6 +678,24 @@ def _deepseek(name: str, n_layers: int, dense: int, d_model: int, n_heads: int, 
         rope_theta=10000.0, norm_eps=1e-6, family=family, rope_scaling=yarn,
         mla=MlaShape(kv_rank=512, q_rank=q_rank, nope_dim=128, rope_dim=64, v_dim=128),
         **feed_forward_fields(n_layers, tuple(range(dense)), moe))
+
+
+def _gpt_oss(name: str, n_layers: int, experts: int) -> ModelSpec:
+    """gpt-oss as its config.json gives it: sliding (128) and full layers alternating, sinks,
+    YaRN by 32 over an original 4,096 positions (not truncated), experts with biases and
+    gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)."""
+    yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("mscale", 0.0),
+            ("mscale_all_dim", 0.0), ("original_max_position_embeddings", 4096.0),
+            ("rope_type", "yarn"), ("truncate", False))
+    kinds = ("sliding_attention", "full_attention")
+    return ModelSpec(
+        name=name, n_layers=n_layers, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+        d_ff=2880, vocab_size=201088, context_length=131072, rope_theta=150000.0,
+        norm_eps=1e-5, family="gpt_oss", rope_scaling=yarn, sinks=True,
+        layer_types=kinds * (n_layers // 2),
+        layer_overrides=((kinds[1], (("sliding_window", None),)),
+                         (kinds[0], (("sliding_window", 128),))),
+        moe=MoeShape(experts, 4, 2880, activation=ClampedSwiGLU(1.702, 7.0), expert_bias=True))
 
 
 # Named shapes of real models, for planning models hx never loads and for random weights of
@@ -758,20 +817,12 @@ PRESETS: dict[str, ModelSpec] = {
         "DeepSeek-V3", 61, 3, 7168, 128, 1536, 18432, 129280,
         MoeShape(256, 8, 2048, d_shared=2048, norm_top_k=True, routed_scale=2.5, groups=8,
                  top_groups=4, shared_gate=False), 1.0, "deepseek_v3"),
-    # openai/gpt-oss-20b and openai/gpt-oss-120b: 32 or 128 experts of 2880, top 4 (softmax
-    # over the 4 picked: Mixtral's routing), 64 heads of 64 beside a hidden 2880. hx has no
-    # ``gpt_oss`` family (it reads no gpt-oss checkpoint): the presets price their shapes with
-    # Mixtral's layer -- without the attention sinks, the biases (0.01 % of the bytes), the
-    # clamped SwiGLU and YaRN, and with every layer attending in full where gpt-oss alternates a
-    # 128-token window with full attention (so long contexts price twice its KV bytes) --
-    # and their MXFP4 experts in whichever format is asked (q4_0: 4.5 bits a weight, MXFP4's
-    # 4.25)
-    **{name: ModelSpec(
-        name=label, n_layers=layers, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
-        d_ff=2880, vocab_size=201088, context_length=131072, rope_theta=150000.0,
-        norm_eps=1e-5, family="mixtral", moe=MoeShape(experts, 4, 2880))
-       for name, label, layers, experts in (("gpt-oss-20b", "gpt-oss-20b", 24, 32),
-                                            ("gpt-oss-120b", "gpt-oss-120b", 36, 128))},
+    # openai/gpt-oss-20b and openai/gpt-oss-120b (``models.gpt_oss``): 32 or 128 experts of
+    # 2880, top 4, 64 heads of 64 beside a hidden 2880, a 128-token window on every other
+    # layer; their MXFP4 experts in whichever format is asked (q4_0: 4.5 bits a weight,
+    # MXFP4's 4.25)
+    **{name: _gpt_oss(name, layers, experts)
+       for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
     # google/gemma-3-12b-pt (its config.json's text_config; local and global layers 5:1)
     "gemma3-12b": _gemma3("Gemma-3-12B", 48, 3840, 16, 8, 256, 15360, 256),
     # google/gemma-3-27b-pt (head dim 128; query_pre_attn_scalar 168 = 5376 / 32)

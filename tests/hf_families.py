@@ -75,6 +75,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
         n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    # gpt-oss's layout at tiny sizes: 4 experts of 48, the top 2, biases everywhere, sinks,
+    # a window of 6 on layer 0 (full attention on layer 1), YaRN by 4 over 64 positions
+    # (not truncated), the SwiGLU clamped at 1 (so that the clamp acts on these weights)
+    "gpt_oss": ("gpt_oss", dict(
+        SHAPES, intermediate_size=48, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6, swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return"]
 EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
@@ -83,7 +92,8 @@ EOS_ID = 256  # the tokenizer's one special token, after the 256 bytes
 # writes none of OPT (llama.cpp defines no OPT architecture):
 NO_GGUF = {"opt": "llama.cpp defines no OPT architecture (its converter has no OPTForCausalLM)",
            **{name: f"hx reads DeepSeek-V{name[-1]} from Hugging Face folders, not "
-                    f"llama.cpp's deepseek2 files" for name in ("deepseek_v2", "deepseek_v3")}}
+                    f"llama.cpp's deepseek2 files" for name in ("deepseek_v2", "deepseek_v3")},
+           "gpt_oss": "hx reads gpt-oss from Hugging Face folders, not llama.cpp's gpt-oss files"}
 # The checkpoint the GGUF test converts in place of the family's where a llama.cpp file cannot
 # carry the latter: Gemma 3's GGUF holds no layer types or query_pre_attn_scalar (llama.cpp
 # makes every 6th layer global and scales attention by E^-1/2 below 27B), and its converter cuts

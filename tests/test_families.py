@@ -2,7 +2,7 @@
 
 For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
 shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts: Mixtral,
-Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3), a tiny random checkpoint in float32:
+Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, gpt-oss), a tiny random checkpoint in float32:
 hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
 transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
@@ -231,6 +231,9 @@ def test_ignored_fields_do_not_change_the_outputs(checkpoint):
     ("deepseek_v2", "topk_method", "noaux_tc"),
     ("deepseek_v2", "scoring_func", "sigmoid"), ("deepseek_v3", "topk_method", "greedy"),
     ("deepseek_v3", "scoring_func", "softmax"), ("deepseek_v3", "n_group", 4),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}),
+    ("gpt_oss", "layer_types", ["sliding_attention", "chunked_attention"]),
+    ("gpt_oss", "experts_per_token", 3),
     ("deepseek_v2", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
     ("deepseek_v2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                         "original_max_position_embeddings": 64, "beta": 1.0})])
@@ -242,11 +245,13 @@ def test_a_field_hx_does_not_implement_is_refused(model_type, field, value):
     if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         config |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "shared_expert_intermediate_size": 48}
+    if model_type == "gpt_oss":
+        config |= {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}
     if model_type.startswith("deepseek"):
         config |= {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
                    "num_experts_per_tok": 2, "moe_intermediate_size": 48}
-    word = value.get("rope_type") if isinstance(value, dict) else field
+    word = value.get("rope_type", field) if isinstance(value, dict) else field
     word = "beta" if isinstance(value, dict) and "beta" in value else word
     with pytest.raises(HxError, match=word) as refused:
         spec_from_config({**config, field: value}, "/m")

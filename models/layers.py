@@ -376,9 +376,10 @@ class ScoreOp(nn.Module):
 
     ``attend`` is the attention kernel, ``attend(q, cache, step, fmt, window)``:
     ``attention`` by default; the executor passes a host kernel (``host_compute``) when SCORE
-    runs on the host; ``window`` is ``spec.sliding_window``. With a compressed ``spec.kv_format`` the new k, v are quantized as they are
-    appended and the kernel decompresses what it reads, so attention computes on exactly the
-    decoded values, the new token's own included.
+    runs on the host; ``window`` is ``spec.sliding_window``. With a compressed
+    ``spec.kv_format`` the new k, v are quantized as they are appended and the kernel
+    decompresses what it reads, so attention computes on exactly the decoded values, the new
+    token's own included.
     """
 
     spec: ModelSpec

@@ -1,10 +1,10 @@
 """Every family hx runs, against transformers on the checkpoint transformers itself wrote.
 
 For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
-shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts: Mixtral,
-Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, gpt-oss), a tiny random checkpoint in float32:
-hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal to
-transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
+shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts:
+Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, gpt-oss), a tiny random
+checkpoint in float32: hx's last-position logits within 1e-4 relative and its 16-token greedy
+continuations equal to transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
 (weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
 bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
 llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``, half of each layer's experts resident and the

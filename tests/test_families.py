@@ -1,16 +1,15 @@
 """Every family hx runs, against transformers on the checkpoint transformers itself wrote.
 
 For each family (``tests/hf_families.py``: Llama, Llama-3.1's rope scaling, Mistral with a window
-shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts:
-Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, gpt-oss), a tiny random
-checkpoint in float32: hx's last-position logits within 1e-4 relative and its 16-token greedy
-continuations equal to transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
-(weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight
-bytes (the accountant raising if the budget is ever passed) and, for a Mixture of Experts,
-llama.cpp's ``--cpu-moe`` and ``--n-cpu-moe 1``, half of each layer's experts resident and the
-rest streamed, on disk or on the host (and 8 rows in throughput mode); the same checkpoint as
-llama.cpp's converter writes it, read from the GGUF (every family llama.cpp defines). Then
-what hx refuses and ignores.
+shorter than the prompts, Qwen2, Qwen3, Phi-3, OPT, Gemma 3, and the Mixtures of Experts: Mixtral,
+Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, gpt-oss), a tiny random checkpoint in
+float32: hx's last-position logits within 1e-4 relative and its 16-token greedy continuations equal
+to transformers', for two prompts run as one left-padded batch, under all-accelerator, stream-all
+(weights streamed, SCORE and the KV cache on the host), CP-SAT's plan for 30 % of the weight bytes
+(the accountant raising if the budget is ever passed) and, for a Mixture of Experts, llama.cpp's
+``--cpu-moe`` and ``--n-cpu-moe 1``, half of each layer's experts resident and the rest streamed, on
+disk or on the host (and 8 rows in throughput mode); the same checkpoint as llama.cpp's converter
+writes it, read from the GGUF (every family llama.cpp defines). Then what hx refuses and ignores.
 
 CP-SAT's plan costs about 15 s a family to make (its pattern pricing), so the suite makes it for
 the families whose layers differ most from Llama's (``CPSAT_IN_SUITE``);

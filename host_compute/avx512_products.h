@@ -198,9 +198,22 @@ inline void Tile(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t g
     for (int j = 0; j < G; ++j) Store8(acc[i][j], out[i] + 8 * (g + j));
 }
 
+// Rows [r, r1) of x (quantized rows) times G groups from g: tiles of 4 rows, the last 1-3 rows
+// in one tile of their own, so that each group's blocks are unpacked once a tile.
+template <int G>
+inline void Tiles(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t g,
+                  float* const* out, int64_t r, int64_t r1) {
+  for (; r + 4 <= r1; r += 4) Tile<4, G>(w, x + r, K, g, out + r);
+  switch (r1 - r) {
+    case 3: return Tile<3, G>(w, x + r, K, g, out + r);
+    case 2: return Tile<2, G>(w, x + r, K, g, out + r);
+    case 1: return Tile<1, G>(w, x + r, K, g, out + r);
+  }
+}
+
 // out[r] = x[r] W^T over groups [g0, g1) of w, for the M quantized rows x[r] (K values each;
-// out[r] the row's N outputs): tiles of 4 rows and 2 groups, the rest in smaller ones; rows in
-// chunks of 64 so that a chunk's x bytes stay in cache across the groups; one row by the GEMV.
+// out[r] the row's N outputs): tiles of up to 4 rows and 2 groups (``Tiles``); rows in chunks
+// of 64 so that a chunk's x bytes stay in cache across the groups; one row by the GEMV.
 inline void GemmQ4_0x8(const uint8_t* w, const uint8_t* const* x, float* const* out, int64_t M,
                        int64_t K, int64_t g0, int64_t g1) {
   constexpr int64_t kChunk = 64;
@@ -208,16 +221,8 @@ inline void GemmQ4_0x8(const uint8_t* w, const uint8_t* const* x, float* const* 
   for (int64_t c = 0; c < M; c += kChunk) {
     const int64_t c1 = std::min(M, c + kChunk);
     int64_t g = g0;
-    for (; g + 2 <= g1; g += 2) {
-      int64_t r = c;
-      for (; r + 4 <= c1; r += 4) Tile<4, 2>(w, x + r, K, g, out + r);
-      for (; r < c1; ++r) Tile<1, 2>(w, x + r, K, g, out + r);
-    }
-    for (; g < g1; ++g) {
-      int64_t r = c;
-      for (; r + 4 <= c1; r += 4) Tile<4, 1>(w, x + r, K, g, out + r);
-      for (; r < c1; ++r) Tile<1, 1>(w, x + r, K, g, out + r);
-    }
+    for (; g + 2 <= g1; g += 2) Tiles<2>(w, x, K, g, out, c, c1);
+    if (g < g1) Tiles<1>(w, x, K, g, out, c, c1);
   }
 }
 

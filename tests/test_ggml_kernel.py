@@ -80,14 +80,14 @@ def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.skipif("q4_0" not in ggml_kernel.repacked_formats(),
                     reason="ggml repacks no format hx reads on this CPU")
-@pytest.mark.parametrize("K,rows", [(256, 1), (576, 1), (576, 7), (256, 70)])
+@pytest.mark.parametrize("K,rows", [(256, 1), (576, 1), (576, 7), (256, 70), (256, 5)])
 def test_repacked_q4_0_products_are_the_exact_integer_products(K, rows):
     """A repacked Q4_0 product runs hx's AVX-512 kernels where the CPU has them
     (``avx512_products.h``; ggml's elsewhere): x rounded to Q8_0 as ggml rounds it, each block's
     integer dot sum(q_x (q_w - 8)) exact, scaled by the two float16 scales -- in float64
     here, in float32 there, so the two agree to float32 rounding, at one row (the GEMV) and
-    at 7 and 70 (the GEMM's tiles of 4 rows and 2 groups, and what is left), on one thread
-    and two (96 outputs: 6 groups of 8 each)."""
+    at 5, 7 and 70 (the GEMM's tiles of 4 rows and 2 groups, the last 1-3 rows in one tile),
+    on one thread and two (96 outputs: 6 groups of 8 each)."""
     rng = np.random.default_rng(K + rows)
     N = 96
     blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), Q.Q4_0)

@@ -55,17 +55,21 @@ int main(int argc, char** argv) {
     const uint8_t* wg = cold[rep % copies].data();
     const uint8_t* wh = cold[(rep + copies / 2) % copies].data();
     auto t0 = std::chrono::steady_clock::now();
-    if (M == 1) quantize_row_q8_0(x.data(), xg.data(), K);
-    else
-      for (int r = 0; r < M; r += 4) ggml_quantize_mat_q8_0_4x8(&x[size_t(r) * K], &xg[size_t(r) / 4 * blocks * 136], K);
+    // as ggml's repacked mul_mat: groups of 4 rows by the GEMM, the rest one by one (GEMV)
+    const int M4 = M - M % 4;
+    for (int r = 0; r < M4; r += 4) ggml_quantize_mat_q8_0_4x8(&x[size_t(r) * K], &xg[size_t(r) / 4 * blocks * 136], K);
+    for (int r = M4; r < M; ++r)
+      quantize_row_q8_0(&x[size_t(r) * K], &xg[size_t(M4) / 4 * blocks * 136 + size_t(r - M4) * 34 * blocks], K);
     auto t1 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), share = N / 8 / T * 8;
       const int n0 = t * share, n1 = t == T - 1 ? N : n0 + share;
       const uint8_t* part = wg + size_t(n0) / 8 * blocks * hx_ggml::kBlockBytes;
-      if (M == 1) ggml_gemv_q4_0_8x8_q8_0(K, &theirs[n0], N, part, xg.data(), 1, n1 - n0);
-      else ggml_gemm_q4_0_8x8_q8_0(K, &theirs[n0], N, part, xg.data(), M, n1 - n0);
+      if (M4) ggml_gemm_q4_0_8x8_q8_0(K, &theirs[n0], N, part, xg.data(), M4, n1 - n0);
+      for (int r = M4; r < M; ++r)
+        ggml_gemv_q4_0_8x8_q8_0(K, &theirs[size_t(r) * N + n0], N, part,
+                                &xg[size_t(M4) / 4 * blocks * 136 + size_t(r - M4) * 34 * blocks], 1, n1 - n0);
     }
     auto t2 = std::chrono::steady_clock::now();
     for (int r = 0; r < M; ++r) hx_ggml::QuantizeRow(&x[size_t(r) * K], K, xq.data() + size_t(r) * row_bytes);
@@ -76,7 +80,7 @@ int main(int argc, char** argv) {
       hx_ggml::GemmQ4_0x8(wh, rows.data(), outs.data(), M, K, g0, g1);
     }
     auto t3 = std::chrono::steady_clock::now();
-    const double quantize = M == 1 ? std::chrono::duration<double, std::micro>(t1 - t0).count() : 0;
+    const double quantize = M == 1 ? std::chrono::duration<double, std::micro>(t1 - t0).count() : 0;  // as hx's GEMV
     tg.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count() + quantize);
     th.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
   }

@@ -1,7 +1,7 @@
 """hx's AVX-512 Q4_0 kernels against ggml's repacked ones, on the same blocks (issue 39; the
 table in docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels").
 
-Usage: python scripts/avx512_kernels/run.py [--reps 300] [--json OUT.json]
+Usage: python scripts/avx512_kernels/run.py [--reps 300] [--json OUT.json] [--shape K,N,M ...]
 
 Compiles ``bench.cc`` with g++ (``-O3 -march=native -fopenmp``) against hx's ggml build
 (``python -m hx.host_compute.ggml_build``) and ``host_compute/avx512_products.h``, then runs it
@@ -33,7 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--shape", action="append", metavar="K,N,M",
+                        help="a product of M rows over a K x N matrix (repeatable; default: "
+                             "the shapes above)")
     args = parser.parse_args()
+    shapes = [tuple(map(int, s.split(","))) for s in args.shape] if args.shape else SHAPES
     if not built():
         raise SystemExit("ggml is not built: python -m hx.host_compute.ggml_build")
     lib = (ggml_dir() / "lib").resolve()
@@ -45,7 +49,7 @@ def main() -> None:
                         f"-Wl,-rpath,{lib}", "-o", str(exe)], check=True)
         env = {**os.environ, "LD_LIBRARY_PATH": str(lib), "OMP_WAIT_POLICY": "active"}
         rows = []
-        for K, N, M in SHAPES:
+        for K, N, M in shapes:
             for threads in (1, 2):
                 out = subprocess.run([str(exe), str(K), str(N), str(M), str(threads),
                                       str(args.reps if M == 1 else max(10, args.reps // 15))],

@@ -33,6 +33,7 @@ from hx.host_compute import ffi_build
 from hx.host_compute.ggml_build import built, ggml_dir
 from hx.models.compressed import GGUFBlocks, unrepack_rows
 from hx.models.formats import GGUF_BLOCKS, REPACK_ROWS, blocks_format, get_format
+from hx.models.spec import ClampedSwiGLU, SwiGLU
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("ggml_mm.cc", "ggml_layer.cc", "ggml_moe.cc", "ggml_pool.h",
@@ -196,12 +197,15 @@ EXPERT_LAYOUTS = ("q4_0", "q8_0", "q4_0 repacked")
 
 
 def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: GGUFBlocks,
-            up: GGUFBlocks, down: GGUFBlocks) -> jax.Array:
+            up: GGUFBlocks, down: GGUFBlocks, biases: tuple = (),
+            activation: SwiGLU | ClampedSwiGLU = SwiGLU()) -> jax.Array:
     """An MoE layer's routed experts (``models.moe``) on the host in one ggml graph
     (``ggml_moe.cc``: llama.cpp's ``build_moe_ffn``): y (M, D) float32 = sum_j weights[m, j]
     down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j], each row multiplied by its k experts'
     matrices only, and a slot weighted 0 by none (it adds nothing; a part of a layer's experts
-    gets such slots): the step reads only the experts some row is routed to.
+    gets such slots): the step reads only the experts some row is routed to. With ``biases``
+    each product adds its expert's (ggml's ``add_id``), and a ``ClampedSwiGLU`` runs as
+    ggml's ``swiglu_oai`` (llama.cpp's gpt-oss graph).
 
     Args:
       x: (M, D) the rows' normed input (cast to float32).
@@ -209,6 +213,9 @@ def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: GGUFBlocks,
       weights: (M, k) their routing weights (cast to float32).
       gate, up: (X, F, D) stacked, down (X, D, F), each ``GGUFBlocks`` of ``EXPERT_LAYOUTS``
         (``models.compressed.Products.takes_experts``).
+      biases: () or the experts' gate, up and down biases (X, F), (X, F), (X, D) (cast to
+        float32).
+      activation: ``SwiGLU`` or ``ClampedSwiGLU`` (``models.spec``).
     Raises:
       HxError: the handler cannot be built or loaded (``unavailable`` says why).
     """
@@ -219,7 +226,11 @@ def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: GGUFBlocks,
              for m in (gate, up, down)]
     X = down.blocks.shape[0] // x.shape[-1]
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    biases = [b.astype(jnp.float32) for b in biases] or [jnp.zeros((0,), jnp.float32)] * 3
+    clamped = isinstance(activation, ClampedSwiGLU)
     return jax.ffi.ffi_call(MOE_TARGET, out)(
         x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), gate.blocks,
-        up.blocks, down.blocks, types=np.array(types, np.int64), experts=np.int64(X),
-        threads=np.int64(len(os.sched_getaffinity(0))))
+        up.blocks, down.blocks, *biases, types=np.array(types, np.int64), experts=np.int64(X),
+        threads=np.int64(len(os.sched_getaffinity(0))),
+        alpha=np.float32(activation.alpha if clamped else 0.0),
+        limit=np.float32(activation.limit if clamped else 0.0))

@@ -15,8 +15,10 @@
 //   gate, up (X F, ggml_row_size(type, D)) u8   the experts' matrices stacked, GGUF blocks
 //   down     (X D, ggml_row_size(type, F)) u8   (types[i]: with hx_ggml::kRepacked, in
 //                                              ggml's repacked CPU layout)
+//   gate_bias, up_bias (X, F), down_bias (X, D) f32, or each empty: none (gpt-oss's biases)
 //   -> y     (M, D) f32   sum_j weights[m, j] down_e(SiLU(gate_e x_m) * up_e x_m), e = ids[m, j]
-// Attributes: types (gate, up, down), experts X, threads.
+// Attributes: types (gate, up, down), experts X, threads; alpha, limit: limit > 0 runs the
+// clamped SwiGLU (hx_ggml::ExpertGlu) in place of SiLU(g) u.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -32,8 +34,9 @@ namespace {
 
 ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                    ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                   ffi::AnyBuffer gate_bias, ffi::AnyBuffer up_bias, ffi::AnyBuffer down_bias,
                    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> types,
-                   int64_t experts, int64_t threads) {
+                   int64_t experts, int64_t threads, float alpha, float limit) {
   auto xd = x.dimensions(), id = ids.dimensions();
   if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
       ids.element_type() != ffi::DataType::S32 ||
@@ -60,6 +63,14 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
       down.size_bytes() != size_t(X * D) * ggml_row_size(type[2], F))
     return ffi::Error::InvalidArgument(
         "hx_ggml_moe: gate and up (X F, row_size(D)), down (X D, row_size(F))");
+  const ffi::AnyBuffer* biases[3] = {&gate_bias, &up_bias, &down_bias};
+  const int64_t bias_rows[3] = {F, F, D};
+  for (int i = 0; i < 3; ++i)
+    if (biases[i]->size_bytes() != 0 &&
+        (biases[i]->element_type() != ffi::DataType::F32 ||
+         biases[i]->size_bytes() != size_t(X * bias_rows[i]) * sizeof(float)))
+      return ffi::Error::InvalidArgument(
+          "hx_ggml_moe: biases (X, F), (X, F), (X, D) f32, or empty");
 
   // the routed slots' experts; each slot weighted 0 pointed at one ggml reads anyway
   thread_local std::vector<int32_t> routed;
@@ -85,7 +96,7 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
   }
 
   std::lock_guard<std::mutex> hold(hx_ggml::Turn());
-  thread_local std::vector<uint8_t> meta(32 * ggml_tensor_overhead() +
+  thread_local std::vector<uint8_t> meta(64 * ggml_tensor_overhead() +
                                          ggml_graph_overhead_custom(64, false));
   thread_local ggml_gallocr_t placer = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
   ggml_context* ctx = ggml_init({meta.size(), meta.data(), /*no_alloc=*/true});
@@ -106,7 +117,12 @@ ffi::Error GgmlMoe(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
       ggml_free(ctx);
       return ffi::Error::InvalidArgument("hx_ggml_moe: ggml has no repacked layout of a type");
     }
-  ggml_tensor* out = hx_ggml::RoutedExperts(ctx, gt, ut, dt, xt, it, wt, nullptr);  // (D, M)
+  hx_ggml::ExpertGlu glu{nullptr, nullptr, nullptr, alpha, limit};
+  ggml_tensor** bias_of[3] = {&glu.gate_bias, &glu.up_bias, &glu.down_bias};
+  for (int i = 0; i < 3; ++i)
+    if (biases[i]->size_bytes() != 0)
+      *bias_of[i] = leaf(biases[i]->untyped_data(), GGML_TYPE_F32, bias_rows[i], X, 1);
+  ggml_tensor* out = hx_ggml::RoutedExperts(ctx, gt, ut, dt, xt, it, wt, nullptr, glu);  // (D, M)
   out->data = y->untyped_data();
   ggml_cgraph* graph = ggml_new_graph_custom(ctx, 64, false);
   ggml_build_forward_expand(graph, out);
@@ -126,7 +142,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hx_ggml_moe, GgmlMoe,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("types")
                                   .Attr<int64_t>("experts")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"));

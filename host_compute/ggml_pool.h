@@ -341,20 +341,39 @@ inline ggml_tensor* Product(ggml_context* ctx, ggml_tensor* w, ggml_tensor* cent
   return ggml_map_custom3(ctx, y, x, centres, AddCentres, GGML_N_TASKS_MAX, nullptr);
 }
 
+// The routed experts' biases and activation where they are not plain SwiGLU (gpt-oss's): each
+// product's per-expert bias, f32 (F, X), (F, X), (D, X), or null; limit > 0: the clamped
+// SwiGLU, ggml_swiglu_oai (min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, +-limit) + 1)).
+struct ExpertGlu {
+  ggml_tensor *gate_bias = nullptr, *up_bias = nullptr, *down_bias = nullptr;
+  float alpha = 0, limit = 0;
+};
+
+// y + the bias of each slot's expert (ggml_add_id), or y where there is none.
+inline ggml_tensor* AddBias(ggml_context* ctx, ggml_tensor* y, ggml_tensor* bias,
+                            ggml_tensor* ids) {
+  return bias == nullptr ? y : ggml_add_id(ctx, y, bias, ids);
+}
+
 // An MoE layer's routed experts over x (D, 1, N) (llama.cpp's build_moe_ffn, the routing
 // given): each row's k experts' gate and up products by ggml_mul_mat_id (ggml groups the rows
-// by expert), SwiGLU, the down products, each scaled by its weight (1, k, N), summed over the
-// k onto `base` (D, N) where given, else alone: (D, N). gate, up (D, F, X), down (F, D, X).
+// by expert), SwiGLU (or `glu`'s), the down products, each scaled by its weight (1, k, N),
+// summed over the k onto `base` (D, N) where given, else alone: (D, N). gate, up (D, F, X),
+// down (F, D, X).
 inline ggml_tensor* RoutedExperts(ggml_context* ctx, ggml_tensor* gate, ggml_tensor* up,
                                   ggml_tensor* down, ggml_tensor* x, ggml_tensor* ids,
-                                  ggml_tensor* weights, ggml_tensor* base) {
+                                  ggml_tensor* weights, ggml_tensor* base,
+                                  const ExpertGlu& glu = {}) {
   ggml_tensor* xq = nullptr;  // gate and up read the same x: quantized once where both are hx's
 #if HX_AVX512_PRODUCTS
   if (OwnExperts(gate, x) && OwnExperts(up, x)) xq = Quantized(ctx, x);
 #endif
-  ggml_tensor* a = ggml_swiglu_split(ctx, MulMatId(ctx, gate, x, ids, xq),
-                                     MulMatId(ctx, up, x, ids, xq));     // (F, k, N)
-  ggml_tensor* e = ggml_mul(ctx, MulMatId(ctx, down, a, ids), weights);  // (D, k, N)
+  ggml_tensor* g = AddBias(ctx, MulMatId(ctx, gate, x, ids, xq), glu.gate_bias, ids);
+  ggml_tensor* u = AddBias(ctx, MulMatId(ctx, up, x, ids, xq), glu.up_bias, ids);
+  ggml_tensor* a = glu.limit > 0 ? ggml_swiglu_oai(ctx, g, u, glu.alpha, glu.limit)
+                                 : ggml_swiglu_split(ctx, g, u);  // (F, k, N)
+  ggml_tensor* e = ggml_mul(ctx, AddBias(ctx, MulMatId(ctx, down, a, ids), glu.down_bias, ids),
+                            weights);  // (D, k, N)
   const int64_t D = e->ne[0], k = e->ne[1], N = e->ne[2];
   ggml_tensor* out = base;
   for (int64_t j = 0; j < k; ++j) {

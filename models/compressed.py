@@ -386,7 +386,8 @@ class Products:
         format ("NAME repacked": in ggml's repacked layout); past them XLA's product of the
         decompressed matrix is faster.
       experts: an MoE layer's routed experts ``(x (M, D), ids (M, k), weights (M, k), gate,
-        up, down) -> (M, D) float32``, each row multiplied by its k experts' matrices as held
+        up, down, biases, activation) -> (M, D) float32`` (``models.moe.Experts``), each row
+        multiplied by its k experts' matrices as held
         (the host's: ggml's ``mul_mat_id``, ``hx.host_compute.ggml_kernel.experts``); None:
         every expert by XLA (``models.moe.Experts``).
       experts_layouts: the ``GGUFBlocks.layout`` values ``experts`` takes.

@@ -26,8 +26,10 @@ transformers' ``GptOssForCausalLM``, ``model_type`` ``gpt_oss``): Llama's layer 
 Refused (one line naming it): ``quantization_config`` (the released checkpoints' MXFP4
 experts: hx reads a dequantized copy, e.g. bfloat16), layer types other than these two, and
 what Llama refuses. hx reads gpt-oss from Hugging Face folders, not llama.cpp's ``gpt-oss``
-GGUF. The experts run through XLA on either device: ggml's ``mul_mat_id`` path
-(``models.moe.Experts``) computes SwiGLU without biases.
+GGUF. On the host, experts held in GGUF blocks (``--weights q4_0``, ``q8_0``) run in ggml's
+graph as llama.cpp's gpt-oss graph does (``mul_mat_id``, ``add_id`` for the biases,
+``swiglu_oai``: ``hx.host_compute.ggml_kernel.experts``); the layer's other ops run one by one
+(no ``graph_layer``).
 """
 
 from __future__ import annotations

@@ -148,9 +148,9 @@ class Experts(nn.Module):
 
     ``gate_kernel``, ``up_kernel`` (X, F, D) and ``down_kernel`` (X, D, F) are held in ``fmt``.
     Where the device multiplies them as held (``Products.takes_experts``: the host's ggml,
-    llama.cpp's ``mul_mat_id``, which computes SwiGLU without biases) each row runs its k
-    experts alone, after the k largest weights and their experts are read off w
-    (``jax.lax.top_k``). Elsewhere XLA runs a loop
+    llama.cpp's ``mul_mat_id``, its ``add_id`` for the biases) each row runs its k experts
+    alone, after the k largest weights and their experts are read off w (``jax.lax.top_k``).
+    Elsewhere XLA runs a loop
     (``jax.lax.fori_loop``, so one step's matrices are decompressed at a time): at fewer
     (row, expert) pairs than experts (``gathers``: decode) over j < k, each row's j-th
     expert's matrices gathered (``held_experts``: a compressed one's blocks, then
@@ -189,10 +189,10 @@ class Experts(nn.Module):
                                            ("down_bias", (X, D)))) if self.biased else ()
         rows, w = n.reshape(-1, D), weights.reshape(-1, X)
         k = min(self.top_k, X)
-        if (self.products.takes_experts((gate, up, down)) and not biases
-                and self.activation == SwiGLU()):
+        if self.products.takes_experts((gate, up, down)):
             top, ids = jax.lax.top_k(w, k)
-            return self.products.experts(rows, ids, top, gate, up, down).reshape(n.shape)
+            return self.products.experts(rows, ids, top, gate, up, down, biases,
+                                         self.activation).reshape(n.shape)
         dtype = self.param_dtype
         if gathers(rows.shape[0], k, X):  # each row's j-th expert, one j at a time
             top, ids = jax.lax.top_k(w, k)

@@ -34,13 +34,31 @@ def silu(a):
     return a / (1 + np.exp(-a))
 
 
+def q8_0_rounded(rows: np.ndarray) -> np.ndarray:
+    """float64 of ``rows`` (M, K) rounded to Q8_0 blocks, as ggml rounds activations before
+    a quantized product."""
+    rows = np.asarray(rows, np.float32)
+    return dequantize(quantize(rows, Q.Q8_0), Q.Q8_0).astype(np.float64)
+
+
+def clamped_swiglu(gate, up, alpha, limit):
+    """gpt-oss's expert activation in float64 (transformers' ``GptOssExperts._apply_gate``)."""
+    gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return (up + 1) * gate / (1 + np.exp(-alpha * gate))
+
+
 @pytest.mark.parametrize("kind,repack", [(Q.Q4_0, False), (Q.Q4_0, True), (Q.Q8_0, False)])
 @pytest.mark.parametrize("rows", [1, 7, 40])
-def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows, gpt_oss):
     """Each row's k experts (ids with repeats across rows, an expert no row picks), weighted
-    and summed: within ggml's 8-bit rounding of the activations, twice (x for gate and up, the
-    inner activations for down): 0.8-1.3e-2 of the largest in 27 draws, so 3e-2; a row given
-    another expert is off by its whole output."""
+    and summed: float64 over the decoded blocks, with x and the inner activations rounded to
+    Q8_0 as ggml rounds them before its products (``q8_0_rounded``), within 1e-5 of the
+    largest (float32 sums); a row given another expert is off by its whole output.
+    ``gpt_oss``: each product adds its expert's bias and the activation is the clamped SwiGLU
+    (clamped at 1, so that it acts here)."""
+    from hx.models.spec import ClampedSwiGLU, SwiGLU
+
     if repack and "q4_0" not in ggml_kernel.repacked_formats():
         pytest.skip("ggml repacks no format hx reads on this CPU")
     rng = np.random.default_rng(rows * 10 + int(kind) + repack)
@@ -51,14 +69,24 @@ def test_experts_match_float64_over_the_decoded_blocks(kind, repack, rows):
     x = rng.standard_normal((rows, D)).astype(np.float32)
     ids = np.stack([rng.choice(X - 1, k, replace=False) for _ in range(rows)]).astype(np.int32)
     w = rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
-    want = np.zeros((rows, D))
+    biases = tuple(rng.standard_normal((X, n)).astype(np.float32) for n in (F, F, D)
+                   ) if gpt_oss else ()
+    bg, bu, bd = (b.astype(np.float64) for b in biases) if gpt_oss else (np.zeros((X, 1)),) * 3
+    activation = ClampedSwiGLU(1.702, 1.0) if gpt_oss else SwiGLU()
+
+    def act(a, b):
+        return clamped_swiglu(a, b, 1.702, 1.0) if gpt_oss else silu(a) * b
+
+    want, xr = np.zeros((rows, D)), q8_0_rounded(x)
     for m in range(rows):
         for j in range(k):
-            e, xm = ids[m, j], x[m].astype(np.float64)
-            want[m] += w[m, j] * d[e] @ (silu(g[e] @ xm) * (u[e] @ xm))
-    got = np.asarray(jax.jit(ggml_kernel.experts)(x, ids, w, gate, up, down))
+            e = ids[m, j]
+            inner = act(g[e] @ xr[m] + bg[e], u[e] @ xr[m] + bu[e])
+            want[m] += w[m, j] * (d[e] @ q8_0_rounded(inner[None])[0] + bd[e])
+    got = np.asarray(jax.jit(ggml_kernel.experts, static_argnums=7)(
+        x, ids, w, gate, up, down, biases, activation))
     assert got.shape == (rows, D) and got.dtype == np.float32
-    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
@@ -103,6 +131,28 @@ def test_slots_weighted_zero_read_no_expert(kind, rows):
     assert not none.any()
 
 
+def assert_ggml_experts_agree_with_xla(model, seed: int) -> None:
+    """Each MoE layer's MLP2 with the routed experts multiplied by ggml (``HOST_PRODUCTS``)
+    gives XLA's every-expert sums over the same blocks within ggml's rounding of the
+    activations (0.8-0.9e-2 of the largest for Qwen3-MoE; 3e-2)."""
+    from hx.host_compute import products
+    from hx.models.decoder import apply_op
+    from hx.models.layers import Step
+
+    ggml = products.HOST_PRODUCTS
+    xla = dataclasses.replace(ggml, experts=None)
+    rng = np.random.default_rng(seed)
+    x = jax.numpy.asarray(rng.standard_normal((2, 9, model.spec.d_model)), np.float32)
+    step = Step(np.zeros((2, 9), np.int32), np.int32(0), np.zeros(2, np.int32))
+    for layer in range(model.spec.n_layers):
+        spec, params = model.spec.layer_spec(layer), model.params[f"layer_{layer}"]
+        a = apply_op(spec, "MLP1", params["MLP1"], {"x": x}, step)[0]["a"]
+        y = [np.asarray(jax.jit(lambda p, a, x, used=used: apply_op(
+            spec, "MLP2", p, {"a": a, "x": x}, step, products=used)[0]["x"])(
+                params["MLP2"], a, x)) - np.asarray(x) for used in (ggml, xla)]
+        assert np.abs(y[0] - y[1]).max() <= 3e-2 * np.abs(y[1]).max(), layer
+
+
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0])
 def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, kind):
     """Qwen3-MoE's tiny checkpoint as a quantized GGUF (its router F32, as llama-quantize
@@ -112,9 +162,7 @@ def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, k
     of the largest here; 3e-2); and an all-host run's layers are one ggml graph each step
     (``host_compute.ggml_layer``, whose MoE part ``tests/test_ggml_layer.py`` checks)."""
     import hx
-    from hx.host_compute import ggml_layer, products
-    from hx.models.decoder import apply_op
-    from hx.models.layers import Step
+    from hx.host_compute import ggml_layer
     from hx.models.spec import LAYER_OPS
 
     from hf_families import CONFIGS, write_checkpoint, write_gguf
@@ -125,23 +173,37 @@ def test_a_quantized_moe_gguf_runs_its_experts_with_ggml_on_the_host(tmp_path, k
     path = str(tmp_path / "moe.gguf")
     write_gguf(directory, path, ref.config.vocab_size, kind)
     model = hx.load(path, dtype="float32")
-    spec, ggml = model.spec, products.HOST_PRODUCTS
-    assert spec.moe is not None and spec.weight_format == kind.name.lower()
-    xla = dataclasses.replace(ggml, experts=None)
-    rng = np.random.default_rng(int(kind))
-    x = jax.numpy.asarray(rng.standard_normal((2, 9, spec.d_model)), np.float32)
-    step = Step(np.zeros((2, 9), np.int32), np.int32(0), np.zeros(2, np.int32))
-    for layer in range(spec.n_layers):
-        params = model.params[f"layer_{layer}"]
-        a = apply_op(spec, "MLP1", params["MLP1"], {"x": x}, step)[0]["a"]
-        y = [np.asarray(jax.jit(lambda p, a, x, used=used: apply_op(
-            spec, "MLP2", p, {"a": a, "x": x}, step, products=used)[0]["x"])(
-                params["MLP2"], a, x)) - np.asarray(x) for used in (ggml, xla)]
-        assert np.abs(y[0] - y[1]).max() <= 3e-2 * np.abs(y[1]).max(), layer
-
+    assert model.spec.moe is not None and model.spec.weight_format == kind.name.lower()
+    assert_ggml_experts_agree_with_xla(model, int(kind))
+    spec = model.spec
     layers = [[model.params[f"layer_{i}"][op] for op in LAYER_OPS]
               for i in range(spec.n_layers)]  # an all-host run's layers: one ggml graph
     assert all(ggml_layer.runs(spec, layer, 1, {"k": 0, "v": 0}) for layer in layers)
+
+
+def test_gpt_oss_experts_run_with_ggml_on_the_host_biases_and_clamp_included(tmp_path,
+                                                                          monkeypatch):
+    """gpt-oss's tiny checkpoint held in q4_0: its experts' biases and clamped SwiGLU go into
+    ggml's graph (``add_id``, ``swiglu_oai``: ``ggml_kernel.experts``, whose exact sums
+    ``test_experts_match_float64_over_the_decoded_blocks`` checks), which agrees with XLA's
+    loop over the same blocks as Qwen3-MoE's does (the clamp at 1 acts here)."""
+    import hx
+    from hx.host_compute import products
+
+    from hf_families import CONFIGS, write_checkpoint
+
+    model_type, config = CONFIGS["gpt_oss"]
+    write_checkpoint("gpt_oss", str(tmp_path), config=(
+        model_type, dict(config, head_dim=32, intermediate_size=64)))
+    model = hx.load(str(tmp_path), dtype="float32", weights="q4_0")
+    assert model.spec.host_matmul == "ggml" and model.spec.moe.expert_bias
+    calls, ggml = [], products.HOST_PRODUCTS
+    monkeypatch.setattr(products, "HOST_PRODUCTS", dataclasses.replace(
+        ggml, experts=lambda *a: calls.append(a[6:]) or ggml.experts(*a)))
+    assert_ggml_experts_agree_with_xla(model, 7)
+    assert len(calls) == model.spec.n_layers
+    assert all(len(biases) == 3 and activation == model.spec.moe.activation
+               for biases, activation in calls)
 
 
 def test_cpu_moe_leaves_the_experts_bytes_on_the_host():

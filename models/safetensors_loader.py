@@ -4,7 +4,9 @@ The files -- one, or shards listed by ``model.safetensors.index.json`` -- are me
 (``models.mapped``) and each tensor is a view of its file: hx's ops take the checkpoint's
 (out, in) layout, so a checkpoint loaded in its own dtype costs no copy at all (a bfloat16
 checkpoint loaded as bfloat16 is bit for bit the file). A tensor converted to another dtype or
-compressed (``weights``) is made once, tensor by tensor, and its mapped pages released.
+compressed (``weights``) is made once, tensor by tensor, and its mapped pages released; FP8
+matrices with block scales (``quantization_config``) are dequantized as they are read
+(``models.fp8_blocks``).
 
 The safetensors format (huggingface/safetensors, "Format"): an 8-byte little-endian header
 length N, N bytes of JSON mapping each tensor name to its dtype, shape and [begin, end) byte
@@ -24,23 +26,29 @@ import numpy as np
 from hx.errors import HxError
 from hx.models.family import for_model_type
 from hx.models.formats import DENSE
+from hx.models.fp8_blocks import E4M3, Dequantized, read_quantization
 from hx.models.holding import held_tensor
 from hx.models.mapped import map_file
 from hx.models.tensors import layer_key, weight_tree
 from hx.models.spec import EMBED, HEAD, LAYER_OPS, ModelSpec, numpy_dtype
 
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# safetensors' dtypes hx reads -> numpy's (F8_E4M3: FP8 weights, ``models.fp8_blocks``)
+_DTYPES = {"F32": np.dtype("float32"), "F16": np.dtype("float16"),
+           "BF16": numpy_dtype("bfloat16"), "F8_E4M3": E4M3}
 INDEX = "model.safetensors.index.json"
 
 
 def spec_from_config(config: dict[str, Any], directory: str) -> ModelSpec:
     """``ModelSpec`` from a Hugging Face ``config.json`` dict, by the family its
-    ``model_type`` names (``models.family``).
+    ``model_type`` names (``models.family``); a ``quantization_config`` hx reads (FP8 blocks,
+    ``models.fp8_blocks``) changes no field: the weights are held dequantized.
 
     Raises:
       HxError: no family of hx has the model type, a required key is missing, or a field
         changes the math in a way hx does not implement (one line naming it).
     """
+    config = dict(config)
+    read_quantization(config, directory)
     fam = for_model_type(config.get("model_type"), directory)
     return fam.spec_from_hf(config, directory)
 
@@ -98,7 +106,7 @@ def map_safetensors(path: str) -> dict[str, np.ndarray]:
             raise HxError(f"{path}: tensor {name} is {entry.get('dtype')}; hx loads "
                           f"{', '.join(_DTYPES)} checkpoints")
         begin, end = (start + o for o in entry["data_offsets"])
-        dtype = numpy_dtype(_DTYPES[entry["dtype"]])
+        dtype = _DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         if end > data.size or end - begin != int(np.prod(shape)) * dtype.itemsize:
             raise corrupt(f"tensor {name} ends at byte {end} of {data.size}, or its size does "
@@ -119,19 +127,23 @@ def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = 
         projection matrices and embedding tables (``spec.weight_format``,
         ``spec.embedding_format``).
     Raises:
-      HxError: missing config, weights or shards, a corrupt file, an unsupported model type or
-        dtype, a missing tensor or one of the wrong size.
+      HxError: missing config, weights or shards, a corrupt file, an unsupported model type,
+        dtype or quantization, a missing tensor or one of the wrong size.
     """
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise HxError(f"{directory}: expected config.json and *.safetensors files")
     files = _shard_files(directory)
     with open(config_path) as f:
-        spec = spec_from_config(json.load(f), directory).replace(
-            dtype=dtype, weight_format=weights, embedding_format=weights)
+        config = json.load(f)
+    fp8 = read_quantization(dict(config), directory)
+    spec = spec_from_config(config, directory).replace(
+        dtype=dtype, weight_format=weights, embedding_format=weights)
     tensors: dict[str, np.ndarray] = {}
     for path in files:
         tensors.update(map_safetensors(path))
+    if fp8 is not None:
+        tensors = Dequantized(tensors, fp8)
     want = numpy_dtype(dtype)
 
     fam = spec.model_family
@@ -142,6 +154,9 @@ def load_safetensors_dir(directory: str, dtype: str = "float32", weights: str = 
         except KeyError:
             raise HxError(f"{directory}: tensor {fam.hf_name(layer, op, path)} is "
                           "missing") from None
+        if array.dtype == E4M3:  # FP8 codes are a matrix only with their block scales
+            raise HxError(f"{directory}: tensor {fam.hf_name(layer, op, path)} is FP8 but "
+                          "config.json has no quantization_config giving its block scales")
         return held_tensor(array, shape, want, spec.matrix_format(path))
 
     return spec, weight_tree(spec, take)

@@ -58,9 +58,11 @@ FAMILIES: dict[str, str] = {
 
 # config.json keys that never change a model's outputs at inference, whatever the family:
 # bookkeeping, token ids (the tokenizer's business), training-only settings (dropout,
-# initialisation) and output switches of transformers' forward.
+# initialisation) and output switches of transformers' forward; ``auto_map`` names a
+# checkpoint's own modeling code, which transformers runs only when trusted to -- by default it
+# runs its own class of the ``model_type``, as hx runs its family's.
 HF_IGNORED = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "auto_map",
     "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
     "initializer_range", "attention_dropout", "output_attentions", "output_hidden_states",
     "return_dict", "id2label", "label2id", "problem_type", "is_encoder_decoder",

@@ -293,3 +293,38 @@ def test_moe_layers_beside_dense_ones_match_transformers(name, fields, tmp_path)
             assert np.abs(row - ref).max() / np.abs(ref).max() <= 1e-4, plan.name
         got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
         assert [c.token_ids for c in got] == ref_greedy, plan.name
+
+
+def test_deepseek_v3s_released_config_reads_as_its_preset():
+    """A config.json with the fields of DeepSeek-V3's release (deepseek-ai/DeepSeek-V3: its
+    own modeling code in ``auto_map``, FP8 blocks, DeepSeek's router keys, legacy
+    ``rope_scaling``) reads as the ``deepseek-v3`` preset, every field but the name."""
+    import dataclasses
+
+    from hx.models.spec import PRESETS
+
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+        "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+        "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+        "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+        "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+        "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "pretraining_tp": 1,
+        "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                "quant_method": "fp8", "weight_block_size": [128, 128]},
+        "rms_norm_eps": 1e-06, "rope_scaling": {
+            "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4,
+        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1",
+        "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+    spec = spec_from_config(config, "/models/DeepSeek-V3")
+    assert dataclasses.replace(spec, name="DeepSeek-V3") == PRESETS["deepseek-v3"]

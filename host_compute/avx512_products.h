@@ -1,6 +1,6 @@
 // x times a held GGUF matrix with AVX-512 VNNI: Q4_0 in ggml's repacked CPU layout
-// (block_q4_0x8: 8 output rows' blocks interleaved; a GEMV at one row, a GEMM past it) and Q8_0
-// in the file's layout (a GEMV): the products ggml_pool.h's MulMat and MulMatId run in place
+// (block_q4_0x8: 8 output rows' blocks interleaved) and Q8_0 in the file's layout, each a GEMV
+// at one row and a GEMM past it: the products ggml_pool.h's MulMat and MulMatId run in place
 // of ggml's own kernels for these matrices.
 //
 // ggml's kernels (ggml_gemv_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0, ggml_vec_dot_q8_0_q8_0:
@@ -16,12 +16,15 @@
 // its instructions; the GEMM's tiles (4 rows, 2 groups of 8 outputs) reuse each unpacked block
 // 4 times and each broadcast of x twice. On the development VM, cold matrices of 0.5-25 MB
 // (scripts/avx512_kernels/run.py): 1.1-1.45x ggml's GEMV, 1.4-2.1x its GEMM at 32-512 rows.
-// docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels".
+// docs/measurements/log.md, "hx's own Q4_0 and Q8_0 kernels". The Q8_0 GEMM, whose dpbusd
+// covers one row of w (the file's layout interleaves none), converts and scales every pair
+// of blocks per tile cell: 1.04-1.17x ggml's (Llama-2-7B's 11008 x 4096 at 64 and 512 rows).
 #pragma once
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -198,16 +201,15 @@ inline void Tile(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t g
     for (int j = 0; j < G; ++j) Store8(acc[i][j], out[i] + 8 * (g + j));
 }
 
-// Rows [r, r1) of x (quantized rows) times G groups from g: tiles of 4 rows, the last 1-3 rows
-// in one tile of their own, so that each group's blocks are unpacked once a tile.
-template <int G>
-inline void Tiles(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t g,
-                  float* const* out, int64_t r, int64_t r1) {
-  for (; r + 4 <= r1; r += 4) Tile<4, G>(w, x + r, K, g, out + r);
+// tile(rows, r) over rows [r, r1) of x: tiles of 4 rows, the last 1-3 in one tile of their own
+// (rows a std::integral_constant), so that each tile's weights are read and unpacked once.
+template <typename TileAt>
+inline void Tiles(int64_t r, int64_t r1, TileAt tile) {
+  for (; r + 4 <= r1; r += 4) tile(std::integral_constant<int, 4>{}, r);
   switch (r1 - r) {
-    case 3: return Tile<3, G>(w, x + r, K, g, out + r);
-    case 2: return Tile<2, G>(w, x + r, K, g, out + r);
-    case 1: return Tile<1, G>(w, x + r, K, g, out + r);
+    case 3: return tile(std::integral_constant<int, 3>{}, r);
+    case 2: return tile(std::integral_constant<int, 2>{}, r);
+    case 1: return tile(std::integral_constant<int, 1>{}, r);
   }
 }
 
@@ -221,8 +223,75 @@ inline void GemmQ4_0x8(const uint8_t* w, const uint8_t* const* x, float* const* 
   for (int64_t c = 0; c < M; c += kChunk) {
     const int64_t c1 = std::min(M, c + kChunk);
     int64_t g = g0;
-    for (; g + 2 <= g1; g += 2) Tiles<2>(w, x, K, g, out, c, c1);
-    if (g < g1) Tiles<1>(w, x, K, g, out, c, c1);
+    for (; g + 2 <= g1; g += 2)
+      Tiles(c, c1, [&](auto rows, int64_t r) { Tile<rows.value, 2>(w, x + r, K, g, out + r); });
+    if (g < g1)
+      Tiles(c, c1, [&](auto rows, int64_t r) { Tile<rows.value, 1>(w, x + r, K, g, out + r); });
+  }
+}
+
+// R rows of x (quantized rows) times rows [n, n + C) of a Q8_0 matrix w in the file's layout
+// (rows of K / 32 blocks of 34 bytes: a float16 scale, 32 signed bytes), into out[i][n + j]:
+// two blocks a step, each w row's pair read unsigned (w + 128) against x's 64 bytes in one
+// dpbusd, lanes 0-7 the first block's and 8-15 the second's, the 128 sum(x) of each off in
+// its first lane, scaled by d_w d_x; an odd last block with the upper half zero.
+template <int R, int C>
+inline void TileQ8_0(const uint8_t* w, const uint8_t* const* x, int64_t K, int64_t n,
+                     float* const* out) {
+  constexpr int64_t kBlock = 34;
+  const int64_t blocks = K / 32, row_bytes = blocks * kBlock;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+  auto step = [&](int64_t b, bool pair) {
+    __m512i wq[C];
+    __m512 dw[C];
+    for (int j = 0; j < C; ++j) {
+      const uint8_t* at = w + (n + j) * row_bytes + b * kBlock;
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2));
+      const __m256i hi = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                    at + kBlock + 2)) : _mm256_setzero_si256();
+      wq[j] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+      const float d1 = pair ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(at + kBlock)) : 0.f;
+      dw[j] = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(at))),
+                                 _mm256_set1_ps(d1), 1);
+    }
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* row = x[i];
+      const float* xd = reinterpret_cast<const float*>(row + K);
+      const int32_t* sum8 = reinterpret_cast<const int32_t*>(row + K + K / 8);
+      const __m512i xq = pair ? _mm512_loadu_si512(row + 32 * b)
+                              : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + 32 * b);
+      const __m512i corr = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, pair ? -16 * sum8[b + 1] : 0,
+                                            0, 0, 0, 0, 0, 0, 0, -16 * sum8[b]);
+      const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(xd[b]),
+                                           _mm256_set1_ps(pair ? xd[b + 1] : 0.f), 1);
+      for (int j = 0; j < C; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wq[j], xq)),
+                                    _mm512_mul_ps(dw[j], dx), acc[i][j]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) step(b, true);
+  if (b < blocks) step(b, false);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) out[i][n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// out[r][n] = x[r] W^T for rows [n0, n1) of a Q8_0 matrix w in the file's layout and the M
+// quantized rows x[r]: tiles of up to 4 x rows and 4 w rows (TileQ8_0), x's rows in chunks of
+// 64 so that a chunk's bytes stay in cache across w's rows.
+inline void GemmQ8_0(const uint8_t* w, const uint8_t* const* x, float* const* out, int64_t M,
+                     int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t kChunk = 64;
+  for (int64_t c = 0; c < M; c += kChunk) {
+    const int64_t c1 = std::min(M, c + kChunk);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4)
+      Tiles(c, c1, [&](auto rows, int64_t r) { TileQ8_0<rows.value, 4>(w, x + r, K, n, out + r); });
+    for (; n < n1; ++n)
+      Tiles(c, c1, [&](auto rows, int64_t r) { TileQ8_0<rows.value, 1>(w, x + r, K, n, out + r); });
   }
 }
 

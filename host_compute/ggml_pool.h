@@ -211,8 +211,8 @@ inline void QuantizeRows(ggml_tensor* dst, int ith, int nth, void*) {
     QuantizeRow(Row(x, r), x->ne[0], static_cast<uint8_t*>(dst->data) + r * dst->nb[1]);
 }
 
-// dst (N, M) = x W^T, w (K, N) OwnGemv's, x's M rows quantized (QuantizeRows' xq): each thread
-// its share of the N / 8 groups over every row.
+// dst (N, M) = x W^T, x's M rows quantized (QuantizeRows' xq), w (K, N) OwnGemv's (each thread
+// its share of the N / 8 groups over every row) or Q8_0 in the file's layout (of the N rows).
 inline void Gemm(ggml_tensor* dst, int ith, int nth, void*) {
   const ggml_tensor *w = dst->src[0], *xq = dst->src[1];
   const int64_t M = xq->ne[1];
@@ -224,9 +224,13 @@ inline void Gemm(ggml_tensor* dst, int ith, int nth, void*) {
     rows[r] = static_cast<const uint8_t*>(xq->data) + r * xq->nb[1];
     outs[r] = reinterpret_cast<float*>(static_cast<char*>(dst->data) + r * dst->nb[1]);
   }
+  const uint8_t* data = static_cast<const uint8_t*>(w->data);
+  if (w->type == GGML_TYPE_Q8_0) {
+    const auto [n0, n1] = Share(w->ne[1], ith, nth);
+    return GemmQ8_0(data, rows.data(), outs.data(), M, w->ne[0], n0, n1);
+  }
   const auto [g0, g1] = Share(w->ne[1] / 8, ith, nth);
-  GemmQ4_0x8(static_cast<const uint8_t*>(w->data), rows.data(), outs.data(), M, w->ne[0], g0,
-             g1);
+  GemmQ4_0x8(data, rows.data(), outs.data(), M, w->ne[0], g0, g1);
 }
 
 // dst (M, k, N) = for each row n and slot j, x's row (j, n) (x (K, 1 or k, N): one row for
@@ -283,8 +287,8 @@ inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
 }
 #endif
 
-// ggml_mul_mat(w, x) (x (K, M) float32), w OwnGemv's: at one row Gemv, else Gemm after
-// QuantizeRows, as custom nodes; w Q8_0 in the file's layout, at one row: GemvQ8_0.
+// ggml_mul_mat(w, x) (x (K, M) float32), w OwnGemv's or Q8_0 in the file's layout: at one row
+// their GEMV (GemvQ4_0x8, GemvQ8_0), else Gemm after QuantizeRows, as custom nodes.
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
 #if HX_AVX512_PRODUCTS
   const bool matrix = w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1;
@@ -299,9 +303,14 @@ inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
                           GGML_N_TASKS_MAX, nullptr);
   }
   if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) && matrix &&
-      x->type == GGML_TYPE_F32 && x->ne[1] == 1 && ggml_is_contiguous(x)) {
-    ggml_tensor* args[] = {w, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, OneRow<GemvQ8_0, 1>,
+      x->type == GGML_TYPE_F32) {
+    if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
+      ggml_tensor* args[] = {w, x};
+      return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2,
+                            OneRow<GemvQ8_0, 1>, GGML_N_TASKS_MAX, nullptr);
+    }
+    ggml_tensor* args[] = {w, Quantized(ctx, x)};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
                           GGML_N_TASKS_MAX, nullptr);
   }
 #endif

@@ -106,16 +106,18 @@ def test_repacked_q4_0_products_are_the_exact_integer_products(K, rows):
         assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("K", [256, 608])
-def test_one_row_of_q8_0_is_the_exact_integer_product(K):
-    """At one row a Q8_0 product (the file's layout: SmolLM2's LM head) runs hx's AVX-512
-    GEMV where the CPU has it: x rounded to Q8_0 as ggml rounds it, each block's integer dot
-    sum(q_x q_w) exact, scaled by the two float16 scales -- agreeing with float64 to float32
-    rounding, on one thread and two, over an odd count of blocks (608 = 19 x 32) too."""
-    rng = np.random.default_rng(K)
-    N = 40
+@pytest.mark.parametrize("K,rows", [(256, 1), (608, 1), (256, 7), (608, 70)])
+def test_q8_0_products_are_the_exact_integer_products(K, rows):
+    """A Q8_0 product (the file's layout: SmolLM2's LM head, a Q8_0 file's matrices) runs hx's
+    AVX-512 kernels where the CPU has them, the GEMV at one row, the GEMM's tiles of up to 4
+    rows of x and 4 of w past it: x rounded to Q8_0 as ggml rounds it, each block's integer
+    dot sum(q_x q_w) exact, scaled by the two float16 scales -- agreeing with float64 to
+    float32 rounding, on one thread and two, over an odd count of blocks (608 = 19 x 32) too,
+    and 42 rows of w (tiles of 4 of them and single rows past those, on each thread)."""
+    rng = np.random.default_rng(K + rows)
+    N = 42
     blocks = quantize(rng.standard_normal((N, K)).astype(np.float32), Q.Q8_0)
-    x = rng.standard_normal((1, K)).astype(np.float32)
+    x = rng.standard_normal((rows, K)).astype(np.float32)
     qx, dx = q8_0_rows(x)
     raw = blocks.reshape(N, K // 32, 34)
     dw = raw[..., :2].copy().view(np.float16).astype(np.float64)

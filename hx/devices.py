@@ -117,7 +117,6 @@ def pool_headroom(budget: int) -> int:
 
 _CONFIGURED = False
 XLA_CACHE_ENV = "HX_XLA_CACHE"  # the persistent compilation cache's folder, or "off"
-DEFAULT_XLA_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hx", "xla")
 
 
 def configure_runtime(cpu_devices: int = 2) -> None:
@@ -153,10 +152,7 @@ def configure_runtime(cpu_devices: int = 2) -> None:
       later run (or another process: a batch job's workers, the test suite's) loads it instead
       of compiling it again: XLA compilation, not decode, dominated a first run on the H200
       (docs/measurements/h200-2026-11-27), and a program of 60 matmuls compiled in 2.1 s on the
-      2-core VM loads in 0.23 s. JAX writes an entry in place (``jax/_src/lru_cache.py``,
-      unbounded: no lock), so a process reading an entry another is still writing can crash
-      in its deserialization (the test suite's two workers did, in both directions): give
-      processes that compile at the same time a folder each.
+      2-core VM loads in 0.23 s.
     """
     global _CONFIGURED
     if _CONFIGURED:
@@ -171,7 +167,8 @@ def configure_runtime(cpu_devices: int = 2) -> None:
     os.environ.setdefault(PREALLOCATE_ENV, "false")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     jax.config.update("jax_default_matmul_precision", "highest")
-    cache = os.environ.get(XLA_CACHE_ENV, DEFAULT_XLA_CACHE)
+    cache = os.environ.get(XLA_CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "hx",
+                                                       "xla"))
     if cache != "off":
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

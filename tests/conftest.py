@@ -2,21 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import shutil
+from hx.devices import configure_runtime
 
-from hx.devices import DEFAULT_XLA_CACHE, XLA_CACHE_ENV, configure_runtime
-
-# a compilation cache a worker, first a copy of the shared one where there is one: one worker
-# reading an entry the other was writing crashed (``hx.devices.configure_runtime``); the CLI
-# tests' processes inherit their worker's
-if os.environ.get("PYTEST_XDIST_WORKER") and XLA_CACHE_ENV not in os.environ:
-    own = f"{DEFAULT_XLA_CACHE}-{os.environ['PYTEST_XDIST_WORKER']}"
-    if not os.path.isdir(own) and os.path.isdir(DEFAULT_XLA_CACHE):
-        shutil.rmtree(own + ".copy", ignore_errors=True)  # a copy an earlier run left unfinished
-        shutil.copytree(DEFAULT_XLA_CACHE, own + ".copy")
-        os.replace(own + ".copy", own)
-    os.environ[XLA_CACHE_ENV] = own
 configure_runtime()  # before any JAX computation: two CPU devices (the emulated accelerator)
 
 import pytest  # noqa: E402

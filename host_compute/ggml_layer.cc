@@ -235,7 +235,7 @@ ggml_tensor* Layer(ggml_context* ctx, ggml_context* leaves, const Shape& s, ggml
   ggml_tensor* qp = ggml_permute(ctx, ggml_reshape_4d(ctx, q, E, H, T, B), 0, 2, 1, 3);
   ggml_tensor* o = ggml_flash_attn_ext(ctx, qp, slots_read(kw), slots_read(vw), mask, s.scale,
                                        0.0f, 0.0f);
-  ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+  ggml_prec_set_acc(o, GGML_PREC_F32);
   ggml_tensor* x1 = ggml_add(ctx, x, product(wo, ggml_reshape_2d(ctx, o, H * E, N)));
   ggml_tensor* n = ggml_mul(ctx, ggml_rms_norm(ctx, x1, s.eps), ffn_norm);
   if (s.X == 0) {

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from hx.errors import HxError
+from hx.models.mapped import release
 
 SCALE = "_scale_inv"  # the suffix of a matrix's block scales
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)  # safetensors' F8_E4M3
@@ -81,7 +82,9 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> 
 
 class Dequantized(Mapping):
     """A checkpoint's tensors by name, each FP8 matrix with block scales (``name`` and
-    ``name + SCALE``) dequantized as it is read (``dequantize``), the others as they are."""
+    ``name + SCALE``) dequantized as it is read (``dequantize``; the mapped pages of its codes
+    and scales then leave the resident set, ``models.mapped.release``), the others as they
+    are."""
 
     def __init__(self, tensors: Mapping[str, np.ndarray], fp8: Fp8Blocks):
         self.tensors, self.fp8 = tensors, fp8
@@ -93,7 +96,11 @@ class Dequantized(Mapping):
         if name + SCALE not in self.tensors:
             raise HxError(f"FP8 tensor {name} has no {name + SCALE}: the checkpoint is "
                           "incomplete")
-        return dequantize(array, self.tensors[name + SCALE], self.fp8.block)
+        scale = self.tensors[name + SCALE]
+        weights = dequantize(array, scale, self.fp8.block)
+        release(array)
+        release(scale)
+        return weights
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)

@@ -109,3 +109,28 @@ def test_fp8_tensors_without_their_quantization_config_are_refused(tmp_path):
         json.dump(config, f)
     with pytest.raises(HxError, match=r"proj\.weight is FP8"):
         hx.load(str(tmp_path), dtype="float32")
+
+
+def test_a_dequantized_matrix_leaves_its_codes_pages(tmp_path):
+    """Once a 1 MiB FP8 matrix is dequantized, its codes' pages leave the process's resident
+    set (as a held tensor's do), or an FP8 checkpoint's bytes would stay resident through its
+    load; the weights are codes x the scale of their 128 x 128 block."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from hx.models.fp8_blocks import Dequantized, Fp8Blocks
+    from hx.models.mapped import resident_bytes
+    from hx.models.safetensors_loader import map_safetensors
+
+    rng = np.random.default_rng(0)
+    codes = rng.standard_normal((1024, 1024)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (8, 8)).astype(np.float32)
+    path = str(tmp_path / "fp8.safetensors")
+    save_file({"w": codes, "w_scale_inv": scale}, path)
+    tensors = map_safetensors(path)
+    assert int(tensors["w"].view(np.uint8).sum()) > 0  # read: its pages are resident
+    assert resident_bytes(tensors["w"]) >= codes.nbytes
+    weights = Dequantized(tensors, Fp8Blocks((128, 128)))["w"]
+    assert resident_bytes(tensors["w"]) <= codes.nbytes // 8
+    want = codes.astype(np.float64) * np.kron(scale, np.ones((128, 128)))
+    np.testing.assert_array_equal(weights, want.astype(np.float32))

@@ -44,11 +44,12 @@ from flax import linen as nn
 
 from hx.models.family import ConfigReader, GraphLayer
 from hx.models.gemma3 import GLOBAL, LOCAL, layer_types
-from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, append_kv, attention, dense,
+from hx.models.layers import (RMSNorm, ScoreOp, Step, WeightedOp, append_kv, attention,
                               held_dtype)
 from hx.models.llama import HF_LAYER_NAMES, HF_MODEL_NAMES, ROPE_TYPES, YARN, project_heads
 from hx.models.moe import MOE_MODULES, ROUTER, MoeFamily, RouterOp, top_k_routed
 from hx.models.ops import SCORE
+from hx.models.opt import OutOp  # x + o Wo + bo: OPT's biased output projection
 from hx.models.qwen3_moe import MOE_TRAINING
 from hx.models.spec import ClampedSwiGLU, ModelSpec, MoeShape
 from hx.models.tensors import kv_format
@@ -89,15 +90,6 @@ class SinkScoreOp(ScoreOp):
         cache = append_kv(cache, k, v, step.write_index, fmt, ring=window is not None)
         return (attention(q[..., :E], cache, step, fmt, window,
                           sinks=q[..., E].astype(jnp.float32)),), cache
-
-
-class OutOp(WeightedOp):
-    """OUT: o (B,T,H,E), x (B,T,D) -> x + o Wo + bo (B,T,D)."""
-
-    @nn.compact
-    def __call__(self, o: jax.Array, x: jax.Array, step: Step) -> tuple[jax.Array]:
-        y = dense(self, self.spec.d_model, axis=(-2, -1), name="wo", use_bias=True)(o)
-        return ((x.astype(jnp.float32) + y).astype(self.spec.dtype),)
 
 
 class BiasedRouterOp(RouterOp):

@@ -292,22 +292,13 @@ inline ggml_tensor* Quantized(ggml_context* ctx, ggml_tensor* x) {
 inline ggml_tensor* MulMat(ggml_context* ctx, ggml_tensor* w, ggml_tensor* x) {
 #if HX_AVX512_PRODUCTS
   const bool matrix = w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1;
-  if (OwnGemv(w) && matrix && x->type == GGML_TYPE_F32) {
-    if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
-      ggml_tensor* args[] = {w, x};
-      return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2, OneRow<GemvQ4_0x8, 8>,
-                            GGML_N_TASKS_MAX, nullptr);
-    }
-    ggml_tensor* args[] = {w, Quantized(ctx, x)};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
-                          GGML_N_TASKS_MAX, nullptr);
-  }
-  if (w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w) && matrix &&
-      x->type == GGML_TYPE_F32) {
+  const bool q8_0 = w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && ggml_is_contiguous(w);
+  if ((OwnGemv(w) || q8_0) && matrix && x->type == GGML_TYPE_F32) {
     if (x->ne[1] == 1 && ggml_is_contiguous(x)) {
       ggml_tensor* args[] = {w, x};
       return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], 1, 1, 1, args, 2,
-                            OneRow<GemvQ8_0, 1>, GGML_N_TASKS_MAX, nullptr);
+                            q8_0 ? OneRow<GemvQ8_0, 1> : OneRow<GemvQ4_0x8, 8>,
+                            GGML_N_TASKS_MAX, nullptr);
     }
     ggml_tensor* args[] = {w, Quantized(ctx, x)};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, Gemm,
